@@ -1,0 +1,424 @@
+"""The one registry of loss methods: ours, the peers, and the baselines they are measured against.
+
+Every method has one signature,
+
+    method(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None) -> loss
+
+with E (N, D), C (V, D), x (N,), and the semantics of ``helpers.reference`` (exactly
+``F.cross_entropy`` on the soft-capped fp32 logits). Autograd through the result gives dE and dC.
+
+A method that cannot run on the device at hand says why, in a sentence, through
+``method.why_unavailable(device, dtype, softcap=...)``; calling it anyway raises
+``MethodUnavailable`` with that sentence. Nothing is skipped or swapped silently.
+
+Where a peer's own convention differs from torch's, its adapter maps it and says so in ``notes``
+(Liger returns 0 for a mean over zero kept tokens; torch, and so every method here, returns NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .reference import REDUCTIONS, reference_logits, validate_inputs
+
+
+class MethodUnavailable(RuntimeError):
+    """Raised when a method is called where it cannot run; the message says why."""
+
+
+Reason = str | None  # None: the method can run; otherwise a sentence saying why not
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    label: str  # short, for tables and legends
+    summary: str  # one sentence: what it is and how it saves (or spends) memory
+    implementation: Callable[..., torch.Tensor]
+    availability: Callable[[torch.device, torch.dtype, float | None], Reason]
+    notes: str = ""
+
+    def why_unavailable(
+        self, device: torch.device | str, dtype: torch.dtype, softcap: float | None = None
+    ) -> Reason:
+        return self.availability(torch.device(device), dtype, softcap)
+
+    def __call__(
+        self,
+        E: torch.Tensor,
+        C: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+        reason = self.why_unavailable(E.device, E.dtype, softcap)
+        if reason:
+            raise MethodUnavailable(f"{self.name}: {reason}")
+        return self.implementation(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    if method.name in METHODS:
+        raise ValueError(f"a method named {method.name!r} is already registered")
+    METHODS[method.name] = method
+    return method
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise KeyError(f"no method {name!r}; registered: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def availability(
+    device: torch.device | str, dtype: torch.dtype, names: list[str] | None = None
+) -> dict[str, Reason]:
+    """{method name: None if it runs here, else why not} for every (or each named) method."""
+    return {n: get_method(n).why_unavailable(device, dtype) for n in (names or METHODS)}
+
+
+def available_methods(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    return [n for n, reason in availability(device, dtype).items() if reason is None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Availability rules shared by several methods
+# ---------------------------------------------------------------------------------------------
+
+
+def _needs_cuda(device: torch.device) -> Reason:
+    if device.type != "cuda":
+        return "needs a CUDA GPU; this is a CPU"
+    return None
+
+
+def _triton_reason(device: torch.device, dtype: torch.dtype) -> Reason:
+    """Why a Triton kernel cannot run here, if it cannot."""
+    if device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return (
+            "its Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 set before triton is "
+            "imported to run them on the CPU (import helpers first and it is set for you)"
+        )
+    if dtype == torch.bfloat16:
+        return "the Triton interpreter computes bf16 wrongly (a known Triton bug); use fp32 or fp16 on CPU"
+    return None
+
+
+def _all_ignored_mean_is_nan(loss: torch.Tensor, x: torch.Tensor, ignore_index: int, reduction: str):
+    """torch's convention for a mean over zero kept tokens (0/0 = NaN), gradients left untouched."""
+    if reduction == "mean" and not bool((x != ignore_index).any()):
+        return loss + torch.full_like(loss, float("nan")).detach()
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# naive: the article's original trainer. Materialises the N×V logits, then an fp32 copy of them.
+# ---------------------------------------------------------------------------------------------
+
+
+def naive_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    # (N, V) logits in the input dtype, then (N, V) in fp32: two full copies alive at once, plus
+    # the (N, V) softmax gradient in backward. This is the 9.96 GB tensor of the introduction.
+    z = (E @ C.T).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z, x.long(), ignore_index=ignore_index, reduction=reduction)
+
+
+register(
+    Method(
+        name="naive",
+        label="naive",
+        summary="E @ C.T in the input dtype, upcast to fp32, F.cross_entropy: the article's trainer; "
+        "holds the N×V logits twice.",
+        implementation=naive_loss,
+        availability=lambda device, dtype, softcap: None,
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch_compile: the same code under torch.compile (Inductor fuses the softmax, keeps the logits).
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _compiled_naive():
+    # Past its recompile limit dynamo silently runs the function eagerly: a benchmark of
+    # "torch.compile" would then measure the naive path. Raise the limit (each reduction and
+    # soft cap is its own graph) and make hitting it an error instead of a fallback.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    # dynamic=None: the first shape compiles static, a second shape recompiles once as dynamic, so
+    # a sweep over N does not recompile at every point.
+    return torch.compile(naive_loss, dynamic=None)
+
+
+def torch_compile_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    return _compiled_naive()(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+
+
+def _compile_reason(device, dtype, softcap) -> Reason:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (7, 0):
+        return "torch.compile's Triton backend needs a GPU of compute capability 7.0 or newer"
+    return None
+
+
+register(
+    Method(
+        name="torch_compile",
+        label="torch.compile",
+        summary="the naive loss under torch.compile: one fused pass, but the N×V logits still exist.",
+        implementation=torch_compile_loss,
+        availability=_compile_reason,
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked: pure PyTorch, no dependency. Only a (chunk, V) block of logits ever exists.
+# ---------------------------------------------------------------------------------------------
+
+# Bytes of fp32 logits one chunk may hold. 256 MiB keeps each matmul large enough to run near peak
+# on a GPU while staying a small fraction of a 16 GB card.
+CHUNK_BYTES = 256 * 1024**2
+
+
+def chunk_rows(V: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Rows of E per chunk so that one (rows, V) fp32 logit block fits in ``chunk_bytes``."""
+    return max(1, chunk_bytes // (4 * V))
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Forward keeps only lse (N,); backward recomputes each (chunk, V) logit block.
+
+    Per chunk of rows i:  z = cap(E_i C^T),  lse_i = logsumexp(z),  loss_i = lse_i - z[x_i].
+    Backward:  G = (softmax(z) - onehot(x)) * w_i * cap'(z),  dE_i = G C,  dC += G^T E_i,
+    where w_i is the upstream gradient of token i (0 where x_i is ignored).
+    """
+
+    @staticmethod
+    def forward(ctx, E, C, x, ignore_index, softcap, rows):
+        N = E.shape[0]
+        lse = torch.empty(N, dtype=torch.float32, device=E.device)
+        target_logit = torch.empty(N, dtype=torch.float32, device=E.device)
+        kept = x != ignore_index
+        safe_x = torch.where(kept, x, 0).long()
+        for start in range(0, N, rows):
+            i = slice(start, start + rows)
+            z = reference_logits(E[i], C, softcap, torch.float32)  # (rows, V)
+            lse[i] = torch.logsumexp(z, dim=1)
+            target_logit[i] = z.gather(1, safe_x[i, None]).squeeze(1)
+        ctx.save_for_backward(E, C, safe_x, kept, lse)
+        ctx.softcap, ctx.rows = softcap, rows
+        return torch.where(kept, lse - target_logit, 0.0)  # (N,) per-token loss, 0 where ignored
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        E, C, safe_x, kept, lse = ctx.saved_tensors
+        softcap, rows = ctx.softcap, ctx.rows
+        w = torch.where(kept, grad_loss.float(), 0.0)  # (N,)
+        dE = torch.empty_like(E)
+        dC = torch.zeros(C.shape, dtype=torch.float32, device=C.device)
+        C32 = C.float()
+        for start in range(0, E.shape[0], rows):
+            i = slice(start, start + rows)
+            E32 = E[i].float()
+            raw = E32 @ C32.T  # (rows, V)
+            z = softcap * torch.tanh(raw / softcap) if softcap is not None else raw
+            G = torch.exp(z - lse[i, None])  # softmax, (rows, V)
+            G.scatter_add_(1, safe_x[i, None], torch.full_like(lse[i, None], -1.0))
+            G *= w[i, None]
+            if softcap is not None:
+                # d/draw [s tanh(raw/s)] = 1 - tanh^2 = 1 - (z/s)^2
+                G *= 1 - (z / softcap) ** 2
+            del z, raw
+            dE[i] = (G @ C32).to(E.dtype)
+            dC.addmm_(G.T, E32)
+        return dE, dC.to(C.dtype), None, None, None, None
+
+
+def chunked_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None, rows=None):
+    per_token = ChunkedLinearCrossEntropy.apply(
+        E, C, x, ignore_index, softcap, rows or chunk_rows(C.shape[0])
+    )
+    if reduction == "none":
+        return per_token
+    total = per_token.sum()
+    if reduction == "sum":
+        return total
+    return total / (x != ignore_index).sum()  # 0/0 = NaN when every token is ignored, as torch
+
+
+register(
+    Method(
+        name="chunked",
+        label="chunked (PyTorch)",
+        summary="pure PyTorch over row chunks; forward keeps only the per-row LSE, backward "
+        "recomputes each chunk: memory is one (chunk, V) fp32 block plus dE and dC.",
+        implementation=chunked_loss,
+        availability=lambda device, dtype, softcap: None,
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# liger: Liger-Kernel's fused linear cross-entropy (gradients computed during the forward pass).
+# ---------------------------------------------------------------------------------------------
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def liger_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    loss = liger_fused_linear_cross_entropy(
+        E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap
+    )
+    return _all_ignored_mean_is_nan(loss, x, ignore_index, reduction)
+
+
+def _liger_reason(device, dtype, softcap) -> Reason:
+    if not _installed("liger_kernel"):
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    reason = _triton_reason(device, dtype)
+    if reason:
+        return reason
+    if device.type == "cpu" and softcap is not None:
+        return "Liger's softcap path fails under the Triton interpreter (it calls .to() on a Python float)"
+    return None
+
+
+register(
+    Method(
+        name="liger",
+        label="Liger",
+        summary="Liger-Kernel's fused linear cross-entropy: chunks over rows and computes dE, dC "
+        "during the forward pass, so backward only scales them.",
+        implementation=liger_loss,
+        availability=_liger_reason,
+        notes="Liger returns 0 for a mean over zero kept tokens; the adapter returns NaN as torch does.",
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# cce: Apple's Cut Cross-Entropy (the cut-cross-entropy package).
+# ---------------------------------------------------------------------------------------------
+
+# Shared memory its backward kernel asks for with 128×128×32 tiles (FACTS.md: 98,304 B for fp16 on
+# Triton 3.4-3.9, ~104 KB for fp32). tests/test_cce_configs.py re-derives the fp16 figure by compiling it.
+CCE_BACKWARD_SHARED_BYTES = {torch.float16: 98_304, torch.bfloat16: 98_304, torch.float32: 104 * 1024}
+
+
+def cce_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(
+        E, C, x.long(), ignore_index=ignore_index, softcap=softcap, reduction=reduction
+    )
+
+
+def _cce_reason(device, dtype, softcap) -> Reason:
+    if not _installed("cut_cross_entropy"):
+        return "cut-cross-entropy is not installed (pip install cut-cross-entropy)"
+    if device.type != "cuda":
+        return (
+            "Apple CCE's Triton kernels need a CUDA GPU (they fail under the Triton interpreter); "
+            "this is a CPU"
+        )
+    from .profiles import device_info
+
+    info = device_info(device)
+    need = CCE_BACKWARD_SHARED_BYTES[dtype]
+    if info.shared_memory_per_block_bytes < need:
+        return (
+            f"Apple CCE's backward kernel needs about {need // 1024} KB of shared memory per block; "
+            f"this {info.name} offers {info.shared_memory_per_block_bytes // 1024} KB"
+        )
+    if dtype == torch.bfloat16 and not info.has_bf16_matmul:
+        return f"bf16 needs an Ampere or newer GPU; this {info.name} has no bf16 tensor cores"
+    return None
+
+
+register(
+    Method(
+        name="cce",
+        label="Apple CCE",
+        summary="Apple's Cut Cross-Entropy (cut-cross-entropy package, default gradient filter): "
+        "never materialises logits; recomputes them blockwise in backward.",
+        implementation=cce_loss,
+        availability=_cce_reason,
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch_lce: PyTorch's own F.linear_cross_entropy with chunking (torch 2.13 and newer).
+# ---------------------------------------------------------------------------------------------
+
+
+def torch_lce_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    # torch falls back to the unchunked reference path, with only a warning, for configurations its
+    # chunked path does not support; that would be a silent swap, so it is turned into an error.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return F.linear_cross_entropy(
+            E,
+            C,
+            x.long(),
+            reduction=reduction,
+            ignore_index=ignore_index,
+            options=torch.nn.LinearCrossEntropyOptions(),
+        )
+
+
+def _torch_lce_reason(device, dtype, softcap) -> Reason:
+    if not hasattr(F, "linear_cross_entropy"):
+        return f"needs PyTorch 2.13 or newer for F.linear_cross_entropy; this is {torch.__version__}"
+    if softcap is not None:
+        return "F.linear_cross_entropy has no soft cap"
+    return None
+
+
+register(
+    Method(
+        name="torch_lce",
+        label="torch LCE",
+        summary="PyTorch's F.linear_cross_entropy with LinearCrossEntropyOptions() (chunked path).",
+        implementation=torch_lce_loss,
+        availability=_torch_lce_reason,
+    )
+)
+
+
+__all__ = [
+    "Method",
+    "MethodUnavailable",
+    "METHODS",
+    "REDUCTIONS",
+    "register",
+    "get_method",
+    "availability",
+    "available_methods",
+    "chunk_rows",
+]

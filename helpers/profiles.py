@@ -1,0 +1,157 @@
+"""What hardware we are on, and the one table of run profiles every notebook reads its sizes from.
+
+A notebook takes a single parameter, ``profile`` ("auto" by default, so Kaggle's "Run all" gets the
+full run for the GPU it finds), and reads its own section of the chosen profile:
+
+    P = helpers.get_profile(profile)
+    P.section("01_correctness")["dtypes"]
+
+The runner (``python -m helpers run``) passes the same name to every notebook, so one word decides
+the whole suite's sizes. Sections are plain dicts so that each notebook owns its own keys.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+
+import torch
+
+# T4-class memory: what the article's OOM wall is measured against (16 GB card, ~15 GB usable).
+T4_MEMORY_BYTES = 15 * 1024**3
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The facts about one device that decide what can run on it."""
+
+    kind: str  # "cuda" or "cpu"
+    name: str
+    capability: tuple[int, int] | None  # (major, minor) for CUDA
+    total_memory_bytes: int | None
+    shared_memory_per_block_bytes: int | None  # the opt-in maximum a kernel may request
+    multiprocessors: int | None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def has_bf16_matmul(self) -> bool:
+        """bf16 tensor cores exist from Ampere (sm_80) on; a T4 (sm_75) has fp16 ones only."""
+        return self.is_cuda and self.capability >= (8, 0)
+
+    def describe(self) -> str:
+        if not self.is_cuda:
+            return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        gb = self.total_memory_bytes / 1024**3
+        smem = self.shared_memory_per_block_bytes // 1024
+        return (
+            f"{self.name} (sm_{self.capability[0]}{self.capability[1]}, {gb:.0f} GiB, "
+            f"{smem} KiB shared memory per block, {self.multiprocessors} SMs)"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "capability": list(self.capability) if self.capability else None,
+            "total_memory_bytes": self.total_memory_bytes,
+            "shared_memory_per_block_bytes": self.shared_memory_per_block_bytes,
+            "multiprocessors": self.multiprocessors,
+            "description": self.describe(),
+        }
+
+
+def device_info(device: torch.device | str | None = None) -> DeviceInfo:
+    """DeviceInfo for ``device`` (default: the first CUDA GPU if there is one, else the CPU)."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type != "cuda":
+        return DeviceInfo("cpu", platform.processor() or platform.machine(), None, None, None, None)
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_block_optin", None) or 48 * 1024
+    return DeviceInfo(
+        "cuda",
+        props.name,
+        (props.major, props.minor),
+        props.total_memory,
+        smem,
+        props.multi_processor_count,
+    )
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A named run size. ``sections`` maps a notebook's key to that notebook's settings."""
+
+    name: str
+    description: str
+    device: str  # "cpu" or "cuda"
+    dtypes: tuple[str, ...]  # the dtypes the suite exercises under this profile
+    sections: dict[str, dict] = field(default_factory=dict)
+
+    def section(self, key: str) -> dict:
+        if key not in self.sections:
+            raise KeyError(f"profile {self.name!r} has no section {key!r}; it has {list(self.sections)}")
+        return self.sections[key]
+
+    @property
+    def torch_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(getattr(torch, d) for d in self.dtypes)
+
+
+# Gate shapes: N, V, D deliberately not multiples of any block size (odd, prime-ish), one case with
+# a tall vocabulary so several vocabulary blocks are merged, one with N smaller than a block.
+_GATE_SMALL = [(37, 500, 48), (130, 1999, 72), (5, 3001, 40)]
+_GATE_GPU = [(257, 5003, 136), (1031, 32011, 520), (2048, 151936, 1024)]
+
+PROFILES: dict[str, Profile] = {
+    "cpu": Profile(
+        name="cpu",
+        description="CPU smoke run: tiny shapes, Triton kernels under the interpreter, fp32 and fp16",
+        device="cpu",
+        dtypes=("float32", "float16"),  # the Triton interpreter computes bf16 wrongly (FACTS.md)
+        sections={
+            "01_correctness": {"shapes": _GATE_SMALL, "seed": 0},
+        },
+    ),
+    "t4": Profile(
+        name="t4",
+        description="Turing-class GPU (T4, 16 GB, sm_75): fp16 and fp32, no bf16 tensor cores",
+        device="cuda",
+        dtypes=("float32", "float16"),
+        sections={
+            "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
+        },
+    ),
+    "gpu": Profile(
+        name="gpu",
+        description="Ampere or newer GPU: bf16, fp16 and fp32 at full sizes",
+        device="cuda",
+        dtypes=("float32", "float16", "bfloat16"),
+        sections={
+            "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
+        },
+    ),
+}
+
+
+def detect_profile_name(device: torch.device | str | None = None) -> str:
+    info = device_info(device)
+    if not info.is_cuda:
+        return "cpu"
+    return "gpu" if info.has_bf16_matmul else "t4"
+
+
+def get_profile(name: str = "auto") -> Profile:
+    """The profile called ``name``; "auto" picks the one for the hardware found."""
+    if name == "auto":
+        name = detect_profile_name()
+    if name not in PROFILES:
+        raise ValueError(f"profile must be 'auto' or one of {sorted(PROFILES)}, got {name!r}")
+    return PROFILES[name]

@@ -1,0 +1,142 @@
+"""The specification every method must meet, and the float64 reference it is gated against.
+
+Every loss method in this package computes
+
+    loss_i = lse_i - z_{i, x_i},     z = cap(E @ C^T)  (N, V),  lse_i = log sum_v exp(z_{i, v})
+
+over the tokens i whose target x_i is not ``ignore_index``, where ``cap`` is Gemma-2's soft cap
+``s * tanh(z / s)`` when ``softcap=s`` is given and the identity otherwise, then reduces it exactly
+as ``torch.nn.functional.cross_entropy`` does on fp32 logits:
+
+- ``"none"``: a length-N vector, 0 at ignored tokens;
+- ``"sum"``: the sum over kept tokens (0 when every token is ignored);
+- ``"mean"``: the sum divided by the number of kept tokens (NaN when every token is ignored, as
+  torch gives; the gradients are then 0, again as torch gives).
+
+This module holds that specification in two forms: ``validate_inputs`` (what a caller may pass,
+with errors that name the argument) and ``reference_loss`` (the computation, in float64 by
+default). Nothing here is fast; it is the yardstick.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+REDUCTIONS = ("mean", "sum", "none")
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def validate_inputs(
+    E: torch.Tensor,
+    C: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    softcap: float | None = None,
+    dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES,
+) -> None:
+    """Raise a ``ValueError``/``TypeError`` naming the argument when the inputs break the contract.
+
+    E: (N, D) embeddings, C: (V, D) classifier, x: (N,) integer targets in [0, V) or ignore_index.
+    The range check on x reads x once (a device sync on a GPU): a wrong target must never reach a
+    kernel, where it reads out of bounds instead of failing.
+    """
+    for name, t in (("E", E), ("C", C), ("x", x)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if E.dim() != 2:
+        raise ValueError(
+            f"E must be 2-D (N tokens, D hidden), got shape {tuple(E.shape)}; "
+            "flatten batch and sequence first, e.g. E.reshape(-1, E.shape[-1])"
+        )
+    if C.dim() != 2:
+        raise ValueError(f"C must be 2-D (V vocabulary, D hidden), got shape {tuple(C.shape)}")
+    if x.dim() != 1:
+        raise ValueError(
+            f"x must be 1-D (N targets), got shape {tuple(x.shape)}; flatten it, e.g. x.reshape(-1)"
+        )
+    if E.shape[1] != C.shape[1]:
+        raise ValueError(
+            f"E and C must share the hidden size D: E is {tuple(E.shape)}, C is {tuple(C.shape)}"
+        )
+    if x.shape[0] != E.shape[0]:
+        raise ValueError(
+            f"x must hold one target per row of E: x has {x.shape[0]}, E has {E.shape[0]} rows"
+        )
+    if E.device != C.device or x.device != E.device:
+        raise ValueError(
+            f"E, C and x must be on one device, got E on {E.device}, C on {C.device}, x on {x.device}"
+        )
+    if E.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"E must be one of {names}, got {E.dtype}")
+    if C.dtype != E.dtype:
+        raise TypeError(f"C must have E's dtype ({E.dtype}), got {C.dtype}")
+    if x.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"x must hold integer class indices (int64 or int32), got {x.dtype}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be None or a positive number, got {softcap!r}")
+    if E.shape[0] == 0 or C.shape[0] == 0 or E.shape[1] == 0:
+        raise ValueError(f"E and C must be non-empty, got E {tuple(E.shape)} and C {tuple(C.shape)}")
+    kept = x[x != ignore_index]
+    if kept.numel():
+        lo, hi = int(kept.min()), int(kept.max())
+        if lo < 0 or hi >= C.shape[0]:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"x holds target {bad}, outside [0, V={C.shape[0]}) and not "
+                f"ignore_index={ignore_index}"
+            )
+
+
+def reference_logits(
+    E: torch.Tensor, C: torch.Tensor, softcap: float | None = None, dtype=torch.float64
+) -> torch.Tensor:
+    """z = cap(E @ C^T) in ``dtype``: (N, V). The one place the soft cap's formula lives."""
+    z = E.to(dtype) @ C.to(dtype).T
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+def reference_loss(
+    E: torch.Tensor,
+    C: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    softcap: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The loss as the specification above defines it, computed in ``dtype`` (float64 by default).
+
+    Differentiable: autograd through it gives the reference dE and dC (in ``dtype``; pass leaf
+    tensors already upcast when you want their ``.grad``).
+    """
+    z = reference_logits(E, C, softcap, dtype)
+    return F.cross_entropy(z, x.long(), ignore_index=ignore_index, reduction=reduction)
+
+
+def reference_loss_and_grads(
+    E: torch.Tensor,
+    C: torch.Tensor,
+    x: torch.Tensor,
+    grad_output: torch.Tensor | float = 1.0,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dE, dC) in float64 for the given inputs, which may be of any dtype.
+
+    The inputs are upcast exactly (every fp16/bf16/fp32 value is a float64 value), so the only
+    error left in a method's result is its own arithmetic.
+    """
+    E64 = E.detach().to(torch.float64).requires_grad_(True)
+    C64 = C.detach().to(torch.float64).requires_grad_(True)
+    loss = reference_loss(E64, C64, x, **options)
+    go = torch.as_tensor(grad_output, dtype=torch.float64, device=loss.device).expand_as(loss)
+    loss.backward(go)
+    return loss.detach(), E64.grad, C64.grad
