@@ -180,7 +180,7 @@ class GateReport:
         for r in self.rows:
             s = out.setdefault(
                 (r.method, r.dtype),
-                {"method": r.method, "dtype": r.dtype, "cases": 0, "verdict": "pass", "reason": ""},
+                {"method": r.method, "dtype": r.dtype, "cases": 0, "failed": 0, "verdict": "pass", "reason": ""},
             )
             if r.status == "unavailable":
                 if s["cases"] == 0 and s["verdict"] == "pass":
@@ -192,12 +192,58 @@ class GateReport:
             s["cases"] += 1
             if r.status == "fail":
                 s["verdict"] = "fail"
+                s["failed"] += 1
             for q in QUANTITIES:
                 if q in r.errors:
                     s[f"max {q} error"] = max(s.get(f"max {q} error", 0.0), r.errors[q])
                     ratio = r.errors[q] / r.bounds[q] if r.bounds[q] else math.inf
                     s[f"worst {q} error/bound"] = max(s.get(f"worst {q} error/bound", 0.0), ratio)
         return list(out.values())
+
+    def markdown(self) -> str:
+        """The summary as a Markdown table: worst error per quantity, and the verdict."""
+        head = "| method | dtype | cases | loss err | dE err | dC err | worst err/bound | verdict |"
+        lines = [head, "|---|---|---:|---:|---:|---:|---:|---|"]
+        for s in self.summary():
+            if s["verdict"] == "unavailable":
+                lines.append(f"| {s['method']} | {s['dtype']} | 0 | | | | | unavailable: {s['reason']} |")
+                continue
+            errs = [s.get(f"max {q} error", math.nan) for q in QUANTITIES]
+            worst = max(s.get(f"worst {q} error/bound", 0.0) for q in QUANTITIES)
+            verdict = f"FAIL ({s['failed']} of {s['cases']} cases)" if s["verdict"] == "fail" else s["verdict"]
+            if s["reason"]:
+                verdict += f" (some cases unavailable: {s['reason']})"
+            cells = " | ".join(f"{e:.2e}" for e in errs)
+            lines.append(f"| {s['method']} | {s['dtype']} | {s['cases']} | {cells} | {worst:.2f} | {verdict} |")
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path | None = None):
+        """Worst error per method, quantity and dtype, as a multiple of its bound (pass: below 1)."""
+        import matplotlib.pyplot as plt
+
+        summary = [s for s in self.summary() if s["verdict"] != "unavailable"]
+        dtypes = list(dict.fromkeys(s["dtype"] for s in summary))
+        fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4.2), squeeze=False, sharey=True)
+        for ax, d in zip(axes[0], dtypes):
+            rows = [s for s in summary if s["dtype"] == d]
+            names = [s["method"] for s in rows]
+            for k, q in enumerate(QUANTITIES):
+                ratios = [max(s.get(f"worst {q} error/bound", 0.0), 1e-6) for s in rows]
+                xs = [i + (k - 1) * 0.27 for i in range(len(rows))]
+                ax.bar(xs, [r if math.isfinite(r) else 1e3 for r in ratios], width=0.27, label=q)
+                for xi, r in zip(xs, ratios):
+                    if not math.isfinite(r):  # NaN where the reference has none, or an inf
+                        ax.text(xi, 1e3, "NaN", ha="center", va="bottom", fontsize=8)
+            ax.axhline(1.0, color="crimson", linestyle="--", linewidth=1.5, label="bound")
+            ax.set_yscale("log")
+            ax.set_xticks(range(len(rows)), names, rotation=30, ha="right")
+            ax.set_title(f"{d} on {self.device}")
+        axes[0][0].set_ylabel("worst error / bound  (below 1 passes)")
+        axes[0][-1].legend(loc="upper right", fontsize=9)
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=120)
+        return fig
 
     def to_json(self, path: str | Path) -> Path:
         path = Path(path)

@@ -43,6 +43,7 @@ class Method:
     summary: str  # one sentence: what it is and how it saves (or spends) memory
     implementation: Callable[..., torch.Tensor]
     availability: Callable[[torch.device, torch.dtype, float | None], Reason]
+    kind: str = "baseline"  # "ours", "peer" (another project's kernel) or "baseline"
     notes: str = ""
 
     def why_unavailable(
@@ -311,6 +312,7 @@ def _liger_reason(device, dtype, softcap) -> Reason:
 register(
     Method(
         name="liger",
+        kind="peer",
         label="Liger",
         summary="Liger-Kernel's fused linear cross-entropy: chunks over rows and computes dE, dC "
         "during the forward pass, so backward only scales them.",
@@ -363,6 +365,7 @@ def _cce_reason(device, dtype, softcap) -> Reason:
 register(
     Method(
         name="cce",
+        kind="peer",
         label="Apple CCE",
         summary="Apple's Cut Cross-Entropy (cut-cross-entropy package, default gradient filter): "
         "never materialises logits; recomputes them blockwise in backward.",
@@ -403,6 +406,7 @@ def _torch_lce_reason(device, dtype, softcap) -> Reason:
 register(
     Method(
         name="torch_lce",
+        kind="peer",
         label="torch LCE",
         summary="PyTorch's F.linear_cross_entropy with LinearCrossEntropyOptions() (chunked path).",
         implementation=torch_lce_loss,

@@ -1,0 +1,79 @@
+"""Command line: ``python -m helpers {run, gate, methods}``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .profiles import PROFILES
+
+
+def _run(args) -> int:
+    from .runner import run_suite
+
+    runs = run_suite(args.profile, args.output, args.only, args.timeout)
+    return 0 if all(r.status == "ok" for r in runs) else 1
+
+
+def _gate(args) -> int:
+    import torch
+
+    from .gate import gate_cases, run_gate
+    from .profiles import get_profile
+
+    profile = get_profile(args.profile)
+    dtypes = tuple(getattr(torch, d) for d in (args.dtypes or profile.dtypes))
+    cases = gate_cases(profile.section("01_correctness")["shapes"])
+    report = run_gate(args.methods, dtypes, cases, raise_on_failure=False, progress=True)
+    print(report.markdown())
+    if args.output:
+        print(f"wrote {report.to_json(args.output)}")
+    if report.failures:
+        print(report.failure_message(), file=sys.stderr)
+    return 1 if report.failures else 0
+
+
+def _methods(args) -> int:
+    import torch
+
+    from .methods import METHODS
+    from .profiles import default_device, device_info
+
+    device = default_device()
+    print(device_info(device).describe())
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        print(f"\n{str(dtype).replace('torch.', '')}:")
+        for name, method in METHODS.items():
+            reason = method.why_unavailable(device, dtype)
+            print(f"  {name:<16} {'runs here' if reason is None else 'unavailable: ' + reason}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m helpers", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    profiles = ["auto", *PROFILES]
+
+    run = sub.add_parser("run", help="execute every notebook headless with papermill")
+    run.add_argument("--profile", default="auto", choices=profiles, help="run size (default: for the hardware found)")
+    run.add_argument("--output", default="results", help="folder for executed notebooks and results")
+    run.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 01 02")
+    run.add_argument("--timeout", type=int, default=None, help="seconds a single cell may run")
+    run.set_defaults(func=_run)
+
+    gate = sub.add_parser("gate", help="run the correctness gate and print its table")
+    gate.add_argument("--profile", default="auto", choices=profiles)
+    gate.add_argument("--methods", nargs="*", help="method names (default: all registered)")
+    gate.add_argument("--dtypes", nargs="*", choices=["float32", "float16", "bfloat16"])
+    gate.add_argument("--output", help="write the report as JSON here")
+    gate.set_defaults(func=_gate)
+
+    methods = sub.add_parser("methods", help="list the registered methods and whether each runs here")
+    methods.set_defaults(func=_methods)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Sourced by scripts/suite.sh and scripts/test.sh: make ./.venv hold everything the suite needs.
+#
+# torch is the one dependency we never choose for a platform that already has it: Kaggle, Colab and
+# GPU boxes ship a CUDA torch, and reinstalling it is slow at best and breaks the GPU at worst.
+# Only where no torch exists at all do we install one (2.13.0; on a machine without a GPU pip
+# finds the CPU build, as on our CI machines).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  # --system-site-packages: a GPU box's preinstalled CUDA torch stays visible and is reused.
+  "$PYTHON" -m venv --system-site-packages .venv
+fi
+export PATH="$PWD/.venv/bin:$PATH"
+python -m pip install -q --upgrade pip >/dev/null
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install -q "torch==2.13.0"
+fi
+python -m pip install -q -r requirements.txt -e ".[suite,test]"
+python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3" >/dev/null
+python - <<'PY'
+import torch, triton
+print(f"environment ready: torch {torch.__version__}, triton {triton.__version__}, "
+      f"CUDA {'available' if torch.cuda.is_available() else 'not available (CPU smoke profile)'}")
+PY

@@ -1,0 +1,122 @@
+"""The gate passes correct methods, reports unavailable ones, and catches wrong ones."""
+
+import math
+
+import pytest
+import torch
+
+from helpers.gate import GateCase, GateFailure, gate_cases, relative_error, run_gate
+from helpers.methods import Method, naive_loss
+
+SHAPES = [(23, 301, 40), (9, 517, 24)]
+CASES = gate_cases(SHAPES)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # bf16 is fine for pure-PyTorch methods on CPU
+
+
+def test_correct_methods_pass_in_every_dtype():
+    report = run_gate(["naive", "chunked"], DTYPES, CASES, device="cpu")
+    assert not report.failures
+    assert report.passed("chunked", torch.bfloat16)
+    assert len(report.rows) == 2 * len(DTYPES) * len(CASES)
+
+
+def test_unavailable_methods_are_reported_not_dropped():
+    report = run_gate(["chunked", "cce"], (torch.float32,), CASES[:1], device="cpu")
+    cce_rows = [r for r in report.rows if r.method == "cce"]
+    assert cce_rows and all(r.status == "unavailable" and "CUDA GPU" in r.reason for r in cce_rows)
+    assert not report.passed("cce")
+
+
+class ScaledGradient(torch.autograd.Function):
+    """Identity forward; backward scales the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, t, scale):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def _wrong(name, implementation):
+    return Method(name, name, "deliberately wrong", implementation, lambda d, t, s: None)
+
+
+def gradient_times_1_01(E, C, x, **kw):
+    return naive_loss(ScaledGradient.apply(E, 1.01), ScaledGradient.apply(C, 1.01), x, **kw)
+
+
+def softcap_dropped(E, C, x, *, softcap=None, **kw):
+    return naive_loss(E, C, x, **kw)
+
+
+def upstream_gradient_ignored(E, C, x, **kw):
+    loss = naive_loss(E, C, x, **kw)
+    return ScaledGradient.apply(loss, 1.0 / 0.73) if loss.dim() == 0 else loss
+
+
+def nan_when_all_ignored_gradients(E, C, x, **kw):
+    loss = naive_loss(E, C, x, **kw)
+    if (x != -100).any() or kw["reduction"] != "mean":
+        return loss
+    return loss + E.sum() * math.nan  # NaN loss, as torch, but NaN gradients too: wrong
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "wrong, broken_quantities",
+    [
+        (gradient_times_1_01, {"dE", "dC"}),
+        (softcap_dropped, {"loss", "dE", "dC"}),
+        (upstream_gradient_ignored, {"dE", "dC"}),
+    ],
+)
+def test_the_gate_catches_a_wrong_method(temporary_method, dtype, wrong, broken_quantities):
+    temporary_method(_wrong("wrong", wrong))
+    with pytest.raises(GateFailure) as failure:
+        run_gate(["naive", "wrong"], (dtype,), CASES, device="cpu")
+    message = str(failure.value)
+    assert "wrong [" in message and "naive [" not in message
+    assert any(f": {q} error" in message for q in broken_quantities)
+
+
+def test_the_gate_catches_nan_gradients(temporary_method):
+    temporary_method(_wrong("nan_grads", nan_when_all_ignored_gradients))
+    report = run_gate(["nan_grads"], (torch.float32,), CASES, device="cpu", raise_on_failure=False)
+    failed = {r.case for r in report.failures}
+    assert failed == {c.name for c in CASES if c.ignore == "all" and c.reduction == "mean"}
+
+
+def test_a_crashing_method_is_a_failure_not_a_crash(temporary_method):
+    def crash(E, C, x, **kw):
+        raise RuntimeError("kernel exploded")
+
+    temporary_method(_wrong("crash", crash))
+    report = run_gate(["crash"], (torch.float32,), CASES[:1], device="cpu", raise_on_failure=False)
+    assert report.failures and "kernel exploded" in report.failures[0].reason
+    assert "kernel exploded" in report.failure_message()
+
+
+def test_relative_error_handles_nan_positions_and_zero_references():
+    r = torch.tensor([1.0, math.nan, 2.0])
+    assert relative_error(r.clone(), r) == 0.0
+    assert relative_error(torch.tensor([1.0, 0.0, 2.0]), r) == math.inf  # NaN missing
+    assert relative_error(torch.tensor([0.5, 0.0]), torch.zeros(2)) == pytest.approx(0.5)
+    assert relative_error(torch.tensor([1.01, 2.02]), torch.tensor([1.0, 2.0])) == pytest.approx(0.01)
+
+
+def test_cases_cover_reductions_ignores_and_softcap():
+    assert {c.reduction for c in CASES} == {"mean", "sum", "none"}
+    assert {c.ignore for c in CASES} == {"none", "some", "all"}
+    assert any(c.softcap for c in CASES)
+    assert all(isinstance(c, GateCase) for c in CASES)
+
+
+def test_report_writes_json_and_markdown(tmp_path):
+    report = run_gate(["naive", "cce"], (torch.float32,), CASES[:2], device="cpu")
+    path = report.to_json(tmp_path / "gate.json")
+    assert '"passed": true' in path.read_text()
+    table = report.markdown()
+    assert "| naive | float32 | 2 |" in table and "unavailable" in table
