@@ -159,19 +159,24 @@ register(
 
 
 @functools.cache
-def _compiled_naive():
+def _compiled_per_token_loss():
     # Past its recompile limit dynamo silently runs the function eagerly: a benchmark of
-    # "torch.compile" would then measure the naive path. Raise the limit (each reduction and
-    # soft cap is its own graph) and make hitting it an error instead of a fallback.
+    # "torch.compile" would then measure the naive path. Raise the limit and make hitting it an
+    # error instead of a fallback.
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    # dynamic=None: the first shape compiles static, a second shape recompiles once as dynamic, so
-    # a sweep over N does not recompile at every point.
-    return torch.compile(naive_loss, dynamic=None)
+    # The compiled graph is the per-token loss, with dynamic shapes from the first call: one graph
+    # per dtype and soft cap, not one per shape and reduction (compiles cost seconds each). The
+    # N×V logits live inside it exactly as in the naive loss; the reduction after it is O(N).
+    return torch.compile(functools.partial(naive_loss, reduction="none"), dynamic=True)
 
 
 def torch_compile_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
-    return _compiled_naive()(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+    per_token = _compiled_per_token_loss()(E, C, x, ignore_index=ignore_index, softcap=softcap)
+    if reduction == "none":
+        return per_token
+    total = per_token.sum()
+    return total if reduction == "sum" else total / (x != ignore_index).sum()
 
 
 def _compile_reason(device, dtype, softcap) -> Reason:

@@ -107,7 +107,8 @@ class Profile:
 
 # Gate shapes: N, V, D deliberately not multiples of any block size (odd, prime-ish), one case with
 # a tall vocabulary so several vocabulary blocks are merged, one with N smaller than a block.
-_GATE_SMALL = [(37, 500, 48), (130, 1999, 72), (5, 3001, 40)]
+# The interpreter runs Triton programs one by one in numpy, so CPU shapes stay tiny.
+_GATE_SMALL = [(37, 257, 24), (53, 1031, 40), (5, 2053, 24)]
 _GATE_GPU = [(257, 5003, 136), (1031, 32011, 520), (2048, 151936, 1024)]
 
 PROFILES: dict[str, Profile] = {
@@ -117,6 +118,13 @@ PROFILES: dict[str, Profile] = {
         device="cpu",
         dtypes=("float32", "float16"),  # the Triton interpreter computes bf16 wrongly (FACTS.md)
         sections={
+            # (N, V, D) shapes: "shape" for the kernel checks (deliberately ragged), "sparse" for
+            # the filter and sorting, "curve" for the sparsity curve (plain torch, no kernel).
+            "04_kernel_walkthrough": {
+                "dtype": "float32", "low_precision": "float16",
+                "shape": (61, 1000, 40), "sparse": (64, 8192, 32), "curve": (256, 32768, 64),
+                "BLOCK_N": 16, "BLOCK_V": 64, "kahan_terms": 2048, "seed": 0,
+            },
             "01_correctness": {"shapes": _GATE_SMALL, "seed": 0},
         },
     ),
@@ -126,6 +134,11 @@ PROFILES: dict[str, Profile] = {
         device="cuda",
         dtypes=("float32", "float16"),
         sections={
+            "04_kernel_walkthrough": {
+                "dtype": "float16", "low_precision": "float16",
+                "shape": (1031, 32011, 120), "sparse": (2048, 32768, 128), "curve": (512, 151936, 64),
+                "BLOCK_N": 32, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
+            },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
         },
     ),
@@ -135,6 +148,11 @@ PROFILES: dict[str, Profile] = {
         device="cuda",
         dtypes=("float32", "float16", "bfloat16"),
         sections={
+            "04_kernel_walkthrough": {
+                "dtype": "bfloat16", "low_precision": "bfloat16",
+                "shape": (1031, 32011, 120), "sparse": (2048, 65536, 128), "curve": (512, 151936, 64),
+                "BLOCK_N": 64, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
+            },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
         },
     ),
