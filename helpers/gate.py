@@ -126,7 +126,7 @@ class GateRow:
     method: str
     dtype: str
     case: str
-    status: str  # "pass", "fail" or "unavailable"
+    status: str  # "pass", "fail", "unavailable", or "over floor" (the yardstick only; see run_gate)
     errors: dict = field(default_factory=dict)  # quantity -> relative error
     bounds: dict = field(default_factory=dict)  # quantity -> bound
     reason: str = ""  # why unavailable, or what raised
@@ -153,7 +153,7 @@ class GateReport:
         d = str(dtype).replace("torch.", "") if dtype is not None else None
         rows = [r for r in self.rows if r.method == method and (d is None or r.dtype == d)]
         ran = [r for r in rows if r.status != "unavailable"]
-        return bool(ran) and all(r.status == "pass" for r in ran)
+        return bool(ran) and all(r.status in ("pass", "over floor") for r in ran)
 
     def failure_message(self) -> str:
         lines = []
@@ -193,6 +193,8 @@ class GateReport:
             if r.status == "fail":
                 s["verdict"] = "fail"
                 s["failed"] += 1
+            elif r.status == "over floor":
+                s["over floor"] = s.get("over floor", 0) + 1
             for q in QUANTITIES:
                 if q in r.errors:
                     s[f"max {q} error"] = max(s.get(f"max {q} error", 0.0), r.errors[q])
@@ -211,6 +213,8 @@ class GateReport:
             errs = [s.get(f"max {q} error", math.nan) for q in QUANTITIES]
             worst = max(s.get(f"worst {q} error/bound", 0.0) for q in QUANTITIES)
             verdict = f"FAIL ({s['failed']} of {s['cases']} cases)" if s["verdict"] == "fail" else s["verdict"]
+            if s.get("over floor"):
+                verdict += f" (yardstick over the dtype floor in {s['over floor']} cases)"
             if s["reason"]:
                 verdict += f" (some cases unavailable: {s['reason']})"
             cells = " | ".join(f"{e:.2e}" for e in errs)
@@ -313,13 +317,24 @@ def run_gate(
                 naive_errors = errors
             ok = not raised and all(errors[q] <= bounds[q] for q in QUANTITIES)
             if name in methods:
-                rows.append(GateRow(name, d, case.name, "pass" if ok else "fail", errors, bounds, raised))
+                rows.append(GateRow(name, d, case.name, _status(name, ok, errors, raised), errors, bounds, raised))
         bar.update(1)
     bar.close()
     report = GateReport(rows, str(device))
     if raise_on_failure:
         report.raise_if_failed()
     return report
+
+
+def _status(name: str, ok: bool, errors: dict, raised: str) -> str:
+    """naive is the yardstick, not a candidate: where it exceeds a floor, that is the dtype's own
+    limit (fp16's mean-reduced gradients underflow at large V, for one), reported as "over floor"
+    and passed on to the others' bounds. It still fails when it crashes or gives a stray NaN."""
+    if ok:
+        return "pass"
+    if name == "naive" and not raised and all(math.isfinite(e) for e in errors.values()):
+        return "over floor"
+    return "fail"
 
 
 def _bounds(dtype: torch.dtype, naive_errors: dict | None) -> dict:

@@ -333,8 +333,8 @@ register(
 # ---------------------------------------------------------------------------------------------
 
 # Shared memory its backward kernel asks for with 128×128×32 tiles (FACTS.md: 98,304 B for fp16 on
-# Triton 3.4-3.9, ~104 KB for fp32). tests/test_cce_configs.py re-derives the fp16 figure by compiling it.
-CCE_BACKWARD_SHARED_BYTES = {torch.float16: 98_304, torch.bfloat16: 98_304, torch.float32: 104 * 1024}
+# Triton 3.4-3.9). tests/test_cce_configs.py re-derives the figure by compiling it for sm_75.
+CCE_BACKWARD_SHARED_BYTES = {torch.float16: 98_304, torch.bfloat16: 98_304}
 
 
 def cce_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
@@ -353,6 +353,8 @@ def _cce_reason(device, dtype, softcap) -> Reason:
             "Apple CCE's Triton kernels need a CUDA GPU (they fail under the Triton interpreter); "
             "this is a CPU"
         )
+    if dtype == torch.float32:
+        return "cut-cross-entropy's backward accepts only fp16 or bf16 embeddings (it asserts so)"
     from .profiles import device_info
 
     info = device_info(device)

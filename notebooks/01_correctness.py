@@ -120,6 +120,23 @@ gate_json = report.to_json(out / "gate.json")
 display(Markdown(report.markdown()))
 
 # %% [markdown]
+# ### When the yardstick itself is over the floor
+#
+# On a GPU, fp16's naive path misses the fp16 floor on dE at a large vocabulary with a mean
+# reduction. That is fp16, not a bug: the gradient of a mean loss with respect to one logit is
+# `(softmax − onehot) / N`, and with a near-uniform softmax over V entries that is about `1/(N·V)`,
+# below fp16's smallest positive number, so it rounds to zero before the matmul that forms dE. The
+# gate marks such rows "over floor" for naive and keeps judging the others against it; a method that
+# forms its gradients in fp32 (the chunked one, ours) stays well inside the floor.
+
+# %%
+smallest_fp16 = 2.0 ** -24  # smallest positive (subnormal) fp16
+for n, v in [(2048, 151_936), (16_384, 151_936)]:
+    g = 1 / (n * v)
+    print(f"N={n:>6}, V={v}: typical |dL/dz| = 1/(N·V) = {g:.1e}  ->  in fp16: {torch.tensor(g).half().item():.1e}"
+          f"  (smallest fp16: {smallest_fp16:.1e})")
+
+# %% [markdown]
 # ## The picture
 #
 # Each bar is a method's worst error over all cases, divided by its bound: below the dashed line
