@@ -1,4 +1,4 @@
-"""Command line: ``python -m helpers {run, gate, methods}``."""
+"""Command line: ``python -m helpers {run, gate, methods, stage-kaggle}``."""
 
 from __future__ import annotations
 
@@ -49,6 +49,12 @@ def _methods(args) -> int:
     return 0
 
 
+def _stage_kaggle(args) -> int:
+    from .kaggle import stage_from_args
+
+    return stage_from_args(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m helpers", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
 
     methods = sub.add_parser("methods", help="list the registered methods and whether each runs here")
     methods.set_defaults(func=_methods)
+
+    from .kaggle import add_stage_arguments
+
+    stage = sub.add_parser(
+        "stage-kaggle", help="stage one push-ready Kaggle folder per notebook, and the offline wheels"
+    )
+    add_stage_arguments(stage)
+    stage.set_defaults(func=_stage_kaggle)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .bootstrap import installed_version
 from .profiles import device_info, get_profile
 
 
@@ -105,6 +106,9 @@ def run_suite(
         runs.append(run_notebook(path, resolved, output, timeout_s))
         _write_summary(output, resolved, info, runs)
     print(summary_table(runs))
+    from .report import build_report
+
+    print(f"report: {build_report(output)} (and REPORT.html beside it)")
     return runs
 
 
@@ -114,6 +118,8 @@ def _write_summary(output: Path, profile: str, info, runs: list[NotebookRun]) ->
         "device": info.as_dict(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "finished": time.strftime("%Y-%m-%d %H:%M"),
+        "versions": {d: installed_version(d) for d in ("triton", "liger-kernel", "cut-cross-entropy", "helpers")},
         "runs": [asdict(r) for r in runs],
     }
     (output / "summary.json").write_text(json.dumps(payload, indent=1))

@@ -41,6 +41,7 @@ import torch
 from IPython.display import Markdown, display
 
 import helpers
+import helpers.report
 from helpers.gate import FLOOR, SLACK, gate_cases, run_gate
 
 P = helpers.get_profile(profile)
@@ -144,6 +145,7 @@ for n, v in [(2048, 151_936), (16_384, 151_936)]:
 
 # %%
 fig = report.plot(out / "gate.png")
+helpers.report.write_report_fragment(out, report.markdown() + "\n\n![Worst error over bound, per method and dtype](gate.png)")
 
 # %% [markdown]
 # ## The verdict

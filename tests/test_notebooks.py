@@ -2,6 +2,7 @@
 running end to end on the CPU smoke profile through the headless runner."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,11 @@ def test_suite_runs_headless_on_the_cpu_profile(tmp_path):
     gate = json.loads((tmp_path / "01_correctness" / "gate.json").read_text())
     assert gate["rows"] and any(s["method"] == "chunked" and s["verdict"] == "pass" for s in gate["summary"])
     assert (tmp_path / "01_correctness" / "01_correctness.ipynb").exists()
+    # The batch report collects every notebook's report.md, with images that resolve.
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "ran but wrote no" not in report, report
+    for source in SOURCES:
+        assert f"## {source.stem}" in report
+    images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", report, flags=re.DOTALL))
+    assert images and all((tmp_path / target).is_file() for target in images), images
+    assert "data:image/png;base64," in (tmp_path / "REPORT.html").read_text()
