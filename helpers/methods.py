@@ -422,6 +422,38 @@ register(
 )
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# ours: this package's Triton Cut Cross-Entropy (helpers/cce.py), default options.
+# ---------------------------------------------------------------------------------------------
+
+
+def ours_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    from .cce import linear_cross_entropy
+
+    return linear_cross_entropy(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+
+
+def _ours_reason(device, dtype, softcap) -> Reason:
+    from .cce import why_unavailable
+
+    return why_unavailable(device, dtype, softcap)
+
+
+register(
+    Method(
+        name="ours",
+        label="ours (Triton CCE)",
+        summary="this package's Cut Cross-Entropy in Triton: logits rebuilt tile by tile on chip, "
+        "gradient filter from the dtype, gradients accumulated in fp32.",
+        implementation=ours_loss,
+        availability=_ours_reason,
+        kind="ours",
+    )
+)
+
+
 __all__ = [
     "Method",
     "MethodUnavailable",

@@ -9,7 +9,7 @@ import helpers
 from helpers.methods import MethodUnavailable, chunk_rows, chunked_loss
 from helpers.reference import reference_loss
 
-CPU_METHODS = ["naive", "chunked", "liger", "torch_lce"]
+CPU_METHODS = ["naive", "chunked", "liger", "torch_lce", "ours"]
 
 
 def inputs(N=11, V=97, D=24, dtype=torch.float32, seed=0):
@@ -21,7 +21,7 @@ def inputs(N=11, V=97, D=24, dtype=torch.float32, seed=0):
 
 
 def test_registry_lists_the_issue_methods():
-    for name in ["naive", "torch_compile", "chunked", "liger", "cce", "torch_lce"]:
+    for name in ["naive", "torch_compile", "chunked", "liger", "cce", "torch_lce", "ours"]:
         assert name in helpers.METHODS
     with pytest.raises(KeyError, match="no method 'nope'"):
         helpers.get_method("nope")
