@@ -118,14 +118,38 @@ PROFILES: dict[str, Profile] = {
         device="cpu",
         dtypes=("float32", "float16"),  # the Triton interpreter computes bf16 wrongly (FACTS.md)
         sections={
+            # Memory sweep smoke run: Liger runs under the Triton interpreter (about a second per
+            # call here), so a small head, four token counts and one timed repeat; a simulated
+            # 5 MB card puts the OOM wall inside the sweep.
+            "02_memory_sweep": {
+                "dtype": "float32", "V": 1031, "D": 64, "N": [64, 128, 256, 512],
+                "warmup": 1, "repeats": 1, "gate_shapes": [(37, 257, 24), (53, 1031, 40)],
+                "cpu_budget_bytes": 5_000_000, "seed": 0,
+            },
             # (N, V, D) shapes: "shape" for the kernel checks (deliberately ragged), "sparse" for
             # the filter and sorting, "curve" for the sparsity curve (plain torch, no kernel).
             "04_kernel_walkthrough": {
                 "dtype": "float32", "low_precision": "float16",
-                "shape": (61, 1000, 40), "sparse": (64, 8192, 32), "curve": (256, 32768, 64),
+                "shape": (61, 1000, 40), "sparse": (32, 8192, 32), "curve": (256, 32768, 64),
                 "BLOCK_N": 16, "BLOCK_V": 64, "kahan_terms": 2048, "seed": 0,
             },
             "01_correctness": {"shapes": _GATE_SMALL, "seed": 0},
+            "03_convergence": {
+                # Smoke run: under the Triton interpreter a step of ours takes ~0.4 s even at V = 256.
+                "compute_dtype": "float32", "tolerance": 1e-4,
+                "finetune": {
+                    "methods": ["exact", "ours", "ours_nofilter", "liger", "cce", "chunked"],
+                    "task": {"V": 256, "D": 16, "d_features": 16, "rows": 512, "batch": 16},
+                    "train": {"steps": 12, "lr": 1e-2, "seed": 0},
+                },
+                "pretrain": {
+                    "methods": ["exact", "ours", "ours_kahan_fullc", "cce"],
+                    "corpus": {"vocab_size": 256, "max_files": 60},
+                    "task": {"D": 16, "context": 4, "d_embed": 16, "d_hidden": 64, "batch": 32, "curve_tokens": 2048},
+                    "train": {"steps": 8, "warmup": 2, "lr": 3e-3, "eval_every": 2},
+                    "seeds": [0, 1],
+                },
+            },
         },
     ),
     "t4": Profile(
@@ -134,12 +158,34 @@ PROFILES: dict[str, Profile] = {
         device="cuda",
         dtypes=("float32", "float16"),
         sections={
+            # The seed article's sweep: the Qwen3-0.6B head in fp16 at its six token counts.
+            "02_memory_sweep": {
+                "dtype": "float16", "V": 151_936, "D": 1_024,
+                "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768],
+                "warmup": 1, "repeats": 5, "gate_shapes": [(257, 5003, 136), (1031, 32011, 520)], "seed": 0,
+            },
             "04_kernel_walkthrough": {
                 "dtype": "float16", "low_precision": "float16",
                 "shape": (1031, 32011, 120), "sparse": (2048, 32768, 128), "curve": (512, 151936, 64),
                 "BLOCK_N": 32, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
+            "03_convergence": {
+                # Sized for ~10 minutes on a T4; the gpu profile runs the same sizes in bf16.
+                "compute_dtype": "float16", "tolerance": 1e-2,
+                "finetune": {
+                    "methods": ["exact", "ours", "ours_nofilter", "liger", "cce", "chunked"],
+                    "task": {"V": 32768, "D": 256, "d_features": 256, "rows": 16384, "batch": 4096},
+                    "train": {"steps": 300, "lr": 3e-3, "seed": 0},
+                },
+                "pretrain": {
+                    "methods": ["exact", "ours", "ours_kahan_fullc", "cce"],
+                    "corpus": {"vocab_size": 32768, "max_files": None},
+                    "task": {"D": 256, "context": 8, "d_embed": 64, "d_hidden": 1024, "batch": 4096, "curve_tokens": 32768},
+                    "train": {"steps": 1000, "warmup": 50, "lr": 2e-3, "eval_every": 50},
+                    "seeds": [0, 1, 2],
+                },
+            },
         },
     ),
     "gpu": Profile(
@@ -148,12 +194,33 @@ PROFILES: dict[str, Profile] = {
         device="cuda",
         dtypes=("float32", "float16", "bfloat16"),
         sections={
+            # The article's sweep carried on to 131,072 tokens (sizes that cannot fit are dropped).
+            "02_memory_sweep": {
+                "dtype": "bfloat16", "V": 151_936, "D": 1_024,
+                "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 131_072],
+                "warmup": 2, "repeats": 7, "gate_shapes": [(257, 5003, 136), (1031, 32011, 520)], "seed": 0,
+            },
             "04_kernel_walkthrough": {
                 "dtype": "bfloat16", "low_precision": "bfloat16",
                 "shape": (1031, 32011, 120), "sparse": (2048, 65536, 128), "curve": (512, 151936, 64),
                 "BLOCK_N": 64, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
+            "03_convergence": {
+                "compute_dtype": "bfloat16", "tolerance": 2e-2,
+                "finetune": {
+                    "methods": ["exact", "ours", "ours_nofilter", "liger", "cce", "chunked"],
+                    "task": {"V": 32768, "D": 256, "d_features": 256, "rows": 16384, "batch": 4096},
+                    "train": {"steps": 300, "lr": 3e-3, "seed": 0},
+                },
+                "pretrain": {
+                    "methods": ["exact", "ours", "ours_kahan_fullc", "cce"],
+                    "corpus": {"vocab_size": 32768, "max_files": None},
+                    "task": {"D": 256, "context": 8, "d_embed": 64, "d_hidden": 1024, "batch": 4096, "curve_tokens": 32768},
+                    "train": {"steps": 1000, "warmup": 50, "lr": 2e-3, "eval_every": 50},
+                    "seeds": [0, 1, 2],
+                },
+            },
         },
     ),
 }
