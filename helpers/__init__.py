@@ -11,7 +11,11 @@ The package behind the notebooks in ``notebooks/``:
 
 import os as _os
 
-import torch as _torch
+# The CPU memory measurement runs the torch profiler, whose Kineto backend otherwise logs two lines
+# to stderr on every call. Read when torch loads its profiler, so set before torch is imported.
+_os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+import torch as _torch  # noqa: E402
 
 # Triton kernels run on a CPU only under the interpreter, which must be switched on before triton is
 # imported. On a machine without CUDA we switch it on, so "import helpers" is all a CPU user needs.

@@ -1,4 +1,4 @@
-"""Command line: ``python -m helpers {run, gate, methods, stage-kaggle}``."""
+"""Command line: ``python -m helpers {run, gate, bench, methods, stage-kaggle}``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,21 @@ def _gate(args) -> int:
     if report.failures:
         print(report.failure_message(), file=sys.stderr)
     return 1 if report.failures else 0
+
+
+def _bench(args) -> int:
+    import torch
+
+    from .bench import bench_table, run_bench
+
+    records = run_bench(
+        args.methods, args.shapes, args.regimes, tuple(getattr(torch, d) for d in args.dtypes),
+        args.N, args.output, args.warmup, args.repeats, args.time_failed,
+    )
+    print(bench_table(records))
+    if args.output:
+        print(f"results appended to {args.output}")
+    return 1 if any(r.status == "error" for r in records) else 0
 
 
 def _methods(args) -> int:
@@ -73,6 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     gate.add_argument("--dtypes", nargs="*", choices=["float32", "float16", "bfloat16"])
     gate.add_argument("--output", help="write the report as JSON here")
     gate.set_defaults(func=_gate)
+
+    from .bench import SHAPES
+
+    bench = sub.add_parser("bench", help="time and measure methods side by side (gate first)")
+    bench.add_argument("--methods", nargs="+", default=["torch_compile", "liger", "cce", "ours"])
+    bench.add_argument("--shapes", nargs="+", default=["gemma2-2b"], choices=sorted(SHAPES))
+    bench.add_argument("--regimes", nargs="+", default=["uniform"], choices=["uniform", "realistic"])
+    bench.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["float32", "float16", "bfloat16"])
+    bench.add_argument("--N", nargs="+", type=int, help="token counts (default: each shape's list)")
+    bench.add_argument("--output", help="append results here as JSON Lines")
+    bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--repeats", type=int, default=7)
+    bench.add_argument("--time-failed", action="store_true", help="also time methods that fail the gate")
+    bench.set_defaults(func=_bench)
 
     methods = sub.add_parser("methods", help="list the registered methods and whether each runs here")
     methods.set_defaults(func=_methods)

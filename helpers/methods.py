@@ -256,6 +256,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             del z, raw
             dE[i] = (G @ C32).to(E.dtype)
             dC.addmm_(G.T, E32)
+            del G  # else it lives until the next chunk's G is assigned: one more (rows, V) block
         return dE, dC.to(C.dtype), None, None, None, None
 
 

@@ -1,0 +1,320 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: kernelspec,jupytext,-jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · The memory sweep: where the loss stops fitting
+#
+# The seed article's central figure, measured on a free Kaggle T4 in fp16 at the Qwen3-0.6B head
+# (V = 151,936, D = 1,024): the peak memory of the loss, forward and backward, as the number of
+# tokens N in a micro-batch grows.
+#
+# | N | 1,024 | 2,048 | 4,096 | 8,192 | 16,384 | 32,768 |
+# |---|---:|---:|---:|---:|---:|---:|
+# | naive | 3.77 GB | 5.64 | 9.38 | OOM | OOM | OOM |
+# | torch.compile | 2.53 | 2.84 | 3.48 | 4.74 | 7.26 | 12.30 |
+# | Liger | 3.15 | 3.16 | 3.17 | 3.20 | 3.25 | 3.36 |
+#
+# The naive loss climbs 1.87 GB for every 1,024 tokens and dies past 4,096; torch.compile climbs
+# more slowly but still linearly; Liger stays flat. This notebook measures the same sweep on *your*
+# device, for every method that passes the correctness gate, and puts the arithmetic beside each
+# measured point, so that the picture can be explained, not just believed.
+#
+# "Run all" gives the full run for the device found (a T4 gets the article's sweep; a bigger GPU
+# carries it on to 131,072 tokens; a CPU a seconds-long smoke run). `pretend_t4 = True` on a big
+# GPU gives it a T4's memory and the article's token counts: the article's OOM wall, reproduced.
+
+# %% tags=["parameters"]
+profile = "auto"  # "auto": the full run for the device found; or "cpu", "t4", "gpu"
+output_dir = "results/02_memory_sweep"
+dtype = None  # "float16", "bfloat16" or "float32"; None: the profile's (fp16 T4, bf16 newer GPUs, fp32 CPU)
+V = None  # vocabulary; None: the profile's (the Qwen3-0.6B head on GPUs)
+D = None  # hidden size; None: the profile's
+pretend_t4 = False  # on a big GPU: cap memory to a T4's and sweep the article's token counts
+memory_fraction = 0.9  # the guardrail: the share of the card's memory the process may allocate
+
+# %%
+from pathlib import Path
+
+import helpers  # first: it quiets the CPU memory meter's logging before torch loads
+import torch
+from IPython.display import Markdown, display
+
+from helpers import measure, sweep
+from helpers.gate import GateCase, run_gate
+from helpers.plotting import plot_memory_sweep
+from helpers.report import write_report_fragment
+
+P = helpers.get_profile("t4" if pretend_t4 else profile)  # a pretend T4 runs the T4's sweep
+settings = P.section("02_memory_sweep")
+if P.device == "cuda" and not torch.cuda.is_available():
+    raise RuntimeError(f"profile {P.name!r} needs a CUDA GPU and none was found; use profile='cpu'")
+device = helpers.profiles.default_device() if P.device == "cuda" else torch.device("cpu")
+info = helpers.device_info(device)
+dtype = getattr(torch, dtype or settings["dtype"])
+V = V or settings["V"]
+D = D or settings["D"]
+out = Path(output_dir)
+out.mkdir(parents=True, exist_ok=True)
+stem = "memory_sweep_pretend_t4" if pretend_t4 else "memory_sweep"
+print(f"profile {P.name}{' (pretend T4)' if pretend_t4 else ''}: {P.description}")
+print(f"device: {info.describe()}")
+print(f"head: V={V:,}, D={D:,}, {str(dtype).replace('torch.', '')}; token counts {settings['N']}")
+
+# %% [markdown]
+# ## The guardrail
+#
+# A sweep that pushes a method past the card's memory must fail *politely*. On a machine with
+# unified memory the article's first OOM took the whole machine down; the fix was one line,
+# `torch.cuda.set_per_process_memory_fraction(0.9)`, after which an allocation past 90% of the card
+# raises a catchable `torch.OutOfMemoryError`. The sweep records it as the wall for that method
+# and carries on.
+#
+# The same line lets a big GPU pretend to be a small one: with `pretend_t4` the cap is
+# `memory_fraction` (90%) of a T4's memory, exactly what a T4 reader running this notebook gets. (It caps the memory, not the
+# architecture: kernels still take their fast paths for the GPU they run on.) On the CPU there is
+# no allocator to cap; the profile's simulated card is a budget on each step's measured peak.
+
+# %%
+cap = measure.apply_memory_cap(memory_fraction, pretend_t4=pretend_t4,
+                               cpu_budget_bytes=settings.get("cpu_budget_bytes"), device=device)
+print(cap.describe())
+Ns = sweep.sizes_that_fit(settings["N"], V, D, dtype, cap)
+if Ns != sorted(settings["N"]):
+    print(f"left out (even dE + dC would not fit): N = {sorted(set(settings['N']) - set(Ns))}")
+
+# %% [markdown]
+# ## Which methods: the gate first
+#
+# Only a correct method is worth measuring. The full gate is notebook 01; here a quick one runs in
+# the dtype of the sweep, on the configuration the sweep calls (mean over tokens, some ignored, no
+# soft cap), at two small irregular shapes. A method that cannot run here, or fails, is named with
+# the reason and left out.
+
+# %%
+cases = [GateCase(n, v, d, "mean", "some") for n, v, d in settings["gate_shapes"]]
+report = run_gate(list(helpers.METHODS), (dtype,), cases, device=device, raise_on_failure=False)
+methods = []
+for name, method in helpers.METHODS.items():
+    reason = method.why_unavailable(device, dtype)
+    if reason:
+        print(f"  left out  {name:<14} unavailable: {reason}")
+    elif not report.passed(name, dtype):
+        failure = [line for line in report.failure_message().splitlines() if line.startswith(f"{name} ")]
+        print(f"  left out  {name:<14} FAILED the gate: {failure[0] if failure else 'see notebook 01'}")
+    else:
+        methods.append(name)
+        print(f"  sweeping  {name:<14} passed the gate ({len(cases)} cases)")
+
+# %% [markdown]
+# ## Theory first: what each method must hold
+#
+# Write b for the bytes of one input element (2 in fp16/bf16, 4 in fp32). Each method's peak, in
+# bytes above the inputs, read off its code and checked against the profiler:
+#
+# - **naive**, `F.cross_entropy((E @ C.T).float(), x)`: the input-dtype logits (N·V·b) die right
+#   after the upcast. The peak is in the backward of `log_softmax`, where three fp32 N×V tensors
+#   are alive at once: the log-softmax saved by the forward, the gradient `nll_loss` hands back
+#   (dense), and the gradient `log_softmax` returns. **12 bytes per logit, 12·N·V**, in every
+#   dtype: at the article's N = 16,384 that is 29.9 GB.
+# - **torch.compile**: Inductor fuses upcast, softmax and loss, keeps only the input-dtype logits
+#   for backward and writes their gradient over them: **N·V·b + (N·D + V·D)·b**. Still N×V, but b
+#   bytes a logit instead of 12.
+# - **chunked** (plain PyTorch, in this package): dE, an fp32 dC accumulator, (16-bit inputs) an fp32 copy
+#   of C, and fp32 (rows, V) blocks of 256 MiB each: the raw logits, z − lse and G, plus the
+#   previous chunk's G, which lives on until the next one is bound (four blocks; three when one
+#   chunk covers all N). Flat once N passes one chunk's rows (441 at the Qwen3 head).
+# - **Liger**: the gradients, computed during the forward pass (**(N·D + V·D)·b**), plus one
+#   (rows, V) logit block of about N·D elements; before sm_80 (a T4), in fp32 and on the CPU it
+#   also adds each chunk's dC through a (V, D) temporary and its fp32 copy.
+# - **Apple CCE**: the floor, (N·D + V·D)·b, plus O(N) for the per-row LSE.
+# - Any other method (ours in Triton, PyTorch's `linear_cross_entropy`) has no formula here and is
+#   compared with the floor: what it holds above it is its own buffers and accumulators.
+#
+# The floor itself, the two gradients dE and dC that any method must hand back, is drawn in grey.
+
+# %%
+unit_name, unit_bytes = unit = sweep.memory_unit(sweep.predicted_peak_bytes("naive", Ns[-1], V, D, dtype))
+rows = ["| method | formula | " + " | ".join(f"N={n:,}" for n in Ns) + " |", "|---|---|" + "---:|" * len(Ns)]
+for name in methods:
+    formula = sweep.THEORY[name][1] if name in sweep.THEORY else "no formula here; compared with the floor"
+    cells = [sweep.predicted_peak_bytes(name, n, V, D, dtype, info.capability) for n in Ns]
+    rows.append(f"| {name} | {formula} | " + " | ".join("—" if c is None else f"{c / unit_bytes:.3f}" for c in cells) + " |")
+floor = [sweep.lower_bound_bytes(n, V, D, dtype) / unit_bytes for n in Ns]
+rows.append("| floor | dE + dC | " + " | ".join(f"{c:.3f}" for c in floor) + " |")
+display(Markdown(f"Predicted peak, {unit_name} above the inputs:\n\n" + "\n".join(rows)))
+for name in methods:
+    wall = sweep.first_oom_n(name, Ns, V, D, dtype, cap, info.capability)
+    if wall is not None:
+        print(f"theory says {name} will not fit from N={wall:,} on")
+
+# %% [markdown]
+# ### Does the theory explain the article's numbers?
+#
+# The article measured inside its trainer, with everything already resident counted: the inputs
+# and whatever else the trainer held. If the formulas are right, the article's numbers minus
+# (theory + inputs), for the T4's code paths in fp16, should be one constant at every point.
+
+# %%
+head = sweep.QWEN3_HEAD
+rows = ["| method | " + " | ".join(f"N={n:,}" for n in sweep.ARTICLE_N) + " |", "|---|" + "---:|" * len(sweep.ARTICLE_N)]
+residuals = []
+for name, article in sweep.ARTICLE_T4_PEAK_GB.items():
+    cells = []
+    for n, gb in zip(sweep.ARTICLE_N, article):
+        ours = sweep.predicted_peak_bytes(name, n, **head, dtype="float16", capability=sweep.T4_CAPABILITY)
+        ours += sweep.input_bytes(n, **head, dtype="float16")
+        cells.append("OOM" if gb is None else f"{gb:.2f} − {ours / 1e9:.2f} = **{gb - ours / 1e9:.2f}**")
+        residuals += [] if gb is None else [gb - ours / 1e9]
+    rows.append(f"| {name} | " + " | ".join(cells) + " |")
+display(Markdown("Article − (theory + inputs), GB:\n\n" + "\n".join(rows)))
+print(f"residual {min(residuals):.3f} to {max(residuals):.3f} GB over {len(residuals)} points")
+assert max(residuals) - min(residuals) < 0.02, "the theory no longer explains the article's table"
+
+# %% [markdown]
+# Fifteen points, three methods, one constant: about 1.59 GB was resident in the article's trainer
+# before the loss ran, and every byte above it is what the formulas say. The slopes are exact:
+# 12 bytes per logit for naive, 2 for torch.compile in fp16, and for Liger only dE and its logit
+# block, which grow with N·D, not N·V. Our measurements below count only what the loss step itself
+# allocates, so they should land on the theory, not on the article's absolute numbers.
+#
+# ## How we measure
+#
+# `helpers.measure` is the one place for it. `peak_memory(fn)` returns the most memory `fn` held at
+# once, above what was allocated before it started: on CUDA from the allocator's statistics
+# (`reset_peak_memory_stats`, then `max_memory_allocated` minus the memory allocated before); on
+# the CPU, which keeps no such statistics, from the PyTorch profiler's allocation and free events,
+# replayed in time order. `latency(fn)` is the median (with p10 and p90) of timed calls after
+# warm-up, with CUDA events on a GPU. Inputs are random, never zeros.
+#
+# Before trusting it with the sweep: a known allocation, then one naive step against 12·N·V.
+
+# %%
+known = 256 * 1024**2 if device.type == "cuda" else 8 * 1024**2
+measured = measure.peak_memory(lambda: torch.empty(known, dtype=torch.uint8, device=device), device=device)[1]
+print(f"a {known:,}-byte tensor: measured {measured:,} bytes")
+assert abs(measured - known) <= 0.01 * known
+n0 = Ns[0]
+E0, C0, x0 = sweep.make_sweep_inputs(n0, V, D, dtype, device, seed=0)
+naive_step = sweep.loss_step("naive", E0, C0, x0)
+naive_step()  # warm-up: one-time workspaces are not the loss's memory
+measured = measure.peak_memory(naive_step, device=device)[1]
+predicted = sweep.predicted_peak_bytes("naive", n0, V, D, dtype, info.capability)
+print(f"naive at N={n0:,}: measured {measured / unit_bytes:.4f} {unit_name}, 12·N·V = {predicted / unit_bytes:.4f} {unit_name}")
+assert abs(measured / predicted - 1) < 0.05
+del E0, C0, x0, naive_step
+measure.release_memory(device)
+
+# %% [markdown]
+# ## The sweep
+#
+# Every method that passed the gate, at every N, on fresh random inputs (E, C normal, C scaled so
+# the logits have a standard deviation of about 2, uniform targets: a dense softmax). Per point:
+# warm-up, one call under `peak_memory`, then the timed calls. A point that runs out of memory is
+# recorded as OOM, the memory released, and the method skipped at larger N.
+#
+# Each point is appended to `points.jsonl` as soon as it is measured, keyed by (method, N, V, D,
+# dtype, device, pretend T4, cap): a re-run, or a run cut short by a Kaggle session limit, picks up
+# where it stopped.
+
+# %%
+records = sweep.run_sweep(
+    methods, Ns, V=V, D=D, dtype=dtype, store=out / "points.jsonl", memory_cap=cap, device=device,
+    pretend_t4=pretend_t4, warmup=settings["warmup"], repeats=settings["repeats"], seed=settings["seed"],
+)
+print(f"{sum(r['status'] == 'ok' for r in records)} points measured, "
+      f"{sum(r['status'] == 'oom' for r in records)} out of memory, "
+      f"{sum(r['status'] == 'skipped after OOM' for r in records)} skipped after an OOM")
+
+# %% [markdown]
+# ## The picture
+#
+# Left, peak memory on log-log axes: a line with slope one grows in proportion to N, a flat line
+# does not depend on N at all. Solid lines with markers are measured; the thin dashed line of the
+# same colour is the theory (carried past the wall, to show where the method would have gone);
+# a cross is an out-of-memory point. The black dashed line is what a step may use (the cap minus
+# the inputs), the dotted line the article's real micro-batch, N = 16,384.
+#
+# Right, forward+backward time. A caveat the article made and we repeat: times on a T4 are not a
+# verdict on the kernels (Liger's fast paths need sm_80 or newer), and on the CPU the Triton
+# kernels run in an interpreter.
+
+# %%
+if pretend_t4:
+    caveat = "pretend T4: a T4's memory, but this GPU's speed"
+elif device.type == "cpu":
+    caveat = "CPU: Triton kernels run in the interpreter; these times say nothing about a GPU"
+else:
+    caveat = "" if info.has_bf16_matmul else "T4 times are not a verdict on the kernels (Liger's fast paths need sm_80+)"
+room = {n: cap.room_for(sweep.input_bytes(n, V, D, dtype)) for n in Ns} if cap.usable_bytes else None
+fig = plot_memory_sweep(
+    records, path=out / f"{stem}.png", room_bytes=room, micro_batch_N=sweep.ARTICLE_MICRO_BATCH_N,
+    latency_caveat=caveat, unit=unit,
+    title=f"{info.name if info.is_cuda else 'CPU'}{' as a T4' if pretend_t4 else ''}: V={V:,}, D={D:,}, "
+          f"{str(dtype).replace('torch.', '')}",
+)
+
+# %% [markdown]
+# ## Measured against theory
+#
+# Where they differ, and why. For naive and torch.compile the formulas count every tensor, and
+# the ratio should sit at 1.00 (a GPU may add a few MB of cuBLAS or Triton scratch). Liger's
+# formula follows its code path for this device (in-place dC accumulation only on sm_80+ in 16-bit).
+# For Apple CCE and PyTorch's `linear_cross_entropy` the comparison is with the floor: what they
+# hold above it is their chunk buffers and fp32 accumulators. Every measured peak must be at least
+# the floor, or the measurement is wrong.
+
+# %%
+labels = {name: helpers.get_method(name).label for name in methods}
+display(Markdown(sweep.results_table(records, labels)))
+for r in records:
+    if r["status"] == "ok":
+        assert r["peak_bytes"] >= 0.99 * r["lower_bound_bytes"], f"{r['method']} at N={r['N']} is below the floor"
+        if r["method"] == "naive":
+            assert abs(r["peak_bytes"] / r["theory_bytes"] - 1) < 0.05, f"naive at N={r['N']} is off 12·N·V"
+
+# %% [markdown]
+# ## The verdict
+#
+# Per method: does its memory grow with the logits (N×V) or stay flat, and where did it hit the
+# wall? The wall theory predicted is printed beside the one measured.
+#
+# One thing to read with care on the CPU smoke run: its head is so small that one 256 MiB chunk
+# holds every row, so `chunked` *is* the naive computation there (three fp32 N×V blocks, the same
+# 12 bytes per logit) and hits the simulated wall with it. At the Qwen3 head a chunk is 441 rows,
+# and from there on its line is flat.
+
+# %%
+verdict = sweep.verdicts(records, V)
+for name, sentence in verdict.items():
+    wall = sweep.first_oom_n(name, Ns, V, D, dtype, cap, info.capability)
+    theory = "no formula" if name not in sweep.THEORY else "no wall" if wall is None else f"wall at N={wall:,}"
+    print(f"{labels[name]}: {sentence} (theory: {theory})")
+meta = {
+    "profile": P.name, "device": info.as_dict(), "dtype": str(dtype).replace("torch.", ""), "V": V, "D": D,
+    "pretend_t4": pretend_t4, "memory_fraction": memory_fraction, "memory_cap_bytes": cap.usable_bytes,
+    "methods": methods, "N": Ns, "verdicts": verdict, "torch": torch.__version__,
+}
+csv_path, json_path = sweep.write_results(records, out, stem, meta)
+print(f"\nresults: {csv_path}, {json_path}, {out / f'{stem}.png'}")
+verdict_lines = "".join(f"\n- **{labels[name]}**: {sentence}" for name, sentence in verdict.items())
+write_report_fragment(out, f"""
+Peak memory of loss forward+backward against tokens N on {meta["device"]["description"]}{" as a T4" if pretend_t4 else ""},
+V={V:,}, D={D:,}, {meta["dtype"]}; {cap.describe()}.
+{verdict_lines}
+
+![Peak memory and latency against N]({stem}.png)
+
+{sweep.results_table(records, labels)}
+""")
