@@ -95,12 +95,11 @@ def _torch_compile(N, V, D, b, capability):
 def _chunked(N, V, D, b, capability):
     # methods.ChunkedLinearCrossEntropy. Backward holds dE (N D b), the fp32 accumulator dC32
     # (V D 4), for 16-bit inputs an fp32 copy of C (V D 4) and of the chunk's rows of E, and fp32
-    # (rows, V) blocks: raw logits, (z - lse), G = exp(z - lse), and from the second chunk on the
-    # previous chunk's G too (the loop rebinds G only once the new one exists): 3 blocks with one
-    # chunk, 4 with more. The last step casts dC32 to the input dtype (V D b) while dC32 and the
-    # copy of C are still alive.
+    # (rows, V) blocks at the peak: raw logits, (z - lse) and G = exp(z - lse); each chunk's G is
+    # freed before the next chunk starts. The last step casts dC32 to the input dtype (V D b) while
+    # dC32 and the copy of C are still alive.
     rows = min(N, chunk_rows(V))
-    blocks = 3 if rows >= N else 4
+    blocks = 3
     upcast = b < 4
     per_chunk = N * D * b + V * D * 4 + upcast * (V * D * 4 + rows * D * 4) + blocks * rows * V * 4
     last_step = N * D * b + V * D * 4 + upcast * (V * D * 4 + V * D * b)
