@@ -7,10 +7,16 @@ so the messages name it. The compiling happens in a subprocess with TRITON_INTER
 under the interpreter ``@triton.jit`` builds interpreted functions that cannot be compiled.
 
 Also shown: Apple's CCE backward (the ``cut_cross_entropy`` package) does not fit a T4.
+
+And a guard for a Hopper miscompile: when the backward kernel's dE product took the logit tile's
+accumulator (cast to fp16/bf16) as a register operand of sm_90's wgmma across its D loop, ptxas
+reused those registers inside the loop and dE came out wrong on the H200 (see
+``helpers/kernels/backward.py``). The sm_90 compiles here must keep no accumulator as an operand.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -75,7 +81,7 @@ def compile_ours(request):
         if request["kernel"] == "backward":
             constexprs["GROUP_N"] = cfg.GROUP_N
     constexprs.update(KERNEL_FLAGS[(request["kernel"], request["variant"])])
-    major, minor = tier.target_capability
+    major, minor = request.get("target") or tier.target_capability
     compiled = triton.compile(
         triton.compiler.ASTSource(fn=fn, signature=_signature(request["kernel"], fn, request["dtype"]),
                                   constexprs=constexprs),
@@ -83,7 +89,13 @@ def compile_ours(request):
         options=cfg.launch,
     )
     return dict(request, shared=compiled.metadata.shared, budget=tier.shared_memory_bytes,
-                config=repr(cfg))
+                config=repr(cfg), compiled_for=[major, minor],
+                accumulator_operands=ACCUMULATOR_AS_OPERAND.findall(compiled.asm["ttgir"]))
+
+
+# In TTGIR: a dot's accumulator layout (#mma) converted to a dot's register-operand layout.
+ACCUMULATOR_AS_OPERAND = re.compile(
+    r"ttg\.convert_layout \S+ : tensor<[^>]*#mma\d*> -> tensor<[^>]*#ttg\.dot_op<[^>]*>>")
 
 
 def compile_apple(request):
@@ -137,12 +149,19 @@ def all_requests():
                     if variant == "none" and not turing:
                         continue
                     requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant=variant))
+    # Every tier's backward for a Hopper GPU too (configs= can pick any tier on any GPU).
+    for tier in TIERS:
+        if tier.target_capability != (9, 0):
+            for dtype in ("fp16", "bf16"):
+                requests.append(dict(tier=tier.name, dtype=dtype, kernel="backward", variant="none",
+                                     target=[9, 0]))
     requests.append(dict(tier="apple", dtype="fp16", kernel="apple_backward", variant="default"))
     return requests
 
 
 def _key(r):
-    return f"{r['tier']}-{r['kernel']}-{r['dtype']}-{r['variant']}"
+    target = f"-sm{r['target'][0]}{r['target'][1]}" if r.get("target") else ""
+    return f"{r['tier']}-{r['kernel']}-{r['dtype']}-{r['variant']}{target}"
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +183,7 @@ def _our_requests():
     return [r for r in all_requests() if r["kernel"] != "apple_backward"]
 
 
-@pytest.mark.parametrize("request_", _our_requests(), ids=_key)
+@pytest.mark.parametrize("request_", [r for r in _our_requests() if not r.get("target")], ids=_key)
 def test_config_fits_its_tier(compiled, request_):
     r = compiled[_key(request_)]
     assert "error" not in r, f"Triton {compiled['triton']} failed to compile {_key(r)}: {r['error']}"
@@ -174,8 +193,25 @@ def test_config_fits_its_tier(compiled, request_):
     )
 
 
+def _hopper_backward_requests():
+    return [r for r in _our_requests() if r["kernel"] == "backward" and r["dtype"] != "fp32"
+            and (r.get("target") == [9, 0] or r["tier"] == "hopper-227k")]
+
+
+@pytest.mark.parametrize("request_", _hopper_backward_requests(), ids=_key)
+def test_hopper_backward_keeps_no_accumulator_in_registers_as_operand(compiled, request_):
+    """ptxas 12.8/12.9 clobbered such an operand held across the D loop: wrong dE on the H200."""
+    r = compiled[_key(request_)]
+    assert "error" not in r, f"Triton {compiled['triton']} failed to compile {_key(r)}: {r['error']}"
+    assert r["compiled_for"] == [9, 0]
+    assert not r["accumulator_operands"], (
+        f"Triton {compiled['triton']}: {_key(r)} feeds an accumulator to a dot from registers: "
+        f"{r['accumulator_operands'][0][:300]}"
+    )
+
+
 def test_turing_configs_fit_64_kb(compiled):
-    turing = [r for k, r in compiled.items() if k.startswith("turing-64k")]
+    turing = [r for k, r in compiled.items() if k.startswith("turing-64k") and "-sm" not in k]
     assert len(turing) == 10
     for r in turing:
         assert r["shared"] <= 65536, (

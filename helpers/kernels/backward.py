@@ -48,7 +48,7 @@ def accumulate_grads(
     # upstream gradient is applied where it cannot underflow fp16: g = 1/N_kept would push
     # S ~ 1e-6 below fp16's smallest subnormal, so dE's G stays unscaled (rows scaled after the
     # product, exactly) and dC's G carries g relative to its maximum (g_scale applied after).
-    G_dE = G.to(dtype)
+    G_dE = G.to(dtype)  # (BLOCK_N, BLOCK_V)
     G_dC = tl.trans(G * g_rel[:, None]).to(dtype)  # (BLOCK_V, BLOCK_N)
     dE_scale = (g_rel * g_scale)[:, None]
     offs_d = tl.arange(0, BLOCK_D)
@@ -58,7 +58,16 @@ def accumulate_grads(
         if DO_DE:
             c = tl.load(C_ptr + cols[:, None] * stride_Cv + d[None, :] * stride_Cd,
                         mask=col_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_V, BLOCK_D)
-            dE_tile = tl.dot(G_dE, c, input_precision=DOT_PRECISION) * dE_scale  # (BLOCK_N, BLOCK_D)
+            # dE_tile = G_dE c, computed as (c^T G_dE^T)^T so that both operands of the product sit
+            # in shared memory. Written as tl.dot(G_dE, c), Triton (3.6 and 3.9) keeps G_dE, the
+            # cast of the logit tile's accumulator, in registers as the A operand of sm_90's wgmma
+            # across this D loop, and ptxas (12.8 and 12.9) reuses those registers inside the loop
+            # (for the scaled dE tile and dC's operand) without restoring them: on Hopper every D
+            # block after the first multiplied c by stale values (relative error 1.0-1.4 at every
+            # shape, fp16 and bf16; the interpreter has no registers and was right).
+            # tests/test_cce_configs.py checks the sm_90 compile keeps no accumulator as operand.
+            dE_tile = tl.trans(tl.dot(tl.trans(c), tl.trans(G_dE), input_precision=DOT_PRECISION))
+            dE_tile = dE_tile * dE_scale  # (BLOCK_N, BLOCK_D)
             tl.atomic_add(dE_ptr + rows[:, None] * stride_dEn + d[None, :] * stride_dEd, dE_tile,
                           mask=row_mask[:, None] & d_mask[None, :], sem="relaxed")
         if DO_DC:
