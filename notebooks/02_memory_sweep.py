@@ -16,6 +16,8 @@
 # %% [markdown]
 # # 02 · The memory sweep: where the loss stops fitting
 #
+# [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/mecs-workbench/memory-efficient-cross-entropy/blob/main/notebooks/02_memory_sweep.ipynb) [![Open in Kaggle](https://kaggle.com/static/images/open-in-kaggle.svg)](https://kaggle.com/kernels/welcome?src=https://github.com/mecs-workbench/memory-efficient-cross-entropy/blob/main/notebooks/02_memory_sweep.ipynb)
+#
 # The seed article's central figure, measured on a free Kaggle T4 in fp16 at the Qwen3-0.6B head
 # (V = 151,936, D = 1,024): the peak memory of the loss, forward and backward, as the number of
 # tokens N in a micro-batch grows.
@@ -34,6 +36,125 @@
 # "Run all" gives the full run for the device found (a T4 gets the article's sweep; a bigger GPU
 # carries it on to 131,072 tokens; a CPU a seconds-long smoke run). `pretend_t4 = True` on a big
 # GPU gives it a T4's memory and the article's token counts: the article's OOM wall, reproduced.
+
+# %% jupyter={"source_hidden": true} tags=["cold-start"]
+# Cold start: make `helpers` importable here, then report what this machine can run.
+# Where the suite is installed (a checkout, CI, papermill) it only reports. On Kaggle and Colab
+# it pip-installs the suite without touching the preinstalled torch: from an attached dataset's
+# wheel (Kaggle offline) or from GitHub. HELPERS_BOOTSTRAP_DRY_RUN=1 prints pip commands instead.
+# Generated from helpers/bootstrap.py (COLD_START_CELL): edit it there, not here.
+import glob, importlib, importlib.metadata, importlib.util, os, platform, re, shlex, subprocess, sys
+
+HELPERS_SOURCE = "https://github.com/mecs-workbench/memory-efficient-cross-entropy/archive/refs/heads/main.zip"
+REQUIREMENTS = {
+    "numpy": "numpy",
+    "matplotlib": "matplotlib",
+    "tqdm": "tqdm",
+    "ipywidgets": "ipywidgets>=8",
+    "triton": "triton>=3.0",
+    "liger_kernel": "liger-kernel>=0.5",
+    "cut_cross_entropy": "cut-cross-entropy>=24.12",
+}
+WHEEL_DIRS = ["/kaggle/input"]
+
+def detect_platform(environ, modules):
+    """'kaggle', 'colab' or 'local', from the environment variables and the imported modules."""
+    if "KAGGLE_KERNEL_RUN_TYPE" in environ:  # "Interactive" in the editor, "Batch" in Save & Run All
+        return "kaggle"
+    if "google.colab" in modules:
+        return "colab"
+    return "local"
+
+def importable(module):
+    """Whether ``module`` can be imported; for ``helpers``, whether it is this suite's package."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or module != "helpers":
+        return spec is not None
+    return any(os.path.exists(os.path.join(p, "bootstrap.py")) for p in spec.submodule_search_locations or [])
+
+def find_wheels(dirs):
+    """Every .whl in the first folder (searched two levels down) that holds a helpers wheel."""
+    for top in dirs:
+        found = sorted(w for depth in ("", "*", "*/*") for w in glob.glob(os.path.join(top, depth, "helpers-*.whl")))
+        if found:
+            return sorted(glob.glob(os.path.join(os.path.dirname(found[-1]), "*.whl")))
+    return []
+
+def find_checkout(start):
+    """The source checkout of this repository that ``start`` (the notebook's folder) sits in, if any."""
+    for folder in [start, os.path.dirname(start)]:
+        pyproject = os.path.join(folder, "pyproject.toml")
+        if os.path.isfile(pyproject):
+            with open(pyproject) as f:
+                if 'name = "helpers"' in f.read():
+                    return folder
+    return None
+
+def cold_start_plan(where, have, versions, wheels=(), checkout=None, system="Linux"):
+    """[(why, pip arguments)]: what makes the suite importable here; [] when it already is.
+
+    where: "kaggle", "colab" or "local"; have: the importable modules among "helpers", "torch" and
+    REQUIREMENTS; versions: {"torch": ..., "triton": ...} as installed; wheels: .whl files found
+    offline (find_wheels); checkout: the checkout the notebook sits in (find_checkout).
+    """
+    if "torch" not in have:
+        raise RuntimeError("PyTorch is not installed. This cell never chooses a torch build: install the one "
+                           "for this machine (https://pytorch.org/get-started/locally/), then run it again.")
+    steps = []
+    helpers_wheels = [w for w in wheels if os.path.basename(w).startswith("helpers-")]
+    if "helpers" not in have:
+        if helpers_wheels:
+            steps.append(("install helpers from the attached wheel", ["install", "--no-deps", helpers_wheels[-1]]))
+        elif checkout and where == "local":
+            steps.append(("install this checkout, editable", ["install", "--no-deps", "-e", checkout]))
+        else:
+            steps.append((f"install helpers from {HELPERS_SOURCE}", ["install", "--no-deps", HELPERS_SOURCE]))
+    missing = [req for module, req in REQUIREMENTS.items()
+               if module not in have and (module != "triton" or system == "Linux")]
+    # Pinned in the same command, the present torch (and triton) stay: pip fails rather than swap them.
+    pins = [f"{name}=={versions[name]}" for name in ("torch", "triton") if name in versions]
+    wheel_names = {os.path.basename(w).split("-")[0].lower() for w in wheels}
+    offline = [r for r in missing if re.split("[<>=]", r)[0].replace("-", "_").lower() in wheel_names]
+    online = [r for r in missing if r not in offline]
+    if offline:  # pure-Python wheels needing only torch and triton (checked when the dataset is built)
+        folder = os.path.dirname(wheels[0])
+        steps.append((f"install {', '.join(offline)} from the attached wheels",
+                      ["install", "--no-deps", "--no-index", "--find-links", folder, *offline]))
+    if online:
+        steps.append((f"install {', '.join(online)} (torch kept as it is)", ["install", *online, *pins]))
+    return steps
+
+def cold_start(environ=os.environ, modules=sys.modules, run=subprocess.run):
+    """Plan for this machine, run the plan (or print it under HELPERS_BOOTSTRAP_DRY_RUN=1), report."""
+    where = detect_platform(environ, modules)
+    have = {m for m in ["helpers", "torch", *REQUIREMENTS] if importable(m)}
+    versions = {}
+    for name in ["torch", "triton"]:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    extra = [environ["HELPERS_WHEELHOUSE"]] if environ.get("HELPERS_WHEELHOUSE") else []
+    wheels = find_wheels(extra + WHEEL_DIRS)
+    steps = cold_start_plan(where, have, versions, wheels, find_checkout(os.getcwd()), platform.system())
+    dry_run = environ.get("HELPERS_BOOTSTRAP_DRY_RUN") == "1"
+    for why, args in steps:
+        print(f"cold start ({where}): {why}\n  {'[dry run] ' if dry_run else ''}pip {shlex.join(args)}")
+        if not dry_run:
+            done = run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{why} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}\nOn Kaggle, turn "
+                                   "Internet on or attach the dataset that `python -m helpers stage-kaggle` builds.")
+    importlib.invalidate_caches()
+    if importable("helpers"):
+        import helpers.bootstrap
+
+        print(helpers.bootstrap.environment_report(where))
+    else:
+        print("helpers is not installed yet (dry run): the report follows a real install.")
+
+
+cold_start()
 
 # %% tags=["parameters"]
 profile = "auto"  # "auto": the full run for the device found; or "cpu", "t4", "gpu"

@@ -232,7 +232,6 @@ def test_install_cold_start_cell_after_the_title(tmp_path):
     assert first_code_cell(py) == COLD_START_CELL and "Old cold start" not in py.read_text()
 
 
-@pytest.mark.xfail(strict=False, reason="lead inserts the cell at integration")
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
 def test_every_notebook_starts_with_the_current_cell(source):
     assert first_code_cell(source) == COLD_START_CELL, f"run: python -m helpers.bootstrap install-cells"

@@ -215,7 +215,6 @@ def test_install_badges_under_the_title_once(tmp_path):
     assert COLAB_BADGE in paired.cells[0].source  # the .ipynb was synced
 
 
-@pytest.mark.xfail(strict=False, reason="lead inserts the badges at integration")
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
 def test_every_notebook_has_its_badges(notebook):
     assert badges_markdown(notebook) in notebook.with_suffix(".py").read_text()
