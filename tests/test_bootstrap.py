@@ -213,10 +213,12 @@ def test_cell_on_colab(tmp_path):
 
 
 def test_install_cold_start_cell_after_the_title(tmp_path):
-    source = SOURCES[0]
-    py = tmp_path / source.name
-    shutil.copy(source, py)
-    shutil.copy(source.with_suffix(".ipynb"), py.with_suffix(".ipynb"))
+    py = tmp_path / "01_example.py"  # a notebook without the cell (the suite's all have it)
+    py.write_text('# ---\n# jupyter:\n#   jupytext:\n#     formats: ipynb,py:percent\n# ---\n\n'
+                  '# %% [markdown]\n# # 01 · Example\n#\n# Prose.\n\n# %%\nprint("hello")\n')
+    jupytext.write(jupytext.read(py), py.with_suffix(".ipynb"))
+    os.utime(py.with_suffix(".ipynb"), (1e9, 1e9))  # older than the edit, as a committed pair is
+    os.utime(py, (1e9, 1e9))
     assert install_cold_start_cell(py) is True
     assert install_cold_start_cell(py) is False  # idempotent
     nb = jupytext.read(py)

@@ -3,11 +3,13 @@ validator catches each way a folder goes wrong, and the Colab/Kaggle badges poin
 
 import copy
 import json
+import os
 import shutil
 import zipfile
 from pathlib import Path
 
 import nbformat
+import jupytext
 import pytest
 
 from helpers.bootstrap import GITHUB_BRANCH, GITHUB_REPO
@@ -200,9 +202,12 @@ def test_badge_links_come_from_the_one_repository_constant():
 
 
 def test_install_badges_under_the_title_once(tmp_path):
-    py = tmp_path / NOTEBOOKS[0].with_suffix(".py").name
-    shutil.copy(NOTEBOOKS[0].with_suffix(".py"), py)
-    shutil.copy(NOTEBOOKS[0], py.with_suffix(".ipynb"))
+    py = tmp_path / NOTEBOOKS[0].with_suffix(".py").name  # same name, without the badges
+    py.write_text('# ---\n# jupyter:\n#   jupytext:\n#     formats: ipynb,py:percent\n# ---\n\n'
+                  '# %% [markdown]\n# # 01 · Example\n#\n# Prose.\n\n# %%\nprint("hello")\n')
+    jupytext.write(jupytext.read(py), py.with_suffix(".ipynb"))
+    os.utime(py.with_suffix(".ipynb"), (1e9, 1e9))  # older than the edit, as a committed pair is
+    os.utime(py, (1e9, 1e9))
     assert install_badges(py) is True
     assert install_badges(py) is False  # idempotent
     text = py.read_text()
