@@ -8,6 +8,7 @@ R=/tmp/results
 mkdir -p "$R"
 step() { local limit=$1; shift; local t0=$SECONDS; timeout "$limit" "$@"; echo "== exit $? after $((SECONDS - t0)) s: $*"; }
 step "${1:-470}" python3 -m helpers run --profile gpu --output "$R"
+mkdir -p "$R/02_memory_sweep_t4"
 step "${2:-80}" python3 -m papermill notebooks/02_memory_sweep.ipynb "$R/02_memory_sweep_t4/02_memory_sweep.ipynb" \
   -p profile gpu -p output_dir "$R/02_memory_sweep_t4" -p pretend_t4 True --cwd notebooks --no-progress-bar
 step "${3:-0}" python3 -m helpers bench --shapes gemma2-2b --methods torch_compile liger cce ours \

@@ -39,7 +39,9 @@ Design (kernels in ``helpers/kernels/``, launch configurations in ``helpers/kern
   When N spans several row chunks, dC is rounded to the input dtype once per chunk;
   ``accumulation="kahan"`` carries the rounding error of those folds in a compensation buffer
   (V * D in the input dtype, allocated only when there are several chunks) so dC is rounded once.
-- gradient filter (paper 4.2): a tile whose |G| < eps everywhere skips its two products. eps
+- gradient filter (paper 4.2): a tile whose |G| sums to less than eps in every row skips its two
+  products (the paper bounds each entry; bounding the row mass also holds on a flat softmax, where
+  every entry is tiny and their sum is not: see helpers/kernels/backward.py). eps
   defaults from the dtype ("auto"): 2^-12 for bf16 as in the paper, i.e. 2^-5 of bf16's machine
   epsilon, and the same 2^-5 of fp16's (2^-15); off for fp32. With label smoothing "auto" turns the
   filter off: the uniform term -ls/V sits below eps in every tile, so skipping would drop it.

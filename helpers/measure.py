@@ -272,7 +272,9 @@ def apply_memory_cap(
     usable = min(total, int(card * (memory_fraction if memory_fraction is not None else 1.0)))
     fraction = usable / total
     # Set even when it is 1.0: a notebook re-run in the same process must not keep an old cap.
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    # It takes an index: a bare torch.device("cuda") raises ("expected ... a specified index").
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     return MemoryCap("cuda", usable, total, fraction, pretend_t4)
 
 
