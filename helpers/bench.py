@@ -27,7 +27,7 @@ from .gate import gate_cases, run_gate
 from .measure import is_out_of_memory, latency, peak_memory, release_memory
 from .methods import get_method
 from .profiles import default_device, device_info
-from .sweep import lower_bound_bytes
+from .sweep import loss_step, lower_bound_bytes
 
 # name -> (V, D, default N list)
 SHAPES = {
@@ -74,19 +74,6 @@ def matmul_tflops(dtype: torch.dtype, device, size: int = 8192) -> float | None:
     return 2 * size**3 / (stats.median_ms * 1e-3) / 1e12
 
 
-def _steps(method: str, E: torch.Tensor, C: torch.Tensor, x: torch.Tensor):
-    fn = get_method(method)
-
-    def forward():
-        return fn(E, C, x)
-
-    def forward_backward():
-        E.grad = C.grad = None
-        fn(E, C, x).backward()
-
-    return forward, forward_backward
-
-
 def bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, rate, gate_status):
     d = str(dtype).replace("torch.", "")
     rec = BenchRecord(shape, regime, d, method, N, V, D, "ok", gate_status)
@@ -96,7 +83,11 @@ def bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, 
         E, C, x = make_inputs(N, V, D, dtype, device, regime=regime, seed=N)
         E.requires_grad_(True)
         C.requires_grad_(True)
-        forward, forward_backward = _steps(method, E, C, x)
+        forward_backward = loss_step(method, E, C, x)  # returns dE, dC: they count in the peak
+
+        def forward():
+            return get_method(method)(E, C, x)
+
         for _ in range(warmup):
             forward_backward()
         _, peak = peak_memory(forward_backward, device=device)
