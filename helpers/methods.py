@@ -324,7 +324,9 @@ register(
         "during the forward pass, so backward only scales them.",
         implementation=liger_loss,
         availability=_liger_reason,
-        notes="Liger returns 0 for a mean over zero kept tokens; the adapter returns NaN as torch does.",
+        notes="Liger returns 0 for a mean over zero kept tokens; the adapter returns NaN as torch does. "
+        "Liger 0.8.5 computes no dC when E does not require a gradient (a head trained on frozen "
+        "features does not train); notebook 03 shows it.",
     )
 )
 
