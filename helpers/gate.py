@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from . import data
 from .methods import METHODS, MethodUnavailable, get_method
 from .reference import reference_loss_and_grads
 
@@ -78,24 +79,22 @@ def gate_cases(shapes: list[tuple[int, int, int]]) -> list[GateCase]:
 
 
 def make_inputs(case: GateCase, dtype: torch.dtype, device, seed: int):
-    """E (N, D) standard normal, C (V, D) scaled by 2/sqrt(D) so logits have std ~2, uniform x.
+    """The ``uniform`` regime of ``helpers.data`` (logits of std ~2, uniform targets), drawn on the
+    CPU so every device gates the same numbers, with the case's ignored targets.
 
     Uniform targets on random weights make the softmax dense: nothing for a filter to skip, so a
     method's every code path is exercised. Also returns the upstream gradient the gate feeds back:
     a random vector for reduction="none", a scalar that is not 1 otherwise (a method that ignores
     its upstream gradient fails).
     """
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    E = torch.randn(case.N, case.D, generator=g)
-    C = torch.randn(case.V, case.D, generator=g) * (2 / math.sqrt(case.D))
-    x = torch.randint(0, case.V, (case.N,), generator=g)
+    E, C, x = data.make_inputs(case.N, case.V, case.D, dtype, "cpu", regime="uniform", seed=seed)
     if case.ignore == "some":
         x[::7] = -100
     elif case.ignore == "all":
         x[:] = -100
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
     grad_output = torch.randn(case.N, generator=g) if case.reduction == "none" else torch.tensor(0.73)
-    to = dict(device=device)
-    return E.to(dtype=dtype, **to), C.to(dtype=dtype, **to), x.to(**to), grad_output.to(**to)
+    return E.to(device), C.to(device), x.to(device), grad_output.to(device)
 
 
 def relative_error(a: torch.Tensor, r: torch.Tensor) -> float:

@@ -111,6 +111,25 @@ class Profile:
 _GATE_SMALL = [(37, 257, 24), (53, 1031, 40), (5, 2053, 24)]
 _GATE_GPU = [(257, 5003, 136), (2048, 151936, 1024)]  # the second: the Qwen3 head, 2,048 tokens
 
+# The memory sweep's quick gate on a GPU (the full gate is notebook 01's).
+_SWEEP_GATE_GPU = [(257, 5003, 136), (1031, 32011, 520)]
+
+# Notebook 03 on a GPU, T4 or bigger: the same sizes, only the dtype and its tolerance differ.
+_CONVERGENCE_GPU_SIZES = {
+    "finetune": {
+        "methods": ["exact", "ours", "ours_nofilter", "liger", "cce", "chunked"],
+        "task": {"V": 32768, "D": 256, "d_features": 256, "rows": 16384, "batch": 4096},
+        "train": {"steps": 300, "lr": 3e-3, "seed": 0},
+    },
+    "pretrain": {
+        "methods": ["exact", "ours", "ours_kahan_fullc", "cce"],
+        "corpus": {"vocab_size": 32768, "max_files": None},
+        "task": {"D": 256, "context": 8, "d_embed": 64, "d_hidden": 1024, "batch": 4096, "curve_tokens": 32768},
+        "train": {"steps": 1000, "warmup": 50, "lr": 2e-3, "eval_every": 50},
+        "seeds": [0, 1, 2],
+    },
+}
+
 PROFILES: dict[str, Profile] = {
     "cpu": Profile(
         name="cpu",
@@ -163,7 +182,7 @@ PROFILES: dict[str, Profile] = {
             "02_memory_sweep": {
                 "dtype": "float16", "V": 151_936, "D": 1_024,
                 "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768],
-                "warmup": 1, "repeats": 5, "gate_shapes": [(257, 5003, 136), (1031, 32011, 520)], "seed": 0,
+                "warmup": 1, "repeats": 5, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0,
             },
             "04_kernel_walkthrough": {
                 "dtype": "float16", "low_precision": "float16",
@@ -171,22 +190,8 @@ PROFILES: dict[str, Profile] = {
                 "BLOCK_N": 32, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
-            "03_convergence": {
-                # Sized for ~10 minutes on a T4; the gpu profile runs the same sizes in bf16.
-                "compute_dtype": "float16", "tolerance": 1e-2,
-                "finetune": {
-                    "methods": ["exact", "ours", "ours_nofilter", "liger", "cce", "chunked"],
-                    "task": {"V": 32768, "D": 256, "d_features": 256, "rows": 16384, "batch": 4096},
-                    "train": {"steps": 300, "lr": 3e-3, "seed": 0},
-                },
-                "pretrain": {
-                    "methods": ["exact", "ours", "ours_kahan_fullc", "cce"],
-                    "corpus": {"vocab_size": 32768, "max_files": None},
-                    "task": {"D": 256, "context": 8, "d_embed": 64, "d_hidden": 1024, "batch": 4096, "curve_tokens": 32768},
-                    "train": {"steps": 1000, "warmup": 50, "lr": 2e-3, "eval_every": 50},
-                    "seeds": [0, 1, 2],
-                },
-            },
+            # Sized for ~10 minutes on a T4; the gpu profile runs the same sizes in bf16.
+            "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "float16", "tolerance": 1e-2},
         },
     ),
     "gpu": Profile(
@@ -199,7 +204,7 @@ PROFILES: dict[str, Profile] = {
             "02_memory_sweep": {
                 "dtype": "bfloat16", "V": 151_936, "D": 1_024,
                 "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 131_072],
-                "warmup": 2, "repeats": 7, "gate_shapes": [(257, 5003, 136), (1031, 32011, 520)], "seed": 0,
+                "warmup": 2, "repeats": 7, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0,
             },
             "04_kernel_walkthrough": {
                 "dtype": "bfloat16", "low_precision": "bfloat16",
@@ -207,21 +212,7 @@ PROFILES: dict[str, Profile] = {
                 "BLOCK_N": 64, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
-            "03_convergence": {
-                "compute_dtype": "bfloat16", "tolerance": 2e-2,
-                "finetune": {
-                    "methods": ["exact", "ours", "ours_nofilter", "liger", "cce", "chunked"],
-                    "task": {"V": 32768, "D": 256, "d_features": 256, "rows": 16384, "batch": 4096},
-                    "train": {"steps": 300, "lr": 3e-3, "seed": 0},
-                },
-                "pretrain": {
-                    "methods": ["exact", "ours", "ours_kahan_fullc", "cce"],
-                    "corpus": {"vocab_size": 32768, "max_files": None},
-                    "task": {"D": 256, "context": 8, "d_embed": 64, "d_hidden": 1024, "batch": 4096, "curve_tokens": 32768},
-                    "train": {"steps": 1000, "warmup": 50, "lr": 2e-3, "eval_every": 50},
-                    "seeds": [0, 1, 2],
-                },
-            },
+            "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "bfloat16", "tolerance": 2e-2},
         },
     ),
 }

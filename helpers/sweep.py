@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .gate import GateCase, make_inputs
+from .data import make_inputs
 from .measure import MemoryCap, measure, release_memory
 from .methods import chunk_rows, get_method
 from .profiles import device_info
@@ -319,9 +319,9 @@ def run_sweep(
 
 
 def make_sweep_inputs(N: int, V: int, D: int, dtype, device, seed: int = 0):
-    """Leaf tensors E (N, D), C (V, D) that require grad, and targets x (N,): the gate's recipe
-    (normal E, C scaled so logits have std ~2, uniform targets), so the softmax is dense."""
-    E, C, x, _ = make_inputs(GateCase(N, V, D), _torch_dtype(dtype), device, seed)
+    """Leaf tensors E (N, D), C (V, D) that require grad, and targets x (N,): the ``uniform``
+    regime of ``helpers.data`` (random weights, uniform targets), so the softmax is dense."""
+    E, C, x = make_inputs(N, V, D, _torch_dtype(dtype), device, regime="uniform", seed=seed)
     return E.requires_grad_(True), C.requires_grad_(True), x
 
 
