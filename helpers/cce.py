@@ -39,6 +39,14 @@ Design (kernels in ``helpers/kernels/``, launch configurations in ``helpers/kern
   When N spans several row chunks, dC is rounded to the input dtype once per chunk;
   ``accumulation="kahan"`` carries the rounding error of those folds in a compensation buffer
   (V * D in the input dtype, allocated only when there are several chunks) so dC is rounded once.
+- backward version 2 (``backward_impl="gemm"``, opt-in): per vocabulary chunk of V_c columns,
+  ``cce_gradient_chunk_kernel`` rebuilds the logit tiles and writes G_c (N x V_c, input dtype) to
+  scratch, then two cuBLAS products: dC[v0:v1] = G_c^T E, written once, and dE_acc += G_c C_c
+  into an fp32 (N x D) accumulator (an fp32-output product where torch has one, see
+  ``product_mode``). No atomics: v1 spends ~100 of its 128 ms backward on them at the Gemma head.
+  Scratch: G_c <= max(32 MiB, LB / 32) and dE_acc <= max(64 MiB, LB / 16) (rows in chunks beyond
+  that; ``gemm_chunks``). The filter writes zeros for skipped tiles and records them; the GEMMs
+  do not skip them yet. See helpers/kernels/backward_gemm.py and docs/PERFORMANCE.md.
 - gradient filter (paper 4.2): a tile whose |G| sums to less than eps in every row skips its two
   products (the paper bounds each entry; bounding the row mass also holds on a flat softmax, where
   every entry is tiny and their sum is not: see helpers/kernels/backward.py). eps
@@ -65,12 +73,14 @@ import torch
 import triton
 
 from helpers.kernels.backward import cce_backward_kernel
+from helpers.kernels.backward_gemm import cce_gradient_chunk_kernel
 from helpers.kernels.configs import CCEConfigs, select_configs, tier
 from helpers.kernels.indexed_dot import indexed_dot_kernel
 from helpers.kernels.lse_forward import lse_forward_kernel
 from helpers.reference import SUPPORTED_DTYPES, validate_inputs
 
 ACCUMULATIONS = ("fp32", "kahan")
+BACKWARD_IMPLS = ("atomic", "gemm")  # v1 (fp32 atomics, the default), v2 (G chunks + cuBLAS)
 
 # The paper's eps = 2^-12 for bf16 is 2^-5 of bf16's machine epsilon (2^-7): an entry that small
 # moves a sum of O(1) gradients by less than its own rounding. The same ratio for fp16 (eps 2^-10).
@@ -262,6 +272,12 @@ def default_chunks(N: int, V: int, D: int, dtype: torch.dtype) -> tuple[int, int
     return max(1, min(N, n_chunk)), max(1, min(V, v_chunk))
 
 
+def check_backward_impl(backward_impl) -> str:
+    if backward_impl not in BACKWARD_IMPLS:
+        raise ValueError(f"backward_impl must be one of {BACKWARD_IMPLS}, got {backward_impl!r}")
+    return backward_impl
+
+
 def cce_backward(
     E: torch.Tensor,
     C: torch.Tensor,
@@ -273,19 +289,27 @@ def cce_backward(
     n_chunk: int | None = None,
     v_chunk: int | None = None,
     stats: dict | None = None,
+    backward_impl: str = "atomic",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dE (N, D), dC (V, D)) in E's dtype, from Algorithms 3 and 4.
 
     grad_rows: (N,) fp32, the upstream gradient of each row's loss (0 at ignored rows is implied).
-    n_chunk, v_chunk: scratch sizes in rows (fp16/bf16 only); None: ``default_chunks``.
+    backward_impl: "atomic" (version 1: one kernel, fp32 atomics) or "gemm" (version 2: G written
+    per vocabulary chunk, the products in cuBLAS; see ``helpers/kernels/backward_gemm.py``).
+    n_chunk, v_chunk: "atomic": rows of dE's and of dC's fp32 scratch (fp16/bf16 only); "gemm":
+    rows per dE accumulator and vocabulary columns per G chunk. None: ``default_chunks`` or
+    ``gemm_chunks``.
     stats: when a dict is given, the kernel counts the tiles the filter skipped and the dict gets
-    {"tiles": tiles computed, "skipped": tiles skipped, "launches": kernel launches}.
+    {"tiles": tiles computed, "skipped": tiles skipped, "launches": kernel launches}; "gemm" adds
+    "products", how its fp32-output products were made (``product_mode``).
     """
+    check_backward_impl(backward_impl)
     N, D = E.shape
     V = C.shape[0]
     o = options
     dtype = E.dtype
-    _, bwd, _ = _resolve_configs(configs, E.device).for_dtype(dtype)
+    configs = _resolve_configs(configs, E.device)
+    _, bwd, _ = configs.for_dtype(dtype)
     device = E.device
 
     kept = x != o.ignore_index
@@ -299,6 +323,12 @@ def cce_backward(
         # Average logit of v over the batch = C_v . mean_i E_i (the sort ignores the monotone cap).
         E_mean = E.mean(dim=0, dtype=torch.float32).to(dtype)
         vocab_order = torch.argsort(torch.mv(C, E_mean).float(), descending=True)
+
+    if backward_impl == "gemm":
+        # A mean or a sum hands every row the same upstream gradient (an expanded scalar).
+        uniform = N == 1 or grad_rows.stride(0) == 0
+        return _backward_gemm(E, C, x, lse, g, g_rel, g_scale, uniform, vocab_order, o,
+                              configs.backward_gemm_for(dtype), n_chunk, v_chunk, stats)
 
     skip_count = torch.zeros(1, dtype=torch.int32, device=device)
     counters = {"tiles": 0, "launches": 0}
@@ -341,6 +371,19 @@ def cce_backward(
     return dE, dC
 
 
+def _fold_dC(dC, dC_rows, where, first, compensation):
+    """dC[where] (+)= dC_rows (fp32), rounded to dC's dtype; ``compensation`` (Kahan) carries what
+    each rounding lost to the next fold. dC_rows is used as scratch."""
+    if not first:
+        dC_rows += dC[where]
+        if compensation is not None:
+            dC_rows += compensation[where]
+    rounded = dC_rows.to(dC.dtype)
+    dC[where] = rounded
+    if compensation is not None:
+        compensation[where] = dC_rows.sub_(rounded).to(dC.dtype)
+
+
 def _backward_low_precision(E, C, x, lse, g_rel, vocab_order, launch, o, n_chunk, v_chunk):
     """fp16/bf16: fp32 scratch per (row chunk, vocabulary chunk), rounded into dE and dC."""
     N, D = E.shape
@@ -371,15 +414,201 @@ def _backward_low_precision(E, C, x, lse, g_rel, vocab_order, launch, o, n_chunk
             # Fold this launch's fp32 dC rows into dC (rows are vocabulary positions, mapped to
             # C's rows through the sort when there is one).
             where = vocab_order[v0:v1] if vocab_order is not None else slice(v0, v1)
-            if chunk > 0:
-                dC_rows += dC[where]
-                if compensation is not None:
-                    dC_rows += compensation[where]
-            rounded = dC_rows.to(dtype)
-            dC[where] = rounded
-            if compensation is not None:
-                compensation[where] = dC_rows.sub_(rounded).to(dtype)
+            _fold_dC(dC, dC_rows, where, chunk == 0, compensation)
         dE[n0:n1] = dE_rows
+    return dE, dC
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward version 2 ("gemm"): G per vocabulary chunk, products in cuBLAS
+# ---------------------------------------------------------------------------------------------
+
+
+def gemm_chunks(N: int, V: int, D: int, dtype: torch.dtype, block_v: int) -> tuple[int, int]:
+    """(n_chunk, v_chunk) of backward v2: rows per fp32 dE accumulator, vocabulary columns per G.
+
+    Rows: n_chunk * D * 4 <= max(64 MiB, LB / 16), multiples of 256 (fp32 inputs accumulate into
+    dE itself, but the same rows keep their G chunks as wide). Columns: n_chunk * v_chunk *
+    itemsize <= max(32 MiB, LB / 32), a multiple of ``block_v`` (the G kernel's BLOCK_V) so only
+    the last chunk ends in a partial tile. LB = (N + V) * D * itemsize. At the Gemma-2-2B head in
+    bf16 (LB 1,217 MB): all 8,192 rows (75.5 MB of fp32), 2,304 columns (37.7 MB of G), 112 chunks.
+    """
+    lb = (N + V) * D * dtype.itemsize
+    n_chunk = max(64 * MiB, lb // 16) // (D * 4)
+    n_chunk = max(1, min(N, n_chunk // 256 * 256 if n_chunk >= 256 else n_chunk))
+    v_chunk = max(32 * MiB, lb // 32) // (n_chunk * dtype.itemsize)
+    v_chunk = max(block_v, v_chunk // block_v * block_v)
+    return n_chunk, min(V, v_chunk)
+
+
+# How this process makes an fp32-output product of fp16/bf16 operands, per (device, dtype):
+PRODUCT_MODES = ("upcast", "addmm_out_dtype", "mm_out_dtype", "rounded")
+_product_mode_cache: dict = {}
+
+
+def product_mode(device: torch.device, dtype: torch.dtype) -> str:
+    """How ``_product`` makes out (fp32) [+]= alpha * a @ b for a, b in ``dtype`` on ``device``.
+
+    "upcast": operands copied to fp32 (fp32 inputs, where it costs nothing; and the CPU, whose
+    tests want exact products). On CUDA, the first that works and is right on a small probe:
+    "addmm_out_dtype", cuBLAS with an fp32 output accumulated in its epilogue (torch.addmm's
+    out_dtype, torch >= 2.8 on CUDA; older releases want ``self`` in the operands' dtype);
+    "mm_out_dtype", an fp32 product then an add (one more N x D fp32 pass and buffer);
+    "rounded", the product in the operands' dtype then added (rounds each chunk's partial sum:
+    dE loses ~1.5x in accuracy).
+    """
+    if dtype == torch.float32 or device.type != "cuda":
+        return "upcast"
+    key = (device.type, device.index, dtype)
+    if key not in _product_mode_cache:
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(96, 80, device=device, generator=g).to(dtype)
+        b = torch.randn(80, 72, device=device, generator=g).to(dtype)
+        start = torch.randn(96, 72, device=device, generator=g)
+        want = start + 0.5 * (a.double() @ b.double()).float()
+        for mode in PRODUCT_MODES[1:]:
+            try:
+                got = start.clone()
+                _product(got, a, b, alpha=0.5, accumulate=True, mode=mode)
+                if torch.allclose(got, want, rtol=1e-2, atol=1e-1):
+                    break
+            except (RuntimeError, TypeError):  # this torch lacks the overload, or refuses fp32 self
+                continue
+        _product_mode_cache[key] = mode
+    return _product_mode_cache[key]
+
+
+def _product(out, a, b, *, alpha: float, accumulate: bool, mode: str):
+    """out (fp32) = [out +] alpha * (a @ b), a and b in one dtype; ``mode``: ``product_mode``."""
+    beta = 1.0 if accumulate else 0.0  # beta = 0: out's old contents (maybe NaN) are ignored
+    if mode == "upcast":
+        torch.addmm(out, a.float(), b.float(), beta=beta, alpha=alpha, out=out)
+    elif mode == "addmm_out_dtype":
+        torch.addmm(out, a, b, out_dtype=torch.float32, beta=beta, alpha=alpha, out=out)
+    else:
+        product = torch.mm(a, b, out_dtype=torch.float32) if mode == "mm_out_dtype" else torch.mm(a, b)
+        if accumulate:
+            out.add_(product, alpha=alpha)
+        else:
+            torch.mul(product, alpha, out=out)
+
+
+def _backward_gemm(E, C, x, lse, g, g_rel, g_scale, uniform, vocab_order, o, cfg, n_chunk, v_chunk,
+                   stats):
+    """Version 2: per (row chunk, vocabulary chunk), G_c from ``cce_gradient_chunk_kernel``, then
+    dC[v0:v1] = g_scale G_c^T (g_rel E) and dE_acc += G_c C[v0:v1] in cuBLAS.
+
+    Memory beyond LB, fp16/bf16: dE_acc (n_chunk * D * 4) + G_c (n_chunk * v_chunk * itemsize,
+    twice with FullC/FullE and the filter) + g_rel E (n_chunk * D * itemsize, only when rows have
+    different upstream gradients, i.e. reduction="none") + C's gathered chunk (v_chunk * D *
+    itemsize, sort only) + dC's fp32 fold (v_chunk * D * 4, several row chunks only) + Kahan's
+    V * D compensation (several row chunks only) + O(N). fp32: no dE_acc (dE accumulates itself).
+    """
+    N, D = E.shape
+    V = C.shape[0]
+    dtype, device = E.dtype, E.device
+    low_precision = dtype != torch.float32
+    default_n, default_v = gemm_chunks(N, V, D, dtype, cfg.BLOCK_V)
+    n_chunk = min(N, n_chunk or default_n)
+    v_chunk = min(V, v_chunk or default_v)
+    n_chunks = triton.cdiv(N, n_chunk)
+    filtering = o.filter_eps is not None and not (o.full_c and o.full_e)
+    # FullC / FullE with the filter: the kernel also writes the unfiltered G, for the exact side.
+    split = filtering and (o.full_c or o.full_e)
+    mode = product_mode(device, dtype)
+
+    # dC's GEMM alpha, one host sync per backward. When every row has the same g (0 at ignored
+    # rows, whose G is 0), alpha is that g and E is the operand as it is; otherwise g_scale, with
+    # g_rel E the operand.
+    alpha = float(g[g.abs().argmax()]) if uniform else float(g_scale)
+    G_buf = torch.empty(n_chunk * v_chunk, dtype=dtype, device=device)
+    G_exact_buf = torch.empty_like(G_buf) if split else G_buf
+    tiles_max = triton.cdiv(n_chunk, cfg.BLOCK_N) * triton.cdiv(v_chunk, cfg.BLOCK_V)
+    tile_kept = torch.empty(tiles_max if filtering else 1, dtype=torch.int8, device=device)
+    skipped = torch.zeros((), dtype=torch.int64, device=device)
+    dE = torch.empty(N, D, dtype=dtype, device=device)
+    dC = torch.empty(V, D, dtype=dtype, device=device)
+    dE_acc = torch.empty(n_chunk, D, dtype=torch.float32, device=device) if low_precision else None
+    E_scaled_buf = None if uniform else torch.empty(n_chunk, D, dtype=dtype, device=device)
+    C_sorted_buf = torch.empty(v_chunk, D, dtype=dtype, device=device) if vocab_order is not None else None
+    # dC rows in fp32 before they land in dC: folds (several row chunks), the sort's scatter,
+    # the CPU's "upcast" products.
+    staged = vocab_order is not None or (low_precision and (n_chunks > 1 or mode == "upcast"))
+    dC_rows_buf = torch.empty(v_chunk, D, dtype=torch.float32, device=device) if staged else None
+    compensation = (
+        torch.zeros(V, D, dtype=dtype, device=device)
+        if low_precision and o.accumulation == "kahan" and n_chunks > 1 else None
+    )
+    counters = {"tiles": 0, "launches": 0}
+
+    for chunk, n0 in enumerate(range(0, N, n_chunk)):
+        n1 = min(N, n0 + n_chunk)
+        rows = n1 - n0
+        E_rows = E[n0:n1]  # (rows, D)
+        dE_rows = (dE_acc[:rows] if low_precision else dE[n0:n1]).zero_()  # (rows, D) fp32
+        # dC's operand: g_rel E, (rows, D) in the dtype (rounded as v1 rounds G g_rel for dC).
+        E_op = E_rows if uniform else torch.mul(E_rows, g_rel[n0:n1, None], out=E_scaled_buf[:rows])
+        for v0 in range(0, V, v_chunk):
+            v1 = min(V, v0 + v_chunk)
+            cols = v1 - v0
+            G = G_buf[: rows * cols].view(rows, cols)  # (rows, V_c)
+            G_exact = G_exact_buf[: rows * cols].view(rows, cols)
+            tiles = triton.cdiv(rows, cfg.BLOCK_N) * triton.cdiv(cols, cfg.BLOCK_V)
+            counters["tiles"] += tiles
+            counters["launches"] += 1
+            # 1. G_c: the logit tiles rebuilt, G formed and filtered, written in the dtype.
+            cce_gradient_chunk_kernel[(tiles,)](
+                E_rows, C, x[n0:n1], lse[n0:n1],
+                vocab_order if vocab_order is not None else tile_kept,
+                G, G_exact, tile_kept,
+                rows, V, D, v0, cols,
+                E_rows.stride(0), E_rows.stride(1), C.stride(0), C.stride(1), x.stride(0),
+                G.stride(0), G.stride(1),
+                o.ignore_index, o.softcap if o.softcap is not None else 1.0, o.z_loss,
+                o.label_smoothing, o.filter_eps or 0.0,
+                HAS_SOFTCAP=o.softcap is not None,
+                FILTER=filtering,
+                SPLIT_G=split,
+                SORTED=vocab_order is not None,
+                DOT_PRECISION=_dot_precision(dtype),
+                **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
+            )
+            if stats is not None and filtering:
+                skipped += (tile_kept[:tiles] == 0).sum()
+            G_dE = G_exact if o.full_e else G  # FullE: dE exact; FullC: dC exact
+            G_dC = G_exact if o.full_c else G
+            if vocab_order is not None:
+                where = vocab_order[v0:v1]
+                C_c = torch.index_select(C, 0, where, out=C_sorted_buf[:cols])  # (V_c, D)
+            else:
+                where = slice(v0, v1)
+                C_c = C[v0:v1]
+            # 2. dE_acc += G_c C_c: (rows, V_c) @ (V_c, D), fp32 output.
+            _product(dE_rows, G_dE, C_c, alpha=1.0, accumulate=True, mode=mode)
+            # 3. dC[v0:v1] = alpha G_c^T (g_rel E): (V_c, rows) @ (rows, D).
+            if not staged:
+                # In place from cuBLAS's fp32 sum: written once in the dtype (one row chunk), or
+                # accumulated in fp32 (fp32 inputs) across row chunks.
+                dC_rows = dC[v0:v1]  # one view as input and output: addmm updates it in place
+                torch.addmm(dC_rows, G_dC.T, E_op, beta=0.0 if chunk == 0 else 1.0, alpha=alpha,
+                            out=dC_rows)
+                continue
+            dC_rows = dC_rows_buf[:cols]  # (V_c, D) fp32, then folded into dC's rows
+            _product(dC_rows, G_dC.T, E_op, alpha=alpha, accumulate=False, mode=mode)
+            if low_precision:
+                _fold_dC(dC, dC_rows, where, chunk == 0, compensation)
+            elif chunk == 0:
+                dC.index_copy_(0, where, dC_rows)
+            else:
+                dC.index_add_(0, where, dC_rows)
+        # 4. dE = g dE_acc, rounded once (fp32: scaled in place).
+        if low_precision:
+            torch.mul(dE_rows, g[n0:n1, None], out=dE[n0:n1])
+        else:
+            dE_rows.mul_(g[n0:n1, None])
+
+    if stats is not None:
+        stats.update(counters, skipped=int(skipped.item()), products=mode)
     return dE, dC
 
 
@@ -392,7 +621,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """loss = CE(E C^T, x) with the CCE kernels; backward recomputes the logits (saves only lse)."""
 
     @staticmethod
-    def forward(ctx, E, C, x, options: CCEOptions, configs):
+    def forward(ctx, E, C, x, options: CCEOptions, configs, backward_impl="atomic"):
         loss_rows, lse = cce_forward(E, C, x, options, configs)
         kept = x != options.ignore_index
         n_kept = kept.sum()
@@ -403,7 +632,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             loss = loss_rows.sum() / n_kept  # 0 / 0 = NaN when every token is ignored, as torch
         ctx.save_for_backward(E, C, x, lse, n_kept)
-        ctx.options, ctx.configs = options, configs
+        ctx.options, ctx.configs, ctx.backward_impl = options, configs, backward_impl
         return loss
 
     @staticmethod
@@ -419,10 +648,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             # All ignored: torch's gradients are 0, not NaN, so divide by at least 1.
             grad_rows = (grad_loss / n_kept.clamp(min=1)).expand(x.shape[0])
-        dE, dC = cce_backward(E, C, x, lse, grad_rows, o, ctx.configs)
+        dE, dC = cce_backward(E, C, x, lse, grad_rows, o, ctx.configs,
+                              backward_impl=ctx.backward_impl)
         return (
             dE if ctx.needs_input_grad[0] else None,
             dC if ctx.needs_input_grad[1] else None,
+            None,
             None,
             None,
             None,
@@ -445,6 +676,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     label_smoothing: float = 0.0,
     configs: CCEConfigs | str | None = None,
+    backward_impl: str = "atomic",
 ) -> torch.Tensor:
     """Cross-entropy of the logits E C^T against x, without materialising the logits.
 
@@ -460,6 +692,9 @@ def linear_cross_entropy(
     z_loss: adds z_loss * lse^2 per kept token. label_smoothing: torch's definition, in [0, 1].
     configs: a ``CCEConfigs`` or tier name from ``helpers.kernels.configs``; None picks by the
         device's shared memory per block.
+    backward_impl: "atomic" (version 1, fp32 atomics in one kernel) or "gemm" (version 2: G per
+        vocabulary chunk in scratch, its two products in cuBLAS; ``helpers/kernels/backward_gemm.py``).
+        fp32 "gemm" products follow torch's fp32 matmul setting (default: no TF32).
     """
     validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
     options = resolve_options(
@@ -475,7 +710,8 @@ def linear_cross_entropy(
         z_loss=z_loss,
         label_smoothing=label_smoothing,
     )
+    check_backward_impl(backward_impl)
     reason = why_unavailable(E.device, E.dtype, softcap)
     if reason:
         raise RuntimeError(f"helpers.cce.linear_cross_entropy cannot run here: {reason}")
-    return LinearCrossEntropyFunction.apply(E, C, x, options, configs)
+    return LinearCrossEntropyFunction.apply(E, C, x, options, configs, backward_impl)

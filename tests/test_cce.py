@@ -3,6 +3,8 @@
 Runs the kernels under the Triton interpreter in fp32 and fp16 (bf16 is wrong there, see
 FACTS.md; the GPU check ``bench/gpu_cce_check.py`` covers it). Shapes are tiny and irregular
 (N=37, V=301, D=24 against 16x32x16 tiles) so every kernel sees partial tiles in every dimension.
+Both backwards run: "atomic" (version 1) and "gemm" (version 2, forced to 3 row chunks x 5
+vocabulary chunks by the ``backward_impl`` fixture; ``bench/gpu_backward_v2.py`` checks it on a GPU).
 """
 
 import os
@@ -15,6 +17,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
+import helpers.cce  # noqa: E402
 from helpers.cce import (  # noqa: E402
     CCEOptions,
     cce_backward,
@@ -73,6 +76,15 @@ def reference_with_extras(E, C, x, grad_output, *, ignore_index=-100, reduction=
     return loss.detach(), E64.grad, C64.grad
 
 
+@pytest.fixture(params=["atomic", "gemm"])
+def backward_impl(request, monkeypatch):
+    """Each backward in turn; "gemm" with small chunks: 16 rows x 64 columns, i.e. 3 row chunks x
+    5 vocabulary chunks at N=37, V=301 (each chunk 2 tiles wide, the last one partial)."""
+    if request.param == "gemm":
+        monkeypatch.setattr(helpers.cce, "gemm_chunks", lambda *shape: (16, 64))
+    return request.param
+
+
 def run_ours(E, C, x, grad_output, **options):
     E = E.detach().clone().requires_grad_(True)
     C = C.detach().clone().requires_grad_(True)
@@ -122,7 +134,7 @@ SPEC_CASES = {
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", SPEC_CASES)
-def test_against_reference(case, dtype):
+def test_against_reference(case, dtype, backward_impl):
     opts = dict(SPEC_CASES[case])
     ignore, scale, int32 = opts.pop("ignore", ()), opts.pop("scale", 1.0), opts.pop("int32", False)
     ignore_index = opts.get("ignore_index", -100)
@@ -131,7 +143,8 @@ def test_against_reference(case, dtype):
         x = x.int()
     go = upstream(opts.get("reduction", "mean"))
     spec = {k: opts[k] for k in ("ignore_index", "reduction", "softcap") if k in opts}
-    check(run_ours(E, C, x, go, **opts), reference_loss_and_grads(E, C, x, go, **spec), dtype)
+    check(run_ours(E, C, x, go, backward_impl=backward_impl, **opts),
+          reference_loss_and_grads(E, C, x, go, **spec), dtype)
 
 
 # Options only our formula covers (z-loss, label smoothing), alone and combined with the rest.
@@ -147,20 +160,21 @@ EXTRA_CASES = {
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", EXTRA_CASES)
-def test_z_loss_and_label_smoothing(case, dtype):
+def test_z_loss_and_label_smoothing(case, dtype, backward_impl):
     opts = dict(EXTRA_CASES[case])
     E, C, x = make_inputs(dtype, ignore=opts.pop("ignore", ()))
     go = upstream(opts.get("reduction", "mean"))
     ref_opts = {k: opts[k] for k in ("reduction", "softcap", "z_loss", "label_smoothing") if k in opts}
-    check(run_ours(E, C, x, go, **opts), reference_with_extras(E, C, x, go, **ref_opts), dtype)
+    check(run_ours(E, C, x, go, backward_impl=backward_impl, **opts),
+          reference_with_extras(E, C, x, go, **ref_opts), dtype)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_all_ignored(reduction):
+def test_all_ignored(reduction, backward_impl):
     """torch: mean over zero kept tokens is NaN with zero gradients; sum is 0; none is zeros."""
     E, C, x = make_inputs(torch.float32, ignore=range(N))
     go = upstream(reduction)
-    loss, dE, dC = run_ours(E, C, x, go, reduction=reduction)
+    loss, dE, dC = run_ours(E, C, x, go, reduction=reduction, backward_impl=backward_impl)
     rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction=reduction)
     torch.testing.assert_close(loss.double(), rloss, equal_nan=True)
     assert torch.isnan(loss).any().item() == (reduction == "mean")
@@ -168,31 +182,35 @@ def test_all_ignored(reduction):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_non_contiguous_inputs(dtype):
+def test_non_contiguous_inputs(dtype, backward_impl):
     E, C, x = make_inputs(dtype, n=2 * N, v=V, d=2 * D)
     E_view = E.T.contiguous().T[::2, 1::2]  # (N, D), column-major and strided
     C_view = C[:, ::2]  # (V, D), row stride 2D
     x_view = torch.stack([x[:N], x[N:]], dim=1)[:, 0]  # (N,), stride 2
     assert not (E_view.is_contiguous() or C_view.is_contiguous() or x_view.is_contiguous())
     go = upstream("mean")
-    check(run_ours(E_view, C_view, x_view, go), reference_loss_and_grads(E_view, C_view, x_view, go), dtype)
+    check(run_ours(E_view, C_view, x_view, go, backward_impl=backward_impl),
+          reference_loss_and_grads(E_view, C_view, x_view, go), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("accumulation", ["fp32", "kahan"])
-def test_chunked_host_paths(dtype, accumulation):
-    """Vocabulary splits in the forward, row and vocabulary chunks in the backward, and the sort."""
+@pytest.mark.parametrize("impl", ["atomic", "gemm"])
+def test_chunked_host_paths(dtype, accumulation, impl):
+    """Vocabulary splits in the forward, row and vocabulary chunks in the backward, and the sort
+    (for "gemm", vocabulary chunks of 100: not a multiple of BLOCK_V, partial tiles in each)."""
     E, C, x = make_inputs(dtype, ignore=[5])
     options = resolve_options(dtype, filter_eps=None, sort_vocab=True, accumulation=accumulation)
     loss_rows, lse = cce_forward(E, C, x, options, v_splits=3)
     go = upstream("none")
-    dE, dC = cce_backward(E, C, x, lse, go, options, n_chunk=16, v_chunk=100)
+    dE, dC = cce_backward(E, C, x, lse, go, options, n_chunk=16, v_chunk=100, backward_impl=impl)
     rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
     torch.testing.assert_close(loss_rows.double(), rloss, rtol=TOL[dtype], atol=TOL[dtype])
     assert rel_err(dE, rdE) < TOL[dtype] and rel_err(dC, rdC) < TOL[dtype]
 
 
-def test_kahan_compensates_the_folds_of_dC():
+@pytest.mark.parametrize("impl", ["atomic", "gemm"])
+def test_kahan_compensates_the_folds_of_dC(impl):
     """With one-row chunks dC is folded N times: plain rounding loses accuracy, Kahan keeps it."""
     E, C, x = make_inputs(torch.float16, v=64)
     go = upstream("sum")
@@ -201,7 +219,8 @@ def test_kahan_compensates_the_folds_of_dC():
         options = resolve_options(torch.float16, filter_eps=None, accumulation=accumulation)
         _, lse = cce_forward(E, C, x, options)
         grad_rows = go.expand(N).float()
-        _, dC = cce_backward(E, C, x, lse, grad_rows, options, n_chunk=1, v_chunk=64)
+        _, dC = cce_backward(E, C, x, lse, grad_rows, options, n_chunk=1, v_chunk=64,
+                             backward_impl=impl)
         errors[accumulation] = rel_err(dC, reference_loss_and_grads(E, C, x, go, reduction="sum")[2])
     assert errors["kahan"] < 0.6 * errors["fp32"], errors
     assert errors["kahan"] < TOL[torch.float16]
@@ -224,7 +243,7 @@ def peaked_inputs(dtype, d=64, frequent=4, alpha=30.0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_filter_skips_tiles_when_the_softmax_is_peaked(dtype):
+def test_filter_skips_tiles_when_the_softmax_is_peaked(dtype, backward_impl):
     """The filter must skip tiles on peaked data, more after the vocabulary sort, and stay right."""
     E, C, x = peaked_inputs(dtype)
     go = upstream("none")
@@ -234,7 +253,7 @@ def test_filter_skips_tiles_when_the_softmax_is_peaked(dtype):
         options = resolve_options(dtype, filter_eps=eps, sort_vocab=sort)
         _, lse = cce_forward(E, C, x, options)
         stats = {}
-        dE, dC = cce_backward(E, C, x, lse, go, options, stats=stats)
+        dE, dC = cce_backward(E, C, x, lse, go, options, stats=stats, backward_impl=backward_impl)
         skipped[name] = stats["skipped"] / stats["tiles"]
         # What the filter drops is below eps per entry, ~1e-6 here: under fp16's rounding, and a
         # visible 3e-5 in fp32 (where "auto" keeps the filter off).
@@ -244,10 +263,10 @@ def test_filter_skips_tiles_when_the_softmax_is_peaked(dtype):
     # and after the sort they share the first one.
     assert skipped["off"] == 0 and skipped["on"] >= 0.5, skipped
     assert skipped["sorted"] >= 0.85 and skipped["sorted"] > skipped["on"], skipped
-    print(f"tiles skipped, {dtype}: {skipped}")
+    print(f"tiles skipped, {dtype}, {backward_impl}: {skipped}")
 
 
-def test_filter_keeps_a_flat_softmax_whose_entries_are_each_below_eps():
+def test_filter_keeps_a_flat_softmax_whose_entries_are_each_below_eps(backward_impl):
     """A soft cap flattens the softmax: every entry ~1/V sits under eps, yet together they are the
     whole gradient. Skipping tiles by their largest entry (the paper's rule) dropped them all and
     put dE off by 2.3e-2 on the H200 (soft cap 4, V = 151,936, bf16); the row-mass rule keeps them.
@@ -255,24 +274,25 @@ def test_filter_keeps_a_flat_softmax_whose_entries_are_each_below_eps():
     E, C, x = make_inputs(torch.float16, n=37, v=2053, d=24)
     go = upstream("mean", n=37)
     _, rdE, rdC = reference_loss_and_grads(E, C, x, go, softcap=0.5)
-    _, dE, dC = run_ours(E, C, x, go, softcap=0.5, filter_eps=1e-3)
+    _, dE, dC = run_ours(E, C, x, go, softcap=0.5, filter_eps=1e-3, backward_impl=backward_impl)
     assert rel_err(dE, rdE) < TOL[torch.float16] and rel_err(dC, rdC) < TOL[torch.float16]
 
 
 @pytest.mark.parametrize("full", ["full_c", "full_e"])
-def test_full_c_and_full_e_keep_one_gradient_exact(full):
+def test_full_c_and_full_e_keep_one_gradient_exact(full, backward_impl):
     """A coarse eps drops real gradient; FullC keeps dC exact (dE filtered), FullE the reverse."""
     E, C, x = make_inputs(torch.float32, scale=2.0)
     go = upstream("mean")
     _, rdE, rdC = reference_loss_and_grads(E, C, x, go)
-    _, dE, dC = run_ours(E, C, x, go, filter_eps=0.5, **{full: True})  # drops real row mass
+    _, dE, dC = run_ours(E, C, x, go, filter_eps=0.5, backward_impl=backward_impl,
+                         **{full: True})  # drops real row mass
     exact, filtered = (dC, dE) if full == "full_c" else (dE, dC)
     ref_exact, ref_filtered = (rdC, rdE) if full == "full_c" else (rdE, rdC)
     assert rel_err(exact, ref_exact) < TOL[torch.float32]
     assert rel_err(filtered, ref_filtered) > 100 * TOL[torch.float32]
 
 
-def test_fp16_accuracy_matches_the_naive_path():
+def test_fp16_accuracy_matches_the_naive_path(backward_impl):
     """fp16 dE and dC within 1.5x of the naive fp16 path's error against float64."""
     E, C, x = make_inputs(torch.float16, n=64, v=1000, d=48)
     go = upstream("mean")
@@ -280,9 +300,51 @@ def test_fp16_accuracy_matches_the_naive_path():
     En = E.clone().requires_grad_(True)
     Cn = C.clone().requires_grad_(True)
     F.cross_entropy((En @ Cn.T).float(), x).backward(go)
-    _, dE, dC = run_ours(E, C, x, go, filter_eps=None)
+    _, dE, dC = run_ours(E, C, x, go, filter_eps=None, backward_impl=backward_impl)
     assert rel_err(dE, rdE) <= 1.5 * rel_err(En.grad, rdE)
     assert rel_err(dC, rdC) <= 1.5 * rel_err(Cn.grad, rdC)
+
+
+@pytest.mark.parametrize("mode", ["rounded", "upcast"])
+@pytest.mark.parametrize("n_chunk", [None, 16])
+def test_gemm_products_as_on_a_gpu(monkeypatch, mode, n_chunk):
+    """On the CPU "gemm" makes its products from fp32 copies ("upcast"). On a GPU it uses cuBLAS
+    with an fp32 output, or as a fallback ("rounded") fp16 products, and with one row chunk writes
+    dC in fp16 straight from the GEMM: the paths run here with "rounded", whose fp16 matmuls stand
+    in for cuBLAS's. Rows with different upstream gradients and ignored rows (g_rel E operand)."""
+    monkeypatch.setattr(helpers.cce, "product_mode", lambda device, dtype: mode)
+    E, C, x = make_inputs(torch.float16, ignore=[3, 20])
+    go = upstream("none")
+    options = resolve_options(torch.float16, filter_eps=None)
+    _, lse = cce_forward(E, C, x, options)
+    stats = {}
+    dE, dC = cce_backward(E, C, x, lse, go, options, n_chunk=n_chunk, v_chunk=64, stats=stats,
+                          backward_impl="gemm")
+    assert stats["products"] == mode and stats["launches"] == (3 if n_chunk else 1) * 5
+    _, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
+    assert rel_err(dE, rdE) < TOL[torch.float16] and rel_err(dC, rdC) < TOL[torch.float16]
+
+
+def test_gemm_chunks_bound_the_scratch():
+    """Gemma-2-2B head, bf16: all rows in one fp32 dE accumulator (75.5 MB <= LB / 16) and G chunks
+    of 2,304 columns (37.7 MB <= LB / 32); a long Qwen3 batch splits its rows."""
+    from helpers.cce import gemm_chunks
+
+    N, V, D = 8192, 256_000, 2304
+    lb = (N + V) * D * 2
+    n_chunk, v_chunk = gemm_chunks(N, V, D, torch.bfloat16, 256)
+    assert (n_chunk, v_chunk) == (8192, 2304)
+    assert n_chunk * D * 4 <= lb / 16 and n_chunk * v_chunk * 2 <= lb / 32
+    n_chunk, v_chunk = gemm_chunks(131_072, 151_936, 1024, torch.bfloat16, 256)
+    lb = (131_072 + 151_936) * 1024 * 2
+    assert n_chunk < 131_072 and n_chunk * 1024 * 4 <= max(64 * 2**20, lb / 16) and v_chunk % 256 == 0
+    assert n_chunk * v_chunk * 2 <= max(32 * 2**20, lb / 32)
+
+
+def test_bad_backward_impl_names_the_argument():
+    E, C, x = make_inputs(torch.float32)
+    with pytest.raises(ValueError, match="backward_impl"):
+        cce_backward(E, C, x, torch.zeros(N), torch.ones(N), backward_impl="v2")
 
 
 BAD_INPUTS = [
@@ -316,6 +378,7 @@ def test_bad_inputs_name_the_argument(case):
         (dict(sort_vocab="yes"), "sort_vocab"),
         (dict(reduction="avg"), "reduction"),
         (dict(softcap=-1.0), "softcap"),
+        (dict(backward_impl="fast"), "backward_impl"),
     ],
 )
 def test_bad_options_name_the_option(options, message):

@@ -32,6 +32,8 @@ KERNEL_FLAGS = {
     ("backward", "none"): dict(HAS_SOFTCAP=False, FILTER=False, FULL_E=False, FULL_C=False,
                                SORTED=False, DC_LOCAL=False, COUNT_SKIPS=False),
     ("indexed_dot", "all"): dict(HAS_SOFTCAP=True),
+    ("backward_gemm", "all"): dict(HAS_SOFTCAP=True, FILTER=True, SPLIT_G=True, SORTED=True),
+    ("backward_gemm", "none"): dict(HAS_SOFTCAP=False, FILTER=False, SPLIT_G=False, SORTED=False),
 }
 DTYPE_NAMES = {2: ("fp16", "bf16"), 4: ("fp32",)}
 
@@ -40,7 +42,7 @@ def _signature(kernel_name, fn, dtype):
     """Triton signature strings for each argument of our kernels, by naming convention."""
     pointers = {
         "E_ptr": dtype, "C_ptr": dtype, "x_ptr": "i64", "vocab_order_ptr": "i64",
-        "skip_count_ptr": "i32",
+        "skip_count_ptr": "i32", "G_ptr": dtype, "G_exact_ptr": dtype, "tile_kept_ptr": "i8",
     }
     floats = {"softcap", "z_loss", "label_smoothing", "eps"}
     sig = {}
@@ -63,11 +65,12 @@ def compile_ours(request):
 
     from helpers.kernels import configs as K
     from helpers.kernels.backward import cce_backward_kernel
+    from helpers.kernels.backward_gemm import cce_gradient_chunk_kernel
     from helpers.kernels.indexed_dot import indexed_dot_kernel
     from helpers.kernels.lse_forward import lse_forward_kernel
 
     kernels = {"lse_forward": lse_forward_kernel, "backward": cce_backward_kernel,
-               "indexed_dot": indexed_dot_kernel}
+               "indexed_dot": indexed_dot_kernel, "backward_gemm": cce_gradient_chunk_kernel}
     tier = K.tier(request["tier"])
     size = 4 if request["dtype"] == "fp32" else 2
     fn = kernels[request["kernel"]]
@@ -75,10 +78,12 @@ def compile_ours(request):
         cfg = tier.indexed_dot
         constexprs = cfg.tiles("BLOCK_N", "BLOCK_D")
     else:
-        cfg = (tier.forward if request["kernel"] == "lse_forward" else tier.backward)[size]
+        table = {"lse_forward": tier.forward, "backward": tier.backward,
+                 "backward_gemm": tier.backward_gemm}[request["kernel"]]
+        cfg = table[size]
         constexprs = cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D")
         constexprs["DOT_PRECISION"] = "ieee" if size == 4 else "tf32"
-        if request["kernel"] == "backward":
+        if request["kernel"] in ("backward", "backward_gemm"):
             constexprs["GROUP_N"] = cfg.GROUP_N
     constexprs.update(KERNEL_FLAGS[(request["kernel"], request["variant"])])
     major, minor = request.get("target") or tier.target_capability
@@ -149,12 +154,13 @@ def all_requests():
                     if variant == "none" and not turing:
                         continue
                     requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant=variant))
-    # Every tier's backward for a Hopper GPU too (configs= can pick any tier on any GPU).
+    # Every tier's backwards for a Hopper GPU too (configs= can pick any tier on any GPU).
     for tier in TIERS:
         if tier.target_capability != (9, 0):
             for dtype in ("fp16", "bf16"):
-                requests.append(dict(tier=tier.name, dtype=dtype, kernel="backward", variant="none",
-                                     target=[9, 0]))
+                for kernel in ("backward", "backward_gemm"):
+                    requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant="none",
+                                         target=[9, 0]))
     requests.append(dict(tier="apple", dtype="fp16", kernel="apple_backward", variant="default"))
     return requests
 
@@ -194,7 +200,8 @@ def test_config_fits_its_tier(compiled, request_):
 
 
 def _hopper_backward_requests():
-    return [r for r in _our_requests() if r["kernel"] == "backward" and r["dtype"] != "fp32"
+    return [r for r in _our_requests() if r["kernel"] in ("backward", "backward_gemm")
+            and r["dtype"] != "fp32"
             and (r.get("target") == [9, 0] or r["tier"] == "hopper-227k")]
 
 
@@ -212,7 +219,7 @@ def test_hopper_backward_keeps_no_accumulator_in_registers_as_operand(compiled, 
 
 def test_turing_configs_fit_64_kb(compiled):
     turing = [r for k, r in compiled.items() if k.startswith("turing-64k") and "-sm" not in k]
-    assert len(turing) == 10
+    assert len(turing) == 14  # 3 kernels x (fp16, fp32) x (all flags, none) + indexed_dot x 2
     for r in turing:
         assert r["shared"] <= 65536, (
             f"Triton {compiled['triton']}: {_key(r)} needs {r['shared']:,} B > 65,536 B (T4, sm_75)"

@@ -49,12 +49,19 @@ class CCEConfigs:
     target_capability: tuple[int, int] | None  # a GPU of this tier, compiled for by the tests
     forward: dict[int, LaunchConfig] = field(default_factory=dict)  # element bytes -> config
     backward: dict[int, LaunchConfig] = field(default_factory=dict)
+    # Backward v2's G kernel (backward_gemm.py): one logit loop then a store of G, no second
+    # product, so the forward's tiles fit it; its products run in cuBLAS, which picks its own.
+    backward_gemm: dict[int, LaunchConfig] = field(default_factory=dict)
     indexed_dot: LaunchConfig = LaunchConfig(64, 1, 128, 4, 1)
 
     def for_dtype(self, dtype) -> tuple[LaunchConfig, LaunchConfig, LaunchConfig]:
         """(forward, backward, indexed_dot) for inputs of ``dtype``."""
         size = 4 if dtype.itemsize >= 4 else 2
         return self.forward[size], self.backward[size], self.indexed_dot
+
+    def backward_gemm_for(self, dtype) -> LaunchConfig:
+        """The G kernel of backward v2 (``backward_impl="gemm"``) for inputs of ``dtype``."""
+        return self.backward_gemm[4 if dtype.itemsize >= 4 else 2]
 
 
 _L = LaunchConfig
@@ -63,6 +70,7 @@ INTERPRETER = CCEConfigs(
     "interpreter", None, None,
     forward={2: _L(16, 32, 16, 1, 1), 4: _L(16, 32, 16, 1, 1)},
     backward={2: _L(16, 32, 16, 1, 1, GROUP_N=2), 4: _L(16, 32, 16, 1, 1, GROUP_N=2)},
+    backward_gemm={2: _L(16, 32, 16, 1, 1, GROUP_N=2), 4: _L(16, 32, 16, 1, 1, GROUP_N=2)},
     indexed_dot=_L(16, 1, 16, 1, 1),
 )
 
@@ -71,21 +79,25 @@ TIERS: tuple[CCEConfigs, ...] = (
         "turing-64k", 64 * 1024, (7, 5),
         forward={2: _L(64, 128, 32, 4, 2), 4: _L(64, 64, 32, 4, 2)},
         backward={2: _L(64, 64, 32, 4, 2), 4: _L(64, 64, 16, 4, 2)},
+        backward_gemm={2: _L(64, 128, 32, 4, 2), 4: _L(64, 64, 32, 4, 2)},
     ),
     CCEConfigs(
         "ampere-99k", 99 * 1024, (8, 6),
         forward={2: _L(128, 128, 32, 4, 3), 4: _L(64, 64, 32, 4, 3)},
         backward={2: _L(128, 128, 32, 8, 2), 4: _L(64, 64, 32, 4, 2)},
+        backward_gemm={2: _L(128, 128, 32, 4, 3), 4: _L(64, 64, 32, 4, 3)},
     ),
     CCEConfigs(
         "ampere-163k", 163 * 1024, (8, 0),
         forward={2: _L(128, 256, 64, 8, 3), 4: _L(128, 64, 32, 8, 3)},
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
+        backward_gemm={2: _L(128, 256, 64, 8, 3), 4: _L(128, 64, 32, 8, 3)},
     ),
     CCEConfigs(
         "hopper-227k", 227 * 1024, (9, 0),
         forward={2: _L(128, 256, 64, 8, 4), 4: _L(128, 64, 32, 8, 3)},
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
+        backward_gemm={2: _L(128, 256, 64, 8, 4), 4: _L(128, 64, 32, 8, 3)},
     ),
 )
 
