@@ -29,10 +29,8 @@ script can be checked on a CPU under the Triton interpreter (fp32/fp16 only ther
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 import torch
 
@@ -49,6 +47,7 @@ from gpu_cce_check import (  # noqa: E402
     SPECS,
     Checker,
     chunked_reference,
+    finish,
     loss_options,
     make_inputs,
     naive,
@@ -277,17 +276,7 @@ def main():
                   f"{r['gemm_skipped']:5.2f} {r['dE_v1_v2_rel_diff']:9.1e} {r['gemm_products']}")
         elif r["case"].startswith("time/"):
             print(f"{r['case'][5:35]:30s} {r.get('status')}: {r.get('error', r.get('reason', ''))[:60]}")
-    total = time.time() - c.t0
-    print(f"{len(c.records)} records, {c.failed} failed, {total:.0f} s")
-
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        meta = dict(torch=torch.__version__, triton=triton.__version__, seconds=round(total, 1),
-                    device=torch.cuda.get_device_name(0) if cuda else "cpu", failed=c.failed)
-        with open(args.out, "w") as fh:
-            json.dump(dict(meta=meta, records=c.records), fh, indent=1, default=str)
-        print(f"wrote {args.out}")
-    sys.exit(1 if c.failed else 0)
+    finish(c, args.out, cuda)
 
 
 if __name__ == "__main__":

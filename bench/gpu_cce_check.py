@@ -451,16 +451,20 @@ def main():
               f" {f('peak_mb', '8.0f')} {f('peak_over_lb', '6.3f')} {f('fwd_bwd_ms', '7.2f')}")
         if r.get("problems") or r.get("error"):
             print(f"    -> {r.get('problems') or r.get('error')}")
+    finish(c, args.out, cuda)
+
+
+def finish(c, out: str | None, cuda: bool) -> None:
+    """Print the count line, write the records as JSON to ``out``, exit 1 if any case failed."""
     total = time.time() - c.t0
     print(f"{len(c.records)} records, {c.failed} failed, {total:.0f} s")
-
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         meta = dict(torch=torch.__version__, triton=triton.__version__, seconds=round(total, 1),
                     device=torch.cuda.get_device_name(0) if cuda else "cpu", failed=c.failed)
-        with open(args.out, "w") as fh:
+        with open(out, "w") as fh:
             json.dump(dict(meta=meta, records=c.records), fh, indent=1, default=str)
-        print(f"wrote {args.out}")
+        print(f"wrote {out}")
     sys.exit(1 if c.failed else 0)
 
 
