@@ -48,6 +48,7 @@ from gpu_cce_check import (  # noqa: E402
     Checker,
     chunked_reference,
     finish,
+    judge,
     loss_options,
     make_inputs,
     naive,
@@ -108,24 +109,7 @@ def check_accuracy(shape_name, N, V, D, dtype_name, spec_name, variant_names, de
                    naive_dE_err=naive_dE, naive_dC_err=naive_dC)
         rec["dE_ratio"] = rec["dE_err"] / max(naive_dE, 1e-30)
         rec["dC_ratio"] = rec["dC_err"] / max(naive_dC, 1e-30)
-        filtered = resolved.filter_eps is not None
-        problems = []
-        loss_tol = 1e-5 if dtype == torch.float32 else 1e-4
-        if not rec["loss_err"] <= loss_tol:
-            problems.append(f"loss err > {loss_tol}")
-        for grad, exact in (("dE", not filtered or resolved.full_e), ("dC", not filtered or resolved.full_c)):
-            err, ratio = rec[f"{grad}_err"], rec[f"{grad}_ratio"]
-            if not exact:
-                if not err <= 0.1:
-                    problems.append(f"{grad} (filtered) err > 0.1")
-            elif dtype == torch.float32:
-                if not err <= 1e-5:
-                    problems.append(f"{grad} err > 1e-5")
-            elif not ratio <= 1.5:
-                problems.append(f"{grad} {ratio:.2f}x the naive path's error > 1.5x")
-        rec["status"] = "FAIL" if problems else "ok"
-        if problems:
-            rec["problems"] = "; ".join(problems)
+        judge(rec, dtype, resolved)
         records.append(rec)
         del loss, dE, dC
     return records

@@ -286,26 +286,7 @@ def check_shape(shape_name, N, V, D, dtype_name, spec_name, variant_names, devic
         rec["naive_dE_err"], rec["naive_dC_err"] = naive_dE, naive_dC
         rec["dE_ratio"] = rec["dE_err"] / max(naive_dE, 1e-30)
         rec["dC_ratio"] = rec["dC_err"] / max(naive_dC, 1e-30)
-        filtered = resolved.filter_eps is not None
-        exact_dE = not filtered or resolved.full_e
-        exact_dC = not filtered or resolved.full_c
-        loss_tol = 1e-5 if dtype == torch.float32 else 1e-4
-        problems = []
-        if not rec["loss_err"] <= loss_tol:
-            problems.append(f"loss err > {loss_tol}")
-        for grad, exact in (("dE", exact_dE), ("dC", exact_dC)):
-            err, ratio = rec[f"{grad}_err"], rec[f"{grad}_ratio"]
-            if not exact:
-                if not err <= 0.1:
-                    problems.append(f"{grad} (filtered) err > 0.1")
-            elif dtype == torch.float32:
-                if not err <= 1e-5:
-                    problems.append(f"{grad} err > 1e-5")
-            elif not ratio <= 1.5:
-                problems.append(f"{grad} {ratio:.2f}x the naive path's error > 1.5x")
-        rec["status"] = "FAIL" if problems else "ok"
-        if problems:
-            rec["problems"] = "; ".join(problems)
+        judge(rec, dtype, resolved)
         records.append(rec)
         del loss, dE, dC
     return records
@@ -452,6 +433,29 @@ def main():
         if r.get("problems") or r.get("error"):
             print(f"    -> {r.get('problems') or r.get('error')}")
     finish(c, args.out, cuda)
+
+
+def judge(rec: dict, dtype: torch.dtype, resolved) -> None:
+    """The pass rules, set on ``rec`` as status (and problems): loss <= 1e-4 (1e-5 fp32); an exact
+    gradient <= 1e-5 in fp32, else <= 1.5x the naive path's error; a filtered one <= 0.1."""
+    filtered = resolved.filter_eps is not None
+    loss_tol = 1e-5 if dtype == torch.float32 else 1e-4
+    problems = []
+    if not rec["loss_err"] <= loss_tol:
+        problems.append(f"loss err > {loss_tol}")
+    for grad, exact in (("dE", not filtered or resolved.full_e), ("dC", not filtered or resolved.full_c)):
+        err, ratio = rec[f"{grad}_err"], rec[f"{grad}_ratio"]
+        if not exact:
+            if not err <= 0.1:
+                problems.append(f"{grad} (filtered) err > 0.1")
+        elif dtype == torch.float32:
+            if not err <= 1e-5:
+                problems.append(f"{grad} err > 1e-5")
+        elif not ratio <= 1.5:
+            problems.append(f"{grad} {ratio:.2f}x the naive path's error > 1.5x")
+    rec["status"] = "FAIL" if problems else "ok"
+    if problems:
+        rec["problems"] = "; ".join(problems)
 
 
 def finish(c, out: str | None, cuda: bool) -> None:

@@ -304,12 +304,7 @@ def install_cold_start_cell(py_path: str | Path, sync: bool = True) -> bool:
     if position > 0:
         cells[position - 1] = cells[position - 1].rstrip("\n") + "\n\n"
     new = ("".join([header, *cells])).rstrip("\n") + "\n"
-    if new == text:
-        return False
-    py_path.write_text(new)
-    if sync:
-        sync_pair(py_path)
-    return True
+    return write_notebook_source(py_path, text, new, sync)
 
 
 def first_code_cell(py_path: str | Path) -> str:
@@ -318,6 +313,17 @@ def first_code_cell(py_path: str | Path) -> str:
 
     notebook = jupytext.read(py_path)
     return next(c.source for c in notebook.cells if c.cell_type == "code")
+
+
+def write_notebook_source(py_path: Path, old: str, new: str, sync: bool) -> bool:
+    """Write ``new`` over a notebook's .py when it differs from ``old`` (then, with ``sync``, update
+    the paired .ipynb); return whether it changed."""
+    if new == old:
+        return False
+    py_path.write_text(new)
+    if sync:
+        sync_pair(py_path)
+    return True
 
 
 def sync_pair(py_path: str | Path) -> None:

@@ -332,7 +332,7 @@ def install_badges(py_path: str | Path, sync: bool = True) -> bool:
 
     Returns whether the file changed; with ``sync`` the paired .ipynb is then updated.
     """
-    from .bootstrap import _split_cells, sync_pair
+    from .bootstrap import _split_cells, write_notebook_source
 
     py_path = Path(py_path)
     text = py_path.read_text()
@@ -350,12 +350,7 @@ def install_badges(py_path: str | Path, sync: bool = True) -> bool:
             cleaned.append(line)
     cells[index] = "\n".join(cleaned)
     new = "".join([header, *cells])
-    if new == text:
-        return False
-    py_path.write_text(new)
-    if sync:
-        sync_pair(py_path)
-    return True
+    return write_notebook_source(py_path, text, new, sync)
 
 
 def add_stage_arguments(parser) -> None:
