@@ -26,27 +26,28 @@ Design (kernels in ``helpers/kernels/``, launch configurations in ``helpers/kern
   (N / BLOCK_N, SPLITS) grid, each program an online LSE over one split of the vocabulary, the
   splits merged with a logsumexp on the host (SPLITS is chosen so the grid fills the GPU; its
   buffer is SPLITS * N * 4 bytes). Saved for backward: lse, N * 4 bytes.
-- backward: ``cce_backward_kernel`` on a grid of (N / BLOCK_N) * (V / BLOCK_V) tiles, grouped so
-  consecutive programs share C strips in L2. Each tile rebuilds its logits, forms G, skips itself
-  when the gradient filter allows, and adds G C_tile into dE and G^T E_tile into dC with fp32
-  atomics. For fp16/bf16 inputs those adds land in fp32 scratch, rounded once into the output:
-  dE's scratch covers a chunk of rows (all N when N * D * 4 fits the budget below), dC's scratch a
-  chunk of vocabulary rows, folded into dC after each launch. Cost beyond LB, fp16/bf16:
-  n_chunk * D * 4 + v_chunk * D * 4 bytes (defaults: max(64 MiB, LB / 10) and max(16 MiB, LB / 40),
-  so ~9% of LB at the Gemma shape), plus O(N) vectors. fp32 inputs need no scratch (the outputs
-  are fp32 already): LB + O(N). Apple's CCE adds dE in bf16 across ~1000 vocabulary blocks and is
-  18x less accurate than the naive path; fp32 scratch keeps ours at the naive path's accuracy.
-  When N spans several row chunks, dC is rounded to the input dtype once per chunk;
-  ``accumulation="kahan"`` carries the rounding error of those folds in a compensation buffer
-  (V * D in the input dtype, allocated only when there are several chunks) so dC is rounded once.
-- backward version 2 (``backward_impl="gemm"``, opt-in): per vocabulary chunk of V_c columns,
-  ``cce_gradient_chunk_kernel`` rebuilds the logit tiles and writes G_c (N x V_c, input dtype) to
-  scratch, then two cuBLAS products: dC[v0:v1] = G_c^T E, written once, and dE_acc += G_c C_c
-  into an fp32 (N x D) accumulator (an fp32-output product where torch has one, see
-  ``product_mode``). No atomics: v1 spends ~100 of its 128 ms backward on them at the Gemma head.
-  Scratch: G_c <= max(32 MiB, LB / 32) and dE_acc <= max(64 MiB, LB / 16) (rows in chunks beyond
-  that; ``gemm_chunks``). The filter writes zeros for skipped tiles and records them; the GEMMs
-  do not skip them yet. See helpers/kernels/backward_gemm.py and docs/PERFORMANCE.md.
+- backward (the default, version 2, ``backward_impl="gemm"``): per vocabulary chunk of V_c
+  columns, ``cce_gradient_chunk_kernel`` rebuilds the logit tiles and writes G_c (N x V_c, input
+  dtype) to scratch, then two cuBLAS products: dC[v0:v1] = G_c^T E, written once, and
+  dE_acc += G_c C_c into an fp32 (N x D) accumulator (an fp32-output product where torch has one,
+  see ``product_mode``), rounded once into dE at the end. Scratch: G_c <= max(32 MiB, LB / 32)
+  and dE_acc <= max(64 MiB, LB / 16) (rows in chunks beyond that; ``gemm_chunks``): 1.09 LB at
+  the Gemma-2-2B head, 1.12-1.29 LB at the Qwen3 head (the MiB floors; docs/PERFORMANCE.md).
+  With several row chunks dC is rounded to the input dtype once per chunk (bf16 at N = 131,072,
+  8 chunks: dC error 2.1x the naive path's on the H200); ``accumulation="kahan"`` carries the
+  rounding error of those folds in a compensation buffer (V * D in the input dtype, allocated
+  only when there are several chunks) so dC is rounded once (1.0x there). fp32 inputs need no
+  accumulator (dE and dC are fp32 already). The filter writes zeros for skipped tiles; cuBLAS
+  multiplies them anyway, so in this version the filter saves no time (it costs ~3 ms of 78 at
+  the Gemma head); ``stats`` counts the tiles and whole chunks it skipped.
+- backward version 1 (``backward_impl="atomic"``): one kernel on a grid of (N / BLOCK_N) *
+  (V / BLOCK_V) tiles, grouped so consecutive programs share C strips in L2. Each tile rebuilds
+  its logits, forms G, skips itself when the gradient filter allows, and adds G C_tile into dE and
+  G^T E_tile into dC with fp32 atomics into fp32 scratch (row and vocabulary chunks, as above;
+  defaults max(64 MiB, LB / 10) and max(16 MiB, LB / 40)). The paper's structure, kept for
+  teaching and comparison: its ~300 GB of atomics make it 1.9x slower than version 2 on the H200.
+  Apple's CCE adds dE in bf16 across ~1000 vocabulary blocks and is 18x less accurate than the
+  naive path; fp32 accumulation keeps both versions at the naive path's accuracy.
 - gradient filter (paper 4.2): a tile whose |G| sums to less than eps in every row skips its two
   products (the paper bounds each entry; bounding the row mass also holds on a flat softmax, where
   every entry is tiny and their sum is not: see helpers/kernels/backward.py). eps
@@ -80,7 +81,7 @@ from helpers.kernels.lse_forward import lse_forward_kernel
 from helpers.reference import SUPPORTED_DTYPES, validate_inputs
 
 ACCUMULATIONS = ("fp32", "kahan")
-BACKWARD_IMPLS = ("atomic", "gemm")  # v1 (fp32 atomics, the default), v2 (G chunks + cuBLAS)
+BACKWARD_IMPLS = ("atomic", "gemm")  # v1 (fp32 atomics), v2 (G chunks + cuBLAS, the default)
 
 # The paper's eps = 2^-12 for bf16 is 2^-5 of bf16's machine epsilon (2^-7): an entry that small
 # moves a sum of O(1) gradients by less than its own rounding. The same ratio for fp16 (eps 2^-10).
@@ -289,19 +290,21 @@ def cce_backward(
     n_chunk: int | None = None,
     v_chunk: int | None = None,
     stats: dict | None = None,
-    backward_impl: str = "atomic",
+    backward_impl: str = "gemm",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dE (N, D), dC (V, D)) in E's dtype, from Algorithms 3 and 4.
 
     grad_rows: (N,) fp32, the upstream gradient of each row's loss (0 at ignored rows is implied).
-    backward_impl: "atomic" (version 1: one kernel, fp32 atomics) or "gemm" (version 2: G written
-    per vocabulary chunk, the products in cuBLAS; see ``helpers/kernels/backward_gemm.py``).
+    backward_impl: "gemm" (the default, version 2: G written per vocabulary chunk, the products in
+    cuBLAS; see ``helpers/kernels/backward_gemm.py``) or "atomic" (version 1: one kernel, fp32
+    atomics).
     n_chunk, v_chunk: "atomic": rows of dE's and of dC's fp32 scratch (fp16/bf16 only); "gemm":
     rows per dE accumulator and vocabulary columns per G chunk. None: ``default_chunks`` or
     ``gemm_chunks``.
     stats: when a dict is given, the kernel counts the tiles the filter skipped and the dict gets
     {"tiles": tiles computed, "skipped": tiles skipped, "launches": kernel launches}; "gemm" adds
-    "products", how its fp32-output products were made (``product_mode``).
+    "products", how its fp32-output products were made (``product_mode``), and "dead_chunks",
+    the launches whose every tile the filter skipped (their GEMMs multiply zeros).
     """
     check_backward_impl(backward_impl)
     N, D = E.shape
@@ -526,6 +529,7 @@ def _backward_gemm(E, C, x, lse, g, g_rel, g_scale, uniform, vocab_order, o, cfg
     tiles_max = triton.cdiv(n_chunk, cfg.BLOCK_N) * triton.cdiv(v_chunk, cfg.BLOCK_V)
     tile_kept = torch.empty(tiles_max if filtering else 1, dtype=torch.int8, device=device)
     skipped = torch.zeros((), dtype=torch.int64, device=device)
+    dead_chunks = torch.zeros((), dtype=torch.int64, device=device)  # chunks with every tile skipped
     dE = torch.empty(N, D, dtype=dtype, device=device)
     dC = torch.empty(V, D, dtype=dtype, device=device)
     dE_acc = torch.empty(n_chunk, D, dtype=torch.float32, device=device) if low_precision else None
@@ -575,6 +579,7 @@ def _backward_gemm(E, C, x, lse, g, g_rel, g_scale, uniform, vocab_order, o, cfg
             )
             if stats is not None and filtering:
                 skipped += (tile_kept[:tiles] == 0).sum()
+                dead_chunks += (tile_kept[:tiles] == 0).all()
             G_dE = G_exact if o.full_e else G  # FullE: dE exact; FullC: dC exact
             G_dC = G_exact if o.full_c else G
             if vocab_order is not None:
@@ -608,7 +613,8 @@ def _backward_gemm(E, C, x, lse, g, g_rel, g_scale, uniform, vocab_order, o, cfg
             dE_rows.mul_(g[n0:n1, None])
 
     if stats is not None:
-        stats.update(counters, skipped=int(skipped.item()), products=mode)
+        stats.update(counters, skipped=int(skipped.item()), dead_chunks=int(dead_chunks.item()),
+                     products=mode)
     return dE, dC
 
 
@@ -621,7 +627,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """loss = CE(E C^T, x) with the CCE kernels; backward recomputes the logits (saves only lse)."""
 
     @staticmethod
-    def forward(ctx, E, C, x, options: CCEOptions, configs, backward_impl="atomic"):
+    def forward(ctx, E, C, x, options: CCEOptions, configs, backward_impl="gemm"):
         loss_rows, lse = cce_forward(E, C, x, options, configs)
         kept = x != options.ignore_index
         n_kept = kept.sum()
@@ -676,7 +682,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     label_smoothing: float = 0.0,
     configs: CCEConfigs | str | None = None,
-    backward_impl: str = "atomic",
+    backward_impl: str = "gemm",
 ) -> torch.Tensor:
     """Cross-entropy of the logits E C^T against x, without materialising the logits.
 
@@ -688,13 +694,19 @@ def linear_cross_entropy(
     filter_eps: "auto" (2^-12 bf16, 2^-15 fp16, off for fp32; off with label smoothing), a number
         (0 = off) or None (off). sort_vocab: order the vocabulary by average logit for the filter.
     accumulation: "fp32" (fp32 scratch, rounded once per row chunk) or "kahan" (also compensates
-        dC's folds across row chunks). full_c / full_e: filter only dE / only dC.
+        dC's folds across row chunks). With one row chunk (N * D * 4 <= max(64 MiB, LB / 16): all
+        N up to 16,384 at the Qwen3 head, 8,192+ at Gemma's) "fp32" keeps bf16 dE and dC within
+        1.5x of the naive bf16 path's error (0.55-1.0x measured on the H200); past it dC is rounded
+        once per chunk (2.1x at N = 131,072) and "kahan" brings it back to 1.0x for a V * D buffer
+        in the input dtype (+0.54 LB at N = 131,072, Qwen3 head). full_c / full_e: filter only
+        dE / only dC.
     z_loss: adds z_loss * lse^2 per kept token. label_smoothing: torch's definition, in [0, 1].
     configs: a ``CCEConfigs`` or tier name from ``helpers.kernels.configs``; None picks by the
         device's shared memory per block.
-    backward_impl: "atomic" (version 1, fp32 atomics in one kernel) or "gemm" (version 2: G per
-        vocabulary chunk in scratch, its two products in cuBLAS; ``helpers/kernels/backward_gemm.py``).
-        fp32 "gemm" products follow torch's fp32 matmul setting (default: no TF32).
+    backward_impl: "gemm" (the default, version 2: G per vocabulary chunk in scratch, its two
+        products in cuBLAS) or "atomic" (version 1, fp32 atomics in one kernel; 1.9x slower on
+        the H200); ``helpers/kernels/backward_gemm.py``. fp32 "gemm" products follow torch's fp32
+        matmul setting (default: no TF32).
     """
     validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
     options = resolve_options(

@@ -4,7 +4,8 @@
 - ``indexed_dot.py``: Algorithm 1, the target logit z_{i, x_i};
 - ``lse_forward.py``: Algorithm 2, the online log-sum-exp over vocabulary blocks;
 - ``backward.py``: Algorithms 3-4, dE and dC with the gradient filter (version 1, fp32 atomics);
-- ``backward_gemm.py``: backward version 2, G written per vocabulary chunk for two cuBLAS products;
+- ``backward_gemm.py``: backward version 2 (the default), G written per vocabulary chunk for two
+  cuBLAS products;
 - ``configs.py``: the launch configurations, chosen by shared memory per block.
 """
 

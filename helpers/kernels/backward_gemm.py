@@ -32,7 +32,7 @@ use SPLIT_G: the kernel writes the real G to ``G_exact_ptr`` as well, and the ho
 gradient's product from it, the filtered one's from ``G_ptr``.
 
 Reference: autograd through ``helpers.reference.reference_loss`` (tests/test_cce.py runs every
-option with ``backward_impl="gemm"``); the host function is ``helpers.cce.cce_backward``.
+option with ``backward_impl="gemm"``, the default); the host function is ``helpers.cce.cce_backward``.
 """
 
 import triton
