@@ -77,9 +77,11 @@ INTERPRETER = CCEConfigs(
 TIERS: tuple[CCEConfigs, ...] = (
     CCEConfigs(
         "turing-64k", 64 * 1024, (7, 5),
-        forward={2: _L(64, 128, 32, 4, 2), 4: _L(64, 64, 32, 4, 2)},
+        # fp16: the fastest of 8 candidates under 64 KB, timed on the H200 (bench/gpu_tune.py
+        # --tier turing-64k; docs/PERFORMANCE.md): a proxy, no T4 was available to time on.
+        forward={2: _L(128, 128, 32, 8, 3), 4: _L(64, 64, 32, 4, 2)},
         backward={2: _L(64, 64, 32, 4, 2), 4: _L(64, 64, 16, 4, 2)},
-        backward_gemm={2: _L(64, 128, 32, 4, 2), 4: _L(64, 64, 32, 4, 2)},
+        backward_gemm={2: _L(128, 64, 32, 4, 3), 4: _L(64, 64, 32, 4, 2)},
     ),
     CCEConfigs(
         "ampere-99k", 99 * 1024, (8, 6),
@@ -95,7 +97,7 @@ TIERS: tuple[CCEConfigs, ...] = (
     ),
     CCEConfigs(
         "hopper-227k", 227 * 1024, (9, 0),
-        forward={2: _L(128, 256, 64, 8, 4), 4: _L(128, 64, 32, 8, 3)},
+        forward={2: _L(128, 256, 64, 8, 3), 4: _L(128, 64, 32, 8, 3)},
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
         backward_gemm={2: _L(128, 256, 64, 8, 4), 4: _L(128, 64, 32, 8, 3)},
     ),
