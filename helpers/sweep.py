@@ -126,6 +126,27 @@ def _liger(N, V, D, b, capability):
     return (N * D + V * D) * b + rows * V * b + temporaries + N * 4
 
 
+def _ours(N, V, D, b, capability):
+    # helpers.cce with its defaults (backward v2): the forward keeps O(N) (lse per row and vocabulary
+    # split); the backward allocates dE and dC, a G chunk (n_chunk, v_chunk) in the input dtype, for
+    # 16-bit inputs dE's fp32 accumulator (n_chunk, D) and, with several row chunks, dC rows staged
+    # in fp32 (v_chunk, D) before each fold. Chunk sizes from helpers.cce.gemm_chunks (rounded to the
+    # kernel's BLOCK_V there, which moves G by under 0.2%; not modelled). On the CPU the products
+    # run in fp32 ("upcast"): 16-bit operands are copied to fp32 for each product, and the staged
+    # dC rows are used even for one row chunk.
+    from .cce import gemm_chunks
+
+    n_chunk, v_chunk = gemm_chunks(N, V, D, torch.float32 if b == 4 else torch.float16, 1)
+    low = b < 4
+    several = N > n_chunk
+    scratch = n_chunk * v_chunk * b + low * n_chunk * D * 4
+    if low and (several or capability is None):
+        scratch += v_chunk * D * 4
+    if low and capability is None:  # the larger of the two products' fp32 operand copies
+        scratch += n_chunk * v_chunk * 4 + max(v_chunk, n_chunk) * D * 4
+    return (N * D + V * D) * b + scratch
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -143,6 +164,8 @@ THEORY: dict[str, tuple[Callable[..., int], str]] = {
     "liger": (_liger, "(N·D + V·D)·b + a (chunk, V) logit block of about N·D elements, + (V, D) "
               "temporaries for dC except on sm_80+ in 16-bit"),
     "cce": (_floor, "(N·D + V·D)·b: the floor (its O(N) LSE not counted)"),
+    "ours": (_ours, "(N·D + V·D)·b + a G chunk (input dtype) + 16-bit: dE's fp32 accumulator "
+             "(helpers.cce.gemm_chunks sizes both)"),
 }
 
 
@@ -438,7 +461,9 @@ def verdicts(records: list[dict], V: int) -> dict[str, str]:
         else:
             sentence = "no point measured"
         if oom:
-            sentence += f"; hit the wall at N={oom[0]['N']:,} (out of memory), larger N skipped"
+            skipped = any(r["status"] == "skipped after OOM" for r in rows)
+            sentence += f"; hit the wall at N={oom[0]['N']:,} (out of memory)"
+            sentence += ", larger N skipped" if skipped else ", the largest N of the sweep"
         elif ok:
             sentence += f"; no OOM up to N={ok[-1]['N']:,}"
         if errors:

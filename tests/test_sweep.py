@@ -58,6 +58,11 @@ def test_theory_at_the_qwen3_head_by_hand():
         804_045_312 + 8_388_608 + 2 * 622_329_856 + 1_806_336
     )
     assert predicted_peak_bytes("cce", N, V, D, "bfloat16") == 313_262_080
+    # ours: all 1,024 rows in one chunk; G chunk max(32 MiB, LB / 32) / (1024 rows · 2 bytes) =
+    # 16,384 columns: 33,554,432 bytes; dE's fp32 accumulator 1024·1024·4 = 4,194,304.
+    assert predicted_peak_bytes("ours", N, V, D, "bfloat16", (9, 0)) == 313_262_080 + 33_554_432 + 4_194_304
+    # fp32 inputs: no accumulator (dE accumulates itself), G in fp32: 8,192 columns, same bytes.
+    assert predicted_peak_bytes("ours", N, V, D, "float32", (9, 0)) == 2 * 313_262_080 + 33_554_432
     assert predicted_peak_bytes("no_such_method", N, V, D, "bfloat16") is None
 
 
@@ -91,6 +96,16 @@ def test_theory_matches_the_h200_measurements(method):
         assert abs(predicted / mib - 1) < 0.01, (method, N, predicted, mib)
 
 
+# Ours (helpers.cce, backward v2), the H200 run of notebook 02 on 2026-11-30 (bf16, sm_90), bytes.
+H200_BF16_OURS_PEAK = {1024: 351_027_712, 16_384: 445_599_232, 131_072: 688_262_656}
+
+
+def test_ours_theory_matches_the_h200_measurements():
+    for N, measured in H200_BF16_OURS_PEAK.items():
+        predicted = predicted_peak_bytes("ours", N, V_QWEN, D_QWEN, "bfloat16", (9, 0))
+        assert 0 <= measured / predicted - 1 < 0.01, (N, predicted, measured)
+
+
 def test_theory_predicts_the_articles_oom_wall_on_a_t4_with_the_guardrail():
     t4 = MemoryCap("cuda", int(0.9 * 15 * 1024**3), 15 * 1024**3, 0.9)
     assert first_oom_n("naive", ARTICLE_N, V_QWEN, D_QWEN, "float16", t4, T4_CAPABILITY) == 8192
@@ -100,7 +115,7 @@ def test_theory_predicts_the_articles_oom_wall_on_a_t4_with_the_guardrail():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("method", ["naive", "chunked", "liger"])
+@pytest.mark.parametrize("method", ["naive", "chunked", "liger", "ours"])
 def test_theory_matches_the_cpu_meter(method, dtype):
     N, V, D = 48, 257, 24
     E, C, x = make_sweep_inputs(N, V, D, dtype, "cpu")
@@ -124,6 +139,19 @@ def test_chunked_theory_with_several_chunks_matches_the_meter(monkeypatch):
     _, measured = peak_memory(step, device="cpu")
     monkeypatch.setattr(sweep, "chunk_rows", lambda V: rows)  # the theory reads the registry's chunk size
     predicted = predicted_peak_bytes("chunked", N, V, D, torch.float16)
+    assert abs(measured / predicted - 1) < 0.03, (measured, predicted)
+
+
+def test_ours_theory_with_several_chunks_matches_the_meter(monkeypatch):
+    import helpers.cce
+
+    N, V, D = 100, 509, 16  # 4 row chunks (the last ragged) x 4 vocabulary chunks
+    monkeypatch.setattr(helpers.cce, "gemm_chunks", lambda N, V, D, dtype, block_v: (32, 128))
+    E, C, x = make_sweep_inputs(N, V, D, torch.float16, "cpu")
+    step = loss_step("ours", E, C, x)
+    step()
+    _, measured = peak_memory(step, device="cpu")
+    predicted = predicted_peak_bytes("ours", N, V, D, torch.float16)
     assert abs(measured / predicted - 1) < 0.03, (measured, predicted)
 
 
