@@ -31,8 +31,9 @@ Design (kernels in ``helpers/kernels/``, launch configurations in ``helpers/kern
   dtype) to scratch, then two cuBLAS products: dC[v0:v1] = G_c^T E, written once, and
   dE_acc += G_c C_c into an fp32 (N x D) accumulator (an fp32-output product where torch has one,
   see ``product_mode``), rounded once into dE at the end. Scratch: G_c <= max(32 MiB, LB / 32)
-  and dE_acc <= max(64 MiB, LB / 16) (rows in chunks beyond that; ``gemm_chunks``): 1.09 LB at
-  the Gemma-2-2B head, 1.12-1.29 LB at the Qwen3 head (the MiB floors; docs/PERFORMANCE.md).
+  (none when V_c <= D: G_c then lives in the rows of dE not yet written) and dE_acc <=
+  max(64 MiB, LB / 16) (rows in chunks beyond that; ``gemm_chunks``): ~1.06 LB at the Gemma-2-2B
+  head, 1.12-1.21 LB at the Qwen3 head (the MiB floors; docs/PERFORMANCE.md).
   With several row chunks dC is rounded to the input dtype once per chunk (bf16 at N = 131,072,
   8 chunks: dC error 2.1x the naive path's on the H200); ``accumulation="kahan"`` carries the
   rounding error of those folds in a compensation buffer (V * D in the input dtype, allocated
@@ -502,7 +503,7 @@ def _backward_gemm(E, C, x, lse, g, g_rel, g_scale, uniform, vocab_order, o, cfg
     dC[v0:v1] = g_scale G_c^T (g_rel E) and dE_acc += G_c C[v0:v1] in cuBLAS.
 
     Memory beyond LB, fp16/bf16: dE_acc (n_chunk * D * 4) + G_c (n_chunk * v_chunk * itemsize,
-    twice with FullC/FullE and the filter) + g_rel E (n_chunk * D * itemsize, only when rows have
+    nothing when v_chunk <= D: it lives in dE's rows; once more with FullC/FullE and the filter) + g_rel E (n_chunk * D * itemsize, only when rows have
     different upstream gradients, i.e. reduction="none") + C's gathered chunk (v_chunk * D *
     itemsize, sort only) + dC's fp32 fold (v_chunk * D * 4, several row chunks only) + Kahan's
     V * D compensation (several row chunks only) + O(N). fp32: no dE_acc (dE accumulates itself).
@@ -524,8 +525,13 @@ def _backward_gemm(E, C, x, lse, g, g_rel, g_scale, uniform, vocab_order, o, cfg
     # rows, whose G is 0), alpha is that g and E is the operand as it is; otherwise g_scale, with
     # g_rel E the operand.
     alpha = float(g[g.abs().argmax()]) if uniform else float(g_scale)
-    G_buf = torch.empty(n_chunk * v_chunk, dtype=dtype, device=device)
-    G_exact_buf = torch.empty_like(G_buf) if split else G_buf
+    # G_c lives in the row chunk's own rows of dE when it fits there (16-bit inputs, V_c <= D):
+    # those rows are written only after the chunk's last product has read G (same stream), so
+    # the scratch costs nothing (the Gemma-2-2B head, the Qwen3 head from 16,384 tokens on).
+    # fp32 inputs accumulate into dE itself.
+    g_in_dE = low_precision and v_chunk <= D
+    G_buf = None if g_in_dE else torch.empty(n_chunk * v_chunk, dtype=dtype, device=device)
+    G_exact_buf = torch.empty(n_chunk * v_chunk, dtype=dtype, device=device) if split else None
     tiles_max = triton.cdiv(n_chunk, cfg.BLOCK_N) * triton.cdiv(v_chunk, cfg.BLOCK_V)
     tile_kept = torch.empty(tiles_max if filtering else 1, dtype=torch.int8, device=device)
     skipped = torch.zeros((), dtype=torch.int64, device=device)
@@ -552,11 +558,13 @@ def _backward_gemm(E, C, x, lse, g, g_rel, g_scale, uniform, vocab_order, o, cfg
         dE_rows = (dE_acc[:rows] if low_precision else dE[n0:n1]).zero_()  # (rows, D) fp32
         # dC's operand: g_rel E, (rows, D) in the dtype (rounded as v1 rounds G g_rel for dC).
         E_op = E_rows if uniform else torch.mul(E_rows, g_rel[n0:n1, None], out=E_scaled_buf[:rows])
+        G_store = dE[n0:n1].view(-1) if g_in_dE else G_buf
+        G_exact_store = G_exact_buf if split else G_store
         for v0 in range(0, V, v_chunk):
             v1 = min(V, v0 + v_chunk)
             cols = v1 - v0
-            G = G_buf[: rows * cols].view(rows, cols)  # (rows, V_c)
-            G_exact = G_exact_buf[: rows * cols].view(rows, cols)
+            G = G_store[: rows * cols].view(rows, cols)  # (rows, V_c)
+            G_exact = G_exact_store[: rows * cols].view(rows, cols)
             tiles = triton.cdiv(rows, cfg.BLOCK_N) * triton.cdiv(cols, cfg.BLOCK_V)
             counters["tiles"] += tiles
             counters["launches"] += 1

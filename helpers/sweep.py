@@ -128,18 +128,24 @@ def _liger(N, V, D, b, capability):
 
 def _ours(N, V, D, b, capability):
     # helpers.cce with its defaults (backward v2): the forward keeps O(N) (lse per row and vocabulary
-    # split); the backward allocates dE and dC, a G chunk (n_chunk, v_chunk) in the input dtype, for
+    # split); the backward allocates dE and dC, a G chunk (n_chunk, v_chunk) in the input dtype
+    # unless it fits in dE's rows, for
     # 16-bit inputs dE's fp32 accumulator (n_chunk, D) and, with several row chunks, dC rows staged
     # in fp32 (v_chunk, D) before each fold. Chunk sizes from helpers.cce.gemm_chunks (rounded to the
-    # kernel's BLOCK_V there, which moves G by under 0.2%; not modelled). On the CPU the products
-    # run in fp32 ("upcast"): 16-bit operands are copied to fp32 for each product, and the staged
-    # dC rows are used even for one row chunk.
+    # kernel's BLOCK_V, from the configuration tier this capability gets; the rounding decides
+    # whether G fits in dE at the Gemma-2-2B head). On the CPU the products run in fp32
+    # ("upcast"): 16-bit operands are copied to fp32 for each product, and the staged dC rows are
+    # used even for one row chunk.
     from .cce import gemm_chunks
+    from .kernels.configs import tier_for_capability
 
-    n_chunk, v_chunk = gemm_chunks(N, V, D, torch.float32 if b == 4 else torch.float16, 1)
+    dtype = torch.float32 if b == 4 else torch.float16
+    block_v = tier_for_capability(capability).backward_gemm_for(dtype).BLOCK_V
+    n_chunk, v_chunk = gemm_chunks(N, V, D, dtype, block_v)
     low = b < 4
     several = N > n_chunk
-    scratch = n_chunk * v_chunk * b + low * n_chunk * D * 4
+    # G lives in dE's rows when a chunk of it fits there (16-bit, v_chunk <= D).
+    scratch = (0 if low and v_chunk <= D else n_chunk * v_chunk * b) + low * n_chunk * D * 4
     if low and (several or capability is None):
         scratch += v_chunk * D * 4
     if low and capability is None:  # the larger of the two products' fp32 operand copies
@@ -164,8 +170,8 @@ THEORY: dict[str, tuple[Callable[..., int], str]] = {
     "liger": (_liger, "(N·D + V·D)·b + a (chunk, V) logit block of about N·D elements, + (V, D) "
               "temporaries for dC except on sm_80+ in 16-bit"),
     "cce": (_floor, "(N·D + V·D)·b: the floor (its O(N) LSE not counted)"),
-    "ours": (_ours, "(N·D + V·D)·b + a G chunk (input dtype) + 16-bit: dE's fp32 accumulator "
-             "(helpers.cce.gemm_chunks sizes both)"),
+    "ours": (_ours, "(N·D + V·D)·b + a G chunk (input dtype; inside dE when it fits) + 16-bit: "
+             "dE's fp32 accumulator (helpers.cce.gemm_chunks sizes both)"),
 }
 
 

@@ -264,9 +264,10 @@ for name, method in helpers.METHODS.items():
 # - **Apple CCE**: the floor, (N·D + V·D)·b, plus O(N) for the per-row LSE.
 # - **ours** (`helpers.cce`): the floor plus its backward's scratch: one chunk of G (rows ×
 #   vocabulary columns, input dtype) and, for 16-bit inputs, dE's fp32 accumulator (rows × D),
-#   sized by `helpers.cce.gemm_chunks` to at most max(32 MiB, LB/32) and max(64 MiB, LB/16). The
-#   32 and 64 MiB floors keep cuBLAS's products large at small N; they are why ours sits 10-30%
-#   above the floor on this head while Apple CCE sits on it.
+#   sized by `helpers.cce.gemm_chunks` to at most max(32 MiB, LB/32) and max(64 MiB, LB/16); the
+#   G chunk costs nothing when it fits in the rows of dE not yet written (V_c ≤ D). The 32 and
+#   64 MiB floors keep cuBLAS's products large at small N; they are why ours sits 12-21% above
+#   the floor on this head while Apple CCE sits on it.
 # - Any other method (PyTorch's `linear_cross_entropy`) has no formula here and is compared with
 #   the floor: what it holds above it is its own buffers and accumulators.
 #
@@ -399,8 +400,8 @@ fig = plot_memory_sweep(
 # Where they differ, and why. For naive and torch.compile the formulas count every tensor, and
 # the ratio should sit at 1.00 (a GPU may add a few MB of cuBLAS or Triton scratch). Liger's
 # formula follows its code path for this device (in-place dC accumulation only on sm_80+ in 16-bit).
-# Ours counts its G chunk and fp32 accumulator; on the lent H200 it sat within 0.6% of measured at
-# every N (the excess past 32,768 tokens: O(N) per-row vectors the formula leaves out). For Apple
+# Ours counts its G chunk and fp32 accumulator; on the lent H200 it sat within 0.6% of measured
+# (the excess at large N: O(N) per-row vectors the formula leaves out). For Apple
 # CCE the formula is the floor (its O(N) LSE is left out: about 0.6% here); PyTorch's
 # `linear_cross_entropy` has none. Every measured peak must be at least the floor, or the
 # measurement is wrong.

@@ -3,8 +3,9 @@
 Runs the kernels under the Triton interpreter in fp32 and fp16 (bf16 is wrong there, see
 FACTS.md; the GPU check ``bench/gpu_cce_check.py`` covers it). Shapes are tiny and irregular
 (N=37, V=301, D=24 against 16x32x16 tiles) so every kernel sees partial tiles in every dimension.
-Both backwards run: "atomic" (version 1) and "gemm" (version 2, forced to 3 row chunks x 5
-vocabulary chunks by the ``backward_impl`` fixture; ``bench/gpu_backward_v2.py`` checks it on a GPU).
+Both backwards run: "atomic" (version 1) and "gemm" (version 2, the default), forced to 3 row chunks
+x 5 vocabulary chunks by the ``backward_impl`` fixture, and again with chunks narrow enough for G to
+live in dE's rows; ``bench/gpu_cce_check.py`` checks the default on a GPU.
 """
 
 import os
@@ -76,13 +77,15 @@ def reference_with_extras(E, C, x, grad_output, *, ignore_index=-100, reduction=
     return loss.detach(), E64.grad, C64.grad
 
 
-@pytest.fixture(params=["atomic", "gemm"])
+@pytest.fixture(params=["atomic", "gemm", "gemm/G_in_dE"])
 def backward_impl(request, monkeypatch):
     """Each backward in turn; "gemm" with small chunks: 16 rows x 64 columns, i.e. 3 row chunks x
-    5 vocabulary chunks at N=37, V=301 (each chunk 2 tiles wide, the last one partial)."""
-    if request.param == "gemm":
-        monkeypatch.setattr(helpers.cce, "gemm_chunks", lambda *shape: (16, 64))
-    return request.param
+    5 vocabulary chunks at N=37, V=301 (each chunk 2 tiles wide, the last one partial);
+    "gemm/G_in_dE": 16 x 16 (V_c <= D = 24), so in fp16 each G chunk lives in dE's rows."""
+    chunks = {"gemm": (16, 64), "gemm/G_in_dE": (16, 16)}.get(request.param)
+    if chunks:
+        monkeypatch.setattr(helpers.cce, "gemm_chunks", lambda *shape: chunks)
+    return request.param.split("/")[0]
 
 
 def run_ours(E, C, x, grad_output, **options):

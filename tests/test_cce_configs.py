@@ -252,3 +252,13 @@ if __name__ == "__main__":
     with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         results = list(pool.map(_compile, all_requests()))
     print(json.dumps({"triton": triton.__version__, "results": results}))
+
+
+def test_tier_for_capability_agrees_with_shared_memory():
+    """The theory's guess of a GPU's tier (helpers.sweep) matches what the device would pick by its
+    shared memory, for the GPUs configs.py names: T4, RTX 30xx/40xx, A100, H100/H200."""
+    from helpers.kernels.configs import configs_for_shared_memory, tier_for_capability
+
+    for capability, shared_kib in [((7, 5), 64), ((8, 6), 99), ((8, 9), 99), ((8, 0), 163), ((9, 0), 227)]:
+        assert tier_for_capability(capability) is configs_for_shared_memory(shared_kib * 1024), capability
+    assert tier_for_capability(None).name == "interpreter"

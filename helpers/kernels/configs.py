@@ -117,6 +117,17 @@ def tier(name: str) -> CCEConfigs:
     raise ValueError(f"no configuration tier {name!r}; tiers: {[t.name for t in (INTERPRETER, *TIERS)]}")
 
 
+def tier_for_capability(capability: tuple[int, int] | None) -> CCEConfigs:
+    """The tier a GPU of this compute capability most likely gets (None: the interpreter's), for
+    arithmetic without the device at hand (``helpers.sweep``'s theory). The newest tier whose target
+    capability is at most ``capability``; a device picks by its shared memory instead
+    (``select_configs``), which agrees for every GPU named in this file's docstring."""
+    if capability is None:
+        return INTERPRETER
+    fitting = [t for t in TIERS if t.target_capability <= tuple(capability)]
+    return max(fitting, key=lambda t: t.target_capability) if fitting else TIERS[0]
+
+
 def select_configs(device) -> CCEConfigs:
     """The tier for ``device`` (a torch.device): the interpreter's on CPU, else by shared memory."""
     import torch
