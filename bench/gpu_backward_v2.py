@@ -28,7 +28,6 @@ script can be checked on a CPU under the Triton interpreter (fp32/fp16 only ther
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -41,7 +40,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import triton  # noqa: E402
 from gpu_cce_check import (  # noqa: E402
     DTYPES,
     SPECS,
@@ -54,6 +52,7 @@ from gpu_cce_check import (  # noqa: E402
     naive,
     ours,
     rel_err,
+    script_setup,
     upstream,
 )
 
@@ -189,25 +188,7 @@ def profile_gemm_backward(N, V, D, device):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_out = os.path.join(os.environ["OUT"], "backward_v2.json") if os.environ.get("OUT") else None
-    parser.add_argument("--out", default=default_out, help="JSON path (default $OUT/backward_v2.json)")
-    parser.add_argument("--budget-s", type=float, default=180.0,
-                        help="cases that would start after this many seconds are skipped")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU check of this script)")
-    args = parser.parse_args()
-
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references and naive paths in real fp32
-        torch.backends.cudnn.allow_tf32 = False
-        print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
-              f"configs {select_configs(torch.device('cuda')).name}", flush=True)
-    elif not args.tiny:
-        sys.exit("no CUDA device: run with --tiny to check the script on a CPU")
-
-    scale = (lambda n, lo: max(lo, n // 256)) if args.tiny else (lambda n, lo: n)
+    args, cuda, device, scale = script_setup(__doc__, "backward_v2.json", 180.0)
     qwen = (scale(2048, 37), scale(151_936, 301), scale(1024, 24))
     gemma = (scale(8192, 40), scale(256_000, 500), scale(2304, 36))
     chunk = 64 if args.tiny else 2048

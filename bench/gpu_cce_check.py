@@ -358,27 +358,34 @@ def measure(shape_name, N, V, D, dtype_name, device, configs=None, **options):
                 peak_over_lb=round(peak / lb, 3), fwd_bwd_ms=round(ms, 2), status="ok")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_out = os.path.join(os.environ["OUT"], "cce_check.json") if os.environ.get("OUT") else None
-    parser.add_argument("--out", default=default_out, help="JSON results path (default $OUT/cce_check.json)")
-    parser.add_argument("--budget-s", type=float, default=330.0,
+def script_setup(doc: str, out_name: str, budget_s: float, add_arguments=None):
+    """The GPU scripts' shared start: --out (default $OUT/out_name), --budget-s, --tiny and any
+    ``add_arguments(parser)`` adds; exits without CUDA unless --tiny; on CUDA turns TF32 off (fp32
+    references and naive paths in real fp32) and prints the device, versions and configuration tier.
+    Returns (args, cuda, device, scale), ``scale(n, lo)`` shrinking a size for --tiny."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    default_out = os.path.join(os.environ["OUT"], out_name) if os.environ.get("OUT") else None
+    parser.add_argument("--out", default=default_out, help=f"JSON results path (default $OUT/{out_name})")
+    parser.add_argument("--budget-s", type=float, default=budget_s,
                         help="optional cases that would start after this many seconds are skipped")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU check of this script)")
+    if add_arguments:
+        add_arguments(parser)
     args = parser.parse_args()
-
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
     if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references and naive paths in real fp32
+        torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        props = torch.cuda.get_device_properties(0)
-        print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, "
+        print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
               f"configs {select_configs(torch.device('cuda')).name}", flush=True)
     elif not args.tiny:
         sys.exit("no CUDA device: run with --tiny to check the script on a CPU")
-
     scale = (lambda n, lo: max(lo, n // 256)) if args.tiny else (lambda n, lo: n)
+    return args, cuda, "cuda" if cuda else "cpu", scale
+
+
+def main():
+    args, cuda, device, scale = script_setup(__doc__, "cce_check.json", 330.0)
     qwen = (scale(2048, 37), scale(151_936, 301), scale(1024, 24))
     gemma = (scale(8192, 40), scale(256_000, 500), scale(2304, 36))
     big = (scale(131_072, 512), scale(151_936, 301), scale(1024, 24))

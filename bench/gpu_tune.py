@@ -27,7 +27,6 @@ Triton interpreter, to check the script (timings meaningless there).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -43,7 +42,7 @@ sys.path.insert(0, HERE)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from gpu_cce_check import Checker, finish  # noqa: E402
+from gpu_cce_check import Checker, finish, script_setup  # noqa: E402
 
 from helpers.cce import cce_backward, cce_forward, gemm_chunks, linear_cross_entropy, resolve_options  # noqa: E402
 from helpers.data import make_inputs  # noqa: E402
@@ -108,9 +107,9 @@ class Case:
                             kw.pop("options", self.options), backward_impl="gemm", **kw)
 
 
-def forward_sweep(case, base, repeats):
+def forward_sweep(case, base, candidates, repeats):
     records = []
-    for cfg in FORWARD_CANDIDATES:
+    for cfg in candidates:
         rec = dict(case=f"forward/{case.name}/{label(cfg)}", status="ok")
         try:
             configs = with_config(base, "forward", cfg)
@@ -123,9 +122,9 @@ def forward_sweep(case, base, repeats):
     return records
 
 
-def g_kernel_sweep(case, base, repeats, cuda):
+def g_kernel_sweep(case, base, candidates, repeats, cuda):
     records = []
-    for cfg in G_CANDIDATES:
+    for cfg in candidates:
         rec = dict(case=f"g_kernel/{case.name}/{label(cfg)}", status="ok")
         try:
             configs = with_config(base, "backward_gemm", cfg)
@@ -259,52 +258,44 @@ def realistic_filter(name, N, V, D, dtype, device, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_out = os.path.join(os.environ["OUT"], "tune.json") if os.environ.get("OUT") else None
-    parser.add_argument("--out", default=default_out, help="JSON path (default $OUT/tune.json)")
-    parser.add_argument("--budget-s", type=float, default=240.0)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU check of this script)")
-    parser.add_argument("--tier", help="sweep this configuration tier's candidates (e.g. turing-64k) "
-                        "instead of the device's; only the forward and G-kernel sections run")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    args = parser.parse_args()
+    def tier_arguments(parser):
+        parser.add_argument("--tier", help="sweep this configuration tier's candidates (e.g. "
+                            "turing-64k) instead of the device's; only the forward and G-kernel "
+                            "sections and the end-to-end comparison run")
+        parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
 
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.tiny:
-        sys.exit("no CUDA device: run with --tiny to check the script on a CPU")
-    device = "cuda" if cuda else "cpu"
+    args, cuda, device, scale = script_setup(__doc__, "tune.json", 240.0, tier_arguments)
     dtype = getattr(torch, args.dtype) if cuda else torch.float16
-    base = select_configs(torch.device(device))
-    global FORWARD_CANDIDATES, G_CANDIDATES
+    base = tier(args.tier) if args.tier else select_configs(torch.device(device))
+    forward_candidates, g_candidates = FORWARD_CANDIDATES, G_CANDIDATES
     if args.tier:
-        base = tier(args.tier)
-        FORWARD_CANDIDATES = G_CANDIDATES = TURING_CANDIDATES if args.tier == "turing-64k" else [
-            base.forward[2]]
+        forward_candidates = g_candidates = (
+            TURING_CANDIDATES if args.tier == "turing-64k" else [base.forward[2]])
     if not cuda:  # the interpreter runs any tile size; keep them small
-        FORWARD_CANDIDATES = G_CANDIDATES = [L(16, 32, 16, 1, 1), L(32, 16, 16, 1, 1, GROUP_N=2)]
+        forward_candidates = g_candidates = [L(16, 32, 16, 1, 1), L(32, 16, 16, 1, 1, GROUP_N=2)]
         base = tier("interpreter")
-    scale = (lambda n, lo: max(lo, n // 256)) if args.tiny else (lambda n, lo: n)
     gemma = ("gemma2", scale(8192, 40), scale(256_000, 500), scale(2304, 36))
     qwen = ("qwen3-16k", scale(16_384, 64), scale(151_936, 301), scale(1024, 24))
     repeats = 2 if args.tiny else 7
     c = Checker(args.budget_s, device)
-    print(f"{torch.cuda.get_device_name(0) if cuda else 'cpu'}, torch {torch.__version__}, "
-          f"triton {triton.__version__}, base tier {base.name}", flush=True)
+    print(f"swept tier: {base.name}", flush=True)
 
     cases = {}
     for shape in (gemma, qwen):
         cases[shape[0]] = Case(*shape, dtype, device)
     for name in cases:
-        c.run(f"forward/{name}", forward_sweep, cases[name], base, repeats, required=name == "gemma2")
+        c.run(f"forward/{name}", forward_sweep, cases[name], base, forward_candidates, repeats,
+              required=name == "gemma2")
     for name in cases:
-        c.run(f"g_kernel/{name}", g_kernel_sweep, cases[name], base, repeats, cuda,
+        c.run(f"g_kernel/{name}", g_kernel_sweep, cases[name], base, g_candidates, repeats, cuda,
               required=name == "gemma2")
     if args.tier:
         for name in cases:
             c.run(f"e2e/{name}", end_to_end, cases[name], [select_configs(torch.device(device)), base],
                   repeats)
-    for name in ([] if args.tier else cases):
-        c.run(f"chunks/{name}", chunk_width_sweep, cases[name], base, repeats)
+    if not args.tier:
+        for name in cases:
+            c.run(f"chunks/{name}", chunk_width_sweep, cases[name], base, repeats)
     if cuda and not args.tier:
         for name in cases:
             c.run(f"cublas/{name}", cublas_logits, cases[name], repeats)
