@@ -445,6 +445,14 @@ def gemm_chunks(N: int, V: int, D: int, dtype: torch.dtype, block_v: int) -> tup
     return n_chunk, min(V, v_chunk)
 
 
+def g_fits_in_dE(dtype: torch.dtype, v_chunk: int, D: int) -> bool:
+    """Whether backward v2 keeps each G chunk in the rows of dE it is computing: a row chunk's dE
+    rows are written only after its last product has read G (same stream), so when a chunk of G
+    (rows x v_chunk) fits in them (v_chunk <= D) it needs no scratch of its own: the Gemma-2-2B
+    head, the Qwen3 head from 16,384 tokens on. Not for fp32 inputs, which accumulate in dE."""
+    return dtype != torch.float32 and v_chunk <= D
+
+
 # How this process makes an fp32-output product of fp16/bf16 operands, per (device, dtype):
 PRODUCT_MODES = ("upcast", "addmm_out_dtype", "mm_out_dtype", "rounded")
 _product_mode_cache: dict = {}
@@ -503,7 +511,8 @@ def _backward_gemm(E, C, x, lse, g, g_rel, g_scale, uniform, vocab_order, o, cfg
     dC[v0:v1] = g_scale G_c^T (g_rel E) and dE_acc += G_c C[v0:v1] in cuBLAS.
 
     Memory beyond LB, fp16/bf16: dE_acc (n_chunk * D * 4) + G_c (n_chunk * v_chunk * itemsize,
-    nothing when v_chunk <= D: it lives in dE's rows; once more with FullC/FullE and the filter) + g_rel E (n_chunk * D * itemsize, only when rows have
+    nothing when ``g_fits_in_dE``; once more with FullC/FullE and the filter) + g_rel E
+    (n_chunk * D * itemsize, only when rows have
     different upstream gradients, i.e. reduction="none") + C's gathered chunk (v_chunk * D *
     itemsize, sort only) + dC's fp32 fold (v_chunk * D * 4, several row chunks only) + Kahan's
     V * D compensation (several row chunks only) + O(N). fp32: no dE_acc (dE accumulates itself).
@@ -525,11 +534,7 @@ def _backward_gemm(E, C, x, lse, g, g_rel, g_scale, uniform, vocab_order, o, cfg
     # rows, whose G is 0), alpha is that g and E is the operand as it is; otherwise g_scale, with
     # g_rel E the operand.
     alpha = float(g[g.abs().argmax()]) if uniform else float(g_scale)
-    # G_c lives in the row chunk's own rows of dE when it fits there (16-bit inputs, V_c <= D):
-    # those rows are written only after the chunk's last product has read G (same stream), so
-    # the scratch costs nothing (the Gemma-2-2B head, the Qwen3 head from 16,384 tokens on).
-    # fp32 inputs accumulate into dE itself.
-    g_in_dE = low_precision and v_chunk <= D
+    g_in_dE = g_fits_in_dE(dtype, v_chunk, D)
     G_buf = None if g_in_dE else torch.empty(n_chunk * v_chunk, dtype=dtype, device=device)
     G_exact_buf = torch.empty(n_chunk * v_chunk, dtype=dtype, device=device) if split else None
     tiles_max = triton.cdiv(n_chunk, cfg.BLOCK_N) * triton.cdiv(v_chunk, cfg.BLOCK_V)

@@ -129,14 +129,13 @@ def _liger(N, V, D, b, capability):
 def _ours(N, V, D, b, capability):
     # helpers.cce with its defaults (backward v2): the forward keeps O(N) (lse per row and vocabulary
     # split); the backward allocates dE and dC, a G chunk (n_chunk, v_chunk) in the input dtype
-    # unless it fits in dE's rows, for
-    # 16-bit inputs dE's fp32 accumulator (n_chunk, D) and, with several row chunks, dC rows staged
-    # in fp32 (v_chunk, D) before each fold. Chunk sizes from helpers.cce.gemm_chunks (rounded to the
-    # kernel's BLOCK_V, from the configuration tier this capability gets; the rounding decides
-    # whether G fits in dE at the Gemma-2-2B head). On the CPU the products run in fp32
-    # ("upcast"): 16-bit operands are copied to fp32 for each product, and the staged dC rows are
-    # used even for one row chunk.
-    from .cce import gemm_chunks
+    # unless it fits in dE's rows (helpers.cce.g_fits_in_dE), for 16-bit inputs dE's fp32
+    # accumulator (n_chunk, D) and, with several row chunks, dC rows staged in fp32 (v_chunk, D)
+    # before each fold. Chunk sizes from helpers.cce.gemm_chunks, rounded to the BLOCK_V of the
+    # configuration tier this capability gets (the rounding decides whether G fits in dE at the
+    # Gemma-2-2B head). On the CPU the products run in fp32 ("upcast"): 16-bit operands are copied
+    # to fp32 for each product, and the staged dC rows are used even for one row chunk.
+    from .cce import g_fits_in_dE, gemm_chunks
     from .kernels.configs import tier_for_capability
 
     dtype = torch.float32 if b == 4 else torch.float16
@@ -144,8 +143,7 @@ def _ours(N, V, D, b, capability):
     n_chunk, v_chunk = gemm_chunks(N, V, D, dtype, block_v)
     low = b < 4
     several = N > n_chunk
-    # G lives in dE's rows when a chunk of it fits there (16-bit, v_chunk <= D).
-    scratch = (0 if low and v_chunk <= D else n_chunk * v_chunk * b) + low * n_chunk * D * 4
+    scratch = (0 if g_fits_in_dE(dtype, v_chunk, D) else n_chunk * v_chunk * b) + low * n_chunk * D * 4
     if low and (several or capability is None):
         scratch += v_chunk * D * 4
     if low and capability is None:  # the larger of the two products' fp32 operand copies
