@@ -22,6 +22,11 @@ import torch as _torch  # noqa: E402
 if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
     _os.environ["TRITON_INTERPRET"] = "1"
 
+from .device import pretend_t4 as _pretend_t4, pretending_t4 as _pretending_t4  # noqa: E402
+
+if _pretending_t4():  # a process started by `python -m helpers run --pretend-t4`: cap it as a T4
+    _pretend_t4()
+
 from .methods import METHODS, Method, MethodUnavailable, available_methods, get_method  # noqa: E402
 from .profiles import device_info, get_profile  # noqa: E402
 from .reference import reference_loss, reference_loss_and_grads, validate_inputs  # noqa: E402

@@ -11,7 +11,7 @@ from .profiles import PROFILES
 def _run(args) -> int:
     from .runner import run_suite
 
-    runs = run_suite(args.profile, args.output, args.only, args.timeout)
+    runs = run_suite(args.profile, args.output, args.only, args.timeout, args.pretend_t4)
     return 0 if all(r.status == "ok" for r in runs) else 1
 
 
@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--output", default="results", help="folder for executed notebooks and results")
     run.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 01 02")
     run.add_argument("--timeout", type=int, default=None, help="seconds a single cell may run")
+    run.add_argument("--pretend-t4", action="store_true",
+                     help="run every notebook as a free Kaggle/Colab T4 would see it: fp16, a T4's memory cap, "
+                     "shared memory and compute capability (on a CPU: the fp16 smoke run)")
     run.set_defaults(func=_run)
 
     gate = sub.add_parser("gate", help="run the correctness gate and print its table")

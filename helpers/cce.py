@@ -74,6 +74,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from helpers.device import device_info
 from helpers.kernels.backward import cce_backward_kernel
 from helpers.kernels.backward_gemm import cce_gradient_chunk_kernel
 from helpers.kernels.configs import CCEConfigs, select_configs, tier
@@ -104,7 +105,7 @@ def why_unavailable(
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return "this torch build or machine has no CUDA device"
-        major, minor = torch.cuda.get_device_capability(device)
+        major, minor = device_info(device).capability  # a pretend T4's sm_75 too
         if (major, minor) < (7, 0):
             return f"its Triton kernels need a GPU of compute capability 7.0 or newer; this one is sm_{major}{minor}"
         if dtype == torch.bfloat16 and (major, minor) < (8, 0):
@@ -257,7 +258,7 @@ def cce_forward(
 
 def _multiprocessors(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return device_info(device).multiprocessors
     return 1  # the interpreter runs programs one by one: a couple of splits just exercise the merge
 
 
@@ -640,7 +641,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """loss = CE(E C^T, x) with the CCE kernels; backward recomputes the logits (saves only lse)."""
 
     @staticmethod
-    def forward(ctx, E, C, x, options: CCEOptions, configs, backward_impl="gemm"):
+    def forward(ctx, E, C, x, options: CCEOptions, configs, backward_impl="gemm", stats=None):
         loss_rows, lse = cce_forward(E, C, x, options, configs)
         kept = x != options.ignore_index
         n_kept = kept.sum()
@@ -651,7 +652,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             loss = loss_rows.sum() / n_kept  # 0 / 0 = NaN when every token is ignored, as torch
         ctx.save_for_backward(E, C, x, lse, n_kept)
-        ctx.options, ctx.configs, ctx.backward_impl = options, configs, backward_impl
+        ctx.options, ctx.configs, ctx.backward_impl, ctx.stats = options, configs, backward_impl, stats
         return loss
 
     @staticmethod
@@ -667,11 +668,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             # All ignored: torch's gradients are 0, not NaN, so divide by at least 1.
             grad_rows = (grad_loss / n_kept.clamp(min=1)).expand(x.shape[0])
-        dE, dC = cce_backward(E, C, x, lse, grad_rows, o, ctx.configs,
+        dE, dC = cce_backward(E, C, x, lse, grad_rows, o, ctx.configs, stats=ctx.stats,
                               backward_impl=ctx.backward_impl)
         return (
             dE if ctx.needs_input_grad[0] else None,
             dC if ctx.needs_input_grad[1] else None,
+            None,
             None,
             None,
             None,
@@ -696,6 +698,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     configs: CCEConfigs | str | None = None,
     backward_impl: str = "gemm",
+    stats: dict | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of the logits E C^T against x, without materialising the logits.
 
@@ -720,6 +723,9 @@ def linear_cross_entropy(
         products in cuBLAS) or "atomic" (version 1, fp32 atomics in one kernel; 1.9x slower on
         the H200); ``helpers/kernels/backward_gemm.py``. fp32 "gemm" products follow torch's fp32
         matmul setting (default: no TF32).
+    stats: a dict the backward fills with what its gradient filter did: "tiles" (logit tiles
+        rebuilt), "skipped" (tiles whose gradient the filter dropped), "launches"; see
+        ``cce_backward``. Counting costs one host sync per backward.
     """
     validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
     options = resolve_options(
@@ -739,4 +745,6 @@ def linear_cross_entropy(
     reason = why_unavailable(E.device, E.dtype, softcap)
     if reason:
         raise RuntimeError(f"helpers.cce.linear_cross_entropy cannot run here: {reason}")
-    return LinearCrossEntropyFunction.apply(E, C, x, options, configs, backward_impl)
+    if stats is not None and not isinstance(stats, dict):
+        raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
+    return LinearCrossEntropyFunction.apply(E, C, x, options, configs, backward_impl, stats)

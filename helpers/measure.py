@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .profiles import T4_MEMORY_BYTES, default_device, device_info
+from .device import T4_MEMORY_BYTES, default_device, device_info
 
 
 class MemoryBudgetExceeded(MemoryError):
@@ -247,7 +247,6 @@ class MemoryCap:
 def apply_memory_cap(
     memory_fraction: float | None,
     *,
-    pretend_t4: bool = False,
     cpu_budget_bytes: int | None = None,
     device: torch.device | str | None = None,
 ) -> MemoryCap:
@@ -255,27 +254,25 @@ def apply_memory_cap(
 
     CUDA: ``torch.cuda.set_per_process_memory_fraction`` so that an allocation past the cap raises
     a catchable ``torch.OutOfMemoryError`` (the guardrail the article added after an OOM took a
-    unified-memory machine down). The usable bytes are ``memory_fraction`` of the card, or with
-    ``pretend_t4`` of a T4 (``T4_MEMORY_BYTES``): a bigger GPU then hits the wall a T4 reader running
-    this same code would hit, guardrail included. ``memory_fraction=None`` leaves the card uncapped
-    (with ``pretend_t4`` the T4's whole memory is the cap).
+    unified-memory machine down). The usable bytes are ``memory_fraction`` of the card as
+    ``helpers.device.device_info`` sees it: on a pretend T4 (``HELPERS_PRETEND_T4=1``) of a T4's
+    memory, so a bigger GPU hits the wall a T4 reader running this same code would hit, guardrail
+    included. ``memory_fraction=None`` leaves the card (or the pretend T4) uncapped.
 
     CPU: nothing to set; ``cpu_budget_bytes`` (or None) becomes the budget ``peak_memory`` checks.
     """
     device = _device(device)
     if device.type != "cuda":
-        if pretend_t4:
-            raise ValueError("pretend_t4 needs a CUDA GPU with more memory than a T4; this is a CPU")
         return MemoryCap("cpu", cpu_budget_bytes, None, None)
+    info = device_info(device)
     total = torch.cuda.get_device_properties(device).total_memory
-    card = T4_MEMORY_BYTES if pretend_t4 else total
-    usable = min(total, int(card * (memory_fraction if memory_fraction is not None else 1.0)))
+    usable = min(total, int(info.total_memory_bytes * (memory_fraction if memory_fraction is not None else 1.0)))
     fraction = usable / total
     # Set even when it is 1.0: a notebook re-run in the same process must not keep an old cap.
     # It takes an index: a bare torch.device("cuda") raises ("expected ... a specified index").
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.set_per_process_memory_fraction(fraction, index)
-    return MemoryCap("cuda", usable, total, fraction, pretend_t4)
+    return MemoryCap("cuda", usable, total, fraction, info.pretend_t4)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -358,7 +358,7 @@ def _cce_reason(device, dtype, softcap) -> Reason:
         )
     if dtype == torch.float32:
         return "cut-cross-entropy's backward accepts only fp16 or bf16 embeddings (it asserts so)"
-    from .profiles import device_info
+    from .device import device_info
 
     info = device_info(device)
     need = CCE_BACKWARD_SHARED_BYTES[dtype]

@@ -12,77 +12,12 @@ the whole suite's sizes. Sections are plain dicts so that each notebook owns its
 
 from __future__ import annotations
 
-import os
-import platform
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, replace
 
 import torch
 
-# T4-class memory: what the article's OOM wall is measured against (16 GB card, ~15 GB usable).
-T4_MEMORY_BYTES = 15 * 1024**3
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """The facts about one device that decide what can run on it."""
-
-    kind: str  # "cuda" or "cpu"
-    name: str
-    capability: tuple[int, int] | None  # (major, minor) for CUDA
-    total_memory_bytes: int | None
-    shared_memory_per_block_bytes: int | None  # the opt-in maximum a kernel may request
-    multiprocessors: int | None
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.kind == "cuda"
-
-    @property
-    def has_bf16_matmul(self) -> bool:
-        """bf16 tensor cores exist from Ampere (sm_80) on; a T4 (sm_75) has fp16 ones only."""
-        return self.is_cuda and self.capability >= (8, 0)
-
-    def describe(self) -> str:
-        if not self.is_cuda:
-            return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-        gb = self.total_memory_bytes / 1024**3
-        smem = self.shared_memory_per_block_bytes // 1024
-        return (
-            f"{self.name} (sm_{self.capability[0]}{self.capability[1]}, {gb:.0f} GiB, "
-            f"{smem} KiB shared memory per block, {self.multiprocessors} SMs)"
-        )
-
-    def as_dict(self) -> dict:
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "capability": list(self.capability) if self.capability else None,
-            "total_memory_bytes": self.total_memory_bytes,
-            "shared_memory_per_block_bytes": self.shared_memory_per_block_bytes,
-            "multiprocessors": self.multiprocessors,
-            "description": self.describe(),
-        }
-
-
-def device_info(device: torch.device | str | None = None) -> DeviceInfo:
-    """DeviceInfo for ``device`` (default: the first CUDA GPU if there is one, else the CPU)."""
-    device = torch.device(device) if device is not None else default_device()
-    if device.type != "cuda":
-        return DeviceInfo("cpu", platform.processor() or platform.machine(), None, None, None, None)
-    props = torch.cuda.get_device_properties(device)
-    smem = getattr(props, "shared_memory_per_block_optin", None) or 48 * 1024
-    return DeviceInfo(
-        "cuda",
-        props.name,
-        (props.major, props.minor),
-        props.total_memory,
-        smem,
-        props.multi_processor_count,
-    )
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+from .device import T4_MEMORY_BYTES, DeviceInfo, default_device, device_info, pretending_t4  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -122,7 +57,7 @@ _CONVERGENCE_GPU_SIZES = {
         "train": {"steps": 300, "lr": 3e-3, "seed": 0},
     },
     "pretrain": {
-        "methods": ["exact", "ours", "ours_kahan_fullc", "cce"],
+        "methods": ["exact", "ours", "ours_nofilter", "cce"],
         "corpus": {"vocab_size": 32768, "max_files": None},
         "task": {"D": 256, "context": 8, "d_embed": 64, "d_hidden": 1024, "batch": 4096, "curve_tokens": 32768},
         "train": {"steps": 1000, "warmup": 50, "lr": 2e-3, "eval_every": 50},
@@ -163,7 +98,7 @@ PROFILES: dict[str, Profile] = {
                     "train": {"steps": 12, "lr": 1e-2, "seed": 0},
                 },
                 "pretrain": {
-                    "methods": ["exact", "ours", "ours_kahan_fullc", "cce"],
+                    "methods": ["exact", "ours", "ours_nofilter", "cce"],
                     "corpus": {"vocab_size": 256, "max_files": 60},
                     "task": {"D": 16, "context": 4, "d_embed": 16, "d_hidden": 64, "batch": 32, "curve_tokens": 2048},
                     "train": {"steps": 8, "warmup": 2, "lr": 3e-3, "eval_every": 2},
@@ -218,10 +153,28 @@ PROFILES: dict[str, Profile] = {
 }
 
 
+def _in_fp16(cpu: Profile) -> Profile:
+    """The CPU smoke sizes in the T4's dtype: every notebook's fp16 path under the interpreter."""
+    sections = copy.deepcopy(cpu.sections)
+    sections["02_memory_sweep"]["dtype"] = "float16"
+    sections["03_convergence"].update(compute_dtype="float16", tolerance=1e-2)
+    sections["04_kernel_walkthrough"]["dtype"] = "float16"
+    return replace(
+        cpu, name="cpu-t4", dtypes=("float16",), sections=sections,
+        description="CPU smoke run of the T4's path: the cpu sizes in fp16, Turing-tier kernel configurations "
+        "under the interpreter",
+    )
+
+
+PROFILES["cpu-t4"] = _in_fp16(PROFILES["cpu"])
+
+
 def detect_profile_name(device: torch.device | str | None = None) -> str:
+    """The profile "auto" runs here: "gpu" on Ampere or newer, "t4" on a T4 (or a pretend one),
+    "cpu" on the CPU ("cpu-t4" under ``HELPERS_PRETEND_T4=1``)."""
     info = device_info(device)
     if not info.is_cuda:
-        return "cpu"
+        return "cpu-t4" if pretending_t4() else "cpu"
     return "gpu" if info.has_bf16_matmul else "t4"
 
 

@@ -16,6 +16,7 @@ when any failed.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,7 +25,8 @@ from pathlib import Path
 import torch
 
 from .bootstrap import installed_version
-from .profiles import device_info, get_profile
+from .device import PRETEND_T4_ENV, device_info
+from .profiles import get_profile
 
 
 def notebooks_dir() -> Path:
@@ -89,10 +91,20 @@ def run_suite(
     output: str | Path = "results",
     only: list[str] | None = None,
     timeout_s: int | None = None,
+    pretend_t4: bool = False,
 ) -> list[NotebookRun]:
-    """Execute every notebook (or those in ``only``) and write ``summary.json``; see module doc."""
+    """Execute every notebook (or those in ``only``) and write ``summary.json``; see module doc.
+
+    ``pretend_t4``: every notebook runs as a T4 would see it (``helpers.device``): the T4 profile
+    (``cpu-t4`` on a CPU), a T4's memory cap, shared memory and compute capability in each
+    notebook's process.
+    """
     from tqdm.auto import tqdm
 
+    if pretend_t4:
+        if profile not in ("auto", "t4", "cpu-t4"):
+            raise SystemExit(f"--pretend-t4 runs the T4's profile; leave --profile at auto, not {profile!r}")
+        os.environ[PRETEND_T4_ENV] = "1"  # inherited by every notebook's kernel process
     resolved = get_profile(profile).name
     output = Path(output).resolve()
     output.mkdir(parents=True, exist_ok=True)

@@ -290,7 +290,6 @@ def run_sweep(
     store: str | Path,
     memory_cap: MemoryCap,
     device: torch.device | str,
-    pretend_t4: bool = False,
     warmup: int = 2,
     repeats: int = 7,
     seed: int = 0,
@@ -309,7 +308,7 @@ def run_sweep(
     device = torch.device(device)
     dtype = _torch_dtype(dtype)
     info = device_info(device)
-    config = SweepConfig(V, D, _dtype_name(dtype), info.name, pretend_t4, memory_cap.usable_bytes)
+    config = SweepConfig(V, D, _dtype_name(dtype), info.name, info.pretend_t4, memory_cap.usable_bytes)
     store = Path(store)
     done = {k: r for k, r in load_points(store).items() if r["status"] in DONE}
     Ns = sorted(Ns)

@@ -333,13 +333,14 @@ def test_the_cell_installs_what_requirements_txt_names():
 
 
 def _pretend_gpu(monkeypatch, name, capability, smem):
+    import types
+
     import torch
 
-    import helpers.profiles as profiles
-
-    info = profiles.DeviceInfo("cuda", name, capability, 15 * 1024**3, smem, 40)
-    monkeypatch.setattr(profiles, "device_info", lambda device=None: info)
-    monkeypatch.setattr(profiles, "default_device", lambda: torch.device("cuda"))
+    props = types.SimpleNamespace(name=name, major=capability[0], minor=capability[1], total_memory=15 * 1024**3,
+                                  shared_memory_per_block_optin=smem, multi_processor_count=40)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 

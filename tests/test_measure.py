@@ -138,8 +138,6 @@ def test_memory_cap_on_the_cpu_is_a_budget():
     assert cap.budget_bytes == cap.usable_bytes == 5_000_000
     assert cap.room_for(input_bytes=1_000_000) == 5_000_000  # the budget is above the inputs already
     assert apply_memory_cap(0.9, device="cpu").budget_bytes is None
-    with pytest.raises(ValueError, match="pretend_t4"):
-        apply_memory_cap(0.9, pretend_t4=True, device="cpu")
 
 
 def test_chunked_peak_grows_with_dE_only_while_naive_grows_with_the_logits():

@@ -129,11 +129,11 @@ def tier_for_capability(capability: tuple[int, int] | None) -> CCEConfigs:
 
 
 def select_configs(device) -> CCEConfigs:
-    """The tier for ``device`` (a torch.device): the interpreter's on CPU, else by shared memory."""
-    import torch
+    """The tier for ``device`` (a torch.device): the interpreter's on CPU, else by shared memory
+    (a pretend T4's 64 KB, ``helpers.device``). On the CPU under ``HELPERS_PRETEND_T4=1`` the
+    Turing tier, so the interpreter runs the configurations a T4 gets."""
+    from helpers.device import device_info, pretending_t4
 
     if device.type != "cuda":
-        return INTERPRETER
-    props = torch.cuda.get_device_properties(device)
-    smem = getattr(props, "shared_memory_per_block_optin", None) or 48 * 1024
-    return configs_for_shared_memory(smem)
+        return tier("turing-64k") if pretending_t4() else INTERPRETER
+    return configs_for_shared_memory(device_info(device).shared_memory_per_block_bytes)

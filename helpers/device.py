@@ -1,0 +1,128 @@
+"""The device as the kernels and the suite see it, and the pretend T4.
+
+``device_info`` gives the facts about one device that decide what can run on it: compute
+capability (bf16 tensor cores from sm_80), shared memory per block (which launch configurations
+fit), multiprocessors (how many programs fill it) and memory (what fits).
+
+A free Kaggle or Colab GPU is a T4: sm_75, 16 GB (about 15 GiB usable), fp16 tensor cores only,
+64 KB of shared memory per block. With ``HELPERS_PRETEND_T4=1`` in the environment (set by
+``python -m helpers run --pretend-t4``, inherited by every notebook it runs, or by ``pretend_t4()``
+in this process) a bigger GPU answers as a T4: ``device_info`` reports a T4's capability, memory,
+shared memory and multiprocessors, so our kernels take their Turing-tier configurations, bf16 and
+the methods whose kernels need more shared memory are refused with the reason, and the allocator
+is capped at a T4's memory (``pretend_t4``, which ``import helpers`` calls when the variable is
+set). What it cannot give is a T4's speed, or a peer's own view of the card (Liger picks its code
+paths from the real device). On a CPU the variable selects the T4's dtype and Turing-tier
+configurations under the interpreter (the ``cpu-t4`` profile).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+import torch
+
+PRETEND_T4_ENV = "HELPERS_PRETEND_T4"
+
+# A T4 as Kaggle and Colab hand it out: a 16 GB card of which about 15 GiB can be allocated.
+T4_CAPABILITY = (7, 5)
+T4_MEMORY_BYTES = 15 * 1024**3
+T4_SHARED_MEMORY_BYTES = 64 * 1024
+T4_MULTIPROCESSORS = 40
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The facts about one device that decide what can run on it."""
+
+    kind: str  # "cuda" or "cpu"
+    name: str
+    capability: tuple[int, int] | None  # (major, minor) for CUDA
+    total_memory_bytes: int | None
+    shared_memory_per_block_bytes: int | None  # the opt-in maximum a kernel may request
+    multiprocessors: int | None
+    pretend_t4: bool = False  # a bigger GPU answering as a T4 (its speed is still its own)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def has_bf16_matmul(self) -> bool:
+        """bf16 tensor cores exist from Ampere (sm_80) on; a T4 (sm_75) has fp16 ones only."""
+        return self.is_cuda and self.capability >= (8, 0)
+
+    def describe(self) -> str:
+        if not self.is_cuda:
+            return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+        gb = self.total_memory_bytes / 1024**3
+        smem = self.shared_memory_per_block_bytes // 1024
+        pretend = "; a pretend T4: a T4's limits, this GPU's speed" if self.pretend_t4 else ""
+        return (
+            f"{self.name} (sm_{self.capability[0]}{self.capability[1]}, {gb:.0f} GiB, "
+            f"{smem} KiB shared memory per block, {self.multiprocessors} SMs{pretend})"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "capability": list(self.capability) if self.capability else None,
+            "total_memory_bytes": self.total_memory_bytes,
+            "shared_memory_per_block_bytes": self.shared_memory_per_block_bytes,
+            "multiprocessors": self.multiprocessors,
+            "pretend_t4": self.pretend_t4,
+            "description": self.describe(),
+        }
+
+
+def pretending_t4() -> bool:
+    """Whether this process runs as a pretend T4 (``HELPERS_PRETEND_T4=1``)."""
+    return os.environ.get(PRETEND_T4_ENV) == "1"
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_info(device: torch.device | str | None = None) -> DeviceInfo:
+    """DeviceInfo for ``device`` (default: the first CUDA GPU if there is one, else the CPU); a
+    T4's limits under ``HELPERS_PRETEND_T4=1``."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type != "cuda":
+        return DeviceInfo("cpu", platform.processor() or platform.machine(), None, None, None, None)
+    props = torch.cuda.get_device_properties(device)
+    if pretending_t4():
+        return DeviceInfo("cuda", f"{props.name} as a T4", T4_CAPABILITY, min(T4_MEMORY_BYTES, props.total_memory),
+                          T4_SHARED_MEMORY_BYTES, T4_MULTIPROCESSORS, pretend_t4=True)
+    smem = getattr(props, "shared_memory_per_block_optin", None) or 48 * 1024
+    return DeviceInfo("cuda", props.name, (props.major, props.minor), props.total_memory, smem,
+                      props.multi_processor_count)
+
+
+def pretend_t4() -> None:
+    """From now on this process, and every process it starts, sees a T4 (see the module doc).
+
+    On a GPU it caps the caching allocator at a T4's memory, so that an allocation past it raises
+    ``torch.OutOfMemoryError`` as on a T4. Call it before the work it should govern; launch
+    configurations are chosen per call, so everything after it runs as on a T4.
+    """
+    os.environ[PRETEND_T4_ENV] = "1"
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, T4_MEMORY_BYTES / total), index)
+
+
+__all__ = [
+    "PRETEND_T4_ENV",
+    "T4_CAPABILITY",
+    "T4_MEMORY_BYTES",
+    "DeviceInfo",
+    "default_device",
+    "device_info",
+    "pretend_t4",
+    "pretending_t4",
+]
