@@ -27,6 +27,7 @@ import inspect
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,17 +51,21 @@ class LossVariant:
     name: str
     label: str  # for legends
     summary: str
-    loss: Callable[..., torch.Tensor]  # (E, C, x, *, ignore_index, reduction) -> loss
+    loss: Callable[..., torch.Tensor]  # (E, C, x, *, ignore_index, reduction[, stats]) -> loss
     availability: Callable[[torch.device, torch.dtype], Reason]
+    kind: str = "baseline"  # "ours", "peer" or "baseline", as in the method registry
+    counts_skips: bool = False  # takes stats=: reports the tiles its gradient filter skipped
 
     def why_unavailable(self, device: torch.device | str, dtype: torch.dtype) -> Reason:
         return self.availability(torch.device(device), dtype)
 
-    def __call__(self, E, C, x, *, ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
+    def __call__(self, E, C, x, *, ignore_index: int = -100, reduction: str = "mean",
+                 stats: dict | None = None) -> torch.Tensor:
         reason = self.why_unavailable(E.device, E.dtype)
         if reason:
             raise RuntimeError(f"{self.name}: {reason}")
-        return self.loss(E, C, x, ignore_index=ignore_index, reduction=reduction)
+        extra = {"stats": stats} if self.counts_skips else {}
+        return self.loss(E, C, x, ignore_index=ignore_index, reduction=reduction, **extra)
 
 
 def exact_loss(E, C, x, *, ignore_index=-100, reduction="mean"):
@@ -77,6 +82,7 @@ def _registry_variant(method_name: str, label: str, summary: str) -> LossVariant
         summary=summary,
         loss=lambda E, C, x, **kw: method(E, C, x, **kw),
         availability=lambda device, dtype: method.why_unavailable(device, dtype),
+        kind=method.kind,
     )
 
 
@@ -93,10 +99,11 @@ def _ours_reason(options: dict, device: torch.device, dtype: torch.dtype) -> Rea
 
 
 def _ours_variant(name: str, label: str, summary: str, **options) -> LossVariant:
-    def loss(E, C, x, *, ignore_index=-100, reduction="mean"):
+    def loss(E, C, x, *, ignore_index=-100, reduction="mean", stats=None):
         from .cce import linear_cross_entropy
 
-        return linear_cross_entropy(E, C, x, ignore_index=ignore_index, reduction=reduction, **options)
+        return linear_cross_entropy(E, C, x, ignore_index=ignore_index, reduction=reduction, stats=stats,
+                                    **options)
 
     return LossVariant(
         name=name,
@@ -104,6 +111,8 @@ def _ours_variant(name: str, label: str, summary: str, **options) -> LossVariant
         summary=summary,
         loss=loss,
         availability=lambda device, dtype: _ours_reason(options, device, dtype),
+        kind="ours",
+        counts_skips=options.get("filter_eps", "auto") is not None,
     )
 
 
@@ -125,14 +134,6 @@ LOSS_VARIANTS: dict[str, LossVariant] = {
         ),
         _ours_variant(
             "ours_nofilter", "ours (filter off)", "helpers.cce with the gradient filter off.", filter_eps=None
-        ),
-        _ours_variant(
-            "ours_kahan_fullc",
-            "ours (Kahan, FullC)",
-            "helpers.cce with Kahan-compensated dE accumulation and no filter on dC (the paper's "
-            "pretraining fix).",
-            accumulation="kahan",
-            full_c=True,
         ),
         _registry_variant("liger", "Liger", "Liger-Kernel's fused linear cross-entropy."),
         _registry_variant("cce", "Apple CCE", "Apple's Cut Cross-Entropy, default gradient filter."),
@@ -304,6 +305,8 @@ class TrainRun:
     wall_s: float = 0.0  # the whole run, evaluation included
     eval_s: float = 0.0
     skipped_steps: int = 0  # fp16 steps the gradient scaler dropped for an inf/NaN gradient
+    # Per step, the fraction of logit tiles whose gradient our filter dropped (ours only, else []).
+    filter_skipped: list[float] = field(default_factory=list)
     rows_with_grad: torch.Tensor | None = None  # (V,) steps on which row v of C got a nonzero gradient
     row_drift: torch.Tensor | None = None  # (V,) ||C_final[v] - C_init[v]||
     val_token_loss: torch.Tensor | None = None  # (M,) final per-token loss, whole validation split
@@ -318,6 +321,7 @@ class TrainRun:
             "wall_s": self.wall_s,
             "eval_s": self.eval_s,
             "skipped_steps": self.skipped_steps,
+            "filter_skipped": self.filter_skipped,
         }
 
 
@@ -396,8 +400,11 @@ def train(
         inputs, targets = task.sample(g)
         with _autocast(device, compute_dtype):
             E = model.hidden(inputs.to(device))
-        loss = loss_fn(E.to(compute_dtype), model.C.to(compute_dtype), targets.to(device))
+        stats = {}
+        loss = loss_fn(E.to(compute_dtype), model.C.to(compute_dtype), targets.to(device), stats=stats)
         scaler.scale(loss).backward()
+        if loss_fn.counts_skips:
+            run.filter_skipped.append(stats.get("skipped", 0) / max(1, stats.get("tiles", 0)))
         # The filter's footprint: rows of C that received any gradient at all this step.
         if model.C.grad is not None:
             rows_with_grad += (model.C.grad != 0).any(dim=1)
@@ -407,7 +414,11 @@ def train(
         if scale_before is not None and scaler.get_scale() < scale_before:
             run.skipped_steps += 1
         optimizer.zero_grad(set_to_none=True)
-        schedule.step()
+        with warnings.catch_warnings():
+            # A step the fp16 scaler skipped (inf or NaN gradient) leaves the optimizer unstepped;
+            # the schedule moves on regardless, which torch warns about. Expected, not a fault.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            schedule.step()
         losses[step] = loss.detach().float()
     if eval_every:
         _evaluate(run, model, curve, compute_dtype, steps)
@@ -572,6 +583,56 @@ def pretraining_findings(
     return comparisons, lines
 
 
+def loss_scale_check(task, names: list[str], *, device, dtype=torch.float16, scale: float = 2.0**16,
+                     seed: int = 0) -> dict[str, dict]:
+    """What each loss hands back under fp16 loss scaling, on one batch of ``task`` at init.
+
+    Every fp16 trainer multiplies the loss by a scale (``GradScaler`` starts at 2^16) so that small
+    gradients survive fp16, and divides it out before the optimizer step. That works when the
+    scale reaches every fp16 intermediate of the backward. A loss that forms its gradients in the
+    forward pass (Liger) rounds them to fp16 before the scale exists: entries of G / N below fp16's
+    smallest subnormal (2^-24 = 6e-8) are zero whatever the scale. Per loss: "zero_rows", the
+    fraction of classifier rows whose whole gradient is zero (rows that would not train this
+    step); "dC_error", "dE_error": relative L2 error of the unscaled gradients against float64;
+    and for reference "underflow", the fraction of entries of S / N that are zero in fp16.
+    """
+    from .reference import reference_loss_and_grads
+
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    model = task.make_model().to(device)
+    inputs, targets = task.sample(torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        E = model.hidden(inputs.to(device)).to(dtype)
+        C = model.C.detach().to(dtype)
+    x = targets.to(device)
+    _, dE64, dC64 = reference_loss_and_grads(E, C, x)
+    S = torch.softmax(E.double() @ C.double().T, dim=1)
+    underflow = float(((S / x.numel()).to(dtype) == 0).double().mean())
+    out = {}
+    for name in names:
+        E_, C_ = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
+        (get_variant(name)(E_, C_, x) * scale).backward()
+        dE, dC = E_.grad.double() / scale, C_.grad.double() / scale
+        out[name] = {
+            "zero_rows": float((C_.grad == 0).all(dim=1).double().mean()),
+            "dC_error": float((dC - dC64).norm() / dC64.norm()),
+            "dE_error": float((dE - dE64).norm() / dE64.norm()),
+            "underflow": underflow,
+        }
+    return out
+
+
+def split_faults(problems: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """(ours, peers) from [(arm, what went wrong)]: a drift or crash of our own code (an arm of
+    kind "ours" or "baseline": our kernel, the exact arm, the chunked loss, the pipeline) is a
+    fault that must stop the notebook; a peer's is a finding to report and explain."""
+    ours, peers = [], []
+    for arm, problem in problems:
+        (peers if get_variant(arm).kind == "peer" else ours).append(problem)
+    return ours, peers
+
+
 def write_json(path, payload: dict):
     """Write ``payload`` as JSON; NaN and inf (an empty bin, a diverged run) become null."""
 
@@ -623,5 +684,7 @@ __all__ = [
     "compare_to_baseline",
     "describe_comparison",
     "max_relative_drift",
+    "loss_scale_check",
+    "split_faults",
     "write_json",
 ]

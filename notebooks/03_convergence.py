@@ -26,8 +26,9 @@
 # **Part 1, fine-tuning A/B (the article's).** The same model, data and seed, trained once with
 # the exact loss (fp32 logits) and once with each fused method. The article ran this with one
 # fused kernel and found indistinguishable curves. Here every method that runs on this machine
-# takes part. The verdict has a stated tolerance, and **the notebook fails** (at its last cell,
-# after every result is saved) when a method drifts beyond it.
+# takes part. The verdict has a stated tolerance. A peer that drifts beyond it is a finding,
+# reported and explained; **the notebook fails** (at its last cell, after every result is saved)
+# only when our own code does: our kernel, the chunked loss or the exact arm itself.
 #
 # **Part 2, pretraining A/B (the missing one).** Cut Cross-Entropy skips the gradient of every
 # logit tile whose softmax entries all fall below eps = 2<sup>-12</sup> (in bf16). Its published
@@ -40,9 +41,15 @@
 # Two filter rules take part. Apple's CCE applies the paper's: skip a tile when its *largest*
 # entry is below eps. Ours skips a tile only when every row's *summed* |G| over the tile is below
 # eps: on a flat softmax (an untrained model's, ~1/V per entry) each entry is tiny while the tile
-# together carries real gradient. On the lent H200 (2026-11-30, gpu profile, 3 seeds) the paper's
-# rule in our kernel ended pretraining 0.069 nats above exact (Apple's CCE: 0.046); the row-mass
-# rule ended 3e-5 above, inside the seed spread.
+# together carries real gradient. On an H200 (gpu profile, 3 seeds) the paper's rule in our kernel
+# ended pretraining 0.069 nats above exact (Apple's CCE: 0.046); the row-mass rule ended 3e-5
+# above, inside the seed spread.
+#
+# Our arms are the default (filter on) and the filter off. The paper's Kahan-FullC is not one of
+# ours: it repairs a bf16 accumulator, and ours accumulates in fp32 (its Kahan option compensates
+# only the folds of dC across row chunks, and at these sizes there is one chunk); FullC keeps dC
+# unfiltered, which differs from the default only where the filter skips something. So we count,
+# at every step, the fraction of logit tiles our filter skipped.
 
 # %% jupyter={"source_hidden": true} tags=["cold-start"]
 # Cold start: make `helpers` importable here, then report what this machine can run.
@@ -219,7 +226,7 @@ out.mkdir(parents=True, exist_ok=True)
 # turn into a NaN loss: that part stays off.
 torch.use_deterministic_algorithms(True, warn_only=True)
 torch.utils.deterministic.fill_uninitialized_memory = False
-crashed = {}  # "part/method": the error, for a method that raised; the verdict fails on it
+crashed = []  # (method, what happened) for a method that raised: our fault or a peer's finding
 print(f"profile {P.name}: {helpers.device_info(device).describe()}, training in {S['compute_dtype']}")
 
 # %% [markdown]
@@ -265,14 +272,41 @@ if reasons["liger"] is None:
     training.get_variant("liger")(E, C, torch.zeros(8, dtype=torch.long, device=device)).backward()
     print("Liger, E without gradient: dC is", "None (the classifier would not train)" if C.grad is None else "computed")
 
+# %% [markdown]
+# ### fp16: gradients a loss scale cannot reach
+#
+# A T4 trains in fp16, and every fp16 trainer scales the loss (`GradScaler` starts at
+# 2<sup>16</sup>) so that small gradients survive fp16's range, dividing the scale out before the
+# optimizer step. That works only if the scale reaches every fp16 number of the backward pass. The
+# gradient of a mean loss with respect to a logit is (softmax − onehot) / N: with V = 32,768 and
+# N = 4,096 a typical entry is far below fp16's smallest subnormal, 2<sup>-24</sup> ≈ 6·10<sup>-8</sup>.
+# A loss that forms its gradients during the *forward* pass, as Liger does, rounds them to fp16
+# before the scale exists; the scale multiplies zeros later. One batch, one backward, at the
+# scaler's initial 2<sup>16</sup>, in fp16 whatever this run trains in:
+
+# %%
+scale_check_names = [n for n in ("exact", "ours", "liger", "chunked") if training.get_variant(n).why_unavailable(device, torch.float16) is None]
+scale_check = training.loss_scale_check(ft_task, scale_check_names, device=device)
+print(f"entries of softmax / N that are 0 in fp16: {next(iter(scale_check.values()))['underflow']:.1%}")
+print(f"{'loss':<22} {'classifier rows with no gradient':>34} {'dC error':>10} {'dE error':>10}")
+for name, c in scale_check.items():
+    print(f"{labels[name]:<22} {c['zero_rows']:>34.1%} {c['dC_error']:>10.2e} {c['dE_error']:>10.2e}")
+
+# %% [markdown]
+# Where Liger's row is non-zero, those classifier rows get no gradient at all on this step, under
+# any loss scale: in a long fp16 run rare tokens' rows stop training, and the loss drifts from
+# exact. Ours keeps G = softmax − onehot unscaled through the fp16 products and applies 1/N (and
+# the loss scale) to their fp32 results; the exact and chunked arms form their gradients in fp32.
+# In bf16, whose range is fp32's, the same underflow does not happen.
+
 # %%
 ft_runs = {}
 for name in [n for n in FT["methods"] if reasons[n] is None]:
     try:
         ft_runs[name] = training.train(ft_task, name, compute_dtype=dtype, device=device, **FT["train"])
-    except Exception as error:  # a crash fails that method, at the end; the other arms still run
-        crashed[f"finetune/{name}"] = f"{type(error).__name__}: {error}"
-        print(f"{labels[name]:<22} CRASHED: {crashed[f'finetune/{name}']}")
+    except Exception as error:  # recorded, judged at the end; the other arms still run
+        crashed.append((name, f"fine-tuning: {labels[name]} crashed: {type(error).__name__}: {error}"))
+        print(crashed[-1][1])
         continue
     print(f"{labels[name]:<22} {ft_runs[name].wall_s:7.1f} s   final loss {ft_runs[name].train_loss[-1]:.5f}")
 # The same arm twice: the A/B means something only if a run repeats itself.
@@ -302,6 +336,11 @@ for name in FT["methods"]:
     if reasons[name]:
         print(f"{labels[name]:<22} not run: {reasons[name]}")
 finetune_failures = [name for name, drift in finetune_verdict.items() if not drift <= tolerance]
+filter_skips = {}  # "part/arm": mean fraction of logit tiles our filter skipped per step
+for name, run in ft_runs.items():
+    if run.filter_skipped:
+        filter_skips[f"finetune/{name}"] = sum(run.filter_skipped) / len(run.filter_skipped)
+        print(f"{labels[name]:<22} the filter skipped {filter_skips[f'finetune/{name}']:.1%} of logit tiles per step")
 
 # %% [markdown]
 # ## Part 2 · Pretraining A/B on real text
@@ -339,13 +378,20 @@ for seed in PT["seeds"]:
         try:
             run = training.train(lm_task, name, seed=seed, compute_dtype=dtype, device=device, **PT["train"])
         except Exception as error:
-            crashed[f"pretrain/{name}/seed {seed}"] = f"{type(error).__name__}: {error}"
-            print(f"seed {seed}  {labels[name]:<22} CRASHED: {type(error).__name__}: {error}")
+            crashed.append((name, f"pretraining, seed {seed}: {labels[name]} crashed: {type(error).__name__}: {error}"))
+            print(crashed[-1][1])
             continue
         pt_runs[name].append(run)
         print(f"seed {seed}  {labels[name]:<22} {run.wall_s:7.1f} s   val loss {run.val_loss[-1]:.4f}")
 # An arm compares with exact seed by seed, so it keeps only complete sets of seeds.
 pt_runs = {name: runs for name, runs in pt_runs.items() if len(runs) == len(PT["seeds"])}
+for name, runs in pt_runs.items():
+    steps = [f for run in runs for f in run.filter_skipped]
+    if steps:
+        filter_skips[f"pretrain/{name}"] = sum(steps) / len(steps)
+        first, last = (sum(run.filter_skipped[i] for run in runs) / len(runs) for i in (0, -1))
+        print(f"{labels[name]:<22} the filter skipped {filter_skips[f'pretrain/{name}']:.1%} of logit tiles per step "
+              f"(first step {first:.1%}, last {last:.1%})")
 for name in PT["methods"]:
     if reasons[name]:
         print(f"{labels[name]:<22} not run: {reasons[name]}")
@@ -379,6 +425,24 @@ fig.savefig(out / "rare_tokens.png", dpi=120)
 comparisons, findings = training.pretraining_findings(pt_runs, diagnostic, bin_labels, labels)
 print("\n".join(findings))
 
+# %% [markdown]
+# Our faults and peers' findings: a drift past the tolerance or a crash of our own code stops the
+# notebook below; a peer's is reported here and in the REPORT, with what explains it where this
+# notebook measured the cause.
+
+# %%
+drifted = [(name if name != "exact (repeat)" else "exact",
+            f"fine-tuning: {labels.get(name, name)} drifted {finetune_verdict[name]:.3g} from exact (tolerance {tolerance:g})")
+           for name in finetune_failures]
+our_faults, peer_findings = training.split_faults(drifted + crashed)
+for name, c in scale_check.items():
+    if c["zero_rows"] > 0 and training.get_variant(name).kind == "peer":
+        peer_findings.append(f"{labels[name]} under fp16 loss scaling: {c['zero_rows']:.1%} of classifier rows got no "
+                             "gradient on one batch (its gradients are rounded to fp16 in the forward pass, before "
+                             "the loss scale reaches them; see the loss-scale check)")
+print("peers' findings:" + "".join(f"\n- {f}" for f in peer_findings) if peer_findings else "peers: nothing to report")
+print("our faults:" + "".join(f"\n- {f}" for f in our_faults) if our_faults else "ours: no fault")
+
 # %%
 results = {
     "profile": P.name,
@@ -386,7 +450,11 @@ results = {
     "compute_dtype": S["compute_dtype"],
     "filter_eps": filter_eps,
     "unavailable": {name: reason for name, reason in reasons.items() if reason},
-    "crashed": crashed,
+    "crashed": [problem for _, problem in crashed],
+    "our_faults": our_faults,
+    "peer_findings": peer_findings,
+    "loss_scale_check": scale_check,
+    "filter_skipped_mean": filter_skips,
     "finetune": {
         "settings": FT,
         "tolerance": tolerance,
@@ -423,6 +491,10 @@ Fine-tuning A/B ({S["compute_dtype"]}): largest per-step |loss - exact| / exact,
 
 ![Fine-tuning loss curves and per-step difference](finetune_ab.png)
 
+Peers' findings:{"".join(chr(10) + "- " + f for f in peer_findings) or " none"}
+
+Our filter, mean fraction of logit tiles skipped per step:{"".join(f"{chr(10)}- {k}: {v:.1%}" for k, v in filter_skips.items()) or " (no arm of ours ran)"}
+
 Pretraining A/B on the standard-library corpus:
 {"".join(chr(10) + "- " + f for f in findings)}
 
@@ -437,12 +509,14 @@ print(f"results and figures in {out}")
 # %% [markdown]
 # ## Verdict
 #
-# The notebook fails here if any fused method drifted beyond the tolerance in the fine-tuning A/B,
-# or if any method crashed in either part. Everything above is already saved.
+# The notebook fails here if our kernel, the chunked loss or the exact arm drifted beyond the
+# tolerance in the fine-tuning A/B, or crashed in either part. A peer's drift or crash is a
+# finding, reported above. Everything above is already saved.
 
 # %%
-problems = [f"fine-tuning A/B: {name} drifted {finetune_verdict[name]:.3g} > {tolerance:g}" for name in finetune_failures]
-problems += [f"{arm} crashed: {error}" for arm, error in crashed.items()]
-if problems:
-    raise AssertionError("\n".join(problems))
-print(f"fine-tuning A/B: every method within {tolerance:g} of the exact loss at every step")
+if our_faults:
+    raise AssertionError("\n".join(our_faults))
+within = [labels.get(n, n) for n in finetune_verdict if n not in finetune_failures]
+print(f"fine-tuning A/B: within {tolerance:g} of the exact loss at every step: {', '.join(within)}")
+if peer_findings:
+    print(f"{len(peer_findings)} finding(s) about peers, reported above and in the REPORT")

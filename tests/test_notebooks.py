@@ -50,10 +50,13 @@ def test_every_ipynb_has_a_source():
         assert nb.with_suffix(".py").exists(), f"{nb.name} has no .py source"
 
 
-def test_suite_runs_headless_on_the_cpu_profile(tmp_path):
-    """The README's main command, minus setup: every notebook, executed by papermill."""
+@pytest.mark.parametrize("mode", [["--profile", "cpu"], ["--pretend-t4"]], ids=["cpu", "pretend-t4"])
+def test_suite_runs_headless_on_the_cpu(mode, tmp_path):
+    """The README's main command, minus setup: every notebook, executed by papermill; and every
+    notebook's fp16 path, as a T4 runs it (on the CPU: the cpu-t4 profile), so that an fp16-only
+    failure cannot land unnoticed."""
     done = subprocess.run(
-        [sys.executable, "-m", "helpers", "run", "--profile", "cpu", "--output", str(tmp_path)],
+        [sys.executable, "-m", "helpers", "run", *mode, "--output", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -63,6 +66,7 @@ def test_suite_runs_headless_on_the_cpu_profile(tmp_path):
     failed = {r["notebook"]: r["error"] for r in summary["runs"] if r["status"] != "ok"}
     assert done.returncode == 0 and not failed, f"{failed}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert [r["notebook"] for r in summary["runs"]] == [p.stem for p in SOURCES]
+    assert summary["profile"] == ("cpu-t4" if mode == ["--pretend-t4"] else "cpu")
     gate = json.loads((tmp_path / "01_correctness" / "gate.json").read_text())
     assert gate["rows"] and any(s["method"] == "chunked" and s["verdict"] == "pass" for s in gate["summary"])
     assert (tmp_path / "01_correctness" / "01_correctness.ipynb").exists()
@@ -74,3 +78,48 @@ def test_suite_runs_headless_on_the_cpu_profile(tmp_path):
     images = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", report, flags=re.DOTALL))
     assert images and all((tmp_path / target).is_file() for target in images), images
     assert "data:image/png;base64," in (tmp_path / "REPORT.html").read_text()
+
+
+# A peer that drifts is a finding; ours that drifts is a fault. The drift is forced from outside
+# the notebook: a sitecustomize module on the kernel's PYTHONPATH scales one arm's loss by 1.5
+# before the notebook runs (the notebook itself has no hook for it).
+_DRIFT = """
+from dataclasses import replace
+from helpers import training
+variant = training.LOSS_VARIANTS[{arm!r}]
+training.LOSS_VARIANTS[{arm!r}] = replace(variant, loss=lambda E, C, x, **kw: 1.5 * variant.loss(E, C, x, **kw))
+"""
+
+
+def _run_convergence_with_drift(arm, tmp_path, monkeypatch):
+    import papermill
+
+    plugin = tmp_path / "plugin"
+    plugin.mkdir()
+    (plugin / "sitecustomize.py").write_text(_DRIFT.format(arm=arm))
+    monkeypatch.setenv("PYTHONPATH", f"{plugin}:{ROOT}")
+    out = tmp_path / "out"
+    error = None
+    try:
+        papermill.execute_notebook(
+            str(ROOT / "notebooks" / "03_convergence.ipynb"), str(tmp_path / "executed.ipynb"),
+            parameters={"profile": "cpu", "output_dir": str(out), "finetune_steps": 3, "pretrain_steps": 2},
+            cwd=str(ROOT / "notebooks"), progress_bar=False,
+        )
+    except papermill.PapermillExecutionError as e:
+        error = e
+    return error, json.loads((out / "results.json").read_text())
+
+
+def test_a_drifting_peer_is_reported_and_the_notebook_completes(tmp_path, monkeypatch):
+    error, results = _run_convergence_with_drift("liger", tmp_path, monkeypatch)
+    assert error is None, error
+    assert any("Liger drifted" in f for f in results["peer_findings"]), results["peer_findings"]
+    assert results["our_faults"] == []
+    assert "Liger drifted" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_ours_drifting_fails_the_notebook(tmp_path, monkeypatch):
+    error, results = _run_convergence_with_drift("ours", tmp_path, monkeypatch)
+    assert error is not None and "drifted" in str(error)
+    assert any("ours (filter on) drifted" in f for f in results["our_faults"]), results["our_faults"]
