@@ -12,6 +12,7 @@ next to their kernels; nothing here is a kernel.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -73,20 +74,29 @@ def max_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return abs_err, rel_l2
 
 
-def check(name: str, got: torch.Tensor, want: torch.Tensor, *, atol: float, rtol: float = 0.0) -> dict:
+def check(name: str, got: torch.Tensor, want: torch.Tensor, *, atol: float | None = None, rtol: float = 0.0,
+          rel_l2: float | None = None) -> dict:
     """Compare two tensors, print one line, and return the result as a dict for the results file.
 
-    Right when every entry satisfies |got - want| <= atol + rtol * |want| (torch.allclose's rule).
+    Right when every given rule holds: ``atol`` (with ``rtol``), every entry within
+    atol + rtol * |want| (torch.allclose's rule); ``rel_l2``, the relative L2 error at most that.
     """
+    if atol is None and rel_l2 is None:
+        raise ValueError("check needs atol or rel_l2: a check with no bound cannot fail")
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
         print(f"✗ {name}: expected a tensor of shape {tuple(want.shape)}, got {shape}")
         return {"name": name, "ok": False, "max_abs_error": None, "rel_l2_error": None}
-    ok = torch.allclose(got.detach().double().cpu(), want.detach().double().cpu(), atol=atol, rtol=rtol)
-    abs_err, rel_l2 = max_errors(got, want)
-    mark = "✓" if ok else "✗"
-    print(f"{mark} {name}: max |error| {abs_err:.2e}, relative L2 error {rel_l2:.2e} (atol {atol:g})")
-    return {"name": name, "ok": bool(ok), "max_abs_error": abs_err, "rel_l2_error": rel_l2}
+    abs_err, rel = max_errors(got, want)
+    ok = math.isfinite(rel)
+    if atol is not None:
+        ok &= torch.allclose(got.detach().double().cpu(), want.detach().double().cpu(), atol=atol, rtol=rtol)
+    if rel_l2 is not None:
+        ok &= rel <= rel_l2
+    bounds = ", ".join(b for b in (f"atol {atol:g}" if atol is not None else "",
+                                   f"bound {rel_l2:g}" if rel_l2 is not None else "") if b)
+    print(f"{'✓' if ok else '✗'} {name}: max |error| {abs_err:.2e}, relative L2 error {rel:.2e} ({bounds})")
+    return {"name": name, "ok": bool(ok), "max_abs_error": abs_err, "rel_l2_error": rel}
 
 
 def check_exercise(
