@@ -44,6 +44,7 @@ class DeviceInfo:
     shared_memory_per_block_bytes: int | None  # the opt-in maximum a kernel may request
     multiprocessors: int | None
     pretend_t4: bool = False  # a bigger GPU answering as a T4 (its speed is still its own)
+    real_capability: tuple[int, int] | None = None  # the card's own; differs from capability on a pretend T4
 
     @property
     def is_cuda(self) -> bool:
@@ -96,10 +97,11 @@ def device_info(device: torch.device | str | None = None) -> DeviceInfo:
     props = torch.cuda.get_device_properties(device)
     if pretending_t4():
         return DeviceInfo("cuda", f"{props.name} as a T4", T4_CAPABILITY, min(T4_MEMORY_BYTES, props.total_memory),
-                          T4_SHARED_MEMORY_BYTES, T4_MULTIPROCESSORS, pretend_t4=True)
+                          T4_SHARED_MEMORY_BYTES, T4_MULTIPROCESSORS, pretend_t4=True,
+                          real_capability=(props.major, props.minor))
     smem = getattr(props, "shared_memory_per_block_optin", None) or 48 * 1024
     return DeviceInfo("cuda", props.name, (props.major, props.minor), props.total_memory, smem,
-                      props.multi_processor_count)
+                      props.multi_processor_count, real_capability=(props.major, props.minor))
 
 
 def pretend_t4() -> None:

@@ -190,6 +190,13 @@ def predicted_peak_bytes(
     return int(formula(N, V, D, dtype_bytes(dtype), tuple(capability) if capability else None))
 
 
+def capability_for(method: str, info) -> tuple[int, int] | None:
+    """The compute capability whose code path ``method`` takes on the device ``info`` describes:
+    on a pretend T4 our kernels take the T4's (they choose through ``helpers.device``), every other
+    method the real card's (a peer picks its paths from the card itself)."""
+    return info.capability if method == "ours" or not info.pretend_t4 else info.real_capability
+
+
 def first_oom_n(
     method: str, Ns: Iterable[int], V: int, D: int, dtype, cap: MemoryCap, capability=None
 ) -> int | None:
@@ -322,12 +329,12 @@ def run_sweep(
             record = done.get(config.key(method, N))
             if record is None:
                 if method in out_of_memory_at:
-                    record = _record(config, method, N, info.capability, "skipped after OOM",
+                    record = _record(config, method, N, capability_for(method, info), "skipped after OOM",
                                      error=out_of_memory_at[method])
                 else:
                     if inputs is None:
                         inputs = make_sweep_inputs(N, V, D, dtype, device, seed)
-                    record = _measure_point(config, method, N, inputs, info.capability, memory_cap,
+                    record = _measure_point(config, method, N, inputs, capability_for(method, info), memory_cap,
                                             device, warmup, repeats)
                     if record["status"] == "error":
                         bar.write(f"{method} at N={N:,}: {record['error']}")

@@ -591,10 +591,10 @@ def loss_scale_check(task, names: list[str], *, device, dtype=torch.float16, sca
     gradients survive fp16, and divides it out before the optimizer step. That works when the
     scale reaches every fp16 intermediate of the backward. A loss that forms its gradients in the
     forward pass (Liger) rounds them to fp16 before the scale exists: entries of G / N below fp16's
-    smallest subnormal (2^-24 = 6e-8) are zero whatever the scale. Per loss: "zero_rows", the
+    smallest subnormal (2^-24 = 6e-8) are zero whatever the scale. Per loss: "dC_error",
+    "dE_error", relative L2 error of the unscaled gradients against float64; "zero_rows", the
     fraction of classifier rows whose whole gradient is zero (rows that would not train this
-    step); "dC_error", "dE_error": relative L2 error of the unscaled gradients against float64;
-    and for reference "underflow", the fraction of entries of S / N that are zero in fp16.
+    step); and for reference "underflow", the fraction of entries of S / N that are 0 in fp16.
     """
     from .reference import reference_loss_and_grads
 

@@ -279,13 +279,13 @@ unit_name, unit_bytes = unit = sweep.memory_unit(sweep.predicted_peak_bytes("nai
 rows = ["| method | formula | " + " | ".join(f"N={n:,}" for n in Ns) + " |", "|---|---|" + "---:|" * len(Ns)]
 for name in methods:
     formula = sweep.THEORY[name][1] if name in sweep.THEORY else "no formula here; compared with the floor"
-    cells = [sweep.predicted_peak_bytes(name, n, V, D, dtype, info.capability) for n in Ns]
+    cells = [sweep.predicted_peak_bytes(name, n, V, D, dtype, sweep.capability_for(name, info)) for n in Ns]
     rows.append(f"| {name} | {formula} | " + " | ".join("—" if c is None else f"{c / unit_bytes:.3f}" for c in cells) + " |")
 floor = [sweep.lower_bound_bytes(n, V, D, dtype) / unit_bytes for n in Ns]
 rows.append("| floor | dE + dC | " + " | ".join(f"{c:.3f}" for c in floor) + " |")
 display(Markdown(f"Predicted peak, {unit_name} above the inputs:\n\n" + "\n".join(rows)))
 for name in methods:
-    wall = sweep.first_oom_n(name, Ns, V, D, dtype, cap, info.capability)
+    wall = sweep.first_oom_n(name, Ns, V, D, dtype, cap, sweep.capability_for(name, info))
     if wall is not None:
         print(f"theory says {name} will not fit from N={wall:,} on")
 
@@ -433,7 +433,7 @@ for r in records:
 # %%
 verdict = sweep.verdicts(records, V)
 for name, sentence in verdict.items():
-    wall = sweep.first_oom_n(name, Ns, V, D, dtype, cap, info.capability)
+    wall = sweep.first_oom_n(name, Ns, V, D, dtype, cap, sweep.capability_for(name, info))
     theory = "no formula" if name not in sweep.THEORY else "no wall" if wall is None else f"wall at N={wall:,}"
     print(f"{labels[name]}: {sentence} (theory: {theory})")
 meta = {
