@@ -1,47 +1,43 @@
 """helpers: memory-efficient linear cross-entropy, measured and taught.
 
-The package behind the notebooks in ``notebooks/``:
+Four layers, each importing only those below it: ``helpers.suite`` (runner, report, cold start,
+Kaggle) → ``helpers.lab`` (what the notebooks need) → ``helpers.compare`` (the method registry,
+the gate, measurement) → ``helpers.cce`` (our Cut Cross-Entropy: kernels and autograd) →
+``helpers.spec`` (the float64 specification). The names a user wants are here:
 
-- ``helpers.reference``: the specification and the float64 reference;
-- ``helpers.methods``: the one registry of loss methods (ours, Liger, Apple CCE, torch, baselines);
-- ``helpers.gate``: the correctness gate every method passes before it is measured;
-- ``helpers.profiles``: the hardware found and the run sizes for it;
-- ``helpers.runner``: ``python -m helpers run`` executes the suite headless with papermill.
+    from helpers import linear_cross_entropy      # our loss: E (N, D), C (V, D), x (N,)
+    loss = linear_cross_entropy(E, C, x)          # no (N, V) logits in memory
+    get_method("liger")(E, C, x)                  # any registered method, one signature
+    run_gate(["ours", "naive"], ...)              # against the float64 reference
+    reference_loss_and_grads(E, C, x)             # the spec itself
+
+Importing sets a few environment variables, in ``helpers.env`` only (see there).
 """
 
-import os as _os
-
-# The CPU memory measurement runs the torch profiler, whose Kineto backend otherwise logs two lines
-# to stderr on every call. Read when torch loads its profiler, so set before torch is imported.
-_os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-
-import torch as _torch  # noqa: E402
-
-# Triton kernels run on a CPU only under the interpreter, which must be switched on before triton is
-# imported. On a machine without CUDA we switch it on, so "import helpers" is all a CPU user needs.
-if "TRITON_INTERPRET" not in _os.environ and not _torch.cuda.is_available():
-    _os.environ["TRITON_INTERPRET"] = "1"
-
-from .device import pretend_t4 as _pretend_t4, pretending_t4 as _pretending_t4  # noqa: E402
-
-if _pretending_t4():  # a process started by `python -m helpers run --pretend-t4`: cap it as a T4
-    _pretend_t4()
-
-from .methods import METHODS, Method, MethodUnavailable, available_methods, get_method  # noqa: E402
-from .profiles import device_info, get_profile  # noqa: E402
-from .reference import reference_loss, reference_loss_and_grads, validate_inputs  # noqa: E402
+from helpers import env  # noqa: F401  (first: the environment, before any kernel is defined)
+from helpers.cce import linear_cross_entropy
+from helpers.cce.device import device_info, pretend_t4
+from helpers.compare.gate import GateCase, GateReport, gate_cases, run_gate
+from helpers.compare.methods import METHODS, Method, MethodUnavailable, available_methods, get_method
+from helpers.spec import reference_loss, reference_loss_and_grads, relative_error, validate_inputs
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "linear_cross_entropy",
     "METHODS",
     "Method",
     "MethodUnavailable",
     "available_methods",
     "get_method",
-    "device_info",
-    "get_profile",
+    "GateCase",
+    "GateReport",
+    "gate_cases",
+    "run_gate",
     "reference_loss",
     "reference_loss_and_grads",
+    "relative_error",
     "validate_inputs",
+    "device_info",
+    "pretend_t4",
 ]

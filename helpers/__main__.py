@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .profiles import PROFILES
+from helpers.lab.profiles import PROFILES
 
 
 def _run(args) -> int:
-    from .runner import run_suite
+    from helpers.suite.runner import run_suite
 
     runs = run_suite(args.profile, args.output, args.only, args.timeout, args.pretend_t4)
     return 0 if all(r.status == "ok" for r in runs) else 1
@@ -18,8 +18,8 @@ def _run(args) -> int:
 def _gate(args) -> int:
     import torch
 
-    from .gate import gate_cases, run_gate
-    from .profiles import get_profile
+    from helpers.compare.gate import gate_cases, run_gate
+    from helpers.lab.profiles import get_profile
 
     profile = get_profile(args.profile)
     dtypes = tuple(getattr(torch, d) for d in (args.dtypes or profile.dtypes))
@@ -36,7 +36,7 @@ def _gate(args) -> int:
 def _bench(args) -> int:
     import torch
 
-    from .bench import bench_table, run_bench
+    from helpers.compare.bench import bench_table, run_bench
 
     records = run_bench(
         args.methods, args.shapes, args.regimes, tuple(getattr(torch, d) for d in args.dtypes),
@@ -51,21 +51,23 @@ def _bench(args) -> int:
 def _methods(args) -> int:
     import torch
 
-    from .methods import METHODS
-    from .profiles import default_device, device_info
+    from helpers.compare.methods import METHODS, primary_methods
+    from helpers.compare.units import dtype_name
+    from helpers.cce.device import default_device, device_info
 
     device = default_device()
     print(device_info(device).describe())
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        print(f"\n{str(dtype).replace('torch.', '')}:")
-        for name, method in METHODS.items():
+        print(f"\n{dtype_name(dtype)}:")
+        for name in primary_methods():
+            method = METHODS[name]
             reason = method.why_unavailable(device, dtype)
             print(f"  {name:<16} {'runs here' if reason is None else 'unavailable: ' + reason}")
     return 0
 
 
 def _stage_kaggle(args) -> int:
-    from .kaggle import stage_from_args
+    from helpers.suite.kaggle import stage_from_args
 
     return stage_from_args(args)
 
@@ -92,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     gate.add_argument("--output", help="write the report as JSON here")
     gate.set_defaults(func=_gate)
 
-    from .bench import SHAPES
+    from helpers.compare.bench import SHAPES
 
     bench = sub.add_parser("bench", help="time and measure methods side by side (gate first)")
-    bench.add_argument("--methods", nargs="+", default=["torch_compile", "liger", "cce", "ours"])
+    bench.add_argument("--methods", nargs="+", default=["torch_compile", "liger", "apple_cce", "ours"])
     bench.add_argument("--shapes", nargs="+", default=["gemma2-2b"], choices=sorted(SHAPES))
     bench.add_argument("--regimes", nargs="+", default=["uniform"], choices=["uniform", "realistic"])
     bench.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["float32", "float16", "bfloat16"])
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = sub.add_parser("methods", help="list the registered methods and whether each runs here")
     methods.set_defaults(func=_methods)
 
-    from .kaggle import add_stage_arguments
+    from helpers.suite.kaggle import add_stage_arguments
 
     stage = sub.add_parser(
         "stage-kaggle", help="stage one push-ready Kaggle folder per notebook, and the offline wheels"

@@ -35,7 +35,7 @@
 # Where the suite is installed (a checkout, CI, papermill) it only reports. On Kaggle and Colab
 # it pip-installs the suite without touching the preinstalled torch: from an attached dataset's
 # wheel (Kaggle offline) or from GitHub. HELPERS_BOOTSTRAP_DRY_RUN=1 prints pip commands instead.
-# Generated from helpers/bootstrap.py (COLD_START_CELL): edit it there, not here.
+# Generated from helpers/suite/bootstrap.py (COLD_START_CELL): edit it there, not here.
 import glob, importlib, importlib.metadata, importlib.util, os, platform, re, shlex, subprocess, sys
 
 HELPERS_SOURCE = "https://github.com/mecs-workbench/memory-efficient-cross-entropy/archive/refs/heads/main.zip"
@@ -63,7 +63,7 @@ def importable(module):
     spec = importlib.util.find_spec(module)
     if spec is None or module != "helpers":
         return spec is not None
-    return any(os.path.exists(os.path.join(p, "bootstrap.py")) for p in spec.submodule_search_locations or [])
+    return any(os.path.exists(os.path.join(p, "suite", "bootstrap.py")) for p in spec.submodule_search_locations or [])
 
 def find_wheels(dirs):
     """Every .whl in the first folder (searched two levels down) that holds a helpers wheel."""
@@ -140,9 +140,9 @@ def cold_start(environ=os.environ, modules=sys.modules, run=subprocess.run):
                                    "Internet on or attach the dataset that `python -m helpers stage-kaggle` builds.")
     importlib.invalidate_caches()
     if importable("helpers"):
-        import helpers.bootstrap
+        import helpers.suite.bootstrap
 
-        print(helpers.bootstrap.environment_report(where))
+        print(helpers.suite.bootstrap.environment_report(where))
     else:
         print("helpers is not installed yet (dry run): the report follows a real install.")
 
@@ -162,14 +162,17 @@ import torch
 from IPython.display import Markdown, display
 
 import helpers
-import helpers.report
-from helpers.gate import FLOOR, SLACK, gate_cases, run_gate
+import helpers.suite.report
+from helpers.compare.gate import FLOOR, SLACK, case_inputs, gate_cases, run_gate, run_method
+from helpers.compare.methods import primary_methods
+from helpers.compare.units import dtype_name
+from helpers.lab.profiles import get_profile
 
-P = helpers.get_profile(profile)
+P = get_profile(profile)
 settings = P.section("01_correctness")
 out = Path(output_dir)
 out.mkdir(parents=True, exist_ok=True)
-device = helpers.profiles.default_device() if P.device == "cuda" else torch.device("cpu")
+device = P.torch_device
 print(f"profile {P.name}: {P.description}")
 print(f"device: {helpers.device_info(device).describe()}")
 
@@ -181,7 +184,7 @@ print(f"device: {helpers.device_info(device).describe()}")
 # here says why; it is listed, never silently dropped.
 
 # %%
-names = methods or list(helpers.METHODS)
+names = methods or primary_methods()
 rows = ["| method | kind | what it is | " + " | ".join(P.dtypes) + " |", "|---|---|---|" + "---|" * len(P.dtypes)]
 for name in names:
     m = helpers.get_method(name)
@@ -192,7 +195,7 @@ display(Markdown("\n".join(rows)))
 # %% [markdown]
 # ## The reference
 #
-# The specification lives in `helpers.reference`: exactly `torch.nn.functional.cross_entropy` on the
+# The specification lives in `helpers.spec`: exactly `torch.nn.functional.cross_entropy` on the
 # (soft-capped) fp32 logits, for every reduction, with ignored targets, and with *every* target
 # ignored (a mean over nothing is NaN in torch, with zero gradients; so it is here). The reference
 # computes that in **float64** from the very same low-precision inputs, upcast exactly, so the only
@@ -203,12 +206,12 @@ display(Markdown("\n".join(rows)))
 # %%
 N, V, D = settings["shapes"][0]
 case = gate_cases([(N, V, D)])[1]  # sum reduction, some targets ignored
-E, C, x, grad_output = helpers.gate.make_inputs(case, P.torch_dtypes[-1], device, seed=0)
+E, C, x, grad_output = case_inputs(case, P.torch_dtypes[-1], device, seed=0)
 loss64, dE64, dC64 = helpers.reference_loss_and_grads(E, C, x, grad_output, reduction=case.reduction)
-loss, dE, dC = helpers.gate.run_method("naive", E, C, x, grad_output, case)
+loss, dE, dC = run_method("naive", E, C, x, grad_output, case)
 print(f"{case.name} in {E.dtype}:")
 for q, a, r in zip(("loss", "dE", "dC"), (loss, dE, dC), (loss64, dE64, dC64)):
-    print(f"  {q:>4}: relative error {helpers.gate.relative_error(a, r):.2e}")
+    print(f"  {q:>4}: relative error {helpers.relative_error(a, r):.2e}")
 
 # %% [markdown]
 # ## The bounds
@@ -222,7 +225,7 @@ for q, a, r in zip(("loss", "dE", "dC"), (loss, dE, dC), (loss64, dE64, dC64)):
 # %%
 display(Markdown(
     "| dtype | loss floor | dE floor | dC floor |\n|---|---:|---:|---:|\n"
-    + "\n".join(f"| {str(d).replace('torch.', '')} | {f['loss']:.0e} | {f['dE']:.0e} | {f['dC']:.0e} |"
+    + "\n".join(f"| {dtype_name(d)} | {f['loss']:.0e} | {f['dE']:.0e} | {f['dC']:.0e} |"
                 for d, f in FLOOR.items())
     + f"\n\nSlack against naive: ×{SLACK:g}."
 ))
@@ -266,7 +269,7 @@ for n, v in [(2048, 151_936), (16_384, 151_936)]:
 
 # %%
 fig = report.plot(out / "gate.png")
-helpers.report.write_report_fragment(out, report.markdown() + "\n\n![Worst error over bound, per method and dtype](gate.png)")
+helpers.suite.report.write_report_fragment(out, report.markdown() + "\n\n![Worst error over bound, per method and dtype](gate.png)")
 
 # %% [markdown]
 # ## The verdict

@@ -43,7 +43,7 @@
 # Where the suite is installed (a checkout, CI, papermill) it only reports. On Kaggle and Colab
 # it pip-installs the suite without touching the preinstalled torch: from an attached dataset's
 # wheel (Kaggle offline) or from GitHub. HELPERS_BOOTSTRAP_DRY_RUN=1 prints pip commands instead.
-# Generated from helpers/bootstrap.py (COLD_START_CELL): edit it there, not here.
+# Generated from helpers/suite/bootstrap.py (COLD_START_CELL): edit it there, not here.
 import glob, importlib, importlib.metadata, importlib.util, os, platform, re, shlex, subprocess, sys
 
 HELPERS_SOURCE = "https://github.com/mecs-workbench/memory-efficient-cross-entropy/archive/refs/heads/main.zip"
@@ -71,7 +71,7 @@ def importable(module):
     spec = importlib.util.find_spec(module)
     if spec is None or module != "helpers":
         return spec is not None
-    return any(os.path.exists(os.path.join(p, "bootstrap.py")) for p in spec.submodule_search_locations or [])
+    return any(os.path.exists(os.path.join(p, "suite", "bootstrap.py")) for p in spec.submodule_search_locations or [])
 
 def find_wheels(dirs):
     """Every .whl in the first folder (searched two levels down) that holds a helpers wheel."""
@@ -148,9 +148,9 @@ def cold_start(environ=os.environ, modules=sys.modules, run=subprocess.run):
                                    "Internet on or attach the dataset that `python -m helpers stage-kaggle` builds.")
     importlib.invalidate_caches()
     if importable("helpers"):
-        import helpers.bootstrap
+        import helpers.suite.bootstrap
 
-        print(helpers.bootstrap.environment_report(where))
+        print(helpers.suite.bootstrap.environment_report(where))
     else:
         print("helpers is not installed yet (dry run): the report follows a real install.")
 
@@ -168,20 +168,22 @@ memory_fraction = 0.9  # the guardrail: the share of the card's memory the proce
 # %%
 from pathlib import Path
 
-import helpers  # first: it quiets the CPU memory meter's logging before torch loads
+import helpers  # first: the environment it needs (helpers.env)
 import torch
 from IPython.display import Markdown, display
 
-from helpers import measure, sweep
-from helpers.gate import GateCase, run_gate
-from helpers.plotting import plot_memory_sweep
-from helpers.report import write_report_fragment
+from helpers.compare import measure, sweep
+from helpers.compare.gate import GateCase, run_gate
+from helpers.compare.inputs import make_inputs
+from helpers.compare.methods import primary_methods
+from helpers.compare.units import dtype_name
+from helpers.lab.profiles import get_profile
+from helpers.lab.plots import plot_memory_sweep
+from helpers.suite.report import write_report_fragment
 
-P = helpers.get_profile(profile)
+P = get_profile(profile)
 settings = P.section("02_memory_sweep")
-if P.device == "cuda" and not torch.cuda.is_available():
-    raise RuntimeError(f"profile {P.name!r} needs a CUDA GPU and none was found; use profile='cpu'")
-device = helpers.profiles.default_device() if P.device == "cuda" else torch.device("cpu")
+device = P.torch_device
 info = helpers.device_info(device)
 dtype = getattr(torch, dtype or settings["dtype"])
 V = V or settings["V"]
@@ -191,7 +193,7 @@ out.mkdir(parents=True, exist_ok=True)
 stem = "memory_sweep_pretend_t4" if info.pretend_t4 else "memory_sweep"
 print(f"profile {P.name}: {P.description}")
 print(f"device: {info.describe()}")
-print(f"head: V={V:,}, D={D:,}, {str(dtype).replace('torch.', '')}; token counts {settings['N']}")
+print(f"head: V={V:,}, D={D:,}, {dtype_name(dtype)}; token counts {settings['N']}")
 
 # %% [markdown]
 # ## The guardrail
@@ -203,7 +205,7 @@ print(f"head: V={V:,}, D={D:,}, {str(dtype).replace('torch.', '')}; token counts
 # and carries on.
 #
 # The same line lets a big GPU pretend to be a small one. Run the suite with
-# `python -m helpers run --pretend-t4` (or call `helpers.device.pretend_t4()` first) and the card
+# `python -m helpers run --pretend-t4` (or call `helpers.cce.device.pretend_t4()` first) and the card
 # answers as a T4: the cap is `memory_fraction` (90%) of a T4's memory, exactly what a T4 reader
 # running this notebook gets, and our kernels take their T4 configurations. The speed stays this
 # card's, and so do the peers' own code paths. On the CPU there is no allocator to cap; the
@@ -226,9 +228,10 @@ if Ns != sorted(settings["N"]):
 
 # %%
 cases = [GateCase(n, v, d, "mean", "some") for n, v, d in settings["gate_shapes"]]
-report = run_gate(list(helpers.METHODS), (dtype,), cases, device=device, raise_on_failure=False)
+report = run_gate(primary_methods(), (dtype,), cases, device=device, raise_on_failure=False)
 methods, left_out = [], {}
-for name, method in helpers.METHODS.items():
+for name in primary_methods():
+    method = helpers.get_method(name)
     reason = method.why_unavailable(device, dtype)
     if reason:
         left_out[name] = f"unavailable: {reason}"
@@ -321,7 +324,7 @@ assert max(residuals) - min(residuals) < 0.02, "the theory no longer explains th
 #
 # ## How we measure
 #
-# `helpers.measure` is the one place for it. `peak_memory(fn)` returns the most memory `fn` held at
+# `helpers.compare.measure` is the one place for it. `peak_memory(fn)` returns the most memory `fn` held at
 # once, above what was allocated before it started: on CUDA from the allocator's statistics
 # (`reset_peak_memory_stats`, then `max_memory_allocated` minus the memory allocated before); on
 # the CPU, which keeps no such statistics, from the PyTorch profiler's allocation and free events,
@@ -339,7 +342,7 @@ n0 = Ns[0]
 # On the CPU in fp32: a CPU's fp16 matmul may convert its operands in scratch of its own (how much
 # depends on the processor), memory of the BLAS, not of the loss.
 meter_dtype = torch.float32 if device.type == "cpu" else dtype
-E0, C0, x0 = sweep.make_sweep_inputs(n0, V, D, meter_dtype, device, seed=0)
+E0, C0, x0 = make_inputs(n0, V, D, meter_dtype, device, requires_grad=True)
 naive_step = sweep.loss_step("naive", E0, C0, x0)
 naive_step()  # warm-up: one-time workspaces are not the loss's memory
 measured = measure.peak_memory(naive_step, device=device)[1]
@@ -395,7 +398,7 @@ fig = plot_memory_sweep(
     records, path=out / f"{stem}.png", room_bytes=room, micro_batch_N=sweep.ARTICLE_MICRO_BATCH_N,
     latency_caveat=caveat, unit=unit,
     title=f"{info.name if info.is_cuda else 'CPU'}: V={V:,}, D={D:,}, "
-          f"{str(dtype).replace('torch.', '')}",
+          f"{dtype_name(dtype)}",
 )
 
 # %% [markdown]
@@ -437,7 +440,7 @@ for name, sentence in verdict.items():
     theory = "no formula" if name not in sweep.THEORY else "no wall" if wall is None else f"wall at N={wall:,}"
     print(f"{labels[name]}: {sentence} (theory: {theory})")
 meta = {
-    "profile": P.name, "device": info.as_dict(), "dtype": str(dtype).replace("torch.", ""), "V": V, "D": D,
+    "profile": P.name, "device": info.as_dict(), "dtype": dtype_name(dtype), "V": V, "D": D,
     "pretend_t4": info.pretend_t4, "memory_fraction": memory_fraction, "memory_cap_bytes": cap.usable_bytes,
     "methods": methods, "left_out": left_out, "N": Ns, "verdicts": verdict, "torch": torch.__version__,
 }

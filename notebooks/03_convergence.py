@@ -56,7 +56,7 @@
 # Where the suite is installed (a checkout, CI, papermill) it only reports. On Kaggle and Colab
 # it pip-installs the suite without touching the preinstalled torch: from an attached dataset's
 # wheel (Kaggle offline) or from GitHub. HELPERS_BOOTSTRAP_DRY_RUN=1 prints pip commands instead.
-# Generated from helpers/bootstrap.py (COLD_START_CELL): edit it there, not here.
+# Generated from helpers/suite/bootstrap.py (COLD_START_CELL): edit it there, not here.
 import glob, importlib, importlib.metadata, importlib.util, os, platform, re, shlex, subprocess, sys
 
 HELPERS_SOURCE = "https://github.com/mecs-workbench/memory-efficient-cross-entropy/archive/refs/heads/main.zip"
@@ -84,7 +84,7 @@ def importable(module):
     spec = importlib.util.find_spec(module)
     if spec is None or module != "helpers":
         return spec is not None
-    return any(os.path.exists(os.path.join(p, "bootstrap.py")) for p in spec.submodule_search_locations or [])
+    return any(os.path.exists(os.path.join(p, "suite", "bootstrap.py")) for p in spec.submodule_search_locations or [])
 
 def find_wheels(dirs):
     """Every .whl in the first folder (searched two levels down) that holds a helpers wheel."""
@@ -161,9 +161,9 @@ def cold_start(environ=os.environ, modules=sys.modules, run=subprocess.run):
                                    "Internet on or attach the dataset that `python -m helpers stage-kaggle` builds.")
     importlib.invalidate_caches()
     if importable("helpers"):
-        import helpers.bootstrap
+        import helpers.suite.bootstrap
 
-        print(helpers.bootstrap.environment_report(where))
+        print(helpers.suite.bootstrap.environment_report(where))
     else:
         print("helpers is not installed yet (dry run): the report follows a real install.")
 
@@ -187,15 +187,17 @@ import matplotlib.pyplot as plt
 import torch
 
 import helpers
-from helpers import training
-from helpers.convergence_plots import (
+from helpers.compare.methods import METHODS, get_method
+from helpers.lab import training
+from helpers.lab.profiles import get_profile
+from helpers.lab.plots import (
     plot_finetune_ab,
     plot_pretrain_curves,
     plot_rank_frequency,
     plot_rare_token_diagnostic,
 )
-from helpers.corpus import load_or_build_corpus
-from helpers.report import write_report_fragment
+from helpers.lab.corpus import load_or_build_corpus
+from helpers.suite.report import write_report_fragment
 
 # %% tags=["parameters"]
 profile = "auto"
@@ -208,7 +210,7 @@ vocab_size = None
 tolerance = None  # the fine-tuning verdict's bound on |loss - exact| / exact
 
 # %%
-P = helpers.get_profile(profile)
+P = get_profile(profile)
 S = copy.deepcopy(P.section("03_convergence"))  # the overrides below must not edit the profile table
 FT, PT = S["finetune"], S["pretrain"]
 FT["train"]["steps"] = finetune_steps or FT["train"]["steps"]
@@ -216,7 +218,7 @@ PT["train"]["steps"] = pretrain_steps or PT["train"]["steps"]
 PT["seeds"] = seeds or PT["seeds"]
 PT["corpus"]["vocab_size"] = vocab_size or PT["corpus"]["vocab_size"]
 tolerance = tolerance or S["tolerance"]
-device = torch.device(P.device)
+device = P.torch_device
 dtype = getattr(torch, S["compute_dtype"])
 out = Path(output_dir)
 out.mkdir(parents=True, exist_ok=True)
@@ -245,8 +247,8 @@ print(f"profile {P.name}: {helpers.device_info(device).describe()}, training in 
 # effect. The CPU profile checks that the pipeline runs, not what the filter does.
 
 # %%
-labels = {name: training.get_variant(name).label for name in training.LOSS_VARIANTS}
-reasons = training.variant_availability(list(dict.fromkeys(FT["methods"] + PT["methods"])), device, dtype)
+labels = {name: method.label for name, method in METHODS.items()}
+reasons = {name: get_method(name).why_unavailable(device, dtype) for name in dict.fromkeys(FT["methods"] + PT["methods"])}
 for name, reason in reasons.items():
     print(f"{labels[name]:<22} {'runs here' if reason is None else 'UNAVAILABLE: ' + reason}")
 filter_eps = training.filter_threshold(dtype) if reasons["ours"] is None else None
@@ -269,7 +271,7 @@ ft_task = training.FineTuneTask(**FT["task"])
 if reasons["liger"] is None:
     E = torch.randn(8, FT["task"]["D"], device=device, dtype=dtype)  # no requires_grad: a constant
     C = torch.zeros(FT["task"]["V"], FT["task"]["D"], device=device, dtype=dtype, requires_grad=True)
-    training.get_variant("liger")(E, C, torch.zeros(8, dtype=torch.long, device=device)).backward()
+    get_method("liger")(E, C, torch.zeros(8, dtype=torch.long, device=device)).backward()
     print("Liger, E without gradient: dC is", "None (the classifier would not train)" if C.grad is None else "computed")
 
 # %% [markdown]
@@ -285,7 +287,7 @@ if reasons["liger"] is None:
 # scaler's initial 2<sup>16</sup>, in fp16 whatever this run trains in:
 
 # %%
-scale_check_names = [n for n in ("exact", "ours", "liger", "chunked") if training.get_variant(n).why_unavailable(device, torch.float16) is None]
+scale_check_names = [n for n in ("exact", "ours", "liger", "chunked") if get_method(n).why_unavailable(device, torch.float16) is None]
 scale_check = training.loss_scale_check(ft_task, scale_check_names, device=device)
 print(f"entries of softmax / N that are 0 in fp16: {next(iter(scale_check.values()))['underflow']:.1%}")
 print(f"{'loss':<22} {'classifier rows with no gradient':>34} {'dC error':>10} {'dE error':>10}")
@@ -441,7 +443,7 @@ drifted = [(name if name != "exact (repeat)" else "exact",
 our_faults, peer_findings = training.split_faults(drifted + crashed)
 for name, c in scale_check.items():
     worse = max(c["dC_error"] / scale_check["exact"]["dC_error"], c["dE_error"] / scale_check["exact"]["dE_error"])
-    if worse > 10 and training.get_variant(name).kind == "peer":
+    if worse > 10 and get_method(name).kind == "peer":
         peer_findings.append(
             f"{labels[name]} under fp16 loss scaling: dC error {c['dC_error']:.1e}, dE error {c['dE_error']:.1e}, "
             f"{worse:.0f}x the exact arm's on the same batch; {c['underflow']:.0%} of the entries of softmax / N are 0 "

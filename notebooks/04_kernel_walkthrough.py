@@ -39,7 +39,7 @@
 # Each step has the same shape, after Triton-Puzzles: the formula, a plain PyTorch **spec**, a
 # small Triton **kernel**, and a **check** that they agree (and, where it makes sense, that they
 # agree with this package's production kernels). The kernels here are written for reading, not
-# speed; `helpers/kernels/` holds the fast ones. On a CPU they run under the Triton interpreter.
+# speed; `helpers/cce/kernels/` holds the fast ones. On a CPU they run under the Triton interpreter.
 #
 # Four **your turn** cells ask you to fill in one line. Each comes with its worked solution in
 # place, so the notebook runs top to bottom; to practise, replace the line between the
@@ -52,7 +52,7 @@
 # Where the suite is installed (a checkout, CI, papermill) it only reports. On Kaggle and Colab
 # it pip-installs the suite without touching the preinstalled torch: from an attached dataset's
 # wheel (Kaggle offline) or from GitHub. HELPERS_BOOTSTRAP_DRY_RUN=1 prints pip commands instead.
-# Generated from helpers/bootstrap.py (COLD_START_CELL): edit it there, not here.
+# Generated from helpers/suite/bootstrap.py (COLD_START_CELL): edit it there, not here.
 import glob, importlib, importlib.metadata, importlib.util, os, platform, re, shlex, subprocess, sys
 
 HELPERS_SOURCE = "https://github.com/mecs-workbench/memory-efficient-cross-entropy/archive/refs/heads/main.zip"
@@ -80,7 +80,7 @@ def importable(module):
     spec = importlib.util.find_spec(module)
     if spec is None or module != "helpers":
         return spec is not None
-    return any(os.path.exists(os.path.join(p, "bootstrap.py")) for p in spec.submodule_search_locations or [])
+    return any(os.path.exists(os.path.join(p, "suite", "bootstrap.py")) for p in spec.submodule_search_locations or [])
 
 def find_wheels(dirs):
     """Every .whl in the first folder (searched two levels down) that holds a helpers wheel."""
@@ -157,9 +157,9 @@ def cold_start(environ=os.environ, modules=sys.modules, run=subprocess.run):
                                    "Internet on or attach the dataset that `python -m helpers stage-kaggle` builds.")
     importlib.invalidate_caches()
     if importable("helpers"):
-        import helpers.bootstrap
+        import helpers.suite.bootstrap
 
-        print(helpers.bootstrap.environment_report(where))
+        print(helpers.suite.bootstrap.environment_report(where))
     else:
         print("helpers is not installed yet (dry run): the report follows a real install.")
 
@@ -167,7 +167,7 @@ def cold_start(environ=os.environ, modules=sys.modules, run=subprocess.run):
 cold_start()
 
 # %%
-import helpers  # first: on a CPU it switches the Triton interpreter on before triton is imported
+import helpers  # first: on a CPU it switches the Triton interpreter on before any kernel is defined
 
 import json
 import math
@@ -181,10 +181,11 @@ import triton
 import triton.language as tl
 
 from helpers.cce import linear_cross_entropy
-from helpers.data import make_inputs
-from helpers.report import write_report_fragment
-from helpers.reference import reference_loss_and_grads
-from helpers.teaching import (
+from helpers.compare.inputs import make_inputs
+from helpers.lab.profiles import get_profile
+from helpers.suite.report import write_report_fragment
+from helpers.spec import reference_loss_and_grads, relative_error
+from helpers.lab.teaching import (
     VOCABULARIES,
     block_mask,
     check,
@@ -203,9 +204,9 @@ profile = "auto"
 output_dir = "results/04_kernel_walkthrough"
 
 # %%
-P = helpers.get_profile(profile)
+P = get_profile(profile)
 cfg = P.section("04_kernel_walkthrough")
-device = torch.device(P.device)
+device = P.torch_device
 dtype = getattr(torch, cfg["dtype"])  # inputs of the kernel steps
 low_precision = getattr(torch, cfg["low_precision"])  # the accumulator of the Kahan kernel
 BLOCK_N, BLOCK_V = cfg["BLOCK_N"], cfg["BLOCK_V"]
@@ -241,9 +242,6 @@ def close_to(got, want, name, bound=FORWARD_BOUND):
     """The notebook's one kernel-vs-spec check: relative L2 error at most ``bound``."""
     record(check(name, got, want, rel_l2=bound))
 
-
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 # %% [markdown]
 # ## 1 · The memory arithmetic
@@ -706,7 +704,7 @@ scaled_errors = {}
 for before in (True, False):
     dE16, dC16, _ = backward(E16, C16, x, lse16, scale_before_cast=before)
     way = "G/N rounded to fp16" if before else "G rounded, 1/N after"
-    scaled_errors[way] = {"dE": rel_l2(dE16, dE16_spec), "dC": rel_l2(dC16, dC16_spec)}
+    scaled_errors[way] = {"dE": relative_error(dE16, dE16_spec), "dC": relative_error(dC16, dC16_spec)}
     print(f"{way:<22}: dE error {scaled_errors[way]['dE']:.2e}, dC error {scaled_errors[way]['dC']:.2e}")
 results["numbers"]["fp16_scale_before_or_after_cast"] = scaled_errors
 close_to(dE16, dE16_spec, "fp16 backward kernel (G unscaled) vs spec: dE", 2e-3)
@@ -755,13 +753,13 @@ results["numbers"]["bf16_smallest_surviving_k"] = max(k for k, v in survives_bf1
 #
 # The filter works on **tiles**, because a GPU program computes a whole `BLOCK_N × BLOCK_V` tile
 # or nothing. A tile is skipped when every entry has $|G| < \varepsilon$; a tile holding a target
-# is never skipped (there $|S_x - 1|$ is large). `block_mask` in `helpers.teaching` is the spec.
+# is never skipped (there $|S_x - 1|$ is large). `block_mask` in `helpers.lab.teaching` is the spec.
 #
 # What there is to skip depends on the data, and benchmarks on random data mislead both ways: a
 # near-uniform softmax (every entry about 1/V, below $2^{-12}$) lets the filter skip almost every
 # tile, while random logits of larger spread scatter hundreds of significant entries over every
 # row and leave nothing to skip. A trained model sits in between. We use data built to look like
-# one (`helpers.data.make_inputs(..., regime="realistic")`; section 7 shows its softmax): a small head for the kernel, which the CPU
+# one (`helpers.compare.inputs.make_inputs(..., regime="realistic")`; section 7 shows its softmax): a small head for the kernel, which the CPU
 # interpreter runs slowly, and a larger one, in plain PyTorch, for the pictures.
 
 # %%
@@ -789,14 +787,14 @@ dE_filt_spec, dC_filt_spec = backward_spec(E_s, C_s, x_s, lse_s, keep=keep_s)
 close_to(dE_filt, dE_filt_spec, "filtered kernel vs spec on the same tiles: dE", BACKWARD_BOUND)
 close_to(dC_filt, dC_filt_spec, "filtered kernel vs spec on the same tiles: dC", BACKWARD_BOUND)
 
-bf16_storage_error = {"dE": rel_l2(dE_s64.to(torch.bfloat16), dE_s64),
-                      "dC": rel_l2(dC_s64.to(torch.bfloat16), dC_s64)}
+bf16_storage_error = {"dE": relative_error(dE_s64.to(torch.bfloat16), dE_s64),
+                      "dC": relative_error(dC_s64.to(torch.bfloat16), dC_s64)}
 
 
 def filter_cost(dE, dC, G, keep, label):
     """Print and return the filter's error against float64, next to bf16 storage error."""
     dropped = (G.abs() * ~keep).sum(dim=1).mean().item()  # softmax mass left out, per row
-    errors = {"dE": rel_l2(dE, dE_s64), "dC": rel_l2(dC, dC_s64), "dropped_mass_per_row": dropped}
+    errors = {"dE": relative_error(dE, dE_s64), "dC": relative_error(dC, dC_s64), "dropped_mass_per_row": dropped}
     print(f"{label}: dropped softmax mass per row {dropped:.1e}")
     for k in ("dE", "dC"):
         print(f"   {k}: error {errors[k]:.2e}  ({errors[k] / bf16_storage_error[k]:.1f}× storing the exact {k} in bf16)")
@@ -861,7 +859,7 @@ interact(show_filter, log2_eps=IntSlider(value=-12, min=-24, max=-2, description
 # plot them (the paper's Figure 3, made there with Gemma-2's real weights: about 50 entries per
 # row above $2^{-12}$, under 0.02% of the vocabulary).
 #
-# We have no trained model here, so `helpers.data.make_inputs(..., regime="realistic")` builds logits that behave like one:
+# We have no trained model here, so `helpers.compare.inputs.make_inputs(..., regime="realistic")` builds logits that behave like one:
 # $z_{i,v} = b_v + \text{noise}_{i,v}$ with a Zipf bias $b_v = -\alpha \log(1 + \mathrm{rank}_v)$
 # over a random order of the vocabulary (a few frequent tokens are likely in *every* row) and
 # gaussian noise of standard deviation σ (each row is different), targets sampled from the
@@ -980,7 +978,7 @@ plt.show()
 _, dE_prod_s, dC_prod_s = production_loss_and_grads(E_s, C_s, x_s, filter_eps=EPS, sort_vocab=True)
 FILTER_ERROR_BOUND = 2e-2
 for name, ours, theirs, want in (("dE", dE_sort, dE_prod_s, dE_s64), ("dC", dC_sort, dC_prod_s, dC_s64)):
-    errors = {"ours": rel_l2(ours, want), "production": rel_l2(theirs, want)}
+    errors = {"ours": relative_error(ours, want), "production": relative_error(theirs, want)}
     print(f"sorted + filtered {name} vs float64: ours {errors['ours']:.2e}, production {errors['production']:.2e}")
     record({"name": f"sorted + filtered {name}: ours and production within {FILTER_ERROR_BOUND:g} of float64",
             "ok": max(errors.values()) < FILTER_ERROR_BOUND, **errors})
@@ -1049,7 +1047,7 @@ for k in checkpoints:
     exact = terms[:k].double().sum(dim=0)  # of the fp32 terms; a bf16 accumulator also rounds each term
     for label, acc_dtype, kahan in (("bf16", torch.bfloat16, False), ("bf16 + Kahan", torch.bfloat16, True),
                                     ("fp32", torch.float32, False)):
-        curves[label].append(rel_l2(accumulate(terms[:k], acc_dtype, kahan), exact))
+        curves[label].append(relative_error(accumulate(terms[:k], acc_dtype, kahan), exact))
 for label, errs in curves.items():
     print(f"{label:>13}: relative error after {K:,} terms {errs[-1]:.2e}")
 assert curves["bf16 + Kahan"][-1] < curves["bf16"][-1] / 10
@@ -1083,7 +1081,7 @@ flat = block_terms.reshape(block_terms.shape[0], -1)
 dE_exact = block_terms.double().sum(dim=0).reshape(-1)
 for label, acc_dtype, kahan in (("bf16 accumulator", torch.bfloat16, False),
                                 ("bf16 + Kahan", torch.bfloat16, True), ("fp32 accumulator", torch.float32, False)):
-    err = rel_l2(accumulate(flat, acc_dtype, kahan), dE_exact)
+    err = relative_error(accumulate(flat, acc_dtype, kahan), dE_exact)
     results["numbers"][f"dE_error_{label}"] = err
     print(f"dE over {flat.shape[0]} vocabulary blocks, {label:>16}: relative error {err:.2e}")
 
@@ -1131,7 +1129,7 @@ for kahan in (False, True):
     one_step = torch.finfo(low_precision).eps * want.abs().max().item()
     record(check(f"accumulate kernel ({cfg['low_precision']}, kahan={kahan}) vs emulation", got, want,
                  atol=one_step))
-    print(f"   error against the exact sum: {rel_l2(got, exact_sum(kahan_terms.cpu(), low_precision, 0).to(device)):.2e}")
+    print(f"   error against the exact sum: {relative_error(got, exact_sum(kahan_terms.cpu(), low_precision, 0).to(device)):.2e}")
 
 # %% [markdown]
 # ## What we built, and what we left out
@@ -1145,7 +1143,7 @@ for kahan in (False, True):
 # | vocabulary sorting | gather the frequent tokens so that more tiles are skippable |
 # | Kahan summation | low-precision accumulation without its error |
 #
-# **Caveats of the teaching kernels** (the production kernels in `helpers/kernels/` handle all of
+# **Caveats of the teaching kernels** (the production kernels in `helpers/cce/kernels/` handle all of
 # these): D fits in one block (production loops over D); inputs must be contiguous; no
 # `ignore_index`, soft cap or other reductions; no split of the vocabulary across programs (a GPU
 # with few row blocks sits idle); dE and dC are returned in fp32; no autotuning.

@@ -5,4 +5,4 @@
 #   bash scripts/stage_kaggle.sh --username YOUR_KAGGLE_NAME [--offline] [--only 01 02] [--wheelhouse DIR]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
-exec python -m helpers.kaggle "$@"
+exec python -m helpers.suite.kaggle "$@"

@@ -1,9 +1,9 @@
 """Shared test setup: every test runs on the CPU; helpers switches the Triton interpreter on."""
 
-import helpers  # noqa: F401  (import first: it sets TRITON_INTERPRET=1 before triton is imported)
+import helpers  # noqa: F401  (on a CPU it switches the Triton interpreter on: helpers.env)
 import pytest
 
-from helpers.methods import METHODS, Method
+from helpers.compare.methods import METHODS, Method
 
 
 @pytest.fixture

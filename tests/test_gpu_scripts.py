@@ -3,8 +3,7 @@
 They are how every GPU number in docs/PERFORMANCE.md was produced; a script that no longer runs
 would only be found on the next lent GPU, whose minutes are scarce. ``--tiny`` shrinks every shape
 so the Triton kernels run under the interpreter: this checks the scripts' code paths and their
-JSON, not any figure (timings under the interpreter mean nothing). ``bench/gpu_backward_v2.py``
-(v1 against v2, now history) is left out: its tiny run takes ~6 minutes.
+JSON, not any figure (timings under the interpreter mean nothing).
 """
 
 from __future__ import annotations
@@ -20,12 +19,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["gpu_cce_check.py", "gpu_tune.py"])
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["cce_check.py", "tune.py"])
 def test_gpu_script_runs_tiny_on_cpu(script, tmp_path):
     out = tmp_path / "result.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("OUT", None)
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--tiny", "--out", str(out)],
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / script), "--tiny", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -1,0 +1,36 @@
+"""The library: our Cut Cross-Entropy in Triton, the loss of a linear head without its logits.
+``linear_cross_entropy`` (autograd), its forward, two backward versions ("gemm", "atomic"), options,
+device limits and kernels. It imports nothing of the package but ``helpers.spec``; start at ``api``."""
+
+from helpers.cce.api import LinearCrossEntropyFunction, linear_cross_entropy
+from helpers.cce.backward import cce_backward
+from helpers.cce.backward_atomic import atomic_chunks
+from helpers.cce.backward_gemm import g_fits_in_dE, gemm_chunks, product_mode
+from helpers.cce.forward import cce_forward
+from helpers.cce.options import (
+    ACCUMULATIONS,
+    BACKWARD_IMPLS,
+    FILTER_EPS_AUTO,
+    CCEOptions,
+    resolve_options,
+    triton_reason,
+    why_unavailable,
+)
+
+__all__ = [
+    "linear_cross_entropy",
+    "LinearCrossEntropyFunction",
+    "cce_forward",
+    "cce_backward",
+    "CCEOptions",
+    "resolve_options",
+    "why_unavailable",
+    "triton_reason",
+    "ACCUMULATIONS",
+    "BACKWARD_IMPLS",
+    "FILTER_EPS_AUTO",
+    "gemm_chunks",
+    "g_fits_in_dE",
+    "atomic_chunks",
+    "product_mode",
+]

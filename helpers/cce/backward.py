@@ -1,0 +1,56 @@
+"""The backward pass, Algorithms 3 and 4: dE and dC from the logits rebuilt tile by tile.
+
+For a kept row i the gradient of its loss with respect to a logit is
+
+    G_{i, v} = S_{i, v} (1 + 2 zl lse_i) - (1 - ls) [v = x_i] - ls / V,   S = softmax(z),
+
+times d cap(a) / da = 1 - (z / softcap)^2 under the soft cap; dE = g G C and dC = G^T (g E), g the
+upstream gradient of each row. Two implementations compute it, chosen by ``backward_impl``:
+"gemm" (``helpers.cce.backward_gemm``, the default) and "atomic" (``helpers.cce.backward_atomic``).
+Both form G in the same code (``gradient_tile``), filter it by the same rule and accumulate in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helpers.cce.backward_atomic import backward_atomic
+from helpers.cce.backward_gemm import backward_gemm
+from helpers.cce.gradients import UpstreamGradient, vocabulary_order
+from helpers.cce.kernels.configs import CCEConfigs
+from helpers.cce.options import CCEOptions, check_backward_impl, resolve_configs
+
+
+def cce_backward(
+    E: torch.Tensor,
+    C: torch.Tensor,
+    x: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    options: CCEOptions = CCEOptions(),
+    configs: CCEConfigs | str | None = None,
+    n_chunk: int | None = None,
+    v_chunk: int | None = None,
+    stats: dict | None = None,
+    backward_impl: str = "gemm",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dE (N, D), dC (V, D)) in E's dtype.
+
+    grad_rows: (N,) fp32, the upstream gradient of each row's loss (0 at ignored rows is implied).
+    backward_impl: "gemm" or "atomic" (module doc).
+    n_chunk, v_chunk: "gemm": rows per dE accumulator and vocabulary columns per G chunk; "atomic":
+    rows of dE's and of dC's fp32 scratch (fp16/bf16 only). None: ``gemm_chunks`` or
+    ``atomic_chunks``.
+    stats: when a dict is given, the kernels count the tiles the filter skipped and the dict gets
+    {"tiles": tiles computed, "skipped": tiles skipped, "launches": kernel launches}; "gemm" adds
+    "products", how its fp32-output products were made (``product_mode``), and "dead_chunks",
+    the launches whose every tile the filter skipped (their GEMMs multiply zeros).
+    """
+    check_backward_impl(backward_impl)
+    o = options
+    configs = resolve_configs(configs, E.device)
+    up = UpstreamGradient.of(grad_rows, x != o.ignore_index)
+    order = vocabulary_order(E, C) if o.sort_vocab else None
+    if backward_impl == "gemm":
+        return backward_gemm(E, C, x, lse, up, order, o, configs.backward_gemm_for(E.dtype), n_chunk, v_chunk, stats)
+    return backward_atomic(E, C, x, lse, up, order, o, configs.for_dtype(E.dtype)[1], n_chunk, v_chunk, stats)

@@ -1,0 +1,229 @@
+"""The "gemm" backward (the default): G written per vocabulary chunk, its two products in cuBLAS.
+
+Per row chunk (rows of dE's fp32 accumulator) and vocabulary chunk [v0, v1) of V_c columns:
+
+    G_c  = dloss / dz[:, v0:v1]             (rows, V_c) in E's dtype    gradient_chunk_kernel
+    dC[v0:v1] = g_scale * G_c^T (g_rel * E)  (V_c, D), written once     cuBLAS
+    dE_acc   += G_c C[v0:v1]                 (rows, D) fp32             cuBLAS, fp32 output
+    dE        = g * dE_acc, rounded once                                after the last chunk
+
+Why it beats the "atomic" backward, the kernel that computes G, and the filter's place in it: the
+docstring of ``helpers/cce/kernels/backward_gemm.py``. Memory beyond dE and dC: one G chunk (none
+when it fits in the rows of dE not yet written, ``g_fits_in_dE``) and, for 16-bit inputs, dE's
+fp32 accumulator, both sized by ``gemm_chunks``; the measured time and memory per shape are in
+docs/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from helpers.cce.gradients import MiB, UpstreamGradient, fold_dC
+from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
+from helpers.cce.kernels.configs import LaunchConfig
+from helpers.cce.options import CCEOptions, dot_precision
+
+
+def gemm_chunks(N: int, V: int, D: int, dtype: torch.dtype, block_v: int) -> tuple[int, int]:
+    """(n_chunk, v_chunk) of the "gemm" backward: rows per fp32 dE accumulator, vocabulary columns per G.
+
+    Rows: n_chunk * D * 4 <= max(64 MiB, LB / 16), multiples of 256 (fp32 inputs accumulate into
+    dE itself, but the same rows keep their G chunks as wide). Columns: n_chunk * v_chunk *
+    itemsize <= max(32 MiB, LB / 32), a multiple of ``block_v`` (the G kernel's BLOCK_V) so only
+    the last chunk ends in a partial tile. LB = (N + V) * D * itemsize. At the Gemma-2-2B head in
+    bf16 (LB 1,217 MB): all 8,192 rows (75.5 MB of fp32), 2,304 columns (37.7 MB of G), 112 chunks.
+    """
+    lb = (N + V) * D * dtype.itemsize
+    n_chunk = max(64 * MiB, lb // 16) // (D * 4)
+    n_chunk = max(1, min(N, n_chunk // 256 * 256 if n_chunk >= 256 else n_chunk))
+    v_chunk = max(32 * MiB, lb // 32) // (n_chunk * dtype.itemsize)
+    v_chunk = max(block_v, v_chunk // block_v * block_v)
+    return n_chunk, min(V, v_chunk)
+
+
+def g_fits_in_dE(dtype: torch.dtype, v_chunk: int, D: int) -> bool:
+    """Whether the "gemm" backward keeps each G chunk in the rows of dE it is computing: a row chunk's dE
+    rows are written only after its last product has read G (same stream), so when a chunk of G
+    (rows x v_chunk) fits in them (v_chunk <= D) it needs no scratch of its own: the Gemma-2-2B
+    head, the Qwen3 head from 16,384 tokens on. Not for fp32 inputs, which accumulate in dE."""
+    return dtype != torch.float32 and v_chunk <= D
+
+
+# How this process makes an fp32-output product of fp16/bf16 operands, per (device, dtype):
+PRODUCT_MODES = ("upcast", "addmm_out_dtype", "mm_out_dtype", "rounded")
+_product_mode_cache: dict = {}
+
+
+def product_mode(device: torch.device, dtype: torch.dtype) -> str:
+    """How ``_product`` makes out (fp32) [+]= alpha * a @ b for a, b in ``dtype`` on ``device``.
+
+    "upcast": operands copied to fp32 (fp32 inputs, where it costs nothing; and the CPU, whose
+    tests want exact products). On CUDA, the first that works and is right on a small probe:
+    "addmm_out_dtype", cuBLAS with an fp32 output accumulated in its epilogue (torch.addmm's
+    out_dtype, torch >= 2.8 on CUDA; older releases want ``self`` in the operands' dtype);
+    "mm_out_dtype", an fp32 product then an add (one more N x D fp32 pass and buffer);
+    "rounded", the product in the operands' dtype then added (rounds each chunk's partial sum:
+    dE loses ~1.5x in accuracy).
+    """
+    if dtype == torch.float32 or device.type != "cuda":
+        return "upcast"
+    key = (device.type, device.index, dtype)
+    if key not in _product_mode_cache:
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(96, 80, device=device, generator=g).to(dtype)
+        b = torch.randn(80, 72, device=device, generator=g).to(dtype)
+        start = torch.randn(96, 72, device=device, generator=g)
+        want = start + 0.5 * (a.double() @ b.double()).float()
+        for mode in PRODUCT_MODES[1:]:
+            try:
+                got = start.clone()
+                _product(got, a, b, alpha=0.5, accumulate=True, mode=mode)
+                if torch.allclose(got, want, rtol=1e-2, atol=1e-1):
+                    break
+            except (RuntimeError, TypeError):  # this torch lacks the overload, or refuses fp32 self
+                continue
+        _product_mode_cache[key] = mode
+    return _product_mode_cache[key]
+
+
+def _product(out, a, b, *, alpha: float, accumulate: bool, mode: str):
+    """out (fp32) = [out +] alpha * (a @ b), a and b in one dtype; ``mode``: ``product_mode``."""
+    beta = 1.0 if accumulate else 0.0  # beta = 0: out's old contents (maybe NaN) are ignored
+    if mode == "upcast":
+        torch.addmm(out, a.float(), b.float(), beta=beta, alpha=alpha, out=out)
+    elif mode == "addmm_out_dtype":
+        torch.addmm(out, a, b, out_dtype=torch.float32, beta=beta, alpha=alpha, out=out)
+    else:
+        product = torch.mm(a, b, out_dtype=torch.float32) if mode == "mm_out_dtype" else torch.mm(a, b)
+        if accumulate:
+            out.add_(product, alpha=alpha)
+        else:
+            torch.mul(product, alpha, out=out)
+
+
+def backward_gemm(E, C, x, lse, up: UpstreamGradient, vocab_order, o: CCEOptions, cfg: LaunchConfig,
+                  n_chunk: int | None, v_chunk: int | None, stats: dict | None):
+    """Per (row chunk, vocabulary chunk), G_c from ``gradient_chunk_kernel``, then
+    dC[v0:v1] = g_scale G_c^T (g_rel E) and dE_acc += G_c C[v0:v1] in cuBLAS; the arguments are
+    ``helpers.cce.backward.cce_backward``'s.
+
+    Memory beyond LB, fp16/bf16: dE_acc (n_chunk * D * 4) + G_c (n_chunk * v_chunk * itemsize,
+    nothing when ``g_fits_in_dE``; once more with FullC/FullE and the filter) + g_rel E
+    (n_chunk * D * itemsize, only when rows have
+    different upstream gradients, i.e. reduction="none") + C's gathered chunk (v_chunk * D *
+    itemsize, sort only) + dC's fp32 fold (v_chunk * D * 4, several row chunks only) + Kahan's
+    V * D compensation (several row chunks only) + O(N). fp32: no dE_acc (dE accumulates itself).
+    """
+    N, D = E.shape
+    V = C.shape[0]
+    dtype, device = E.dtype, E.device
+    low_precision = dtype != torch.float32
+    default_n, default_v = gemm_chunks(N, V, D, dtype, cfg.BLOCK_V)
+    n_chunk = min(N, n_chunk or default_n)
+    v_chunk = min(V, v_chunk or default_v)
+    n_chunks = triton.cdiv(N, n_chunk)
+    filtering = o.filter_eps is not None and not (o.full_c and o.full_e)
+    # FullC / FullE with the filter: the kernel also writes the unfiltered G, for the exact side.
+    split = filtering and (o.full_c or o.full_e)
+    mode = product_mode(device, dtype)
+
+    # dC's GEMM alpha, one host sync per backward. When every row has the same g (0 at ignored
+    # rows, whose G is 0), alpha is that g and E is the operand as it is; otherwise g_scale, with
+    # g_rel E the operand.
+    alpha = float(up.g[up.g.abs().argmax()]) if up.uniform else float(up.g_scale)
+    g_in_dE = g_fits_in_dE(dtype, v_chunk, D)
+    G_buf = None if g_in_dE else torch.empty(n_chunk * v_chunk, dtype=dtype, device=device)
+    G_exact_buf = torch.empty(n_chunk * v_chunk, dtype=dtype, device=device) if split else None
+    tiles_max = triton.cdiv(n_chunk, cfg.BLOCK_N) * triton.cdiv(v_chunk, cfg.BLOCK_V)
+    tile_kept = torch.empty(tiles_max if filtering else 1, dtype=torch.int8, device=device)
+    skipped = torch.zeros((), dtype=torch.int64, device=device)
+    dead_chunks = torch.zeros((), dtype=torch.int64, device=device)  # chunks with every tile skipped
+    dE = torch.empty(N, D, dtype=dtype, device=device)
+    dC = torch.empty(V, D, dtype=dtype, device=device)
+    dE_acc = torch.empty(n_chunk, D, dtype=torch.float32, device=device) if low_precision else None
+    E_scaled_buf = None if up.uniform else torch.empty(n_chunk, D, dtype=dtype, device=device)
+    C_sorted_buf = torch.empty(v_chunk, D, dtype=dtype, device=device) if vocab_order is not None else None
+    # dC rows in fp32 before they land in dC: folds (several row chunks), the sort's scatter,
+    # the CPU's "upcast" products.
+    staged = vocab_order is not None or (low_precision and (n_chunks > 1 or mode == "upcast"))
+    dC_rows_buf = torch.empty(v_chunk, D, dtype=torch.float32, device=device) if staged else None
+    compensation = (
+        torch.zeros(V, D, dtype=dtype, device=device)
+        if low_precision and o.accumulation == "kahan" and n_chunks > 1 else None
+    )
+    counters = {"tiles": 0, "launches": 0}
+
+    for chunk, n0 in enumerate(range(0, N, n_chunk)):
+        n1 = min(N, n0 + n_chunk)
+        rows = n1 - n0
+        E_rows = E[n0:n1]  # (rows, D)
+        dE_rows = (dE_acc[:rows] if low_precision else dE[n0:n1]).zero_()  # (rows, D) fp32
+        # dC's operand: g_rel E, (rows, D) in the dtype (rounded as the "atomic" kernel rounds G g_rel for dC).
+        E_op = E_rows if up.uniform else torch.mul(E_rows, up.g_rel[n0:n1, None], out=E_scaled_buf[:rows])
+        G_store = dE[n0:n1].view(-1) if g_in_dE else G_buf
+        G_exact_store = G_exact_buf if split else G_store
+        for v0 in range(0, V, v_chunk):
+            v1 = min(V, v0 + v_chunk)
+            cols = v1 - v0
+            G = G_store[: rows * cols].view(rows, cols)  # (rows, V_c)
+            G_exact = G_exact_store[: rows * cols].view(rows, cols)
+            tiles = triton.cdiv(rows, cfg.BLOCK_N) * triton.cdiv(cols, cfg.BLOCK_V)
+            counters["tiles"] += tiles
+            counters["launches"] += 1
+            # 1. G_c: the logit tiles rebuilt, G formed and filtered, written in the dtype.
+            gradient_chunk_kernel[(tiles,)](
+                E_rows, C, x[n0:n1], lse[n0:n1],
+                vocab_order if vocab_order is not None else tile_kept,
+                G, G_exact, tile_kept,
+                rows, V, D, v0, cols,
+                E_rows.stride(0), E_rows.stride(1), C.stride(0), C.stride(1), x.stride(0),
+                G.stride(0), G.stride(1),
+                o.ignore_index, o.softcap if o.softcap is not None else 1.0, o.z_loss,
+                o.label_smoothing, o.filter_eps or 0.0,
+                HAS_SOFTCAP=o.softcap is not None,
+                FILTER=filtering,
+                SPLIT_G=split,
+                SORTED=vocab_order is not None,
+                DOT_PRECISION=dot_precision(dtype),
+                **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
+            )
+            if stats is not None and filtering:
+                skipped += (tile_kept[:tiles] == 0).sum()
+                dead_chunks += (tile_kept[:tiles] == 0).all()
+            G_dE = G_exact if o.full_e else G  # FullE: dE exact; FullC: dC exact
+            G_dC = G_exact if o.full_c else G
+            if vocab_order is not None:
+                where = vocab_order[v0:v1]
+                C_c = torch.index_select(C, 0, where, out=C_sorted_buf[:cols])  # (V_c, D)
+            else:
+                where = slice(v0, v1)
+                C_c = C[v0:v1]
+            # 2. dE_acc += G_c C_c: (rows, V_c) @ (V_c, D), fp32 output.
+            _product(dE_rows, G_dE, C_c, alpha=1.0, accumulate=True, mode=mode)
+            # 3. dC[v0:v1] = alpha G_c^T (g_rel E): (V_c, rows) @ (rows, D).
+            if not staged:
+                # In place from cuBLAS's fp32 sum: written once in the dtype (one row chunk), or
+                # accumulated in fp32 (fp32 inputs) across row chunks.
+                dC_rows = dC[v0:v1]  # one view as input and output: addmm updates it in place
+                torch.addmm(dC_rows, G_dC.T, E_op, beta=0.0 if chunk == 0 else 1.0, alpha=alpha,
+                            out=dC_rows)
+                continue
+            dC_rows = dC_rows_buf[:cols]  # (V_c, D) fp32, then folded into dC's rows
+            _product(dC_rows, G_dC.T, E_op, alpha=alpha, accumulate=False, mode=mode)
+            if low_precision:
+                fold_dC(dC, dC_rows, where, chunk == 0, compensation)
+            elif chunk == 0:
+                dC.index_copy_(0, where, dC_rows)
+            else:
+                dC.index_add_(0, where, dC_rows)
+        # 4. dE = g dE_acc, rounded once (fp32: scaled in place).
+        if low_precision:
+            torch.mul(dE_rows, up.g[n0:n1, None], out=dE[n0:n1])
+        else:
+            dE_rows.mul_(up.g[n0:n1, None])
+
+    if stats is not None:
+        stats.update(counters, skipped=int(skipped.item()), dead_chunks=int(dead_chunks.item()),
+                     products=mode)
+    return dE, dC

@@ -1,0 +1,105 @@
+"""The "gemm" backward's kernel: G written per vocabulary chunk, its two products left to cuBLAS.
+
+Why. The "atomic" backward (``backward_atomic.py``) forms each (BLOCK_N, BLOCK_V) block of G on chip and adds
+G C_tile into dE and G^T E_tile into dC with fp32 atomics: every tile adds (BLOCK_N + BLOCK_V) * D
+values. At the Gemma-2-2B head (N = 8,192, V = 256,000, D = 2,304, 128 x 128 tiles) that is
+128,000 tiles x 256 x 2,304 = 7.5e10 atomic adds, ~300 GB of read-modify-write through L2 for a
+2.4 GB result: ~100 of its 128 ms backward (docs/PERFORMANCE.md). Here G goes to global memory
+instead, one vocabulary chunk [v0, v1) of V_c columns at a time, and the products become two
+dense GEMMs that write each gradient element once per chunk:
+
+    G_c  = dloss / dz[:, v0:v1]             (N, V_c) in E's dtype    this kernel
+    dC[v0:v1] = g_scale * G_c^T (g_rel * E)  (V_c, D), written once   cuBLAS
+    dE_acc   += G_c C[v0:v1]                 (N, D) fp32              cuBLAS, fp32 output
+    dE        = g * dE_acc, rounded once                              after the last chunk
+
+The bytes: G_c is written once and read twice (3 N V itemsize bytes over the whole backward:
+12.6 GB at Gemma bf16, ~3 ms at 4.3 TB/s), and dE_acc is read and written once per chunk
+(2 N D 4 bytes per chunk), against 300 GB of atomics. The arithmetic is unchanged: the logit
+product here plus the two products, 3 of the 4 N x V x D products of a recomputing backward.
+
+G is the "atomic" kernel's, to the bit: ``gradient_tile`` (``gradient.py``, shared by both) rebuilds the logits and
+forms G = S (1 + 2 zl lse) - (1 - ls) [v = x] - ls / V (times 1 - (z / softcap)^2 under the soft
+cap), 0 at ignored rows. The upstream gradient g_i stays out of G, as in the "atomic" kernel and for the same
+reason (fp16: g = 1/N_kept times S ~ 1e-6 underflows): dE is scaled per row after its product,
+and dC's product takes g_rel E (g_rel = g / max|g|, |g_rel| <= 1) with g_scale = max|g| as the
+GEMM's alpha; for a mean or sum, g_rel is 1 at every kept row and the host passes E itself.
+
+Gradient filter (paper section 4.2, the row-mass rule of ``gradient.py``'s callers): a tile whose rows each hold less than eps of |G|
+mass writes zeros and records itself in ``tile_kept`` (0 = skipped), so that the GEMMs could skip
+it; they do not yet (dense cuBLAS products read the zeros). FULL_C / FULL_E (one gradient exact)
+use SPLIT_G: the kernel writes the real G to ``G_exact_ptr`` as well, and the host feeds the exact
+gradient's product from it, the filtered one's from ``G_ptr``.
+
+Reference: autograd through ``helpers.spec.reference_loss`` (tests/test_cce.py runs every
+option with ``backward_impl="gemm"``, the default); the host function is ``helpers.cce.cce_backward``.
+"""
+
+import triton
+import triton.language as tl
+
+from helpers.cce.kernels.gradient import gradient_tile, grouped_tile
+
+
+@triton.jit
+def gradient_chunk_kernel(
+    # pointers
+    E_ptr, C_ptr, x_ptr,  # E (N, D), C (V, D), x (N,) targets
+    lse_ptr,  # (N,) fp32 from the forward pass
+    vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
+    G_ptr,  # (N, v_count) in E's dtype: G of this chunk, zeros in skipped tiles
+    G_exact_ptr,  # (N, v_count) in E's dtype: G of this chunk, no tile skipped (SPLIT_G only)
+    tile_kept_ptr,  # (N / BLOCK_N, v_count / BLOCK_V) int8: 0 where the filter skipped (FILTER only)
+    # sizes
+    N, V, D,
+    v_begin, v_count,  # this launch covers vocabulary positions [v_begin, v_begin + v_count)
+    # strides
+    stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
+    stride_Gn, stride_Gv,  # shared by G and G_exact
+    # options
+    ignore_index, softcap, z_loss, label_smoothing, eps,
+    # meta-parameters
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    FILTER: tl.constexpr,
+    SPLIT_G: tl.constexpr,
+    SORTED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # 1. [Grouped order] this program's tile of the chunk; C strips are shared through L2.
+    pid_n, pid_v = grouped_tile(tl.program_id(0), N, v_count, BLOCK_N, BLOCK_V, GROUP_N)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    row_mask = rows < N
+    local_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)  # (BLOCK_V,) columns of G_c
+    col_mask = local_v < v_count
+    if SORTED:
+        # [Vocabulary sort, section 4.3] position -> C row, so tiles of large logits are dense.
+        cols = tl.load(vocab_order_ptr + v_begin + local_v, mask=col_mask, other=0).to(tl.int64)
+    else:
+        cols = v_begin + local_v
+
+    # 2. The logit tile rebuilt on chip and its gradient, exactly as the "atomic" kernel forms it.
+    G = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, rows, cols, row_mask, col_mask, V, D,
+                      stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
+                      ignore_index, softcap, z_loss, label_smoothing,
+                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, DOT_PRECISION)  # (BLOCK_N, BLOCK_V)
+
+    dtype = G_ptr.dtype.element_ty
+    g_ptrs = rows[:, None] * stride_Gn + local_v[None, :] * stride_Gv  # (BLOCK_N, BLOCK_V)
+    g_mask = row_mask[:, None] & col_mask[None, :]
+
+    # 3. [Gradient filter, section 4.2] a tile whose rows each hold less than eps of |G| mass
+    # (the row-mass rule: the sum, not the largest entry) is written as zeros and recorded as skipped.
+    if FILTER:
+        kept_tile = tl.max(tl.sum(tl.abs(G), axis=1)) >= eps
+        tl.store(tile_kept_ptr + pid_n * tl.cdiv(v_count, BLOCK_V) + pid_v, kept_tile.to(tl.int8))
+        if SPLIT_G:
+            tl.store(G_exact_ptr + g_ptrs, G.to(dtype), mask=g_mask)
+        G = tl.where(kept_tile, G, 0.0)
+
+    # 4. G_c in the input dtype, the operand of both GEMMs (a bf16/fp16 product rounds G there
+    # anyway, as the "atomic" kernel's tl.dot and the naive path's matmuls do).
+    tl.store(G_ptr + g_ptrs, G.to(dtype), mask=g_mask)

@@ -1,0 +1,139 @@
+"""Every launch configuration of the CCE kernels, in one table keyed by shared memory.
+
+A Triton kernel's shared memory grows with its tiles and pipeline depth: roughly
+num_stages * (BLOCK_N + BLOCK_V) * BLOCK_D * bytes for the logit loop, plus the G tile the
+backward pass feeds back into tl.dot. A launch asking for more than the device's
+``shared_memory_per_block_optin`` fails at run time ("out of resource: shared memory"), which is
+why Apple's CCE cannot run on a T4 (64 KB per block). So the configuration is chosen from the
+device's shared memory, not its name, and ``tests/test_cce_configs.py`` compiles each tier for a
+GPU of that tier (on a CPU) and checks the bytes the compiler asks for.
+
+Tiers (opt-in shared memory per block):
+    interpreter   CPU, TRITON_INTERPRET=1: small tiles, so the tests' tiny shapes span many tiles
+    64 KB         Turing (T4, sm_75)
+    99 KB         consumer Ampere / Ada (sm_86, sm_89)
+    163 KB        A100 (sm_80)
+    227 KB        Hopper (H100 / H200, sm_90)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes (the kernels' CAPS meta-parameters) and the compiler's launch options."""
+
+    BLOCK_N: int
+    BLOCK_V: int
+    BLOCK_D: int
+    num_warps: int
+    num_stages: int
+    GROUP_N: int = 8
+
+    def tiles(self, *names: str) -> dict:
+        return {name: getattr(self, name) for name in names}
+
+    @property
+    def launch(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+@dataclass(frozen=True)
+class CCEConfigs:
+    """The configurations of one shared-memory tier, per kernel and per input element size."""
+
+    name: str
+    shared_memory_bytes: int | None  # the tier's budget; None for the interpreter
+    target_capability: tuple[int, int] | None  # a GPU of this tier, compiled for by the tests
+    forward: dict[int, LaunchConfig] = field(default_factory=dict)  # element bytes -> config
+    backward: dict[int, LaunchConfig] = field(default_factory=dict)
+    # The "gemm" backward's G kernel (backward_gemm.py): one logit loop then a store of G, no second
+    # product, so the forward's tiles fit it; its products run in cuBLAS, which picks its own.
+    backward_gemm: dict[int, LaunchConfig] = field(default_factory=dict)
+    indexed_dot: LaunchConfig = LaunchConfig(64, 1, 128, 4, 1)
+
+    def for_dtype(self, dtype) -> tuple[LaunchConfig, LaunchConfig, LaunchConfig]:
+        """(forward, backward, indexed_dot) for inputs of ``dtype``."""
+        size = 4 if dtype.itemsize >= 4 else 2
+        return self.forward[size], self.backward[size], self.indexed_dot
+
+    def backward_gemm_for(self, dtype) -> LaunchConfig:
+        """The G kernel of the "gemm" backward (``backward_impl="gemm"``) for inputs of ``dtype``."""
+        return self.backward_gemm[4 if dtype.itemsize >= 4 else 2]
+
+
+_L = LaunchConfig
+
+INTERPRETER = CCEConfigs(
+    "interpreter", None, None,
+    forward={2: _L(16, 32, 16, 1, 1), 4: _L(16, 32, 16, 1, 1)},
+    backward={2: _L(16, 32, 16, 1, 1, GROUP_N=2), 4: _L(16, 32, 16, 1, 1, GROUP_N=2)},
+    backward_gemm={2: _L(16, 32, 16, 1, 1, GROUP_N=2), 4: _L(16, 32, 16, 1, 1, GROUP_N=2)},
+    indexed_dot=_L(16, 1, 16, 1, 1),
+)
+
+TIERS: tuple[CCEConfigs, ...] = (
+    CCEConfigs(
+        "turing-64k", 64 * 1024, (7, 5),
+        # fp16: the fastest of 8 candidates under 64 KB, timed on the H200 (scripts/gpu/tune.py
+        # --tier turing-64k; docs/PERFORMANCE.md): a proxy, no T4 was available to time on.
+        forward={2: _L(128, 128, 32, 8, 3), 4: _L(64, 64, 32, 4, 2)},
+        backward={2: _L(64, 64, 32, 4, 2), 4: _L(64, 64, 16, 4, 2)},
+        backward_gemm={2: _L(128, 64, 32, 4, 3), 4: _L(64, 64, 32, 4, 2)},
+    ),
+    CCEConfigs(
+        "ampere-99k", 99 * 1024, (8, 6),
+        forward={2: _L(128, 128, 32, 4, 3), 4: _L(64, 64, 32, 4, 3)},
+        backward={2: _L(128, 128, 32, 8, 2), 4: _L(64, 64, 32, 4, 2)},
+        backward_gemm={2: _L(128, 128, 32, 4, 3), 4: _L(64, 64, 32, 4, 3)},
+    ),
+    CCEConfigs(
+        "ampere-163k", 163 * 1024, (8, 0),
+        forward={2: _L(128, 256, 64, 8, 3), 4: _L(128, 64, 32, 8, 3)},
+        backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
+        backward_gemm={2: _L(128, 256, 64, 8, 3), 4: _L(128, 64, 32, 8, 3)},
+    ),
+    CCEConfigs(
+        "hopper-227k", 227 * 1024, (9, 0),
+        forward={2: _L(128, 256, 64, 8, 3), 4: _L(128, 64, 32, 8, 3)},
+        backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
+        backward_gemm={2: _L(128, 256, 64, 8, 4), 4: _L(128, 64, 32, 8, 3)},
+    ),
+)
+
+
+def configs_for_shared_memory(shared_memory_bytes: int) -> CCEConfigs:
+    """The largest tier that fits ``shared_memory_bytes`` per block (the smallest tier otherwise)."""
+    fitting = [t for t in TIERS if t.shared_memory_bytes <= shared_memory_bytes]
+    return fitting[-1] if fitting else TIERS[0]
+
+
+def tier(name: str) -> CCEConfigs:
+    for t in (INTERPRETER, *TIERS):
+        if t.name == name:
+            return t
+    raise ValueError(f"no configuration tier {name!r}; tiers: {[t.name for t in (INTERPRETER, *TIERS)]}")
+
+
+def tier_for_capability(capability: tuple[int, int] | None) -> CCEConfigs:
+    """The tier a GPU of this compute capability most likely gets (None: the interpreter's), for
+    arithmetic without the device at hand (``helpers.compare.sweep``'s theory). The newest tier whose target
+    capability is at most ``capability``; a device picks by its shared memory instead
+    (``select_configs``), which agrees for every GPU named in this file's docstring."""
+    if capability is None:
+        return INTERPRETER
+    fitting = [t for t in TIERS if t.target_capability <= tuple(capability)]
+    return max(fitting, key=lambda t: t.target_capability) if fitting else TIERS[0]
+
+
+def select_configs(device) -> CCEConfigs:
+    """The tier for ``device`` (a torch.device): the interpreter's on CPU, else by shared memory
+    (a pretend T4's 64 KB, ``helpers.cce.device``). On the CPU under ``HELPERS_PRETEND_T4=1`` the
+    Turing tier, so the interpreter runs the configurations a T4 gets."""
+    from helpers.cce.device import device_info, pretending_t4
+
+    if device.type != "cuda":
+        return tier("turing-64k") if pretending_t4() else INTERPRETER
+    return configs_for_shared_memory(device_info(device).shared_memory_per_block_bytes)

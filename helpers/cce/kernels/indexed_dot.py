@@ -1,0 +1,44 @@
+"""Algorithm 1 of the CCE paper: the indexed dot z_{i, x_i} = cap(E_i . C_{x_i}), (N,).
+
+The target logit of each row, read without forming the row of logits: one gather of C's target
+row per token, N * D multiply-adds in all. Reference: ``reference_logits(E, C, softcap)[i, x[i]]``.
+"""
+
+import triton
+import triton.language as tl
+
+from helpers.cce.kernels.logits import tanh
+
+
+@triton.jit
+def indexed_dot_kernel(
+    # pointers
+    E_ptr, C_ptr, x_ptr, out_ptr,  # E (N, D), C (V, D), x (N,), out (N,) fp32
+    # sizes
+    N, D,
+    # strides
+    stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
+    # options
+    ignore_index, softcap,
+    # meta-parameters
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    x = tl.load(x_ptr + rows * stride_x, mask=row_mask, other=ignore_index).to(tl.int64)
+    kept = row_mask & (x != ignore_index)
+    # Ignored rows read C's row 0 instead of an out-of-range one; their value is never used.
+    x = tl.where(kept, x, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs_d
+        mask = kept[:, None] & (d < D)[None, :]
+        e = tl.load(E_ptr + rows[:, None] * stride_En + d[None, :] * stride_Ed, mask=mask, other=0.0)
+        c = tl.load(C_ptr + x[:, None] * stride_Cv + d[None, :] * stride_Cd, mask=mask, other=0.0)
+        acc += tl.sum(e.to(tl.float32) * c.to(tl.float32), axis=1)
+    if HAS_SOFTCAP:
+        acc = softcap * tanh(acc / softcap)
+    tl.store(out_ptr + rows, acc, mask=row_mask)

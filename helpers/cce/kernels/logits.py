@@ -1,0 +1,45 @@
+"""The one piece every CCE kernel shares: a logit tile z = E_rows @ C_cols^T recomputed on chip.
+
+Cut Cross-Entropy never writes the (N, V) logits to global memory. Each kernel instead rebuilds
+the (BLOCK_N, BLOCK_V) tile it needs from a strip of E (BLOCK_N, D) and a strip of C (BLOCK_V, D),
+walking D in BLOCK_D steps and accumulating in fp32. Reference: ``helpers.spec.reference_logits``.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tanh(y):
+    # tanh(y) = 1 - 2 / (exp(2y) + 1): exp and division exist on every backend, the interpreter
+    # included (libdevice's tanh does not). exp overflowing to inf gives exactly 1, so large |y| is
+    # safe; near 0 the absolute error is ~1 fp32 ulp of 1, i.e. ~1e-7 * softcap on the logit.
+    return 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+
+
+@triton.jit
+def logit_tile(
+    E_ptr, C_ptr,  # E (N, D), C (V, D), any strides
+    rows, cols,  # (BLOCK_N,), (BLOCK_V,) int64 indices into E and C
+    row_mask, col_mask,
+    D,
+    stride_En, stride_Ed, stride_Cv, stride_Cd,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """z = E[rows] @ C[cols]^T in fp32, (BLOCK_N, BLOCK_V); masked rows/cols read as zeros."""
+    offs_d = tl.arange(0, BLOCK_D)
+    e_ptrs = E_ptr + rows[:, None] * stride_En + offs_d[None, :] * stride_Ed  # (BLOCK_N, BLOCK_D)
+    c_ptrs = C_ptr + cols[None, :] * stride_Cv + offs_d[:, None] * stride_Cd  # (BLOCK_D, BLOCK_V)
+    z = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d_mask = offs_d < D - d0
+        e = tl.load(e_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        c = tl.load(c_ptrs, mask=d_mask[:, None] & col_mask[None, :], other=0.0)
+        # DOT_PRECISION is "ieee" for fp32 inputs: real fp32 products, not tf32 (10-bit mantissa).
+        z = tl.dot(e, c, z, input_precision=DOT_PRECISION)
+        e_ptrs += BLOCK_D * stride_Ed
+        c_ptrs += BLOCK_D * stride_Cd
+    return z

@@ -1,0 +1,186 @@
+"""Side-by-side speed and memory of registered methods: ``python -m helpers bench``.
+
+For each named shape, input regime (``helpers.compare.inputs``), dtype and method, in one process:
+
+- peak memory of forward+backward above the inputs (``helpers.compare.measure.peak_memory``), against the
+  lower bound LB = bytes of dE + dC that any method must return;
+- forward time and forward+backward time (median, p10, p90 over ``repeats`` calls after warm-up);
+- achieved TFLOP/s, counting the 3 N×V×D products an exact forward+backward needs at the least
+  (6·N·V·D FLOP), against the device's matmul rate measured in the same process.
+
+The correctness gate runs first, on small shapes, for the same methods and dtypes; a method that
+fails it is not timed (``time_failed=True`` times it anyway and marks it, so a peer's speed can be
+reported beside its accuracy problem). Results are appended to a JSON Lines file as they come, so
+a run that dies keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from helpers.compare.inputs import make_inputs
+from helpers.compare.gate import gate_cases, run_gate
+from helpers.compare.measure import is_out_of_memory, latency, peak_memory, release_memory
+from helpers.compare.methods import get_method
+from helpers.cce.device import default_device, device_info
+from helpers.compare.sweep import loss_step
+from helpers.compare.units import dtype_name, lower_bound_bytes
+
+# name -> (V, D, default N list)
+SHAPES = {
+    "gemma2-2b": (256_000, 2_304, [8_192]),
+    "qwen3-0.6b": (151_936, 1_024, [1_024, 4_096, 16_384, 65_536, 131_072]),
+    "tiny": (1_031, 40, [64, 256]),  # CPU checks of the machinery
+}
+GATE_SHAPES_GPU = [(257, 5003, 136), (1031, 32011, 520)]
+GATE_SHAPES_CPU = [(37, 257, 24)]
+
+
+@dataclass
+class BenchRecord:
+    shape: str
+    regime: str
+    dtype: str
+    method: str
+    N: int
+    V: int
+    D: int
+    status: str  # "ok", "oom", "error", "failed gate", "unavailable"
+    gate: str = ""  # "pass", "fail (timed anyway)", ...
+    peak_mb: float | None = None
+    lower_bound_mb: float | None = None
+    peak_over_lb: float | None = None
+    forward_ms: float | None = None
+    fwd_bwd_ms: float | None = None
+    fwd_bwd_p10_ms: float | None = None
+    fwd_bwd_p90_ms: float | None = None
+    tflops: float | None = None
+    fraction_of_matmul_peak: float | None = None
+    note: str = ""
+
+
+def matmul_tflops(dtype: torch.dtype, device, size: int = 8192) -> float | None:
+    """The device's dense matmul rate in this dtype, measured (random inputs, median of 10)."""
+    if torch.device(device).type != "cuda":
+        return None
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    stats = latency(lambda: a @ b, warmup=3, repeats=10, device=device)
+    del a, b
+    release_memory(device)
+    return 2 * size**3 / (stats.median_ms * 1e-3) / 1e12
+
+
+def bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, rate, gate_status):
+    d = dtype_name(dtype)
+    rec = BenchRecord(shape, regime, d, method, N, V, D, "ok", gate_status)
+    lb = lower_bound_bytes(N, V, D, dtype)
+    rec.lower_bound_mb = lb / 1e6
+    try:
+        E, C, x = make_inputs(N, V, D, dtype, device, regime=regime, seed=N)
+        E.requires_grad_(True)
+        C.requires_grad_(True)
+        forward_backward = loss_step(method, E, C, x)  # returns dE, dC: they count in the peak
+
+        def forward():
+            return get_method(method)(E, C, x)
+
+        for _ in range(warmup):
+            forward_backward()
+        _, peak = peak_memory(forward_backward, device=device)
+        rec.peak_mb, rec.peak_over_lb = peak / 1e6, peak / lb
+        full = latency(forward_backward, warmup=0, repeats=repeats, device=device)
+        rec.fwd_bwd_ms, rec.fwd_bwd_p10_ms, rec.fwd_bwd_p90_ms = full.median_ms, full.p10_ms, full.p90_ms
+        rec.forward_ms = latency(forward, warmup=1, repeats=repeats, device=device).median_ms
+        rec.tflops = 6 * N * V * D / (full.median_ms * 1e-3) / 1e12
+        if rate:
+            rec.fraction_of_matmul_peak = rec.tflops / rate
+    except Exception as error:  # noqa: BLE001
+        rec.status = "oom" if is_out_of_memory(error) else "error"
+        rec.note = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
+    E = C = x = forward = forward_backward = None
+    release_memory(device)
+    return rec
+
+
+def run_bench(
+    methods: list[str],
+    shapes: list[str],
+    regimes: list[str] = ("uniform",),
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,),
+    Ns: list[int] | None = None,
+    output: str | Path | None = None,
+    warmup: int = 2,
+    repeats: int = 7,
+    time_failed: bool = False,
+    device=None,
+    progress: bool = True,
+) -> list[BenchRecord]:
+    """Gate, then measure every (shape, regime, dtype, N, method); see the module doc."""
+    from tqdm.auto import tqdm
+
+    device = torch.device(device) if device is not None else default_device()
+    for s in shapes:
+        if s not in SHAPES:
+            raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {s!r}")
+    gate_shapes = GATE_SHAPES_GPU if device.type == "cuda" else GATE_SHAPES_CPU
+    report = run_gate(methods, tuple(dtypes), gate_cases(gate_shapes), device=device, raise_on_failure=False)
+    store = Path(output) if output else None
+    if store:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        header = {"device": device_info(device).as_dict(), "torch": torch.__version__, "gate": report.summary()}
+        store.with_suffix(".meta.json").write_text(json.dumps(header, indent=1, default=str))
+    work = [
+        (s, r, dt, N)
+        for s in shapes
+        for r in regimes
+        for dt in dtypes
+        for N in (Ns or SHAPES[s][2])
+    ]
+    records = []
+    rates = {dt: matmul_tflops(dt, device) for dt in dtypes}
+    bar = tqdm(total=len(work) * len(methods), desc="bench", disable=not progress)
+    for shape, regime, dtype, N in work:
+        V, D, _ = SHAPES[shape]
+        for method in methods:
+            reason = get_method(method).why_unavailable(device, dtype)
+            passed = report.passed(method, dtype)
+            d = dtype_name(dtype)
+            if reason:
+                rec = BenchRecord(shape, regime, d, method, N, V, D, "unavailable", note=reason)
+            elif not passed and not time_failed:
+                rec = BenchRecord(shape, regime, d, method, N, V, D, "failed gate", "fail")
+            else:
+                gate = "pass" if passed else "fail (timed anyway)"
+                rec = bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, rates[dtype], gate)
+            records.append(rec)
+            if store:
+                with store.open("a") as f:
+                    f.write(json.dumps(asdict(rec)) + "\n")
+            bar.update(1)
+    bar.close()
+    return records
+
+
+def bench_table(records: list[BenchRecord]) -> str:
+    head = "| shape | regime | dtype | N | method | peak MB | LB MB | peak/LB | fwd ms | fwd+bwd ms (p10-p90) | TFLOP/s | status |"
+    lines = [head, "|---|---|---|---:|---|---:|---:|---:|---:|---|---:|---|"]
+
+    def f(v, fmt):
+        return format(v, fmt) if v is not None else ""
+
+    for r in records:
+        spread = f"{r.fwd_bwd_ms:.1f} ({r.fwd_bwd_p10_ms:.1f}-{r.fwd_bwd_p90_ms:.1f})" if r.fwd_bwd_ms else ""
+        status = r.status if r.status != "ok" else ("ok" if r.gate == "pass" else f"ok, gate {r.gate}")
+        if r.note and r.status != "ok":
+            status += f": {r.note[:80]}"
+        lines.append(
+            f"| {r.shape} | {r.regime} | {r.dtype} | {r.N} | {r.method} | {f(r.peak_mb, ',.0f')} | "
+            f"{f(r.lower_bound_mb, ',.0f')} | {f(r.peak_over_lb, '.2f')} | {f(r.forward_ms, '.1f')} | {spread} | "
+            f"{f(r.tflops, '.0f')} | {status} |"
+        )
+    return "\n".join(lines)

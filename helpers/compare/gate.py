@@ -1,0 +1,340 @@
+"""The correctness gate: every method against a float64 reference, on loss, dE and dC.
+
+A method is measured only after it passes here. For each dtype and case the gate draws one set of
+inputs, computes the float64 reference from exactly those (upcast) inputs, runs every method, and
+compares with the relative L2 error
+
+    err(a, r) = ||a - r|| / ||r||        (||a - r|| when r is all zeros)
+
+A NaN must sit exactly where the reference has one (a mean over zero kept tokens) and nowhere else.
+
+The bound for each quantity is ``max(FLOOR[dtype], SLACK * naive_error)``: the naive path (fp32
+logits from a matmul in the input dtype) is the fair yardstick of what the dtype allows, and the
+floor keeps the bound from collapsing where naive happens to be nearly exact. The floors are below
+1% everywhere, so a gradient scaled by 1.01 or a dropped soft cap fails in every dtype; a test
+proves it (tests/test_gate.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from helpers.compare.inputs import ignore_targets, make_inputs
+from helpers.compare.methods import MethodUnavailable, get_method, primary_methods
+from helpers.compare.units import dtype_name
+from helpers.spec import reference_loss_and_grads, relative_error
+
+QUANTITIES = ("loss", "dE", "dC")
+
+# Relative L2 errors a correct method reaches in each dtype, whatever naive does. fp32 is real
+# fp32 (a TF32 matmul lands near 5e-4 and fails, as it should: the caller asked for fp32).
+FLOOR = {
+    torch.float32: {"loss": 1e-5, "dE": 1e-4, "dC": 1e-4},
+    torch.float16: {"loss": 1e-3, "dE": 3e-3, "dC": 3e-3},
+    torch.bfloat16: {"loss": 4e-3, "dE": 6e-3, "dC": 6e-3},
+}
+SLACK = 2.0
+
+# The soft cap the gate uses: with logits of standard deviation ~2 (see make_inputs) a cap of 4 bends
+# them hard, so a method that drops it fails. Gemma-2 uses 30 on logits an order of magnitude larger.
+GATE_SOFTCAP = 4.0
+
+
+@dataclass(frozen=True)
+class GateCase:
+    N: int
+    V: int
+    D: int
+    reduction: str = "mean"
+    ignore: str = "none"  # "none", "some" (every 7th token) or "all"
+    softcap: float | None = None
+
+    @property
+    def name(self) -> str:
+        cap = f", softcap={self.softcap:g}" if self.softcap is not None else ""
+        return f"N={self.N} V={self.V} D={self.D} {self.reduction}, ignore {self.ignore}{cap}"
+
+
+def gate_cases(shapes: list[tuple[int, int, int]]) -> list[GateCase]:
+    """The gate's cases for the given (N, V, D) shapes.
+
+    Every shape gets each reduction, with and without ignored tokens, and the soft cap; the
+    all-ignored corner (NaN mean, zero sum, zero gradients) is checked once, on the first shape.
+    """
+    cases = []
+    for N, V, D in shapes:
+        cases += [
+            GateCase(N, V, D, "mean", "none"),
+            GateCase(N, V, D, "sum", "some"),
+            GateCase(N, V, D, "none", "some"),
+            GateCase(N, V, D, "mean", "some", GATE_SOFTCAP),
+        ]
+    N, V, D = shapes[0]
+    cases += [GateCase(N, V, D, "mean", "all"), GateCase(N, V, D, "sum", "all")]
+    return cases
+
+
+def case_inputs(case: GateCase, dtype: torch.dtype, device, seed: int):
+    """(E, C, x, grad_output) of one case: the ``uniform`` regime of ``helpers.compare.inputs``
+    (logits of std ~2, uniform targets), drawn on the CPU so every device gates the same numbers,
+    with the case's ignored targets.
+
+    Uniform targets on random weights make the softmax dense: nothing for a filter to skip, so a
+    method's every code path is exercised. grad_output, the upstream gradient the gate feeds back:
+    a random vector for reduction="none", a scalar that is not 1 otherwise (a method that ignores
+    its upstream gradient fails).
+    """
+    E, C, x = make_inputs(case.N, case.V, case.D, dtype, "cpu", regime="uniform", seed=seed)
+    x = ignore_targets(x, case.ignore)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    grad_output = torch.randn(case.N, generator=g) if case.reduction == "none" else torch.tensor(0.73)
+    return E.to(device), C.to(device), x.to(device), grad_output.to(device)
+
+
+def run_method(name: str, E, C, x, grad_output, case: GateCase):
+    """(loss, dE, dC) of method ``name`` on fresh leaf copies of E and C."""
+    E_ = E.detach().clone().requires_grad_(True)
+    C_ = C.detach().clone().requires_grad_(True)
+    loss = get_method(name)(E_, C_, x, reduction=case.reduction, softcap=case.softcap)
+    loss.backward(grad_output.to(loss.dtype).expand_as(loss))
+    return loss.detach(), E_.grad, C_.grad
+
+
+@dataclass
+class GateRow:
+    method: str
+    dtype: str
+    case: str
+    status: str  # "pass", "fail", "unavailable", or "over floor" (the yardstick only; see run_gate)
+    errors: dict = field(default_factory=dict)  # quantity -> relative error
+    bounds: dict = field(default_factory=dict)  # quantity -> bound
+    reason: str = ""  # why unavailable, or what raised
+
+
+class GateFailure(AssertionError):
+    """Raised by the gate with one line per failing method, dtype, case and quantity."""
+
+
+@dataclass
+class GateReport:
+    rows: list[GateRow]
+    device: str
+
+    @property
+    def failures(self) -> list[GateRow]:
+        return [r for r in self.rows if r.status == "fail"]
+
+    def failing_methods(self) -> set[str]:
+        return {r.method for r in self.failures}
+
+    def passed(self, method: str, dtype: torch.dtype | str | None = None) -> bool:
+        """True when ``method`` ran (in ``dtype``, if given) and failed no case."""
+        d = dtype_name(dtype) if dtype is not None else None
+        rows = [r for r in self.rows if r.method == method and (d is None or r.dtype == d)]
+        ran = [r for r in rows if r.status != "unavailable"]
+        return bool(ran) and all(r.status in ("pass", "over floor") for r in ran)
+
+    def failure_message(self) -> str:
+        lines = []
+        for r in self.failures:
+            if r.reason:
+                lines.append(f"{r.method} [{r.dtype}] {r.case}: raised {r.reason}")
+            for q in QUANTITIES:
+                if q in r.errors and not r.errors[q] <= r.bounds[q]:
+                    lines.append(
+                        f"{r.method} [{r.dtype}] {r.case}: {q} error {r.errors[q]:.3g} > bound {r.bounds[q]:.3g}"
+                    )
+        return "\n".join(lines)
+
+    def raise_if_failed(self, methods: set[str] | None = None) -> None:
+        """Raise GateFailure listing every failure (of ``methods`` only, when given)."""
+        failing = [r for r in self.failures if methods is None or r.method in methods]
+        if failing:
+            kept = GateReport(failing, self.device)
+            raise GateFailure(f"{len(failing)} failing gate rows on {self.device}:\n{kept.failure_message()}")
+
+    def summary(self) -> list[dict]:
+        """One row per (method, dtype): worst error/bound ratio per quantity, and the verdict."""
+        out = {}
+        for r in self.rows:
+            s = out.setdefault(
+                (r.method, r.dtype),
+                {"method": r.method, "dtype": r.dtype, "cases": 0, "failed": 0, "verdict": "pass", "reason": ""},
+            )
+            if r.status == "unavailable":
+                if s["cases"] == 0 and s["verdict"] == "pass":
+                    s["verdict"] = "unavailable"
+                s["reason"] = s["reason"] or r.reason
+                continue
+            if s["verdict"] == "unavailable":
+                s["verdict"] = "pass"
+            s["cases"] += 1
+            if r.status == "fail":
+                s["verdict"] = "fail"
+                s["failed"] += 1
+            elif r.status == "over floor":
+                s["over floor"] = s.get("over floor", 0) + 1
+            for q in QUANTITIES:
+                if q in r.errors:
+                    s[f"max {q} error"] = max(s.get(f"max {q} error", 0.0), r.errors[q])
+                    ratio = r.errors[q] / r.bounds[q] if r.bounds[q] else math.inf
+                    s[f"worst {q} error/bound"] = max(s.get(f"worst {q} error/bound", 0.0), ratio)
+        return list(out.values())
+
+    def markdown(self) -> str:
+        """The summary as a Markdown table: worst error per quantity, and the verdict."""
+        head = "| method | dtype | cases | loss err | dE err | dC err | worst err/bound | verdict |"
+        lines = [head, "|---|---|---:|---:|---:|---:|---:|---|"]
+        for s in self.summary():
+            if s["verdict"] == "unavailable":
+                lines.append(f"| {s['method']} | {s['dtype']} | 0 | | | | | unavailable: {s['reason']} |")
+                continue
+            errs = [s.get(f"max {q} error", math.nan) for q in QUANTITIES]
+            worst = max(s.get(f"worst {q} error/bound", 0.0) for q in QUANTITIES)
+            verdict = f"FAIL ({s['failed']} of {s['cases']} cases)" if s["verdict"] == "fail" else s["verdict"]
+            if s.get("over floor"):
+                verdict += f" (yardstick over the dtype floor in {s['over floor']} cases)"
+            if s["reason"]:
+                verdict += f" (some cases unavailable: {s['reason']})"
+            cells = " | ".join(f"{e:.2e}" for e in errs)
+            lines.append(f"| {s['method']} | {s['dtype']} | {s['cases']} | {cells} | {worst:.2f} | {verdict} |")
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path | None = None):
+        """Worst error per method, quantity and dtype, as a multiple of its bound (pass: below 1)."""
+        import matplotlib.pyplot as plt
+
+        summary = [s for s in self.summary() if s["verdict"] != "unavailable"]
+        dtypes = list(dict.fromkeys(s["dtype"] for s in summary))
+        fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4.2), squeeze=False, sharey=True)
+        for ax, d in zip(axes[0], dtypes):
+            rows = [s for s in summary if s["dtype"] == d]
+            names = [s["method"] for s in rows]
+            for k, q in enumerate(QUANTITIES):
+                ratios = [max(s.get(f"worst {q} error/bound", 0.0), 1e-6) for s in rows]
+                xs = [i + (k - 1) * 0.27 for i in range(len(rows))]
+                ax.bar(xs, [r if math.isfinite(r) else 1e3 for r in ratios], width=0.27, label=q)
+                for xi, r, row in zip(xs, ratios, rows):
+                    if not math.isfinite(r):  # NaN where the reference has none, or an inf
+                        ax.text(xi, 1e3, "NaN", ha="center", va="bottom", fontsize=8)
+                    elif r > 1 and row["verdict"] != "fail":  # naive over its floor: not a failure
+                        ax.text(xi, r, "yardstick", ha="center", va="bottom", fontsize=7, rotation=90)
+            ax.axhline(1.0, color="crimson", linestyle="--", linewidth=1.5, label="bound")
+            ax.set_yscale("log")
+            ax.set_xticks(range(len(rows)), names, rotation=30, ha="right")
+            ax.set_title(f"{d} on {self.device}")
+        axes[0][0].set_ylabel("worst error / bound  (below 1 passes)")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9, frameon=False)
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
+        if path is not None:
+            fig.savefig(path, dpi=120)
+        return fig
+
+    def to_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "device": self.device,
+            "passed": not self.failures,
+            "summary": self.summary(),
+            "rows": [asdict(r) for r in self.rows],
+        }
+        path.write_text(json.dumps(payload, indent=1, default=_json_number))
+        return path
+
+
+def _json_number(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else str(v)
+
+
+def run_gate(
+    methods: list[str] | None = None,
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+    cases: list[GateCase] | None = None,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    raise_on_failure: bool = True,
+    progress: bool = False,
+) -> GateReport:
+    """Gate ``methods`` (default: all registered) in each dtype on each case; see the module doc.
+
+    Unavailable methods are recorded with their reason, never silently dropped. With
+    ``raise_on_failure`` a GateFailure lists every failing row after all have run.
+    """
+    from helpers.cce.device import default_device
+
+    device = torch.device(device) if device is not None else default_device()
+    methods = list(methods or primary_methods())
+    cases = cases or gate_cases([(37, 500, 48), (130, 1999, 72)])
+    # naive runs first in every case: its errors are the yardstick for the others' bounds.
+    order = ["naive"] + [m for m in methods if m != "naive"]
+    work = [(dtype, i, case) for dtype in dtypes for i, case in enumerate(cases)]
+    rows: list[GateRow] = []
+    bar = _progress(len(work), progress)
+    for dtype, i, case in work:
+        d = dtype_name(dtype)
+        E, C, x, go = case_inputs(case, dtype, device, seed + i)
+        reference = reference_loss_and_grads(
+            E, C, x, go, reduction=case.reduction, softcap=case.softcap
+        )
+        naive_errors = None
+        for name in order:
+            reason = get_method(name).why_unavailable(device, dtype, case.softcap)
+            if reason:
+                if name in methods:
+                    rows.append(GateRow(name, d, case.name, "unavailable", reason=reason))
+                continue
+            try:
+                result = run_method(name, E, C, x, go, case)
+                errors = {q: relative_error(a, r) for q, a, r in zip(QUANTITIES, result, reference)}
+                raised = ""
+            except MethodUnavailable as e:
+                rows.append(GateRow(name, d, case.name, "unavailable", reason=str(e)))
+                continue
+            except Exception as e:  # a crash is a failure of the method, recorded with the rest
+                errors, raised = {}, f"{type(e).__name__}: {e}"
+            bounds = _bounds(dtype, naive_errors if name != "naive" else None)
+            if name == "naive":
+                naive_errors = errors
+            ok = not raised and all(errors[q] <= bounds[q] for q in QUANTITIES)
+            if name in methods:
+                rows.append(GateRow(name, d, case.name, _status(name, ok, errors, raised), errors, bounds, raised))
+        bar.update(1)
+    bar.close()
+    report = GateReport(rows, str(device))
+    if raise_on_failure:
+        report.raise_if_failed()
+    return report
+
+
+def _status(name: str, ok: bool, errors: dict, raised: str) -> str:
+    """naive is the yardstick, not a candidate: where it exceeds a floor, that is the dtype's own
+    limit (fp16's mean-reduced gradients underflow at large V, for one), reported as "over floor"
+    and passed on to the others' bounds. It still fails when it crashes or gives a stray NaN."""
+    if ok:
+        return "pass"
+    if name == "naive" and not raised and all(math.isfinite(e) for e in errors.values()):
+        return "over floor"
+    return "fail"
+
+
+def _bounds(dtype: torch.dtype, naive_errors: dict | None) -> dict:
+    """max(floor, SLACK * naive's error); naive itself, and a naive that failed, get the floor."""
+    bounds = {}
+    for q in QUANTITIES:
+        yardstick = (naive_errors or {}).get(q, 0.0)
+        yardstick = yardstick if math.isfinite(yardstick) else 0.0
+        bounds[q] = max(FLOOR[dtype][q], SLACK * yardstick)
+    return bounds
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="gate", disable=not enabled)

@@ -1,0 +1,359 @@
+"""The one place that measures: peak memory, latency, the memory cap, and an OOM-safe runner.
+
+Every number a notebook reports about memory or time comes from here, measured the same way on
+every device:
+
+- ``peak_memory(fn)``: the most memory ``fn`` held at once, in bytes above what was allocated when
+  it started (so the inputs, allocated before, are not counted; everything ``fn`` allocates is:
+  logits, temporaries, and the gradients it returns). On CUDA from the caching allocator's
+  statistics; on the CPU reconstructed from the PyTorch profiler's allocation events.
+- ``latency(fn, warmup, repeats)``: median, p10 and p90 wall time of ``fn`` in milliseconds, after
+  warm-up (CUDA events on a GPU, ``time.perf_counter`` on the CPU).
+- ``apply_memory_cap(...)``: the guardrail. On CUDA, ``set_per_process_memory_fraction`` turns an
+  over-allocation into a catchable ``torch.OutOfMemoryError`` instead of a machine taken down; with
+  ``pretend_t4`` a big GPU gets a T4's memory. On the CPU a byte budget on the measured peak plays
+  the same part (``MemoryBudgetExceeded``), so tests and the CPU smoke run can hit an OOM wall.
+- ``measure(fn, ...)``: warm-up, peak memory, latency, with an OOM recorded as a result (memory
+  released) instead of an exception that ends a sweep.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from helpers.cce.device import T4_MEMORY_BYTES, default_device, device_info
+
+
+class MemoryBudgetExceeded(MemoryError):
+    """A step's measured peak went past the byte budget: a simulated OOM, for CPU runs and tests.
+
+    The step has run to the end (the CPU has the memory); the budget is checked on the measured
+    peak afterwards, so it says "this would not have fitted", exactly where the measurement says.
+    """
+
+
+def _device(device) -> torch.device:
+    return torch.device(device) if device is not None else default_device()
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak memory
+# ---------------------------------------------------------------------------------------------
+
+
+def peak_memory(
+    fn: Callable[[], Any], *, device: torch.device | str | None = None, budget_bytes: int | None = None
+) -> tuple[Any, int]:
+    """(fn(), peak bytes ``fn`` held above what was allocated when it started).
+
+    CUDA: ``reset_peak_memory_stats``, then ``max_memory_allocated`` minus ``memory_allocated``
+    before the call (tensor bytes the caching allocator handed out; its cache is not counted).
+
+    CPU: there are no allocator statistics, so ``fn`` runs under
+    ``torch.profiler.profile(activities=[CPU], profile_memory=True)``, which records every CPU
+    allocation and free with its size and time (on every thread, autograd's backward included).
+    The peak is the largest running sum of those events in time order, counting only blocks ``fn``
+    allocated: a free of memory that existed before the call is ignored (for a block from before
+    any profiling the profiler does not even know the size, and says so once on stderr). Checked in
+    tests/test_measure.py against known allocations, and against the naive loss, whose backward
+    holds exactly three fp32 N×V tensors at its peak. Under the Triton interpreter a kernel's own
+    numpy scratch is invisible here; on a GPU a Triton kernel allocates nothing, so the two agree.
+
+    ``budget_bytes``: raise ``MemoryBudgetExceeded`` when the peak is above it (the CPU's cap).
+    """
+    device = _device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - start
+    else:
+        result, peak = _cpu_peak_memory(fn)
+    if budget_bytes is not None and peak > budget_bytes:
+        raise MemoryBudgetExceeded(
+            f"peak {peak / 1e6:,.3f} MB is over the budget of {budget_bytes / 1e6:,.3f} MB"
+        )
+    return result, peak
+
+
+def _cpu_peak_memory(fn: Callable[[], Any]) -> tuple[Any, int]:
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    # The event tree holds each allocation (positive size) and free (negative size) as its own
+    # node with a timestamp. The flat FunctionEvent list would not do: it folds a free into the op
+    # that made it, so an op that allocates a temporary and frees it shows no peak at all.
+    events = [
+        node
+        for node in _walk(prof.profiler.kineto_results.experimental_event_tree())
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu"
+    ]
+    events.sort(key=lambda node: node.start_time_ns)
+    # Only what fn allocated counts. The profiler remembers the sizes of blocks allocated under an
+    # earlier profile, so a free of one of those (say, a buffer a library kept from the previous
+    # call) would otherwise pull the running sum below what fn really holds.
+    live: dict[int, int] = {}  # address -> bytes, for blocks allocated during this call
+    held = peak = 0
+    for node in events:
+        size, address = node.extra_fields.alloc_size, node.extra_fields.ptr
+        if size > 0:
+            live[address] = size
+            held += size
+            peak = max(peak, held)
+        elif address in live:
+            held -= live.pop(address)
+    return result, peak
+
+
+def _walk(nodes):
+    for node in nodes:
+        yield node
+        yield from _walk(node.children)
+
+
+# ---------------------------------------------------------------------------------------------
+# Latency
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Wall time of one call, in milliseconds, over ``repeats`` timed calls after warm-up."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    repeats: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def latency(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    device: torch.device | str | None = None,
+) -> LatencyStats:
+    """Median, p10 and p90 of ``repeats`` timed calls of ``fn`` after ``warmup`` untimed ones.
+
+    Time on random inputs, never zeros: a kernel or a CPU may take shortcuts on zeros. On CUDA each
+    call sits between two CUDA events (GPU time of the call, launch queue included), read after one
+    synchronisation at the end; on the CPU, ``time.perf_counter`` around each call.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    device = _device(device)
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize(device)
+        times = [start.elapsed_time(end) for start, end in events]
+    else:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    return LatencyStats(
+        median_ms=statistics.median(times),
+        p10_ms=_percentile(times, 0.10),
+        p90_ms=_percentile(times, 0.90),
+        repeats=repeats,
+    )
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default), on sorted values."""
+    position = q * (len(sorted_values) - 1)
+    low, high = math.floor(position), math.ceil(position)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory cap (the article's guardrail) and out-of-memory handling
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryCap:
+    """How much memory a run may use, and who enforces it.
+
+    usable_bytes: on CUDA, all the process may allocate (inputs included), enforced by the caching
+    allocator; on the CPU, the budget on one step's peak above its inputs, enforced by
+    ``peak_memory``. None: no cap (a CPU run without a budget).
+    """
+
+    device_kind: str  # "cuda" or "cpu"
+    usable_bytes: int | None
+    total_bytes: int | None  # the card's memory; None on the CPU
+    fraction: float | None  # what set_per_process_memory_fraction was given; None on the CPU
+    pretend_t4: bool = False
+
+    def room_for(self, input_bytes: int) -> int | None:
+        """Bytes left for one step's peak (above its inputs) once ``input_bytes`` are resident."""
+        if self.usable_bytes is None:
+            return None
+        return self.usable_bytes - input_bytes if self.device_kind == "cuda" else self.usable_bytes
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The byte budget ``peak_memory`` must check: the CPU's cap (CUDA enforces its own)."""
+        return self.usable_bytes if self.device_kind == "cpu" else None
+
+    def describe(self) -> str:
+        if self.usable_bytes is None:
+            return "no memory cap"
+        if self.device_kind == "cpu":
+            return (
+                f"simulated cap: a step whose measured peak is over {self.usable_bytes / 1e6:,.1f} MB "
+                "counts as out of memory"
+            )
+        raises = "past it an allocation raises torch.OutOfMemoryError"
+        if self.pretend_t4:
+            return (
+                f"pretending to be a T4: allocator capped at {self.usable_bytes / 1e9:.2f} GB "
+                f"({self.usable_bytes / T4_MEMORY_BYTES:.0%} of a T4's {T4_MEMORY_BYTES / 1e9:.2f} GB) "
+                f"on this card's {self.total_bytes / 1e9:.2f} GB; {raises}"
+            )
+        return (
+            f"allocator capped at {self.usable_bytes / 1e9:.2f} GB ({self.fraction:.0%} of this "
+            f"card's {self.total_bytes / 1e9:.2f} GB); {raises}"
+        )
+
+
+def apply_memory_cap(
+    memory_fraction: float | None,
+    *,
+    cpu_budget_bytes: int | None = None,
+    device: torch.device | str | None = None,
+) -> MemoryCap:
+    """Cap the memory this process may use, and say how much that is.
+
+    CUDA: ``torch.cuda.set_per_process_memory_fraction`` so that an allocation past the cap raises
+    a catchable ``torch.OutOfMemoryError`` (the guardrail the article added after an OOM took a
+    unified-memory machine down). The usable bytes are ``memory_fraction`` of the card as
+    ``helpers.cce.device.device_info`` sees it: on a pretend T4 (``HELPERS_PRETEND_T4=1``) of a T4's
+    memory, so a bigger GPU hits the wall a T4 reader running this same code would hit, guardrail
+    included. ``memory_fraction=None`` leaves the card (or the pretend T4) uncapped.
+
+    CPU: nothing to set; ``cpu_budget_bytes`` (or None) becomes the budget ``peak_memory`` checks.
+    """
+    device = _device(device)
+    if device.type != "cuda":
+        return MemoryCap("cpu", cpu_budget_bytes, None, None)
+    info = device_info(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    usable = min(total, int(info.total_memory_bytes * (memory_fraction if memory_fraction is not None else 1.0)))
+    fraction = usable / total
+    # Set even when it is 1.0: a notebook re-run in the same process must not keep an old cap.
+    # It takes an index: a bare torch.device("cuda") raises ("expected ... a specified index").
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return MemoryCap("cuda", usable, total, fraction, info.pretend_t4)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True when ``error``, or an exception it was raised from, is an out-of-memory error.
+
+    torch raises ``torch.OutOfMemoryError``; a MemoryError covers the CPU (and our budget); the
+    chain is searched because torch.compile and some extensions wrap what they catch.
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if isinstance(error, RuntimeError) and "out of memory" in str(error).lower():
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def release_memory(device: torch.device | str | None = None) -> None:
+    """Free what a failed or finished step left: Python cycles first, then the CUDA cache."""
+    gc.collect()
+    if _device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One step measured: ``status`` "ok" (with peak and latency) or "oom" (with the error)."""
+
+    status: str
+    peak_bytes: int | None = None
+    latency: LatencyStats | None = None
+    error: str = ""
+
+
+def measure(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    device: torch.device | str | None = None,
+    budget_bytes: int | None = None,
+) -> Measurement:
+    """Warm ``fn`` up, measure its peak memory (one call), then its latency (``repeats`` calls).
+
+    Warm-up comes first so that one-time costs (compilation, cuBLAS workspaces, autotuning) are
+    neither in the peak nor in the times. An out-of-memory error at any stage (a real one, or the
+    CPU budget) is returned as ``status="oom"`` after the memory is released; any other error
+    propagates.
+    """
+    device = _device(device)
+    try:
+        for _ in range(warmup):
+            fn()
+        _, peak = peak_memory(fn, device=device, budget_bytes=budget_bytes)
+        stats = latency(fn, warmup=0, repeats=repeats, device=device)
+        result = Measurement("ok", peak, stats)
+    except Exception as error:  # noqa: BLE001  (only OOMs are caught; see the re-raise)
+        if not is_out_of_memory(error):
+            raise
+        result = Measurement("oom", error=f"{type(error).__name__}: {_first_line(error)}")
+    # Outside the except block: the exception and its traceback (whose frames hold the step's
+    # tensors) are gone, so this really frees them.
+    release_memory(device)
+    return result
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:300]
+
+
+__all__ = [
+    "LatencyStats",
+    "Measurement",
+    "MemoryBudgetExceeded",
+    "MemoryCap",
+    "apply_memory_cap",
+    "is_out_of_memory",
+    "latency",
+    "measure",
+    "peak_memory",
+    "release_memory",
+]

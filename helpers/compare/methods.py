@@ -1,0 +1,501 @@
+"""The one registry of loss methods: ours, the peers, and the baselines they are measured against.
+
+Every method has one signature,
+
+    method(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None) -> loss
+
+with E (N, D), C (V, D), x (N,), and the semantics of ``helpers.spec`` (exactly
+``F.cross_entropy`` on the soft-capped fp32 logits). Autograd through the result gives dE and dC.
+
+A method that cannot run on the device at hand says why, in a sentence, through
+``method.why_unavailable(device, dtype, softcap=...)``; calling it anyway raises
+``MethodUnavailable`` with that sentence. Nothing is skipped or swapped silently.
+
+Presets are methods too: a registered method with other options (``ours_nofilter``: our loss with
+the filter off; ``exact``: the naive loss on inputs upcast to fp32, the convergence A/B's
+yardstick). They say whose preset they are (``preset_of``); ``primary_methods`` leaves them out
+of the comparisons that would only repeat their parent (the gate, the sweep, the benchmark).
+
+Where a peer's own convention differs from torch's, its adapter maps it and says so in ``notes``
+(Liger returns 0 for a mean over zero kept tokens; torch, and so every method here, returns NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from helpers.cce import linear_cross_entropy, triton_reason, why_unavailable
+from helpers.spec import REDUCTIONS, reference_logits, validate_inputs
+
+
+class MethodUnavailable(RuntimeError):
+    """Raised when a method is called where it cannot run; the message says why."""
+
+
+Reason = str | None  # None: the method can run; otherwise a sentence saying why not
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    label: str  # short, for tables and legends
+    summary: str  # one sentence: what it is and how it saves (or spends) memory
+    implementation: Callable[..., torch.Tensor]
+    availability: Callable[[torch.device, torch.dtype, float | None], Reason]
+    kind: str = "baseline"  # "ours", "peer" (another project's kernel) or "baseline"
+    notes: str = ""
+    preset_of: str | None = None  # the method this one is a preset of (other options, same code)
+    counts_skips: bool = False  # takes stats=, which its backward fills with the tiles it skipped
+
+    def why_unavailable(
+        self, device: torch.device | str, dtype: torch.dtype, softcap: float | None = None
+    ) -> Reason:
+        return self.availability(torch.device(device), dtype, softcap)
+
+    def __call__(
+        self,
+        E: torch.Tensor,
+        C: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        softcap: float | None = None,
+        stats: dict | None = None,
+    ) -> torch.Tensor:
+        """The loss; ``stats``, for a method that ``counts_skips``, is filled by its backward with
+        what its gradient filter skipped (other methods leave it empty)."""
+        validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+        reason = self.why_unavailable(E.device, E.dtype, softcap)
+        if reason:
+            raise MethodUnavailable(f"{self.name}: {reason}")
+        extra = {"stats": stats} if self.counts_skips else {}
+        return self.implementation(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, **extra)
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    if method.name in METHODS:
+        raise ValueError(f"a method named {method.name!r} is already registered")
+    METHODS[method.name] = method
+    return method
+
+
+def get_method(name: str) -> Method:
+    if name not in METHODS:
+        raise KeyError(f"no method {name!r}; registered: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def primary_methods() -> list[str]:
+    """Every registered method but the presets: what the gate, the sweep and the benchmark compare."""
+    return [n for n, m in METHODS.items() if m.preset_of is None]
+
+
+def availability(
+    device: torch.device | str, dtype: torch.dtype, names: list[str] | None = None
+) -> dict[str, Reason]:
+    """{method name: None if it runs here, else why not} for each named method (default: the
+    primary ones)."""
+    return {n: get_method(n).why_unavailable(device, dtype) for n in (names or primary_methods())}
+
+
+def available_methods(device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    return [n for n, reason in availability(device, dtype).items() if reason is None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Availability rules shared by several methods
+# ---------------------------------------------------------------------------------------------
+
+
+def _all_ignored_mean_is_nan(loss: torch.Tensor, x: torch.Tensor, ignore_index: int, reduction: str):
+    """torch's convention for a mean over zero kept tokens (0/0 = NaN), gradients left untouched."""
+    if reduction == "mean" and not bool((x != ignore_index).any()):
+        return loss + torch.full_like(loss, float("nan")).detach()
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# naive: the article's original trainer. Materialises the N×V logits, then an fp32 copy of them.
+# ---------------------------------------------------------------------------------------------
+
+
+def naive_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    # (N, V) logits in the input dtype, then (N, V) in fp32: two full copies alive at once, plus
+    # the (N, V) softmax gradient in backward. This is the 9.96 GB tensor of the introduction.
+    z = (E @ C.T).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z, x.long(), ignore_index=ignore_index, reduction=reduction)
+
+
+register(
+    Method(
+        name="naive",
+        label="naive",
+        summary="E @ C.T in the input dtype, upcast to fp32, F.cross_entropy: the article's trainer; "
+        "holds the N×V logits twice.",
+        implementation=naive_loss,
+        availability=lambda device, dtype, softcap: None,
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch_compile: the same code under torch.compile (Inductor fuses the softmax, keeps the logits).
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _compiled_per_token_loss():
+    # Past its recompile limit dynamo silently runs the function eagerly: a benchmark of
+    # "torch.compile" would then measure the naive path. Raise the limit and make hitting it an
+    # error instead of a fallback.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    # The compiled graph is the per-token loss, with dynamic shapes from the first call: one graph
+    # per dtype and soft cap, not one per shape and reduction (compiles cost seconds each). The
+    # N×V logits live inside it exactly as in the naive loss; the reduction after it is O(N).
+    return torch.compile(functools.partial(naive_loss, reduction="none"), dynamic=True)
+
+
+def torch_compile_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    per_token = _compiled_per_token_loss()(E, C, x, ignore_index=ignore_index, softcap=softcap)
+    if reduction == "none":
+        return per_token
+    total = per_token.sum()
+    return total if reduction == "sum" else total / (x != ignore_index).sum()
+
+
+def _compile_reason(device, dtype, softcap) -> Reason:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (7, 0):
+        return "torch.compile's Triton backend needs a GPU of compute capability 7.0 or newer"
+    return None
+
+
+register(
+    Method(
+        name="torch_compile",
+        label="torch.compile",
+        summary="the naive loss under torch.compile: one fused pass, but the N×V logits still exist.",
+        implementation=torch_compile_loss,
+        availability=_compile_reason,
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked: pure PyTorch, no dependency. Only a (chunk, V) block of logits ever exists.
+# ---------------------------------------------------------------------------------------------
+
+# Bytes of fp32 logits one chunk may hold. 256 MiB keeps each matmul large enough to run near peak
+# on a GPU while staying a small fraction of a 16 GB card.
+CHUNK_BYTES = 256 * 1024**2
+
+
+def chunk_rows(V: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Rows of E per chunk so that one (rows, V) fp32 logit block fits in ``chunk_bytes``."""
+    return max(1, chunk_bytes // (4 * V))
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Forward keeps only lse (N,); backward recomputes each (chunk, V) logit block.
+
+    Per chunk of rows i:  z = cap(E_i C^T),  lse_i = logsumexp(z),  loss_i = lse_i - z[x_i].
+    Backward:  G = (softmax(z) - onehot(x)) * w_i * cap'(z),  dE_i = G C,  dC += G^T E_i,
+    where w_i is the upstream gradient of token i (0 where x_i is ignored).
+    """
+
+    @staticmethod
+    def forward(ctx, E, C, x, ignore_index, softcap, rows):
+        N = E.shape[0]
+        lse = torch.empty(N, dtype=torch.float32, device=E.device)
+        target_logit = torch.empty(N, dtype=torch.float32, device=E.device)
+        kept = x != ignore_index
+        safe_x = torch.where(kept, x, 0).long()
+        for start in range(0, N, rows):
+            i = slice(start, start + rows)
+            z = reference_logits(E[i], C, softcap, torch.float32)  # (rows, V)
+            lse[i] = torch.logsumexp(z, dim=1)
+            target_logit[i] = z.gather(1, safe_x[i, None]).squeeze(1)
+        ctx.save_for_backward(E, C, safe_x, kept, lse)
+        ctx.softcap, ctx.rows = softcap, rows
+        return torch.where(kept, lse - target_logit, 0.0)  # (N,) per-token loss, 0 where ignored
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        E, C, safe_x, kept, lse = ctx.saved_tensors
+        softcap, rows = ctx.softcap, ctx.rows
+        w = torch.where(kept, grad_loss.float(), 0.0)  # (N,)
+        dE = torch.empty_like(E)
+        dC = torch.zeros(C.shape, dtype=torch.float32, device=C.device)
+        C32 = C.float()
+        for start in range(0, E.shape[0], rows):
+            i = slice(start, start + rows)
+            E32 = E[i].float()
+            raw = E32 @ C32.T  # (rows, V)
+            z = softcap * torch.tanh(raw / softcap) if softcap is not None else raw
+            G = torch.exp(z - lse[i, None])  # softmax, (rows, V)
+            G.scatter_add_(1, safe_x[i, None], torch.full_like(lse[i, None], -1.0))
+            G *= w[i, None]
+            if softcap is not None:
+                # d/draw [s tanh(raw/s)] = 1 - tanh^2 = 1 - (z/s)^2
+                G *= 1 - (z / softcap) ** 2
+            del z, raw
+            dE[i] = (G @ C32).to(E.dtype)
+            dC.addmm_(G.T, E32)
+            del G  # else it lives until the next chunk's G is assigned: one more (rows, V) block
+        return dE, dC.to(C.dtype), None, None, None, None
+
+
+def chunked_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None, rows=None):
+    per_token = ChunkedLinearCrossEntropy.apply(
+        E, C, x, ignore_index, softcap, rows or chunk_rows(C.shape[0])
+    )
+    if reduction == "none":
+        return per_token
+    total = per_token.sum()
+    if reduction == "sum":
+        return total
+    return total / (x != ignore_index).sum()  # 0/0 = NaN when every token is ignored, as torch
+
+
+register(
+    Method(
+        name="chunked",
+        label="chunked (PyTorch)",
+        summary="pure PyTorch over row chunks; forward keeps only the per-row LSE, backward "
+        "recomputes each chunk: memory is one (chunk, V) fp32 block plus dE and dC.",
+        implementation=chunked_loss,
+        availability=lambda device, dtype, softcap: None,
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# liger: Liger-Kernel's fused linear cross-entropy (gradients computed during the forward pass).
+# ---------------------------------------------------------------------------------------------
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def liger_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    loss = liger_fused_linear_cross_entropy(
+        E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap
+    )
+    return _all_ignored_mean_is_nan(loss, x, ignore_index, reduction)
+
+
+def _liger_reason(device, dtype, softcap) -> Reason:
+    if not _installed("liger_kernel"):
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    reason = triton_reason(device, dtype)
+    if reason:
+        return reason
+    if device.type == "cpu" and softcap is not None:
+        return "Liger's softcap path fails under the Triton interpreter (it calls .to() on a Python float)"
+    return None
+
+
+register(
+    Method(
+        name="liger",
+        kind="peer",
+        label="Liger",
+        summary="Liger-Kernel's fused linear cross-entropy: chunks over rows and computes dE, dC "
+        "during the forward pass, so backward only scales them.",
+        implementation=liger_loss,
+        availability=_liger_reason,
+        notes="Liger returns 0 for a mean over zero kept tokens; the adapter returns NaN as torch does. "
+        "Liger 0.8.5 computes no dC when E does not require a gradient (a head trained on frozen "
+        "features does not train); notebook 03 shows it.",
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# apple_cce: Apple's Cut Cross-Entropy (the cut-cross-entropy package).
+# ---------------------------------------------------------------------------------------------
+
+# Shared memory its backward kernel asks for with 128×128×32 tiles (98,304 B for fp16 with Triton
+# 3.4-3.9, compiled for sm_75). tests/test_cce_configs.py re-derives the figure by compiling it.
+APPLE_CCE_BACKWARD_SHARED_BYTES = {torch.float16: 98_304, torch.bfloat16: 98_304}
+
+
+def apple_cce_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(
+        E, C, x.long(), ignore_index=ignore_index, softcap=softcap, reduction=reduction
+    )
+
+
+def _apple_cce_reason(device, dtype, softcap) -> Reason:
+    if not _installed("cut_cross_entropy"):
+        return "cut-cross-entropy is not installed (pip install cut-cross-entropy)"
+    if device.type != "cuda":
+        return (
+            "Apple CCE's Triton kernels need a CUDA GPU (they fail under the Triton interpreter); "
+            "this is a CPU"
+        )
+    if dtype == torch.float32:
+        return "cut-cross-entropy's backward accepts only fp16 or bf16 embeddings (it asserts so)"
+    from helpers.cce.device import device_info
+
+    info = device_info(device)
+    need = APPLE_CCE_BACKWARD_SHARED_BYTES[dtype]
+    if info.shared_memory_per_block_bytes < need:
+        return (
+            f"Apple CCE's backward kernel needs about {need // 1024} KB of shared memory per block; "
+            f"this {info.name} offers {info.shared_memory_per_block_bytes // 1024} KB"
+        )
+    if dtype == torch.bfloat16 and not info.has_bf16_matmul:
+        return f"bf16 needs an Ampere or newer GPU; this {info.name} has no bf16 tensor cores"
+    return None
+
+
+register(
+    Method(
+        name="apple_cce",
+        kind="peer",
+        label="Apple CCE",
+        summary="Apple's Cut Cross-Entropy (cut-cross-entropy package, default gradient filter): "
+        "never materialises logits; recomputes them blockwise in backward.",
+        implementation=apple_cce_loss,
+        availability=_apple_cce_reason,
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch_lce: PyTorch's own F.linear_cross_entropy with chunking (torch 2.13 and newer).
+# ---------------------------------------------------------------------------------------------
+
+
+def torch_lce_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    # torch falls back to the unchunked reference path, with only a warning, for configurations its
+    # chunked path does not support; that would be a silent swap, so it is turned into an error.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return F.linear_cross_entropy(
+            E,
+            C,
+            x.long(),
+            reduction=reduction,
+            ignore_index=ignore_index,
+            options=torch.nn.LinearCrossEntropyOptions(),
+        )
+
+
+def _torch_lce_reason(device, dtype, softcap) -> Reason:
+    if not hasattr(F, "linear_cross_entropy"):
+        return f"needs PyTorch 2.13 or newer for F.linear_cross_entropy; this is {torch.__version__}"
+    if softcap is not None:
+        return "F.linear_cross_entropy has no soft cap"
+    return None
+
+
+register(
+    Method(
+        name="torch_lce",
+        kind="peer",
+        label="torch LCE",
+        summary="PyTorch's F.linear_cross_entropy with LinearCrossEntropyOptions() (chunked path).",
+        implementation=torch_lce_loss,
+        availability=_torch_lce_reason,
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# ours: this package's Triton Cut Cross-Entropy (helpers.cce), and its preset with the filter off.
+# ---------------------------------------------------------------------------------------------
+
+
+def _ours(**options) -> Callable[..., torch.Tensor]:
+    def loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None, stats=None):
+        return linear_cross_entropy(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+                                    stats=stats, **options)
+
+    return loss
+
+
+def _ours_reason(device, dtype, softcap) -> Reason:
+    return why_unavailable(device, dtype, softcap)
+
+
+register(
+    Method(
+        name="ours",
+        label="ours (Triton CCE)",
+        summary="this package's Cut Cross-Entropy in Triton: logits rebuilt tile by tile on chip, "
+        "gradient filter from the dtype, gradients accumulated in fp32.",
+        implementation=_ours(),
+        availability=_ours_reason,
+        kind="ours",
+        counts_skips=True,
+    )
+)
+register(
+    Method(
+        name="ours_nofilter",
+        label="ours (filter off)",
+        summary="ours with the gradient filter off (filter_eps=None): every tile's gradient is kept.",
+        implementation=_ours(filter_eps=None),
+        availability=_ours_reason,
+        kind="ours",
+        preset_of="ours",
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# exact: the convergence A/B's yardstick, naive on inputs upcast to fp32.
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    # Every arm gets the same low-precision E and C; this one upcasts them and computes fp32 logits,
+    # so only the arithmetic differs. (naive multiplies in the input dtype.)
+    return naive_loss(E.float(), C.float(), x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+
+
+register(
+    Method(
+        name="exact",
+        label="exact (fp32 logits)",
+        summary="E and C upcast to fp32, logits materialised, F.cross_entropy: the yardstick of training A/Bs.",
+        implementation=exact_loss,
+        availability=lambda device, dtype, softcap: None,
+        preset_of="naive",
+    )
+)
+
+
+__all__ = [
+    "Method",
+    "MethodUnavailable",
+    "METHODS",
+    "REDUCTIONS",
+    "register",
+    "get_method",
+    "primary_methods",
+    "availability",
+    "available_methods",
+    "chunk_rows",
+]

@@ -1,0 +1,40 @@
+"""The units every comparison reports in, one definition each.
+
+Memory is in GB = 10^9 bytes (the seed article's unit, and what vendors print on the box); the
+lower bound (LB) of any method is the bytes of the two gradients it must return, dE (N, D) and
+dC (V, D) in the input dtype. A dtype may be given as a torch.dtype or by its name ("bfloat16").
+"""
+
+from __future__ import annotations
+
+import torch
+
+GB = 1e9
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """"bfloat16" for torch.bfloat16 (or for "bfloat16")."""
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    return torch_dtype(dtype).itemsize
+
+
+def lower_bound_bytes(N: int, V: int, D: int, dtype: torch.dtype | str) -> int:
+    """dE (N, D) and dC (V, D) in the input dtype: what any method must hand back."""
+    return (N * D + V * D) * dtype_bytes(dtype)
+
+
+__all__ = ["GB", "DTYPES", "torch_dtype", "dtype_name", "dtype_bytes", "lower_bound_bytes"]

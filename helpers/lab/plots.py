@@ -1,0 +1,236 @@
+"""The suite's figures: one function per figure, each taking what a notebook measured and returning
+the matplotlib Figure (the memory sweep's saves itself as PNG; the notebook saves the others).
+
+Shared conventions, so that a method looks the same in every notebook: ``method_colors`` gives each
+registered method one colour for good; token counts go on a log2 axis labelled with the counts
+themselves (``token_axis``); memory is in GB = 10^9 bytes (the seed article's unit).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocator
+
+from helpers.compare.methods import METHODS
+from helpers.compare.units import GB
+from helpers.lab.training import TrainRun
+
+
+def method_colors() -> dict[str, tuple]:
+    """One colour per registered method, in registration order (stable across notebooks)."""
+    palette = plt.get_cmap("tab10").colors
+    return {name: palette[i % len(palette)] for i, name in enumerate(METHODS)}
+
+
+def method_markers() -> dict[str, str]:
+    """One marker per registered method, so that lines lying on top of each other stay visible."""
+    shapes = "os^Dv<>P*h"
+    return {name: shapes[i % len(shapes)] for i, name in enumerate(METHODS)}
+
+
+def method_label(name: str) -> str:
+    return METHODS[name].label if name in METHODS else name
+
+
+def token_axis(ax, Ns: list[int]) -> None:
+    """Log2 x axis with a tick at each N measured, labelled 1,024 / 16k style."""
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(sorted(set(Ns))))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"{n // 1024}k" if n >= 8192 else f"{n:,}" for n in sorted(set(Ns))])
+    ax.set_xlabel("tokens N")
+
+
+def plot_memory_sweep(
+    records: list[dict],
+    *,
+    path: str | Path,
+    title: str,
+    room_bytes: dict[int, int] | None = None,
+    micro_batch_N: int | None = None,
+    latency_caveat: str = "",
+    unit: tuple[str, float] = ("GB", GB),
+) -> plt.Figure:
+    """Peak memory against N (left) and forward+backward time against N (right).
+
+    Left: measured points as solid lines, the theory for each method as a thin dashed line of the
+    same colour (drawn past the wall too, to show where it would have gone), out-of-memory points
+    as crosses on the usable-memory line, the floor dE + dC in grey, the usable memory dashed and
+    the article's micro-batch dotted. Right: median time with the p10-p90 range.
+
+    room_bytes: {N: bytes a step may use at N}, the cap minus the inputs resident at that N (None:
+    no cap). It is the line a point must stay under. unit: (name, bytes), e.g. ("GB", 1e9).
+    """
+    unit_name, scale = unit
+    colors, markers = method_colors(), method_markers()
+    Ns = sorted({r["N"] for r in records})
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(14, 5.6))
+    ooms_at: dict[int, int] = {}  # N -> OOM crosses drawn there so far, to fan them out
+
+    for method in methods:
+        rows = sorted((r for r in records if r["method"] == method), key=lambda r: r["N"])
+        color, marker, label = colors.get(method, "black"), markers.get(method, "o"), method_label(method)
+        ok = [r for r in rows if r["status"] == "ok"]
+        ax_mem.plot([r["N"] for r in ok], [r["peak_bytes"] / scale for r in ok], marker + "-", color=color, lw=2,
+                    ms=6, label=label)
+        theory = [r for r in rows if r["theory_bytes"] is not None]
+        ax_mem.plot([r["N"] for r in theory], [r["theory_bytes"] / scale for r in theory], "--", color=color,
+                    lw=1, alpha=0.7)
+        for r in (r for r in rows if r["status"] == "oom"):
+            y = ((room_bytes or {}).get(r["N"]) or r["theory_bytes"] or r["lower_bound_bytes"]) / scale
+            k = ooms_at[r["N"]] = ooms_at.get(r["N"], -1) + 1
+            x = r["N"] * 2 ** (-0.12 * k)  # several methods out of memory at one N: side by side
+            ax_mem.plot(x, y, "X", color=color, ms=13, mec="black", zorder=5)
+            ax_mem.annotate(f"{label}: OOM", (x, y), textcoords="offset points", xytext=(-8, 10 + 11 * k),
+                            ha="right", fontsize=8, color=color)
+        if ok:
+            ax_time.errorbar(
+                [r["N"] for r in ok],
+                [r["median_ms"] for r in ok],
+                yerr=[[r["median_ms"] - r["p10_ms"] for r in ok], [r["p90_ms"] - r["median_ms"] for r in ok]],
+                fmt=marker + "-", color=color, lw=2, ms=6, capsize=3, label=label,
+            )
+
+    floor = sorted({(r["N"], r["lower_bound_bytes"]) for r in records})
+    ax_mem.plot([n for n, _ in floor], [b / scale for _, b in floor], "-.", color="grey", lw=1,
+                label="floor: dE + dC")
+    ax_mem.plot([], [], "--", color="grey", lw=1, label="theory (same colour as measured)")
+    if room_bytes:
+        room = sorted(room_bytes.items())
+        ax_mem.plot([n for n, _ in room], [b / scale for _, b in room], "--", color="black", lw=1.2,
+                    label=f"usable memory (cap minus inputs): {room[0][1] / scale:.2f} {unit_name}")
+    for ax in (ax_mem, ax_time):
+        if micro_batch_N is not None and Ns and Ns[0] <= micro_batch_N <= Ns[-1]:
+            ax.axvline(micro_batch_N, ls=":", color="dimgrey", lw=1.5,
+                       label=f"article's micro-batch (N={micro_batch_N:,})" if ax is ax_mem else None)
+        token_axis(ax, Ns)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 1-2-5: labels on narrow ranges too
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.grid(True, which="major", alpha=0.3)
+    ax_mem.set_ylabel(f"peak memory above the inputs, {unit_name} (log)")
+    ax_mem.set_title("loss forward + backward: peak memory")
+    ax_time.set_ylabel("forward + backward, ms (log)")
+    ax_time.set_title("forward + backward time: median, p10-p90" + (f"\n{latency_caveat}" if latency_caveat else ""),
+                      fontsize=10)
+    # One legend for both panels, below them: inside, it would hide the lines it explains.
+    handles, labels = ax_mem.get_legend_handles_labels()
+    fig.suptitle(title)
+    fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize=8, frameon=False)
+    rows_of_legend = -(-len(labels) // 5)
+    fig.tight_layout(rect=(0, 0.045 * rows_of_legend + 0.02, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return fig
+
+
+__all__ = ["method_colors", "method_label", "method_markers", "plot_memory_sweep", "token_axis"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Notebook 03: the convergence A/B
+# ---------------------------------------------------------------------------------------------
+
+
+def plot_rank_frequency(counts, vocab_size: int):
+    """Training count of every type by rank, log-log: the long tail the pretraining A/B is about.
+    ``counts`` holds every distinct training type's count; the vocabulary keeps the first
+    ``vocab_size - 1`` ranks."""
+    counts = np.sort(np.asarray(counts))[::-1]
+    rank = np.arange(1, counts.size + 1)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.loglog(rank, counts, lw=1.5)
+    ax.axvline(vocab_size - 1, color="red", lw=1, label=f"vocabulary cap ({vocab_size:,} ids with <unk>)")
+    ax.set(xlabel="rank of the type", ylabel="occurrences in the training split",
+           title="The corpus's long tail (Zipf)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_finetune_ab(runs: dict[str, TrainRun], labels: dict[str, str], tolerance: float, baseline: str = "exact"):
+    """Left: every arm's training loss per step, overlaid. Right: its relative difference from the
+    baseline at each step, with the tolerance the verdict uses."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    reference = np.asarray(runs[baseline].train_loss)
+    steps = np.arange(1, reference.size + 1)
+    for i, (name, run) in enumerate(runs.items()):
+        loss = np.asarray(run.train_loss)
+        style = dict(lw=2.5, color="black") if name == baseline else dict(lw=1.2, ls=("--", ":", "-.")[i % 3])
+        left.plot(steps, loss, label=labels.get(name, name), **style)
+        if name != baseline:
+            right.plot(steps, np.abs(loss - reference) / np.abs(reference), label=labels.get(name, name), **style)
+    right.axhline(tolerance, color="red", lw=1, label=f"tolerance {tolerance:g}")
+    right.set_yscale("symlog", linthresh=1e-8)
+    left.set(xlabel="step", ylabel="training loss (nats)", title="Fine-tuning: loss per step")
+    right.set(xlabel="step", ylabel="|loss − exact| / exact", title="Fine-tuning: drift from exact")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_pretrain_curves(runs: dict[str, list[TrainRun]], labels: dict[str, str], baseline: str = "exact"):
+    """Left: validation loss per arm, mean over seeds with a min-max band. Right: each arm minus
+    the baseline, paired by seed (mean and min-max band), against the baseline's own seed spread."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    base = np.array([r.val_loss for r in runs[baseline]])  # (seeds, evals)
+    for i, (name, arm_runs) in enumerate(runs.items()):
+        steps = np.asarray(arm_runs[0].eval_steps)
+        val = np.array([r.val_loss for r in arm_runs])
+        # distinct dashes: arms that agree draw on top of each other and must stay visible
+        line = left.plot(steps, val.mean(0), ls=("-", "--", ":", "-.")[i % 4],
+                         label=f"{labels.get(name, name)} ({len(arm_runs)} seeds)")[0]
+        left.fill_between(steps, val.min(0), val.max(0), color=line.get_color(), alpha=0.2)
+        if name == baseline:
+            spread = val.std(0, ddof=1) if len(arm_runs) > 1 else np.zeros_like(steps, dtype=float)
+            right.fill_between(steps, -2 * spread, 2 * spread, color="grey", alpha=0.25, label="±2 seed std of exact")
+        else:
+            diff = val - base
+            right.plot(steps, diff.mean(0), color=line.get_color(), label=labels.get(name, name))
+            right.fill_between(steps, diff.min(0), diff.max(0), color=line.get_color(), alpha=0.2)
+    right.axhline(0, color="black", lw=0.8)
+    left.set(xlabel="step", ylabel="validation loss (nats, exact fp32)", title="Pretraining: validation loss")
+    right.set(xlabel="step", ylabel="Δ validation loss vs exact (nats)", title="Pretraining: difference, paired by seed")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_rare_token_diagnostic(diagnostic: dict, bin_labels: list[str], labels: dict[str, str]):
+    """Per training-frequency bin, for each arm (mean over seeds, min-max bars): validation loss,
+    drift of the classifier rows from their initialisation, and the fraction of steps on which
+    those rows received any gradient. ``diagnostic[arm][quantity]`` is (seeds, bins)."""
+    panels = [
+        ("val_loss", "validation loss (nats)"),
+        ("row_drift", "‖C_v − C_v(init)‖, mean over the bin"),
+        ("grad_step_fraction", "steps with a nonzero dC row"),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    x = np.arange(len(bin_labels))
+    width = 0.8 / max(1, len(diagnostic))
+    for i, (name, quantities) in enumerate(diagnostic.items()):
+        for ax, (key, ylabel) in zip(axes, panels):
+            values = np.array(quantities[key], dtype=float)  # (seeds, bins)
+            mean = values.mean(0)
+            err = np.stack([mean - values.min(0), values.max(0) - mean])
+            ax.bar(x + (i - (len(diagnostic) - 1) / 2) * width, mean, width, yerr=err, capsize=2,
+                   label=labels.get(name, name))
+            ax.set(ylabel=ylabel)
+    for ax in axes:
+        ax.set_xticks(x, bin_labels, rotation=20)
+        ax.set_xlabel("times the token occurs in the training split")
+    axes[0].set_title("Loss on validation tokens, by frequency")
+    axes[1].set_title("How far each classifier row moved")
+    axes[2].set_title("How often each row got a gradient")
+    axes[2].set_ylim(0, 1.05)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,196 @@
+"""The one table of run profiles every notebook reads its sizes from.
+
+A notebook takes a single parameter, ``profile`` ("auto" by default, so Kaggle's "Run all" gets the
+full run for the GPU it finds), and reads its own section of the chosen profile:
+
+    P = get_profile(profile)
+    P.section("02_memory_sweep")["N"]
+
+What the hardware is (and the pretend T4) is ``helpers.cce.device``'s business; "auto" asks it.
+
+The runner (``python -m helpers run``) passes the same name to every notebook, so one word decides
+the whole suite's sizes. Sections are plain dicts so that each notebook owns its own keys.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from helpers.cce.device import device_info, pretending_t4
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A named run size. ``sections`` maps a notebook's key to that notebook's settings."""
+
+    name: str
+    description: str
+    device: str  # "cpu" or "cuda"
+    dtypes: tuple[str, ...]  # the dtypes the suite exercises under this profile
+    sections: dict[str, dict] = field(default_factory=dict)
+
+    def section(self, key: str) -> dict:
+        if key not in self.sections:
+            raise KeyError(f"profile {self.name!r} has no section {key!r}; it has {list(self.sections)}")
+        return self.sections[key]
+
+    @property
+    def torch_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(getattr(torch, d) for d in self.dtypes)
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The device the profile runs on; a GPU profile where torch sees none is refused here."""
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"profile {self.name!r} needs a CUDA GPU and none was found; use profile='cpu'")
+        return torch.device(self.device)
+
+
+# Gate shapes: N, V, D deliberately not multiples of any block size (odd, prime-ish), one case with
+# a tall vocabulary so several vocabulary blocks are merged, one with N smaller than a block.
+# The interpreter runs Triton programs one by one in numpy, so CPU shapes stay tiny.
+_GATE_SMALL = [(37, 257, 24), (53, 1031, 40), (5, 2053, 24)]
+_GATE_GPU = [(257, 5003, 136), (2048, 151936, 1024)]  # the second: the Qwen3 head, 2,048 tokens
+
+# The memory sweep's quick gate on a GPU (the full gate is notebook 01's).
+_SWEEP_GATE_GPU = [(257, 5003, 136), (1031, 32011, 520)]
+
+# Notebook 03 on a GPU, T4 or bigger: the same sizes, only the dtype and its tolerance differ.
+_CONVERGENCE_GPU_SIZES = {
+    "finetune": {
+        "methods": ["exact", "ours", "ours_nofilter", "liger", "apple_cce", "chunked"],
+        "task": {"V": 32768, "D": 256, "d_features": 256, "rows": 16384, "batch": 4096},
+        "train": {"steps": 300, "lr": 3e-3, "seed": 0},
+    },
+    "pretrain": {
+        "methods": ["exact", "ours", "ours_nofilter", "apple_cce"],
+        "corpus": {"vocab_size": 32768, "max_files": None},
+        "task": {"D": 256, "context": 8, "d_embed": 64, "d_hidden": 1024, "batch": 4096, "curve_tokens": 32768},
+        "train": {"steps": 1000, "warmup": 50, "lr": 2e-3, "eval_every": 50},
+        "seeds": [0, 1, 2],
+    },
+}
+
+PROFILES: dict[str, Profile] = {
+    "cpu": Profile(
+        name="cpu",
+        description="CPU smoke run: tiny shapes, Triton kernels under the interpreter, fp32 and fp16",
+        device="cpu",
+        dtypes=("float32", "float16"),  # the Triton interpreter computes bf16 wrongly
+        sections={
+            # Memory sweep smoke run: the Triton kernels (Liger, ours) run under the interpreter at
+            # about a second per call even here, so a tiny head, four token counts, no warm-up (the
+            # gate has compiled torch.compile's graph) and one timed call; a simulated 0.3 MB card
+            # puts the OOM wall inside the sweep (naive and chunked at N = 128).
+            "02_memory_sweep": {
+                "dtype": "float32", "V": 257, "D": 32, "N": [16, 32, 64, 128],
+                "warmup": 0, "repeats": 1, "gate_shapes": [(37, 257, 24), (53, 509, 40)],
+                "cpu_budget_bytes": 300_000, "seed": 0,
+            },
+            # (N, V, D) shapes: "shape" for the kernel checks (deliberately ragged), "sparse" for
+            # the filter and sorting, "curve" for the sparsity curve (plain torch, no kernel).
+            "04_kernel_walkthrough": {
+                "dtype": "float32", "low_precision": "float16",
+                "shape": (61, 1000, 40), "sparse": (32, 8192, 32), "curve": (256, 32768, 64),
+                "BLOCK_N": 16, "BLOCK_V": 64, "kahan_terms": 2048, "seed": 0,
+            },
+            "01_correctness": {"shapes": _GATE_SMALL, "seed": 0},
+            "03_convergence": {
+                # Smoke run: under the Triton interpreter a step of ours takes ~0.4 s even at V = 256.
+                "compute_dtype": "float32", "tolerance": 1e-4,
+                "finetune": {
+                    "methods": ["exact", "ours", "ours_nofilter", "liger", "apple_cce", "chunked"],
+                    "task": {"V": 256, "D": 16, "d_features": 16, "rows": 512, "batch": 16},
+                    "train": {"steps": 12, "lr": 1e-2, "seed": 0},
+                },
+                "pretrain": {
+                    "methods": ["exact", "ours", "ours_nofilter", "apple_cce"],
+                    "corpus": {"vocab_size": 256, "max_files": 60},
+                    "task": {"D": 16, "context": 4, "d_embed": 16, "d_hidden": 64, "batch": 32, "curve_tokens": 2048},
+                    "train": {"steps": 8, "warmup": 2, "lr": 3e-3, "eval_every": 2},
+                    "seeds": [0, 1],
+                },
+            },
+        },
+    ),
+    "t4": Profile(
+        name="t4",
+        description="Turing-class GPU (T4, 16 GB, sm_75): fp16 and fp32, no bf16 tensor cores",
+        device="cuda",
+        dtypes=("float32", "float16"),
+        sections={
+            # The seed article's sweep: the Qwen3-0.6B head in fp16 at its six token counts.
+            "02_memory_sweep": {
+                "dtype": "float16", "V": 151_936, "D": 1_024,
+                "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768],
+                "warmup": 1, "repeats": 5, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0,
+            },
+            "04_kernel_walkthrough": {
+                "dtype": "float16", "low_precision": "float16",
+                "shape": (1031, 32011, 120), "sparse": (2048, 32768, 128), "curve": (512, 151936, 64),
+                "BLOCK_N": 32, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
+            },
+            "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
+            # Sized for ~10 minutes on a T4; the gpu profile runs the same sizes in bf16.
+            "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "float16", "tolerance": 1e-2},
+        },
+    ),
+    "gpu": Profile(
+        name="gpu",
+        description="Ampere or newer GPU: bf16, fp16 and fp32 at full sizes",
+        device="cuda",
+        dtypes=("float32", "float16", "bfloat16"),
+        sections={
+            # The article's sweep carried on to 131,072 tokens (sizes that cannot fit are dropped).
+            "02_memory_sweep": {
+                "dtype": "bfloat16", "V": 151_936, "D": 1_024,
+                "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 131_072],
+                "warmup": 2, "repeats": 7, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0,
+            },
+            "04_kernel_walkthrough": {
+                "dtype": "bfloat16", "low_precision": "bfloat16",
+                "shape": (1031, 32011, 120), "sparse": (2048, 65536, 128), "curve": (512, 151936, 64),
+                "BLOCK_N": 64, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
+            },
+            "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
+            "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "bfloat16", "tolerance": 2e-2},
+        },
+    ),
+}
+
+
+def _in_fp16(cpu: Profile) -> Profile:
+    """The CPU smoke sizes in the T4's dtype: every notebook's fp16 path under the interpreter."""
+    sections = copy.deepcopy(cpu.sections)
+    sections["02_memory_sweep"]["dtype"] = "float16"
+    sections["03_convergence"].update(compute_dtype="float16", tolerance=1e-2)
+    sections["04_kernel_walkthrough"]["dtype"] = "float16"
+    return replace(
+        cpu, name="cpu-t4", dtypes=("float16",), sections=sections,
+        description="CPU smoke run of the T4's path: the cpu sizes in fp16, Turing-tier kernel configurations "
+        "under the interpreter",
+    )
+
+
+PROFILES["cpu-t4"] = _in_fp16(PROFILES["cpu"])
+
+
+def detect_profile_name(device: torch.device | str | None = None) -> str:
+    """The profile "auto" runs here: "gpu" on Ampere or newer, "t4" on a T4 (or a pretend one),
+    "cpu" on the CPU ("cpu-t4" under ``HELPERS_PRETEND_T4=1``)."""
+    info = device_info(device)
+    if not info.is_cuda:
+        return "cpu-t4" if pretending_t4() else "cpu"
+    return "gpu" if info.has_bf16_matmul else "t4"
+
+
+def get_profile(name: str = "auto") -> Profile:
+    """The profile called ``name``; "auto" picks the one for the hardware found."""
+    if name == "auto":
+        name = detect_profile_name()
+    if name not in PROFILES:
+        raise ValueError(f"profile must be 'auto' or one of {sorted(PROFILES)}, got {name!r}")
+    return PROFILES[name]

@@ -1,0 +1,219 @@
+"""Reusable pieces for the kernel walkthrough (notebooks/04_kernel_walkthrough.py).
+
+- ``memory_footprint``: the bytes of the logits a naive loss holds against the lower bound any
+  method must pay (the two gradients), for a classifier head of shape (N, V, D);
+- ``check`` and ``check_exercise``: the "does it match?" lines every step ends with, and the
+  "your turn" checker that says right or not yet without stopping the notebook;
+- ``block_mask`` and friends: which (BLOCK_N, BLOCK_V) tiles of the gradient the filter keeps.
+
+The specifications themselves (indexed dot, online log-sum-exp, backward) live in the notebook,
+next to their kernels; nothing here is a kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from helpers.compare.units import GB, dtype_bytes
+from helpers.spec import relative_error
+
+# ---------------------------------------------------------------------------------------------
+# Memory arithmetic
+# ---------------------------------------------------------------------------------------------
+
+# Vocabularies of real models, for the calculator's menu.
+VOCABULARIES = {
+    "GPT-2 (50,257)": 50_257,
+    "Llama-3 (128,256)": 128_256,
+    "Qwen3 (151,936)": 151_936,
+    "Gemma-2 (256,000)": 256_000,
+}
+
+
+def memory_footprint(N: int, V: int, D: int, dtype: str | torch.dtype = "float32") -> dict[str, int]:
+    """Bytes of what a linear cross-entropy over E (N, D), C (V, D) holds, by item.
+
+    - ``logits``: the (N, V) logit matrix in the input dtype, N * V * bytes;
+    - ``logits_fp32``: the same matrix upcast to fp32 for a stable softmax, N * V * 4;
+    - ``lower_bound``: dE (N, D) and dC (V, D) in the input dtype, which any method must return;
+    - ``lse``: the one number per row (fp32) that a cut method keeps between forward and backward.
+    """
+    b = dtype_bytes(dtype)
+    return {
+        "logits": N * V * b,
+        "logits_fp32": N * V * 4,
+        "lower_bound": (N + V) * D * b,
+        "lse": N * 4,
+    }
+
+
+def gigabytes(n_bytes: float) -> float:
+    """Decimal GB (1e9 bytes), the unit GPU vendors print on the box."""
+    return n_bytes / GB
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------------
+
+
+def max_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(max absolute error, relative L2 error) of ``got`` against ``want``, both in float64."""
+    got64, want64 = got.detach().double().cpu(), want.detach().double().cpu()
+    abs_err = (got64 - want64).abs().max().item() if got64.numel() else 0.0
+    return abs_err, relative_error(got64, want64)
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor, *, atol: float | None = None, rtol: float = 0.0,
+          rel_l2: float | None = None) -> dict:
+    """Compare two tensors, print one line, and return the result as a dict for the results file.
+
+    Right when every given rule holds: ``atol`` (with ``rtol``), every entry within
+    atol + rtol * |want| (torch.allclose's rule); ``rel_l2``, the relative L2 error at most that.
+    """
+    if atol is None and rel_l2 is None:
+        raise ValueError("check needs atol or rel_l2: a check with no bound cannot fail")
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        print(f"✗ {name}: expected a tensor of shape {tuple(want.shape)}, got {shape}")
+        return {"name": name, "ok": False, "max_abs_error": None, "rel_l2_error": None}
+    abs_err, rel = max_errors(got, want)
+    ok = math.isfinite(rel)
+    if atol is not None:
+        ok &= torch.allclose(got.detach().double().cpu(), want.detach().double().cpu(), atol=atol, rtol=rtol)
+    if rel_l2 is not None:
+        ok &= rel <= rel_l2
+    bounds = ", ".join(b for b in (f"atol {atol:g}" if atol is not None else "",
+                                   f"bound {rel_l2:g}" if rel_l2 is not None else "") if b)
+    print(f"{'✓' if ok else '✗'} {name}: max |error| {abs_err:.2e}, relative L2 error {rel:.2e} ({bounds})")
+    return {"name": name, "ok": bool(ok), "max_abs_error": abs_err, "rel_l2_error": rel}
+
+
+def check_exercise(
+    name: str,
+    attempt: Callable,
+    solution: Callable,
+    cases: Sequence[tuple],
+    *,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
+) -> bool:
+    """Run a learner's ``attempt`` against ``solution`` on each case (a tuple of arguments).
+
+    Never raises: a gap left as ``...`` or ``raise NotImplementedError`` is reported as "not yet"
+    with the reason, so a notebook run with the gap open goes on to the next cell.
+    """
+    for i, args in enumerate(cases):
+        want = solution(*args)
+        try:
+            got = attempt(*args)
+        except NotImplementedError:
+            print(f"… {name}: not filled in yet (the gap still raises NotImplementedError)")
+            return False
+        except Exception as exc:  # a learner's bug: say what it was, do not stop the notebook
+            print(f"✗ {name}: case {i} raised {type(exc).__name__}: {exc}")
+            return False
+        wants = want if isinstance(want, tuple) else (want,)
+        gots = got if isinstance(got, tuple) else (got,)
+        if len(gots) != len(wants):
+            print(f"✗ {name}: case {i} returned {len(gots)} values, expected {len(wants)}")
+            return False
+        for g, w in zip(gots, wants):
+            if not isinstance(g, torch.Tensor) or g.shape != w.shape:
+                shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+                print(f"✗ {name}: case {i} expected a tensor of shape {tuple(w.shape)}, got {shape}")
+                return False
+            if not torch.allclose(g.double(), w.double(), atol=atol, rtol=rtol):
+                err = (g.double() - w.double()).abs().max().item()
+                print(f"✗ {name}: case {i} is off by up to {err:.3g}; look at the formula again")
+                return False
+    print(f"✓ {name}: right on all {len(cases)} cases")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Data whose softmax looks like a trained model's
+# ---------------------------------------------------------------------------------------------
+
+
+def entries_per_row(S: torch.Tensor, eps: float = 2.0**-12) -> float:
+    """Mean number of softmax entries per row above eps: the paper's sparsity statistic."""
+    return (S > eps).sum(dim=1).double().mean().item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Block masks: which tiles of G the gradient filter keeps
+# ---------------------------------------------------------------------------------------------
+
+
+def block_max(A: torch.Tensor, block_n: int, block_v: int) -> torch.Tensor:
+    """max |A| over each (block_n, block_v) tile of A (N, V): (cdiv(N, block_n), cdiv(V, block_v)).
+
+    Ragged edge tiles are padded with zeros, which never raise a maximum of absolute values.
+    """
+    N, V = A.shape
+    nb_n, nb_v = -(-N // block_n), -(-V // block_v)
+    padded = A.new_zeros(nb_n * block_n, nb_v * block_v)
+    padded[:N, :V] = A.abs()
+    return padded.reshape(nb_n, block_n, nb_v, block_v).amax(dim=(1, 3))
+
+
+def block_mask(G: torch.Tensor, block_n: int, block_v: int, eps: float) -> torch.Tensor:
+    """True where a tile of G holds at least one entry with |G| >= eps: the tiles that are computed.
+
+    A tile where every |G| < eps is skipped: its contribution to dE = G C and dC = G^T E is below
+    what the low-precision result can hold.
+    """
+    return block_max(G, block_n, block_v) >= eps
+
+
+def skipped_fraction(mask: torch.Tensor) -> float:
+    """Fraction of tiles the filter skips (mask False)."""
+    return 1.0 - mask.double().mean().item()
+
+
+def vocabulary_order(E: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+    """Vocabulary indices sorted by average logit, largest first: (V,) int64.
+
+    mean_i z_{i, v} = (mean_i E_i) . C_v, so the order costs one (V, D) @ (D,) product and never
+    needs the (N, V) logits.
+    """
+    average_logit = C.double() @ E.double().mean(dim=0)  # (V,)
+    return torch.argsort(average_logit, descending=True)
+
+
+def masks_agree(
+    name: str,
+    kept: torch.Tensor,
+    G: torch.Tensor,
+    block_n: int,
+    block_v: int,
+    eps: float,
+    *,
+    margin: float = 1e-2,
+) -> dict:
+    """Does a kernel's record of computed tiles match ``block_mask(G, ...)``? Prints one line.
+
+    A kernel computes G in fp32 from rounded inputs, the spec in float64: a tile whose largest
+    |G| lies within ``margin`` (relative) of eps may fall either way, so only the tiles clear of
+    the threshold must agree.
+    """
+    peak = block_max(G, block_n, block_v)
+    clear = ((peak - eps).abs() > margin * eps).cpu()
+    spec = (peak >= eps).cpu()
+    kept = kept.cpu()
+    differ = int((kept != spec)[clear].sum())
+    borderline = int((~clear).sum())
+    ok = differ == 0
+    mark = "✓" if ok else "✗"
+    print(f"{mark} {name}: {differ} of {kept.numel()} tiles differ from the spec "
+          f"({borderline} within {margin:.0%} of eps, allowed either way)")
+    return {"name": name, "ok": ok, "tiles_differing": differ, "tiles_borderline": borderline}
+
+
+def expand_mask(mask: torch.Tensor, block_n: int, block_v: int, N: int, V: int) -> torch.Tensor:
+    """A tile mask (cdiv(N, block_n), cdiv(V, block_v)) as an entry mask (N, V)."""
+    return mask.repeat_interleave(block_n, dim=0).repeat_interleave(block_v, dim=1)[:N, :V]

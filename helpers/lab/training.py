@@ -1,0 +1,572 @@
+"""Convergence A/B: train the same model on the same data from the same seed, changing only the loss.
+
+A loss that is fast but subtly wrong corrupts every optimizer step, and a gradient check on one
+batch cannot see an error that only matters summed over thousands of steps (a gradient that is
+dropped when it is small, say). So notebook 03 trains, and compares curves. This module holds the
+pieces:
+
+- The losses the arms train with are methods of the registry (``helpers.compare.methods``), by
+  name: ``exact`` is the yardstick (fp32 logits from the same low-precision E and C every arm
+  gets), ``ours`` and ``ours_nofilter`` our kernel with the filter on and off, and the peers. A
+  method that cannot run says why (``why_unavailable``); none is skipped or swapped silently.
+- Two tasks. ``FineTuneTask``: the article's fine-tuning A/B, the last layer and lm_head trained
+  on fixed synthetic features (nearly convex: arms drift apart by error more than by chaos).
+  ``CorpusLMTask``: a small language model trained from scratch on ``helpers.lab.corpus``.
+- ``train``: the one training loop. Seeded (same seed, same losses, bit for bit on a CPU), mixed
+  precision with fp32 master weights, and it records what the rare-token diagnostic needs.
+- Diagnostics: frequency bins, per-bin means, and the comparison of each arm with ``exact`` against
+  the seed-to-seed spread.
+
+Every model exposes ``hidden(inputs) -> E`` (N, D) and a classifier ``C`` (V, D); the loss of a step
+is ``method(E, C, x)``, the only line that differs between arms.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from helpers.cce import resolve_options
+from helpers.compare.methods import get_method
+from helpers.spec import reference_loss_and_grads
+
+# ---------------------------------------------------------------------------------------------
+# The losses the arms train with: methods of the registry (``helpers.compare.methods``), presets
+# included ("exact", "ours_nofilter"), by name.
+# ---------------------------------------------------------------------------------------------
+
+
+def filter_threshold(dtype: torch.dtype) -> float | None:
+    """Our gradient filter's "auto" threshold in ``dtype`` (None: off), as ``helpers.cce`` resolves it."""
+    return resolve_options(dtype).filter_eps
+
+
+# ---------------------------------------------------------------------------------------------
+# Models: hidden(inputs) -> E (N, D), and a classifier C (V, D)
+# ---------------------------------------------------------------------------------------------
+
+
+class LastLayerAndHead(nn.Module):
+    """Fine-tuning the top of a frozen model: features h (data) -> last layer -> E -> classifier C.
+
+    E = LayerNorm(W h + b),  (N, D). The last layer keeps E differentiable, so both gradients a
+    fused loss returns (dE and dC) shape the run; with h alone (an lm_head on frozen features)
+    Liger 0.8.5 returns no dC at all, because it computes dC only when E requires a gradient.
+    """
+
+    def __init__(self, d_features: int, D: int, V: int):
+        super().__init__()
+        self.last = nn.Linear(d_features, D)
+        self.norm = nn.LayerNorm(D)
+        self.C = nn.Parameter(torch.randn(V, D) / math.sqrt(D))
+
+    def hidden(self, h: torch.Tensor) -> torch.Tensor:  # (N, d_features) -> (N, D)
+        return self.norm(self.last(h))
+
+
+class ContextMLPLM(nn.Module):
+    """Bengio-style language model: token t from the ``context`` tokens before it.
+
+    E = LayerNorm(W_out gelu(W_mix [emb(x_{t-k}); ...; emb(x_{t-1})])),  (N, D)
+    logits = E C^T,  (N, V).  The classifier C is not tied to the input embeddings, so how far a
+    row of C moves is the loss's doing alone.
+    """
+
+    def __init__(self, V: int, D: int, context: int, d_embed: int, d_hidden: int):
+        super().__init__()
+        self.embed = nn.Embedding(V, d_embed)
+        self.mix = nn.Linear(context * d_embed, d_hidden)
+        self.out = nn.Linear(d_hidden, D)
+        self.norm = nn.LayerNorm(D)
+        # std 1/sqrt(D) on unit-variance E: initial logits ~N(0, 1), loss starts near log V
+        self.C = nn.Parameter(torch.randn(V, D) / math.sqrt(D))
+
+    def hidden(self, contexts: torch.Tensor) -> torch.Tensor:  # (N, k) token ids -> (N, D)
+        h = self.embed(contexts).flatten(1)
+        return self.norm(self.out(F.gelu(self.mix(h))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks: a model factory, a batch sampler and (for the LM) a validation set
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FineTuneTask:
+    """The article's fine-tuning A/B on fixed synthetic data, with ``LastLayerAndHead``.
+
+    Features h (rows, d_features): standard normal with a constant last feature (a bias direction,
+    as real hidden states carry one). Teacher logits = h T^T - zipf_alpha * log(1 + rank(v)) over a
+    random ordering of the vocabulary, so the softmax is peaked like a trained LM's (most entries
+    far below 2^-12, where a gradient filter acts); targets (rows,) are sampled from it once.
+    """
+
+    V: int
+    D: int
+    d_features: int
+    rows: int
+    batch: int
+    zipf_alpha: float = 1.0
+    data_seed: int = 1234
+
+    def __post_init__(self):
+        g = torch.Generator().manual_seed(self.data_seed)
+        h = torch.randn(self.rows, self.d_features, generator=g)
+        h[:, -1] = 1.0
+        teacher = torch.randn(self.V, self.d_features, generator=g) * (2 / math.sqrt(self.d_features))
+        zipf_bias = -self.zipf_alpha * torch.log1p(torch.randperm(self.V, generator=g).float())  # (V,)
+        self.features = h
+        # Inverse-CDF sampling, a block of rows at a time: (rows, V) logits would be gigabytes at GPU
+        # sizes, and torch.multinomial over tens of thousands of classes is slow on a CPU.
+        targets = []
+        for block in h.split(2048):
+            cdf = torch.softmax(block @ teacher.T + zipf_bias, 1).cumsum_(1)  # (block, V)
+            u = torch.rand(block.shape[0], 1, generator=g) * cdf[:, -1:]
+            targets.append(torch.searchsorted(cdf, u).squeeze(1).clamp_(max=self.V - 1))
+        self.targets = torch.cat(targets)
+
+    def make_model(self) -> nn.Module:
+        return LastLayerAndHead(self.d_features, self.D, self.V)
+
+    def sample(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        i = torch.randint(0, self.rows, (self.batch,), generator=g)
+        return self.features[i], self.targets[i]
+
+
+@dataclass
+class CorpusLMTask:
+    """Next-token prediction on a ``helpers.lab.corpus.Corpus`` with ``ContextMLPLM``."""
+
+    corpus: object  # helpers.lab.corpus.Corpus
+    D: int
+    context: int
+    d_embed: int
+    d_hidden: int
+    batch: int
+    curve_tokens: int | None = None  # the validation curve uses the first this-many val positions
+
+    @property
+    def V(self) -> int:
+        return len(self.corpus.vocab)
+
+    def make_model(self) -> nn.Module:
+        return ContextMLPLM(self.V, self.D, self.context, self.d_embed, self.d_hidden)
+
+    def sample(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.corpus.train_ids
+        positions = torch.randint(self.context, ids.numel(), (self.batch,), generator=g)
+        return context_windows(ids, positions, self.context)
+
+    def validation_set(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(contexts (M, k), targets (M,)): every position of the validation split."""
+        ids = self.corpus.val_ids
+        return context_windows(ids, torch.arange(self.context, ids.numel()), self.context)
+
+
+def context_windows(ids: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """contexts (N, k) = ids[p-k .. p-1] and targets (N,) = ids[p] for each position p >= k."""
+    offsets = torch.arange(-k, 0)
+    return ids[positions[:, None] + offsets], ids[positions]
+
+
+# ---------------------------------------------------------------------------------------------
+# The training loop
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainRun:
+    """What one arm (variant, seed) produced. Tensors stay on the CPU and out of ``summary``."""
+
+    variant: str
+    seed: int
+    train_loss: list[float]  # per step, as the arm's own loss reported it
+    eval_steps: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)  # exact fp32 loss on the curve's val positions
+    wall_s: float = 0.0  # the whole run, evaluation included
+    eval_s: float = 0.0
+    skipped_steps: int = 0  # fp16 steps the gradient scaler dropped for an inf/NaN gradient
+    # Per step, the fraction of logit tiles whose gradient our filter dropped (ours only, else []).
+    filter_skipped: list[float] = field(default_factory=list)
+    rows_with_grad: torch.Tensor | None = None  # (V,) steps on which row v of C got a nonzero gradient
+    row_drift: torch.Tensor | None = None  # (V,) ||C_final[v] - C_init[v]||
+    val_token_loss: torch.Tensor | None = None  # (M,) final per-token loss, whole validation split
+
+    def summary(self) -> dict:
+        return {
+            "variant": self.variant,
+            "seed": self.seed,
+            "train_loss": self.train_loss,
+            "eval_steps": self.eval_steps,
+            "val_loss": self.val_loss,
+            "wall_s": self.wall_s,
+            "eval_s": self.eval_s,
+            "skipped_steps": self.skipped_steps,
+            "filter_skipped": self.filter_skipped,
+        }
+
+
+def learning_rate_factor(step: int, steps: int, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def per_token_loss(model, inputs, targets, compute_dtype, batch: int = 8192) -> torch.Tensor:
+    """(M,) exact fp32 loss of each position, whatever loss the model was trained with."""
+    device = next(model.parameters()).device
+    C = model.C.to(compute_dtype)
+    out = []
+    for start in range(0, targets.numel(), batch):
+        i = slice(start, start + batch)
+        with _autocast(device, compute_dtype):
+            E = model.hidden(inputs[i].to(device))
+        out.append(get_method("exact")(E.to(compute_dtype), C, targets[i].to(device), reduction="none").cpu())
+    return torch.cat(out)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype):
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def train(
+    task,
+    variant: str,
+    *,
+    seed: int,
+    steps: int,
+    lr: float,
+    compute_dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    warmup: int = 0,
+    eval_every: int = 0,
+) -> TrainRun:
+    """Train ``task.make_model()`` with loss ``variant`` for ``steps`` steps; see ``TrainRun``.
+
+    Seeding: the model is initialised on the CPU after ``torch.manual_seed(seed)``, and batches
+    come from a CPU generator seeded with ``seed``, so every arm with the same seed starts from the
+    same weights and sees the same batches, on any device.
+
+    Precision: the parameters stay fp32 (the optimizer's master weights); the body runs under
+    autocast in ``compute_dtype``, and E and C are cast to it before the loss, because that is
+    where a fused kernel's precision (and its gradient filter's threshold) applies. fp16 adds a
+    gradient scaler, as fp16 training needs. Adam without weight decay: a classifier row that gets
+    no gradient does not move, so its drift measures the gradient it received.
+    """
+    device = torch.device(device)
+    loss_fn = get_method(variant)
+    reason = loss_fn.why_unavailable(device, compute_dtype)
+    if reason:
+        raise RuntimeError(f"{variant} cannot run on {device} in {compute_dtype}: {reason}")
+    torch.manual_seed(seed)
+    model = task.make_model().to(device)
+    C_init = model.C.detach().float().cpu().clone()
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate_factor(s, steps, warmup))
+    scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)
+    g = torch.Generator().manual_seed(seed)
+    validation = task.validation_set() if eval_every else None
+    curve = tuple(t[: task.curve_tokens] for t in validation) if eval_every else None
+
+    losses = torch.empty(steps, device=device)  # kept on the device: no sync per step
+    rows_with_grad = torch.zeros(model.C.shape[0], dtype=torch.int64, device=device)
+    run = TrainRun(variant, seed, [])
+    start = time.perf_counter()
+    for step in range(steps):
+        if eval_every and step % eval_every == 0:
+            _evaluate(run, model, curve, compute_dtype, step)
+        inputs, targets = task.sample(g)
+        with _autocast(device, compute_dtype):
+            E = model.hidden(inputs.to(device))
+        stats = {}
+        loss = loss_fn(E.to(compute_dtype), model.C.to(compute_dtype), targets.to(device), stats=stats)
+        scaler.scale(loss).backward()
+        if loss_fn.counts_skips:
+            run.filter_skipped.append(stats.get("skipped", 0) / max(1, stats.get("tiles", 0)))
+        # The filter's footprint: rows of C that received any gradient at all this step.
+        if model.C.grad is not None:
+            rows_with_grad += (model.C.grad != 0).any(dim=1)
+        scale_before = scaler.get_scale() if scaler.is_enabled() else None
+        scaler.step(optimizer)
+        scaler.update()
+        if scale_before is not None and scaler.get_scale() < scale_before:
+            run.skipped_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():
+            # A step the fp16 scaler skipped (inf or NaN gradient) leaves the optimizer unstepped;
+            # the schedule moves on regardless, which torch warns about. Expected, not a fault.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            schedule.step()
+        losses[step] = loss.detach().float()
+    if eval_every:
+        _evaluate(run, model, curve, compute_dtype, steps)
+        start_final = time.perf_counter()
+        run.val_token_loss = per_token_loss(model, *validation, compute_dtype)
+        run.eval_s += time.perf_counter() - start_final
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    run.wall_s = time.perf_counter() - start
+    run.train_loss = losses.cpu().tolist()
+    run.rows_with_grad = rows_with_grad.cpu()
+    run.row_drift = (model.C.detach().float().cpu() - C_init).norm(dim=1)
+    return run
+
+
+def _evaluate(run: TrainRun, model, curve, compute_dtype, step: int):
+    start = time.perf_counter()
+    run.eval_steps.append(step)
+    run.val_loss.append(float(per_token_loss(model, *curve, compute_dtype).mean()))
+    run.eval_s += time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnostics
+# ---------------------------------------------------------------------------------------------
+
+# Training-count bins, in decades: [1, 10), [10, 100), ...
+FREQUENCY_EDGES = (1, 10, 100, 1_000, 10_000, 100_000, 1_000_000, 10_000_000)
+
+
+def frequency_bins(counts: torch.Tensor, edges=FREQUENCY_EDGES, exclude: tuple[int, ...] = (0,)):
+    """(bin of each vocabulary id (V,), labels). -1 marks excluded ids (``<unk>``) and counts
+    outside the edges; only bins holding at least one id are kept, renumbered from 0."""
+    counts = counts.long()
+    raw = torch.bucketize(counts, torch.tensor(edges[1:]), right=True)
+    raw[(counts < edges[0]) | (counts >= edges[-1])] = -1
+    raw[list(exclude)] = -1
+    used = sorted(int(b) for b in raw.unique() if b >= 0)
+    bins = torch.full_like(raw, -1)
+    for new, old in enumerate(used):
+        bins[raw == old] = new
+    labels = [f"{edges[b]:,}–{edges[b + 1] - 1:,}" for b in used]
+    return bins, labels
+
+
+def per_bin_mean(values: torch.Tensor, bins: torch.Tensor, n_bins: int) -> list[float]:
+    """Mean of ``values`` over the items of each bin (bins -1 ignored); NaN for an empty bin."""
+    values, bins = values.double(), bins.long()
+    kept = bins >= 0
+    total = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, bins[kept], values[kept])
+    count = torch.bincount(bins[kept], minlength=n_bins).double()
+    return (total / count).tolist()  # 0/0 = NaN for an empty bin
+
+
+DIAGNOSTIC_QUANTITIES = ("val_loss", "row_drift", "grad_step_fraction")
+
+
+def rare_token_diagnostic(
+    runs: dict[str, list[TrainRun]], type_bins: torch.Tensor, val_targets: torch.Tensor, n_bins: int
+) -> dict[str, dict[str, list[list[float]]]]:
+    """{arm: {quantity: (seeds, bins) nested list}}, per training-frequency bin:
+
+    - val_loss: final exact validation loss on the validation tokens whose target is in the bin;
+    - row_drift: mean ||C_final[v] - C_init[v]|| over the bin's classifier rows;
+    - grad_step_fraction: mean fraction of steps on which the bin's rows got any gradient.
+    """
+    out = {}
+    for arm, arm_runs in runs.items():
+        out[arm] = {q: [] for q in DIAGNOSTIC_QUANTITIES}
+        for run in arm_runs:
+            steps = len(run.train_loss)
+            out[arm]["val_loss"].append(per_bin_mean(run.val_token_loss, type_bins[val_targets], n_bins))
+            out[arm]["row_drift"].append(per_bin_mean(run.row_drift, type_bins, n_bins))
+            out[arm]["grad_step_fraction"].append(per_bin_mean(run.rows_with_grad.double() / steps, type_bins, n_bins))
+    return out
+
+
+def compare_to_baseline(values: dict[str, list[float]], baseline: str = "exact", k: float = 2.0) -> dict:
+    """Each arm against the baseline, seed by seed: ``values[arm][s]`` is seed s's number.
+
+    effect: mean over seeds of (arm - baseline), paired by seed; seed_spread: the baseline's
+    standard deviation across seeds (how much a different seed alone moves the number). An arm
+    ``differs`` when |effect| > k * seed_spread; it is None (no verdict) with one seed, or where
+    there is nothing to compare (a bin without validation tokens gives NaN).
+    """
+    base = torch.tensor(values[baseline], dtype=torch.float64)
+    spread = float(base.std()) if base.numel() > 1 else math.nan
+    out = {}
+    for arm, v in values.items():
+        if arm == baseline:
+            continue
+        diff = torch.tensor(v, dtype=torch.float64) - base
+        effect = float(diff.mean())
+        judged = math.isfinite(effect) and math.isfinite(spread)
+        out[arm] = {
+            "effect": effect,
+            "seed_spread": spread,
+            "same_sign_seeds": int((torch.sign(diff) == math.copysign(1, effect)).sum()) if judged else 0,
+            "seeds": int(diff.numel()),
+            "differs": bool(abs(effect) > k * spread) if judged else None,
+        }
+    return out
+
+
+def describe_comparison(quantity: str, comparison: dict, labels: dict[str, str], k: float = 2.0) -> list[str]:
+    """One sentence per arm, computed from ``compare_to_baseline``'s numbers."""
+    lines = []
+    for arm, c in comparison.items():
+        name = labels.get(arm, arm)
+        head = f"{name}: {quantity} {c['effect']:+.4g} vs exact (mean over {c['seeds']} seeds"
+        if c["differs"] is None:
+            why = "one seed, so no seed spread" if c["seeds"] < 2 else "no data"
+            lines.append(f"{head}); {why} to judge it against.")
+        elif c["differs"]:
+            lines.append(
+                f"{head}, {c['same_sign_seeds']}/{c['seeds']} seeds in that direction): larger than "
+                f"{k:g}x the seed-to-seed spread ({c['seed_spread']:.3g}), a real difference at this scale."
+            )
+        else:
+            lines.append(
+                f"{head}): within {k:g}x the seed-to-seed spread ({c['seed_spread']:.3g}), no difference "
+                "at this scale."
+            )
+    return lines
+
+
+def pretraining_findings(
+    runs: dict[str, list[TrainRun]],
+    diagnostic: dict,
+    bin_labels: list[str],
+    labels: dict[str, str],
+    baseline: str = "exact",
+    k: float = 2.0,
+) -> tuple[dict, list[str]]:
+    """(comparisons, sentences): every arm against the baseline, paired by seed, on the final
+    validation loss and on each bin's validation loss and row drift; the sentences are computed
+    from those numbers (see ``compare_to_baseline``), never written in advance."""
+    final = {arm: [r.val_loss[-1] for r in arm_runs] for arm, arm_runs in runs.items()}
+    comparisons = {"final_val_loss": compare_to_baseline(final, baseline, k), "bins": {}}
+    lines = describe_comparison("final validation loss", comparisons["final_val_loss"], labels, k)
+    for quantity, what in (("val_loss", "validation loss"), ("row_drift", "classifier-row drift")):
+        per_bin = comparisons["bins"].setdefault(quantity, [])
+        for b, label in enumerate(bin_labels):
+            values = {arm: [seed[b] for seed in d[quantity]] for arm, d in diagnostic.items()}
+            per_bin.append(compare_to_baseline(values, baseline, k))
+        for arm in runs:
+            if arm == baseline:
+                continue
+            differing = [
+                f"{bin_labels[b]} ({c[arm]['effect']:+.3g}, seed spread {c[arm]['seed_spread']:.3g})"
+                for b, c in enumerate(per_bin)
+                if c[arm]["differs"]
+            ]
+            name = labels.get(arm, arm)
+            if len(runs[baseline]) < 2:
+                lines.append(f"{name}: {what} by frequency bin: one seed, no spread to judge against.")
+            elif differing:
+                lines.append(f"{name}: {what} differs from exact beyond {k:g}x the seed spread for tokens seen "
+                             + "; ".join(differing) + " times.")
+            else:
+                lines.append(f"{name}: {what} within {k:g}x the seed spread of exact in every frequency bin.")
+    return comparisons, lines
+
+
+def loss_scale_check(task, names: list[str], *, device, dtype=torch.float16, scale: float = 2.0**16,
+                     seed: int = 0) -> dict[str, dict]:
+    """What each loss hands back under fp16 loss scaling, on one batch of ``task`` at init.
+
+    Every fp16 trainer multiplies the loss by a scale (``GradScaler`` starts at 2^16) so that small
+    gradients survive fp16, and divides it out before the optimizer step. That works when the
+    scale reaches every fp16 intermediate of the backward. A loss that forms its gradients in the
+    forward pass (Liger) rounds them to fp16 before the scale exists: entries of G / N below fp16's
+    smallest subnormal (2^-24 = 6e-8) are zero whatever the scale. Per loss: "dC_error",
+    "dE_error", relative L2 error of the unscaled gradients against float64; "zero_rows", the
+    fraction of classifier rows whose whole gradient is zero (rows that would not train this
+    step); and for reference "underflow", the fraction of entries of S / N that are 0 in fp16.
+    """
+    device = torch.device(device)
+    torch.manual_seed(seed)
+    model = task.make_model().to(device)
+    inputs, targets = task.sample(torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        E = model.hidden(inputs.to(device)).to(dtype)
+        C = model.C.detach().to(dtype)
+    x = targets.to(device)
+    _, dE64, dC64 = reference_loss_and_grads(E, C, x)
+    S = torch.softmax(E.double() @ C.double().T, dim=1)
+    underflow = float(((S / x.numel()).to(dtype) == 0).double().mean())
+    out = {}
+    for name in names:
+        E_, C_ = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
+        (get_method(name)(E_, C_, x) * scale).backward()
+        dE, dC = E_.grad.double() / scale, C_.grad.double() / scale
+        out[name] = {
+            "zero_rows": float((C_.grad == 0).all(dim=1).double().mean()),
+            "dC_error": float((dC - dC64).norm() / dC64.norm()),
+            "dE_error": float((dE - dE64).norm() / dE64.norm()),
+            "underflow": underflow,
+        }
+    return out
+
+
+def split_faults(problems: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
+    """(ours, peers) from [(arm, what went wrong)]: a drift or crash of our own code (an arm of
+    kind "ours" or "baseline": our kernel, the exact arm, the chunked loss, the pipeline) is a
+    fault that must stop the notebook; a peer's is a finding to report and explain."""
+    ours, peers = [], []
+    for arm, problem in problems:
+        (peers if get_method(arm).kind == "peer" else ours).append(problem)
+    return ours, peers
+
+
+def write_json(path, payload: dict):
+    """Write ``payload`` as JSON; NaN and inf (an empty bin, a diverged run) become null."""
+
+    def clean(v):
+        if isinstance(v, float):
+            return v if math.isfinite(v) else None
+        if isinstance(v, dict):
+            return {str(k): clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(clean(payload), indent=1))
+    return path
+
+
+def max_relative_drift(losses: list[float], reference: list[float]) -> float:
+    """max over steps of |loss - reference| / |reference|: the fine-tuning A/B's verdict number."""
+    a, r = torch.tensor(losses, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
+    if not torch.isfinite(a).all():
+        return math.inf
+    return float(((a - r).abs() / r.abs()).max())
+
+
+__all__ = [
+    "filter_threshold",
+    "LastLayerAndHead",
+    "ContextMLPLM",
+    "FineTuneTask",
+    "CorpusLMTask",
+    "context_windows",
+    "TrainRun",
+    "train",
+    "per_token_loss",
+    "learning_rate_factor",
+    "FREQUENCY_EDGES",
+    "frequency_bins",
+    "per_bin_mean",
+    "DIAGNOSTIC_QUANTITIES",
+    "rare_token_diagnostic",
+    "pretraining_findings",
+    "compare_to_baseline",
+    "describe_comparison",
+    "max_relative_drift",
+    "loss_scale_check",
+    "split_faults",
+    "write_json",
+]

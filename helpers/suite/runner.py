@@ -1,0 +1,129 @@
+"""Run the notebook suite headless with papermill: ``python -m helpers run``.
+
+Each notebook gets two parameters, ``profile`` and ``output_dir`` (``<output>/<notebook stem>``);
+everything else it derives from the profile. The executed notebook lands next to its results, so
+one folder holds the whole run:
+
+    results/
+      summary.json                       status, seconds and files of every notebook
+      01_correctness/01_correctness.ipynb, gate.json, ...
+      02_memory_sweep/...
+
+A notebook that raises is recorded as failed and the others still run; the command exits non-zero
+when any failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from helpers.cce.device import PRETEND_T4_ENV, device_info
+from helpers.lab.profiles import get_profile
+from helpers.suite.bootstrap import installed_version
+from helpers.suite.paths import find_notebooks
+from helpers.suite.report import build_report
+
+
+@dataclass
+class NotebookRun:
+    notebook: str
+    status: str  # "ok" or "failed"
+    seconds: float
+    output_dir: str
+    files: list[str] = field(default_factory=list)
+    error: str = ""
+
+
+def run_notebook(path: Path, profile: str, output: Path, timeout_s: int | None = None) -> NotebookRun:
+    import papermill
+
+    out_dir = output / path.stem
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    error = ""
+    try:
+        papermill.execute_notebook(
+            str(path),
+            str(out_dir / path.name),
+            parameters={"profile": profile, "output_dir": str(out_dir)},
+            cwd=str(path.parent),
+            progress_bar=False,
+            execution_timeout=timeout_s,
+        )
+    except Exception as e:  # PapermillExecutionError carries the failing cell's error
+        error = _short_error(e)
+    files = sorted(str(p.relative_to(output)) for p in out_dir.rglob("*") if p.is_file())
+    return NotebookRun(
+        path.stem, "failed" if error else "ok", round(time.perf_counter() - started, 1), str(out_dir), files, error
+    )
+
+
+def _short_error(e: Exception) -> str:
+    ename, evalue = getattr(e, "ename", type(e).__name__), getattr(e, "evalue", str(e))
+    return f"{ename}: {evalue}".strip()[:2000]
+
+
+def run_suite(
+    profile: str = "auto",
+    output: str | Path = "results",
+    only: list[str] | None = None,
+    timeout_s: int | None = None,
+    pretend_t4: bool = False,
+) -> list[NotebookRun]:
+    """Execute every notebook (or those in ``only``) and write ``summary.json``; see module doc.
+
+    ``pretend_t4``: every notebook runs as a T4 would see it (``helpers.cce.device``): the T4 profile
+    (``cpu-t4`` on a CPU), a T4's memory cap, shared memory and compute capability in each
+    notebook's process.
+    """
+    from tqdm.auto import tqdm
+
+    if pretend_t4:
+        if profile not in ("auto", "t4", "cpu-t4"):
+            raise SystemExit(f"--pretend-t4 runs the T4's profile; leave --profile at auto, not {profile!r}")
+        os.environ[PRETEND_T4_ENV] = "1"  # inherited by every notebook's kernel process
+    resolved = get_profile(profile).name
+    output = Path(output).resolve()
+    output.mkdir(parents=True, exist_ok=True)
+    notebooks = find_notebooks(only)
+    info = device_info()
+    print(f"profile {resolved} on {info.describe()}; {len(notebooks)} notebooks -> {output}")
+    runs = []
+    bar = tqdm(notebooks, desc="suite", unit="notebook")
+    for path in bar:
+        bar.set_postfix_str(path.stem)
+        runs.append(run_notebook(path, resolved, output, timeout_s))
+        _write_summary(output, resolved, info, runs)
+    print(summary_table(runs))
+    print(f"report: {build_report(output)} (and REPORT.html beside it)")
+    return runs
+
+
+def _write_summary(output: Path, profile: str, info, runs: list[NotebookRun]) -> None:
+    payload = {
+        "profile": profile,
+        "device": info.as_dict(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "finished": time.strftime("%Y-%m-%d %H:%M"),
+        "versions": {d: installed_version(d) for d in ("triton", "liger-kernel", "cut-cross-entropy", "helpers")},
+        "runs": [asdict(r) for r in runs],
+    }
+    (output / "summary.json").write_text(json.dumps(payload, indent=1))
+
+
+def summary_table(runs: list[NotebookRun]) -> str:
+    lines = [f"{'notebook':<28} {'status':<7} {'seconds':>8}  files / error"]
+    for r in runs:
+        detail = r.error.splitlines()[0] if r.error else f"{len(r.files)} files in {r.output_dir}"
+        lines.append(f"{r.notebook:<28} {r.status:<7} {r.seconds:>8.1f}  {detail}")
+    failed = sum(r.status != "ok" for r in runs)
+    lines.append(f"{len(runs) - failed} passed, {failed} failed")
+    return "\n".join(lines)

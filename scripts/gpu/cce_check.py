@@ -1,0 +1,310 @@
+"""GPU check of our Cut Cross-Entropy (``helpers.cce``): accuracy against float64, memory, time.
+
+    python scripts/gpu/cce_check.py [--out results.json] [--budget-s 330] [--tiny]
+
+On a CUDA machine (written for an H200: torch 2.11, triton 3.6) it checks, in order of priority:
+
+1. the spec's chunked float64 reference (``chunk_rows``, the closed-form gradient) against its
+   autograd form, on the GPU;
+2. bf16 at the Qwen3 head (N=2,048, V=151,936, D=1,024) and the Gemma-2-2B head (N=8,192,
+   V=256,000, D=2,304): dE and dC relative L2 errors against float64 must be at most 1.5x the
+   naive bf16 path's (``(E @ C.T).float()`` then ``F.cross_entropy``), for the exact variants;
+3. the big case N=131,072 x V=151,936 (N*V > 2^31: 64-bit offsets), bf16, against float64
+   computed 4,096 rows at a time;
+4. peak memory above the inputs and median forward+backward time (``triton.testing.do_bench``) at
+   the Gemma shape, with the configuration picked for this GPU and with the Turing (64 KB) one;
+5. fp32 / fp16 and the full option matrix (reductions, ignore, softcap, z-loss, label smoothing,
+   filter, sort, Kahan, FullC, FullE) on an odd shape and the Qwen3 head.
+
+Pass rules. Loss: relative error <= 1e-5 (fp32) or 1e-4 (fp16/bf16, whose inputs are exact in
+fp32). Gradients, "exact" variants (filter off; FullC's dC; FullE's dE): <= 1.5x the naive path's
+error in fp16/bf16, <= 1e-5 in fp32. Gradients under the filter drop entries below eps by design:
+on these random (non-sparse) inputs that error is reported and only bounded (<= 0.1).
+Each case runs in try/except; the exit status is 1 if any case failed. Cases that would start
+after ``--budget-s`` seconds are recorded as skipped. ``--tiny`` shrinks every shape so the script
+itself can be checked on a CPU under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+from _common import Checker, finish, script_setup
+
+from helpers.cce import linear_cross_entropy, resolve_options, why_unavailable
+from helpers.cce.kernels.configs import select_configs
+from helpers.compare.inputs import ignore_targets, make_inputs as regime_inputs
+from helpers.spec import reference_loss_and_grads, relative_error
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+# Specs: the options that change the mathematical loss (so the reference). Variants: the options
+# that change only our arithmetic (filter, sort, accumulation), checked against the same reference.
+SPECS = {
+    "mean": dict(),
+    "sum_ignore": dict(reduction="sum", ignore="some"),
+    "none": dict(reduction="none"),
+    "softcap": dict(softcap=30.0),
+    "zloss_smooth": dict(z_loss=1e-4, label_smoothing=0.1),
+    "everything": dict(reduction="none", ignore="some", softcap=30.0, z_loss=1e-4, label_smoothing=0.1),
+    "all_ignored": dict(ignore="all"),
+}
+VARIANTS = {
+    "default": dict(),
+    "filter_off": dict(filter_eps=None),
+    "sort": dict(sort_vocab=True),
+    "kahan": dict(accumulation="kahan", filter_eps=None),
+    "full_c": dict(full_c=True),
+    "full_e": dict(full_e=True),
+}
+
+
+def make_inputs(N, V, D, dtype, spec, device, seed=0):
+    """The uniform regime (``helpers.compare.inputs``: a dense softmax, nothing to filter) with the
+    spec's ignored targets."""
+    E, C, x = regime_inputs(N, V, D, dtype, device, regime="uniform", seed=seed)
+    return E, C, ignore_targets(x, spec.get("ignore", "none"))
+
+
+def upstream(reduction, N, device, seed=1):
+    if reduction == "none":
+        return torch.randn(N, device=device, generator=torch.Generator(device=device).manual_seed(seed))
+    return torch.tensor(1.7, device=device)
+
+
+def loss_options(spec):
+    return {k: v for k, v in spec.items() if k != "ignore"}
+
+
+def naive(E, C, x, grad_output, *, reduction="mean", softcap=None, z_loss=0.0, label_smoothing=0.0,
+          ignore_index=-100):
+    """The naive path in E's dtype: logits (E @ C.T) in that dtype, upcast, F.cross_entropy."""
+    E_ = E.detach().clone().requires_grad_(True)
+    C_ = C.detach().clone().requires_grad_(True)
+    z = (E_ @ C_.T).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    loss = F.cross_entropy(z, x, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    if z_loss:
+        kept = x != ignore_index
+        sq = torch.where(kept, torch.logsumexp(z, dim=1) ** 2, 0.0) * z_loss
+        loss = loss + {"none": sq, "sum": sq.sum(), "mean": sq.sum() / kept.sum()}[reduction]
+    loss.backward(grad_output.expand_as(loss))
+    return E_.grad, C_.grad
+
+
+def ours(E, C, x, grad_output, **options):
+    E_ = E.detach().clone().requires_grad_(True)
+    C_ = C.detach().clone().requires_grad_(True)
+    loss = linear_cross_entropy(E_, C_, x, **options)
+    loss.backward(grad_output.expand_as(loss))
+    return loss.detach(), E_.grad, C_.grad
+
+
+def check_reference_formula(device):
+    """The spec's chunked reference (closed-form G, ``chunk_rows``) against its autograd form, for
+    every spec (z-loss and label smoothing included): the big cases rely on the chunked one."""
+    records = []
+    for spec_name, spec in SPECS.items():
+        opts = loss_options(spec)
+        E, C, x = make_inputs(67, 1031, 40, torch.float32, spec, device)
+        go = upstream(opts.get("reduction", "mean"), 67, device)
+        got = reference_loss_and_grads(E, C, x, go, chunk_rows=16, **opts)
+        ref = reference_loss_and_grads(E, C, x, go, **opts)
+        errs = [relative_error(a, b) for a, b in zip(got, ref)]
+        records.append(dict(case=f"reference-formula/{spec_name}", loss_err=errs[0], dE_err=errs[1],
+                            dC_err=errs[2], status="ok" if max(errs) < 1e-10 else "FAIL"))
+    return records
+
+
+def check_shape(shape_name, N, V, D, dtype_name, spec_name, variant_names, device, chunk):
+    """One reference (and one naive run) per spec; every variant of ours against them."""
+    dtype = DTYPES[dtype_name]
+    reason = why_unavailable(device, dtype)
+    if reason:
+        return [dict(case=f"{shape_name}/{dtype_name}/{spec_name}", status="skipped", reason=reason)]
+    spec = SPECS[spec_name]
+    opts = loss_options(spec)
+    E, C, x = make_inputs(N, V, D, dtype, spec, device)
+    go = upstream(opts.get("reduction", "mean"), N, device)
+    rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, chunk_rows=chunk, **opts)
+    nE, nC = naive(E, C, x, go, **opts)
+    naive_dE, naive_dC = relative_error(nE, rdE), relative_error(nC, rdC)
+    del nE, nC
+    records = []
+    for variant in variant_names:
+        options = dict(opts, **VARIANTS[variant])
+        if variant in ("full_c", "full_e") and dtype == torch.float32:
+            options["filter_eps"] = 2.0**-12  # "auto" is off in fp32: give FullC/FullE a filter
+        resolved = resolve_options(dtype, **options)
+        loss, dE, dC = ours(E, C, x, go, **options)
+        rec = dict(case=f"{shape_name}/{dtype_name}/{spec_name}/{variant}", N=N, V=V, D=D,
+                   filter_eps=resolved.filter_eps)
+        all_ignored = spec_name == "all_ignored"
+        if all_ignored:
+            ok = bool(torch.isnan(loss).item()) and not dE.any().item() and not dC.any().item()
+            rec.update(status="ok" if ok else "FAIL", loss=float(loss))
+            records.append(rec)
+            continue
+        rec["loss_err"] = relative_error(loss, rloss)
+        rec["dE_err"], rec["dC_err"] = relative_error(dE, rdE), relative_error(dC, rdC)
+        rec["naive_dE_err"], rec["naive_dC_err"] = naive_dE, naive_dC
+        rec["dE_ratio"] = rec["dE_err"] / max(naive_dE, 1e-30)
+        rec["dC_ratio"] = rec["dC_err"] / max(naive_dC, 1e-30)
+        judge(rec, dtype, resolved)
+        records.append(rec)
+        del loss, dE, dC
+    return records
+
+
+def check_big(N, V, D, device, chunk, dtype_name="bf16"):
+    """N * V > 2^31 in bf16: loss and gradients against float64 computed ``chunk`` rows at a time.
+
+    The naive path cannot run here (its logits alone are 120 GB), so its errors are estimated:
+    dE's from the naive path on the first ``chunk`` rows (dE is row-local), dC's as the error of
+    rounding the float64 dC to bf16 (a lower bound on any bf16 dC's error). N spans 8 row chunks
+    of fp32 scratch by default, so dC is rounded 8 times: "kahan" must be within 1.5x, the plain
+    fp32 accumulation within 3x (reported).
+    """
+    dtype = DTYPES[dtype_name]
+    E, C, x = make_inputs(N, V, D, dtype, {}, device)
+    go = torch.tensor(1.7, device=device)
+    rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, chunk_rows=chunk)
+    nE, _ = naive(E[:chunk], C, x[:chunk], go * chunk / N)  # the mean's 1/N, rows 0..chunk
+    naive_dE = relative_error(nE, rdE[:chunk])
+    naive_dC = relative_error(rdC.to(dtype), rdC)
+    del nE
+    records = []
+    for variant, limit in (("kahan", 1.5), ("filter_off", 3.0)):
+        loss, dE, dC = ours(E, C, x, go, **VARIANTS[variant])
+        rec = dict(case=f"big/{dtype_name}/mean/{variant}", N=N, V=V, D=D,
+                   N_times_V_over_2_31=round(N * V / 2**31, 2),
+                   loss_err=relative_error(loss, rloss),
+                   dE_err=relative_error(dE, rdE), dC_err=relative_error(dC, rdC),
+                   naive_dE_err=naive_dE, naive_dC_err=naive_dC)
+        rec["dE_ratio"] = rec["dE_err"] / naive_dE
+        rec["dC_ratio"] = rec["dC_err"] / naive_dC
+        problems = [p for p, bad in (
+            ("loss err > 1e-4", not rec["loss_err"] <= 1e-4),
+            (f"dE ratio > {limit}", not rec["dE_ratio"] <= limit),
+            (f"dC ratio > {limit}", not rec["dC_ratio"] <= limit)) if bad]
+        rec["status"] = "FAIL" if problems else "ok"
+        if problems:
+            rec["problems"] = "; ".join(problems)
+        records.append(rec)
+        del loss, dE, dC
+    return records
+
+
+def measure(shape_name, N, V, D, dtype_name, device, configs=None, **options):
+    """Peak memory above the inputs and median fwd+bwd ms (do_bench), vs the lower bound."""
+    dtype = DTYPES[dtype_name]
+    E, C, x = make_inputs(N, V, D, dtype, {}, device)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+
+    def step():
+        linear_cross_entropy(E, C, x, configs=configs, **options).backward()
+
+    step()  # compile, warm up
+    E.grad = C.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    E.grad = C.grad = None
+    ms = triton.testing.do_bench(step, grad_to_none=[E, C], warmup=50, rep=400, return_mode="median")
+    lb = (N + V) * D * dtype.itemsize
+    name = configs if isinstance(configs, str) else select_configs(torch.device(device)).name
+    return dict(case=f"bench/{shape_name}/{dtype_name}/{name}/{options or 'default'}",
+                peak_mb=round(peak / 1e6, 1), lb_mb=round(lb / 1e6, 1),
+                peak_over_lb=round(peak / lb, 3), fwd_bwd_ms=round(ms, 2), status="ok")
+
+
+def main():
+    args, cuda, device, scale = script_setup(__doc__, "cce_check.json", 330.0)
+    qwen = (scale(2048, 37), scale(151_936, 301), scale(1024, 24))
+    gemma = (scale(8192, 40), scale(256_000, 500), scale(2304, 36))
+    big = (scale(131_072, 512), scale(151_936, 301), scale(1024, 24))
+    odd = (scale(1031, 37), scale(32_011, 301), scale(520, 24))
+    chunk = 64 if args.tiny else 4096
+    low = ["fp16"] if args.tiny else ["bf16", "fp16"]  # the interpreter cannot do bf16
+    c = Checker(args.budget_s, device)
+
+    # 1. The reference itself.
+    c.run("reference-formula", check_reference_formula, device, required=True)
+    # 2. bf16 accuracy against the naive path at the two heads (required).
+    c.run("qwen3/mean", check_shape, "qwen3", *qwen, low[0], "mean",
+          ["filter_off", "default", "kahan", "full_c", "full_e", "sort"], device, chunk, required=True)
+    c.run("gemma2/mean", check_shape, "gemma2", *gemma, low[0], "mean",
+          ["filter_off", "default", "full_c"], device, 2048 if not args.tiny else chunk, required=True)
+    # 3. N * V > 2^31 (required).
+    c.run("big", check_big, *big, device, chunk, low[0], required=True)
+    # 4. Memory and time at the Gemma head (required), with this GPU's and the Turing configs.
+    if cuda:
+        for configs in (None, "turing-64k"):
+            for options in ({}, {"filter_eps": None}):
+                c.run("bench", measure, "gemma2", *gemma, "bf16", device, configs=configs,
+                      required=True, **options)
+    # 5. The rest, as time allows.
+    c.run("gemma2/softcap", check_shape, "gemma2", *gemma, low[0], "softcap", ["filter_off"],
+          device, 2048 if not args.tiny else chunk)
+    c.run("qwen3/everything", check_shape, "qwen3", *qwen, low[0], "everything",
+          ["filter_off", "default"], device, chunk)
+    for dtype_name in ["fp32"] + low[1:]:
+        c.run(f"qwen3/{dtype_name}", check_shape, "qwen3", *qwen, dtype_name, "mean",
+              ["filter_off", "default"], device, chunk)
+    for dtype_name in ["fp32", *low]:
+        for spec_name in SPECS:
+            variants = list(VARIANTS) if spec_name == "mean" else ["default"]
+            c.run(f"odd/{dtype_name}/{spec_name}", check_shape, "odd", *odd, dtype_name, spec_name,
+                  variants, device, chunk)
+    for dtype_name in ["fp32", *low[1:]]:
+        c.run(f"gemma2/{dtype_name}", check_shape, "gemma2", *gemma, dtype_name, "mean", ["default"],
+              device, 2048 if not args.tiny else chunk)
+
+    # The table.
+    print("\n" + "=" * 110)
+    print(f"{'case':58s} {'status':7s} {'loss':>8s} {'dE':>8s} {'dC':>8s} {'dE/nv':>6s} {'dC/nv':>6s}"
+          f" {'MB':>8s} {'/LB':>6s} {'ms':>7s}")
+    for r in c.records:
+        def f(key, fmt):
+            width = int(fmt.split(".")[0])
+            return format(r[key], fmt) if isinstance(r.get(key), (int, float)) else "-".rjust(width)
+        print(f"{r['case'][:58]:58s} {r.get('status', '?')[:7]:7s} {f('loss_err', '8.1e')} "
+              f"{f('dE_err', '8.1e')} {f('dC_err', '8.1e')} {f('dE_ratio', '6.2f')} {f('dC_ratio', '6.2f')}"
+              f" {f('peak_mb', '8.0f')} {f('peak_over_lb', '6.3f')} {f('fwd_bwd_ms', '7.2f')}")
+        if r.get("problems") or r.get("error"):
+            print(f"    -> {r.get('problems') or r.get('error')}")
+    finish(c, args.out, cuda)
+
+
+def judge(rec: dict, dtype: torch.dtype, resolved) -> None:
+    """The pass rules, set on ``rec`` as status (and problems): loss <= 1e-4 (1e-5 fp32); an exact
+    gradient <= 1e-5 in fp32, else <= 1.5x the naive path's error; a filtered one <= 0.1."""
+    filtered = resolved.filter_eps is not None
+    loss_tol = 1e-5 if dtype == torch.float32 else 1e-4
+    problems = []
+    if not rec["loss_err"] <= loss_tol:
+        problems.append(f"loss err > {loss_tol}")
+    for grad, exact in (("dE", not filtered or resolved.full_e), ("dC", not filtered or resolved.full_c)):
+        err, ratio = rec[f"{grad}_err"], rec[f"{grad}_ratio"]
+        if not exact:
+            if not err <= 0.1:
+                problems.append(f"{grad} (filtered) err > 0.1")
+        elif dtype == torch.float32:
+            if not err <= 1e-5:
+                problems.append(f"{grad} err > 1e-5")
+        elif not ratio <= 1.5:
+            problems.append(f"{grad} {ratio:.2f}x the naive path's error > 1.5x")
+    rec["status"] = "FAIL" if problems else "ok"
+    if problems:
+        rec["problems"] = "; ".join(problems)
+
+
+if __name__ == "__main__":
+    main()

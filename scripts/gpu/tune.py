@@ -1,0 +1,308 @@
+"""Where our CCE's time goes on a GPU, and what would shorten it: a sweep of launch configurations.
+
+    python scripts/gpu/tune.py [--out $OUT/tune.json] [--budget-s 240] [--tiny]
+
+Written for an H200 (torch 2.11, triton 3.6), bf16, at the Gemma-2-2B head (N=8,192,
+V=256,000, D=2,304) and the Qwen3 head at N=16,384 (V=151,936, D=1,024). In order:
+
+1. forward launch configurations: ``cce_forward`` (indexed dot + online-LSE kernel) per candidate
+   tile / warps / stages, median ms and TFLOP/s of its one N x V x D product (2 N V D / t);
+2. the "gemm" backward's G kernel per candidate: the kernel's own GPU time over one backward
+   (torch.profiler, summed over its launches) and the whole backward's median;
+3. the "gemm" backward's vocabulary chunk width: the backward's median and peak memory per width (the
+   default, 2x and 4x; wider chunks mean fewer launches, fewer passes over dE's fp32 accumulator
+   and less wave quantisation, at the cost of a bigger G buffer);
+4. the cuBLAS alternative to our Triton logit products: per vocabulary chunk an fp32-output
+   ``torch.mm`` of E and the chunk of C, alone (the product's rate), then followed by an
+   elementwise Triton kernel that turns the fp32 logits into G (backward), or by a logsumexp
+   (forward): what the logit product costs when cuBLAS does it;
+5. the realistic regime (``helpers.compare.inputs``): tiles and whole chunks the filter skips, without and
+   with the vocabulary sort, and the backward's time (what skipping the GEMMs of dead chunks is
+   worth).
+
+Every case runs in try/except and records its error; cases that would start after ``--budget-s``
+are skipped. Prints one table per section; writes JSON. ``--tiny``: small shapes on a CPU under the
+Triton interpreter, to check the script (timings meaningless there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from _common import Checker, finish, script_setup
+
+from helpers.cce import cce_backward, cce_forward, gemm_chunks, linear_cross_entropy, resolve_options
+from helpers.cce.kernels.configs import LaunchConfig, select_configs, tier
+from helpers.compare.inputs import make_inputs
+from helpers.compare.measure import latency, peak_memory, release_memory
+
+L = LaunchConfig
+# (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages[, GROUP_N]); the first is the shipped one.
+FORWARD_CANDIDATES = [L(128, 256, 64, 8, 4), L(128, 256, 64, 8, 3), L(128, 128, 64, 4, 4),
+                      L(128, 128, 64, 8, 4), L(128, 128, 128, 8, 3), L(256, 128, 64, 8, 4),
+                      L(64, 256, 64, 4, 4), L(128, 256, 32, 8, 6)]
+# The Turing tier's (64 KB of shared memory per block; the CPU test compiles the shipped one for
+# sm_75): (BLOCK_N + BLOCK_V) * BLOCK_D * 2 bytes * stages stays at or under 48 KB.
+TURING_CANDIDATES = [L(64, 128, 32, 4, 2), L(128, 128, 32, 8, 2), L(128, 128, 32, 4, 2),
+                     L(128, 64, 32, 4, 3), L(64, 256, 32, 8, 2), L(128, 128, 32, 8, 3),
+                     L(64, 128, 64, 4, 2), L(128, 64, 64, 4, 2)]
+G_CANDIDATES = [L(128, 256, 64, 8, 4), L(128, 256, 64, 8, 3), L(128, 128, 64, 4, 4),
+                L(128, 128, 64, 8, 4), L(128, 256, 64, 8, 4, GROUP_N=16), L(256, 128, 64, 8, 4),
+                L(128, 128, 128, 8, 3), L(64, 256, 64, 4, 4)]
+
+
+def label(cfg: LaunchConfig) -> str:
+    return f"{cfg.BLOCK_N}x{cfg.BLOCK_V}x{cfg.BLOCK_D} w{cfg.num_warps} s{cfg.num_stages} g{cfg.GROUP_N}"
+
+
+def product_tflops(N, V, D, ms):
+    return round(2 * N * V * D / (ms * 1e-3) / 1e12, 1)
+
+
+def with_config(base, kernel: str, cfg: LaunchConfig):
+    """``base`` with ``kernel``'s ("forward" or "backward_gemm") 2-byte configuration replaced."""
+    return dataclasses.replace(base, **{kernel: {**getattr(base, kernel), 2: cfg}})
+
+
+def kernel_ms(fn, name: str) -> float:
+    """GPU time of the kernels whose name starts with ``name`` during one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for event in prof.key_averages():
+        if event.key.startswith(name):
+            total += getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
+    return round(total / 1e3, 2)
+
+
+class Case:
+    """Inputs at one shape and the forward's lse, shared by the sections."""
+
+    def __init__(self, name, N, V, D, dtype, device, regime="uniform"):
+        self.name, self.N, self.V, self.D, self.dtype, self.device = name, N, V, D, dtype, device
+        self.E, self.C, self.x = make_inputs(N, V, D, dtype, device, regime=regime, seed=N)
+        self.options = resolve_options(dtype)
+        _, self.lse = cce_forward(self.E, self.C, self.x, self.options)
+        self.grad_rows = torch.full((), 1.0 / N, device=device).expand(N)  # a mean's
+
+    def backward(self, **kw):
+        return cce_backward(self.E, self.C, self.x, self.lse, self.grad_rows,
+                            kw.pop("options", self.options), backward_impl="gemm", **kw)
+
+
+def forward_sweep(case, base, candidates, repeats):
+    records = []
+    for cfg in candidates:
+        rec = dict(case=f"forward/{case.name}/{label(cfg)}", status="ok")
+        try:
+            configs = with_config(base, "forward", cfg)
+            ms = latency(lambda: cce_forward(case.E, case.C, case.x, case.options, configs),
+                         warmup=1, repeats=repeats, device=case.device).median_ms
+            rec.update(ms=round(ms, 2), tflops=product_tflops(case.N, case.V, case.D, ms))
+        except Exception as error:  # noqa: BLE001 (a config may not fit or compile: record it)
+            rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
+        records.append(rec)
+    return records
+
+
+def g_kernel_sweep(case, base, candidates, repeats, cuda):
+    records = []
+    for cfg in candidates:
+        rec = dict(case=f"g_kernel/{case.name}/{label(cfg)}", status="ok")
+        try:
+            configs = with_config(base, "backward_gemm", cfg)
+            run = lambda: case.backward(configs=configs)  # noqa: E731
+            run()
+            rec["bwd_ms"] = round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2)
+            if cuda:
+                g_ms = kernel_ms(run, "gradient_chunk_kernel")
+                rec.update(g_kernel_ms=g_ms, g_tflops=product_tflops(case.N, case.V, case.D, g_ms))
+        except Exception as error:  # noqa: BLE001
+            rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
+        records.append(rec)
+    return records
+
+
+def chunk_width_sweep(case, base, repeats):
+    cfg = base.backward_gemm_for(case.dtype)
+    n_chunk, v_chunk = gemm_chunks(case.N, case.V, case.D, case.dtype, cfg.BLOCK_V)
+    lb = (case.N + case.V) * case.D * case.dtype.itemsize
+    records = []
+    for factor in (1, 2, 4):
+        run = lambda: case.backward(v_chunk=factor * v_chunk)  # noqa: E731
+        run()
+        _, peak = peak_memory(run, device=case.device)  # dE, dC and the scratch, inputs excluded
+        ms = latency(run, warmup=1, repeats=repeats, device=case.device).median_ms
+        records.append(dict(case=f"chunks/{case.name}/v_chunk={factor * v_chunk}", status="ok",
+                            n_chunk=n_chunk, v_chunk=factor * v_chunk, bwd_ms=round(ms, 2),
+                            bwd_peak_over_lb=round(peak / lb, 3)))
+    return records
+
+
+@triton.jit
+def g_from_logits_kernel(Z_ptr, lse_ptr, x_ptr, G_ptr, N, v_count, v_begin, ignore_index,
+                         stride_z, stride_g, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """G = exp(z - lse) - [v = x], 0 at ignored rows, from fp32 logits; the prototype's epilogue."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = (rows < N)[:, None] & (cols < v_count)[None, :]
+    z = tl.load(Z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=rows < N, other=0.0)
+    x = tl.load(x_ptr + rows, mask=rows < N, other=ignore_index)
+    G = tl.exp(z - lse[:, None]) - tl.where((v_begin + cols)[None, :] == x[:, None], 1.0, 0.0)
+    G = tl.where((x != ignore_index)[:, None], G, 0.0)
+    tl.store(G_ptr + rows[:, None] * stride_g + cols[None, :], G.to(G_ptr.dtype.element_ty), mask=mask)
+
+
+def cublas_logits(case, repeats):
+    """The logit product by cuBLAS per vocabulary chunk (fp32 output), alone and with an epilogue."""
+    cfg = select_configs(torch.device(case.device)).backward_gemm_for(case.dtype)
+    _, v_chunk = gemm_chunks(case.N, case.V, case.D, case.dtype, cfg.BLOCK_V)
+    E, C, N, V = case.E, case.C, case.N, case.V
+    records = []
+    for width in (v_chunk, 2 * v_chunk):
+        Z = torch.empty(N, width, dtype=torch.float32, device=case.device)
+        G = torch.empty(N, width, dtype=case.dtype, device=case.device)
+
+        def products(epilogue=None):
+            for v0 in range(0, V, width):
+                cols = min(V, v0 + width) - v0
+                z = Z[:, :cols]
+                torch.mm(E, C[v0:v0 + cols].T, out_dtype=torch.float32, out=z)
+                if epilogue:
+                    epilogue(z, v0, cols)
+
+        def to_g(z, v0, cols):
+            g = G[:, :cols]
+            g_from_logits_kernel[(triton.cdiv(N, 64), triton.cdiv(cols, 128))](
+                z, case.lse, case.x, g, N, cols, v0, -100, z.stride(0), g.stride(0),
+                BLOCK_N=64, BLOCK_V=128, num_warps=4)
+
+        lse_parts = []
+
+        def to_lse(z, v0, cols):
+            lse_parts.append(torch.logsumexp(z, dim=1))
+            if len(lse_parts) > 8:
+                lse_parts[:] = [torch.logsumexp(torch.stack(lse_parts), dim=0)]
+
+        rec = dict(case=f"cublas/{case.name}/v_chunk={width}", status="ok", v_chunk=width,
+                   extra_mb=round((Z.numel() * 4 + G.numel() * G.element_size()) / 1e6, 1))
+        for key, epi in (("mm", None), ("mm_then_g", to_g), ("mm_then_lse", to_lse)):
+            ms = latency(lambda: products(epi), warmup=1, repeats=repeats, device=case.device).median_ms
+            rec[f"{key}_ms"] = round(ms, 2)
+        rec["mm_tflops"] = product_tflops(N, V, case.D, rec["mm_ms"])
+        records.append(rec)
+        del Z, G
+        release_memory(case.device)
+    return records
+
+
+def end_to_end(case, tiers, repeats):
+    """Forward+backward of ``linear_cross_entropy`` (defaults) with each tier's shipped configs,
+    and each tier's loss and gradients against the first tier's (relative; tiles change the order
+    of the fp32 sums only, so they agree to rounding)."""
+    records, first = [], None
+    for configs in tiers:
+        E = case.E.detach().clone().requires_grad_(True)
+        C = case.C.detach().clone().requires_grad_(True)
+
+        def step():
+            E.grad = C.grad = None
+            linear_cross_entropy(E, C, case.x, configs=configs).backward()
+
+        ms = latency(step, warmup=1, repeats=repeats, device=case.device).median_ms
+        rec = dict(case=f"e2e/{case.name}/{configs.name}", status="ok", ms=round(ms, 2))
+        E.grad = C.grad = None
+        loss = linear_cross_entropy(E, C, case.x, configs=configs)
+        loss.backward()
+        got = (loss.detach(), E.grad, C.grad)
+        if first is None:
+            first = got
+        else:
+            for key, a, b in zip(("loss", "dE", "dC"), got, first):
+                rec[f"{key}_vs_first"] = float((a.double() - b.double()).norm() / b.double().norm())
+        records.append(rec)
+    return records
+
+
+def realistic_filter(name, N, V, D, dtype, device, repeats):
+    case = Case(name, N, V, D, dtype, device, regime="realistic")
+    records = []
+    for sort in (False, True):
+        options = resolve_options(dtype, sort_vocab=sort)
+        stats = {}
+        case.backward(options=options, stats=stats)
+        ms = latency(lambda: case.backward(options=options), warmup=1, repeats=repeats,
+                     device=device).median_ms
+        records.append(dict(case=f"realistic/{name}/sort={sort}", status="ok", bwd_ms=round(ms, 2),
+                            tiles_skipped=round(stats["skipped"] / max(1, stats["tiles"]), 3),
+                            chunks_dead=f"{stats['dead_chunks']}/{stats['launches']}"))
+    return records
+
+
+def main():
+    def tier_arguments(parser):
+        parser.add_argument("--tier", help="sweep this configuration tier's candidates (e.g. "
+                            "turing-64k) instead of the device's; only the forward and G-kernel "
+                            "sections and the end-to-end comparison run")
+        parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+
+    args, cuda, device, scale = script_setup(__doc__, "tune.json", 240.0, tier_arguments)
+    dtype = getattr(torch, args.dtype) if cuda else torch.float16
+    base = tier(args.tier) if args.tier else select_configs(torch.device(device))
+    forward_candidates, g_candidates = FORWARD_CANDIDATES, G_CANDIDATES
+    if args.tier:
+        forward_candidates = g_candidates = (
+            TURING_CANDIDATES if args.tier == "turing-64k" else [base.forward[2]])
+    if not cuda:  # the interpreter runs any tile size; keep them small
+        forward_candidates = g_candidates = [L(16, 32, 16, 1, 1), L(32, 16, 16, 1, 1, GROUP_N=2)]
+        base = tier("interpreter")
+    gemma = ("gemma2", scale(8192, 40), scale(256_000, 500), scale(2304, 36))
+    qwen = ("qwen3-16k", scale(16_384, 64), scale(151_936, 301), scale(1024, 24))
+    repeats = 2 if args.tiny else 7
+    c = Checker(args.budget_s, device)
+    print(f"swept tier: {base.name}", flush=True)
+
+    cases = {}
+    for shape in (gemma, qwen):
+        cases[shape[0]] = Case(*shape, dtype, device)
+    for name in cases:
+        c.run(f"forward/{name}", forward_sweep, cases[name], base, forward_candidates, repeats,
+              required=name == "gemma2")
+    for name in cases:
+        c.run(f"g_kernel/{name}", g_kernel_sweep, cases[name], base, g_candidates, repeats, cuda,
+              required=name == "gemma2")
+    if args.tier:
+        for name in cases:
+            c.run(f"e2e/{name}", end_to_end, cases[name], [select_configs(torch.device(device)), base],
+                  repeats)
+    if not args.tier:
+        for name in cases:
+            c.run(f"chunks/{name}", chunk_width_sweep, cases[name], base, repeats)
+    if cuda and not args.tier:
+        for name in cases:
+            c.run(f"cublas/{name}", cublas_logits, cases[name], repeats)
+    del cases
+    release_memory(device)
+    if not args.tier:
+        c.run("realistic/gemma2", realistic_filter, *gemma, dtype, device, repeats)
+
+    print("\n" + "=" * 100)
+    keys = ("ms", "tflops", "bwd_ms", "g_kernel_ms", "g_tflops", "v_chunk", "bwd_peak_over_lb",
+            "mm_ms", "mm_tflops", "mm_then_g_ms", "mm_then_lse_ms", "extra_mb", "tiles_skipped",
+            "chunks_dead", "loss_vs_first", "dE_vs_first", "dC_vs_first", "error")
+    for r in c.records:
+        print(f"{r['case'][:52]:52s} {r.get('status', '?')[:6]:6s} "
+              + " ".join(f"{k}={r[k]}" for k in keys if k in r))
+    finish(c, args.out, cuda)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""Our Triton Cut Cross-Entropy (``helpers.cce``) against the float64 reference, on the CPU.
+
+Runs the kernels under the Triton interpreter in fp32 and fp16 (bf16 is wrong there, see
+the GPU check ``scripts/gpu/cce_check.py`` covers it). Shapes are tiny and irregular
+(N=37, V=301, D=24 against 16x32x16 tiles) so every kernel sees partial tiles in every dimension.
+Both backwards run: "atomic" and "gemm" (the default), forced to 3 row chunks
+x 5 vocabulary chunks by the ``backward_impl`` fixture, and again with chunks narrow enough for G to
+live in dE's rows; ``scripts/gpu/cce_check.py`` checks the default on a GPU.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+import helpers.cce.backward_gemm  # noqa: E402
+from helpers.cce import (  # noqa: E402
+    CCEOptions,
+    cce_backward,
+    cce_forward,
+    linear_cross_entropy,
+    resolve_options,
+    why_unavailable,
+)
+from helpers.compare.inputs import make_inputs as regime_inputs  # noqa: E402
+from helpers.spec import reference_loss, reference_loss_and_grads, relative_error  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+N, V, D = 37, 301, 24
+DTYPES = [torch.float32, torch.float16]
+# Relative L2 error allowed against float64: fp32 is real fp32 (ieee dots); fp16 rounds the
+# inputs of each product and G to 11 bits, as the naive fp16 path does.
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+
+
+def make_inputs(dtype, n=N, v=V, d=D, scale=1.0, seed=0, ignore=(), ignore_index=-100):
+    """The uniform regime (``helpers.compare.inputs``), E scaled by ``scale`` (a larger scale makes
+    the softmax more peaked), with the targets at ``ignore`` ignored."""
+    E, C, x = regime_inputs(n, v, d, torch.float32, "cpu", regime="uniform", seed=seed)
+    x[list(ignore)] = ignore_index
+    return (scale * E).to(dtype).to(DEVICE), C.to(dtype).to(DEVICE), x.to(DEVICE)
+
+
+def upstream(reduction, n=N, seed=1):
+    if reduction == "none":
+        return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    return torch.tensor(1.7, device=DEVICE)  # a non-1 scalar, so a missing scale shows
+
+
+@pytest.fixture(params=["atomic", "gemm", "gemm/G_in_dE"])
+def backward_impl(request, monkeypatch):
+    """Each backward in turn; "gemm" with small chunks: 16 rows x 64 columns, i.e. 3 row chunks x
+    5 vocabulary chunks at N=37, V=301 (each chunk 2 tiles wide, the last one partial);
+    "gemm/G_in_dE": 16 x 16 (V_c <= D = 24), so in fp16 each G chunk lives in dE's rows."""
+    chunks = {"gemm": (16, 64), "gemm/G_in_dE": (16, 16)}.get(request.param)
+    if chunks:
+        monkeypatch.setattr(helpers.cce.backward_gemm, "gemm_chunks", lambda *shape: chunks)
+    return request.param.split("/")[0]
+
+
+def run_ours(E, C, x, grad_output, **options):
+    E = E.detach().clone().requires_grad_(True)
+    C = C.detach().clone().requires_grad_(True)
+    loss = linear_cross_entropy(E, C, x, **options)
+    loss.backward(grad_output.expand_as(loss))
+    return loss.detach(), E.grad, C.grad
+
+
+def check(got, ref, dtype, loss_tol=None):
+    loss, dE, dC = got
+    rloss, rdE, rdC = ref
+    assert loss.dtype == torch.float32 and dE.dtype == dtype and dC.dtype == dtype
+    tol = loss_tol or TOL[dtype]
+    torch.testing.assert_close(loss.double(), rloss, rtol=tol, atol=tol, equal_nan=True)
+    assert relative_error(dE, rdE) < TOL[dtype], f"dE rel err {relative_error(dE, rdE):.2e}"
+    assert relative_error(dC, rdC) < TOL[dtype], f"dC rel err {relative_error(dC, rdC):.2e}"
+
+
+# Options the reference spec covers: compared with reference_loss_and_grads.
+SPEC_CASES = {
+    "mean": dict(),
+    "sum": dict(reduction="sum"),
+    "none": dict(reduction="none"),
+    "ignore_some_mean": dict(ignore=[0, 7, 36]),
+    "ignore_some_none": dict(ignore=[0, 7, 36], reduction="none"),
+    "ignore_custom_index": dict(ignore=[3, 4], ignore_index=-1, reduction="sum"),
+    "softcap": dict(softcap=2.5, scale=4.0),
+    "softcap_none": dict(softcap=2.5, scale=4.0, reduction="none"),
+    "filter_off": dict(filter_eps=None),
+    "filter_eps": dict(filter_eps=2.0**-12),
+    "sort_vocab": dict(sort_vocab=True, filter_eps=2.0**-12),
+    "kahan": dict(accumulation="kahan"),
+    "full_c": dict(full_c=True, filter_eps=2.0**-12),
+    "full_e": dict(full_e=True, filter_eps=2.0**-12),
+    "int32_targets": dict(int32=True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SPEC_CASES)
+def test_against_reference(case, dtype, backward_impl):
+    opts = dict(SPEC_CASES[case])
+    ignore, scale, int32 = opts.pop("ignore", ()), opts.pop("scale", 1.0), opts.pop("int32", False)
+    ignore_index = opts.get("ignore_index", -100)
+    E, C, x = make_inputs(dtype, scale=scale, ignore=ignore, ignore_index=ignore_index)
+    if int32:
+        x = x.int()
+    go = upstream(opts.get("reduction", "mean"))
+    spec = {k: opts[k] for k in ("ignore_index", "reduction", "softcap") if k in opts}
+    check(run_ours(E, C, x, go, backward_impl=backward_impl, **opts),
+          reference_loss_and_grads(E, C, x, go, **spec), dtype)
+
+
+# Options only our formula covers (z-loss, label smoothing), alone and combined with the rest.
+EXTRA_CASES = {
+    "z_loss": dict(z_loss=0.1),
+    "z_loss_none": dict(z_loss=0.1, reduction="none"),
+    "label_smoothing": dict(label_smoothing=0.1),
+    "label_smoothing_sum": dict(label_smoothing=0.25, reduction="sum"),
+    "everything": dict(z_loss=0.05, label_smoothing=0.2, softcap=3.0, ignore=[1, 2, 30],
+                       reduction="none", filter_eps=2.0**-14, sort_vocab=True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", EXTRA_CASES)
+def test_z_loss_and_label_smoothing(case, dtype, backward_impl):
+    opts = dict(EXTRA_CASES[case])
+    E, C, x = make_inputs(dtype, ignore=opts.pop("ignore", ()))
+    go = upstream(opts.get("reduction", "mean"))
+    ref_opts = {k: opts[k] for k in ("reduction", "softcap", "z_loss", "label_smoothing") if k in opts}
+    check(run_ours(E, C, x, go, backward_impl=backward_impl, **opts),
+          reference_loss_and_grads(E, C, x, go, **ref_opts), dtype)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored(reduction, backward_impl):
+    """torch: mean over zero kept tokens is NaN with zero gradients; sum is 0; none is zeros."""
+    E, C, x = make_inputs(torch.float32, ignore=range(N))
+    go = upstream(reduction)
+    loss, dE, dC = run_ours(E, C, x, go, reduction=reduction, backward_impl=backward_impl)
+    rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction=reduction)
+    torch.testing.assert_close(loss.double(), rloss, equal_nan=True)
+    assert torch.isnan(loss).any().item() == (reduction == "mean")
+    assert not dE.any() and not dC.any() and not rdE.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_contiguous_inputs(dtype, backward_impl):
+    E, C, x = make_inputs(dtype, n=2 * N, v=V, d=2 * D)
+    E_view = E.T.contiguous().T[::2, 1::2]  # (N, D), column-major and strided
+    C_view = C[:, ::2]  # (V, D), row stride 2D
+    x_view = torch.stack([x[:N], x[N:]], dim=1)[:, 0]  # (N,), stride 2
+    assert not (E_view.is_contiguous() or C_view.is_contiguous() or x_view.is_contiguous())
+    go = upstream("mean")
+    check(run_ours(E_view, C_view, x_view, go, backward_impl=backward_impl),
+          reference_loss_and_grads(E_view, C_view, x_view, go), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("accumulation", ["fp32", "kahan"])
+@pytest.mark.parametrize("impl", ["atomic", "gemm"])
+def test_chunked_host_paths(dtype, accumulation, impl):
+    """Vocabulary splits in the forward, row and vocabulary chunks in the backward, and the sort
+    (for "gemm", vocabulary chunks of 100: not a multiple of BLOCK_V, partial tiles in each)."""
+    E, C, x = make_inputs(dtype, ignore=[5])
+    options = resolve_options(dtype, filter_eps=None, sort_vocab=True, accumulation=accumulation)
+    loss_rows, lse = cce_forward(E, C, x, options, v_splits=3)
+    go = upstream("none")
+    dE, dC = cce_backward(E, C, x, lse, go, options, n_chunk=16, v_chunk=100, backward_impl=impl)
+    rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
+    torch.testing.assert_close(loss_rows.double(), rloss, rtol=TOL[dtype], atol=TOL[dtype])
+    assert relative_error(dE, rdE) < TOL[dtype] and relative_error(dC, rdC) < TOL[dtype]
+
+
+@pytest.mark.parametrize("impl", ["atomic", "gemm"])
+def test_kahan_compensates_the_folds_of_dC(impl):
+    """With one-row chunks dC is folded N times: plain rounding loses accuracy, Kahan keeps it."""
+    E, C, x = make_inputs(torch.float16, v=64)
+    go = upstream("sum")
+    errors = {}
+    for accumulation in ("fp32", "kahan"):
+        options = resolve_options(torch.float16, filter_eps=None, accumulation=accumulation)
+        _, lse = cce_forward(E, C, x, options)
+        grad_rows = go.expand(N).float()
+        _, dC = cce_backward(E, C, x, lse, grad_rows, options, n_chunk=1, v_chunk=64,
+                             backward_impl=impl)
+        errors[accumulation] = relative_error(dC, reference_loss_and_grads(E, C, x, go, reduction="sum")[2])
+    assert errors["kahan"] < 0.6 * errors["fp32"], errors
+    assert errors["kahan"] < TOL[torch.float16]
+
+
+def peaked_inputs(dtype, d=64, frequent=4, alpha=30.0):
+    """Zipf-like data: every row's softmax sits on two of a few frequent tokens (x_i and one more).
+
+    E_i = alpha (C_{x_i} + C_{y_i}) with unit rows of C and x, y drawn from ``frequent`` tokens
+    scattered over the vocabulary: z is ~alpha at x and y and ~alpha * 0.2 elsewhere, so S < 1e-6
+    outside the frequent tokens' columns and every tile without one is skippable.
+    """
+    g = torch.Generator().manual_seed(3)
+    C = F.normalize(torch.randn(V, d, generator=g), dim=1)
+    tokens = torch.randperm(V, generator=g)[:frequent]
+    x = tokens[torch.randint(0, frequent, (N,), generator=g)]
+    y = tokens[torch.randint(0, frequent, (N,), generator=g)]
+    E = alpha * (C[x] + C[y])
+    return E.to(dtype).to(DEVICE), C.to(dtype).to(DEVICE), x.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_filter_skips_tiles_when_the_softmax_is_peaked(dtype, backward_impl):
+    """The filter must skip tiles on peaked data, more after the vocabulary sort, and stay right."""
+    E, C, x = peaked_inputs(dtype)
+    go = upstream("none")
+    _, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
+    skipped = {}
+    for name, eps, sort in (("off", None, False), ("on", 2.0**-12, False), ("sorted", 2.0**-12, True)):
+        options = resolve_options(dtype, filter_eps=eps, sort_vocab=sort)
+        _, lse = cce_forward(E, C, x, options)
+        stats = {}
+        dE, dC = cce_backward(E, C, x, lse, go, options, stats=stats, backward_impl=backward_impl)
+        skipped[name] = stats["skipped"] / stats["tiles"]
+        # What the filter drops is below eps per entry, ~1e-6 here: under fp16's rounding, and a
+        # visible 3e-5 in fp32 (where "auto" keeps the filter off).
+        tol = TOL[dtype] if eps is None else max(TOL[dtype], 1e-4)
+        assert relative_error(dE, rdE) < tol and relative_error(dC, rdC) < tol, (name, relative_error(dE, rdE))
+    # 3 row blocks x 10 vocabulary blocks; 4 frequent tokens touch at most 4 vocabulary blocks,
+    # and after the sort they share the first one.
+    assert skipped["off"] == 0 and skipped["on"] >= 0.5, skipped
+    assert skipped["sorted"] >= 0.85 and skipped["sorted"] > skipped["on"], skipped
+    print(f"tiles skipped, {dtype}, {backward_impl}: {skipped}")
+
+
+def test_filter_keeps_a_flat_softmax_whose_entries_are_each_below_eps(backward_impl):
+    """A soft cap flattens the softmax: every entry ~1/V sits under eps, yet together they are the
+    whole gradient. Skipping tiles by their largest entry (the paper's rule) dropped them all and
+    put dE off by 2.3e-2 on the H200 (soft cap 4, V = 151,936, bf16); the row-mass rule keeps them.
+    Here eps = 1e-3 over V = 2,053 (entries ~5e-4) reproduces it at an interpreter-sized shape."""
+    E, C, x = make_inputs(torch.float16, n=37, v=2053, d=24)
+    go = upstream("mean", n=37)
+    _, rdE, rdC = reference_loss_and_grads(E, C, x, go, softcap=0.5)
+    _, dE, dC = run_ours(E, C, x, go, softcap=0.5, filter_eps=1e-3, backward_impl=backward_impl)
+    assert relative_error(dE, rdE) < TOL[torch.float16] and relative_error(dC, rdC) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("full", ["full_c", "full_e"])
+def test_full_c_and_full_e_keep_one_gradient_exact(full, backward_impl):
+    """A coarse eps drops real gradient; FullC keeps dC exact (dE filtered), FullE the reverse."""
+    E, C, x = make_inputs(torch.float32, scale=2.0)
+    go = upstream("mean")
+    _, rdE, rdC = reference_loss_and_grads(E, C, x, go)
+    _, dE, dC = run_ours(E, C, x, go, filter_eps=0.5, backward_impl=backward_impl,
+                         **{full: True})  # drops real row mass
+    exact, filtered = (dC, dE) if full == "full_c" else (dE, dC)
+    ref_exact, ref_filtered = (rdC, rdE) if full == "full_c" else (rdE, rdC)
+    assert relative_error(exact, ref_exact) < TOL[torch.float32]
+    assert relative_error(filtered, ref_filtered) > 100 * TOL[torch.float32]
+
+
+def test_fp16_accuracy_matches_the_naive_path(backward_impl):
+    """fp16 dE and dC within 1.5x of the naive fp16 path's error against float64."""
+    E, C, x = make_inputs(torch.float16, n=64, v=1000, d=48)
+    go = upstream("mean")
+    _, rdE, rdC = reference_loss_and_grads(E, C, x, go)
+    En = E.clone().requires_grad_(True)
+    Cn = C.clone().requires_grad_(True)
+    F.cross_entropy((En @ Cn.T).float(), x).backward(go)
+    _, dE, dC = run_ours(E, C, x, go, filter_eps=None, backward_impl=backward_impl)
+    assert relative_error(dE, rdE) <= 1.5 * relative_error(En.grad, rdE)
+    assert relative_error(dC, rdC) <= 1.5 * relative_error(Cn.grad, rdC)
+
+
+@pytest.mark.parametrize("mode", ["rounded", "upcast"])
+@pytest.mark.parametrize("n_chunk", [None, 16])
+def test_gemm_products_as_on_a_gpu(monkeypatch, mode, n_chunk):
+    """On the CPU "gemm" makes its products from fp32 copies ("upcast"). On a GPU it uses cuBLAS
+    with an fp32 output, or as a fallback ("rounded") fp16 products, and with one row chunk writes
+    dC in fp16 straight from the GEMM: the paths run here with "rounded", whose fp16 matmuls stand
+    in for cuBLAS's. Rows with different upstream gradients and ignored rows (g_rel E operand)."""
+    monkeypatch.setattr(helpers.cce.backward_gemm, "product_mode", lambda device, dtype: mode)
+    E, C, x = make_inputs(torch.float16, ignore=[3, 20])
+    go = upstream("none")
+    options = resolve_options(torch.float16, filter_eps=None)
+    _, lse = cce_forward(E, C, x, options)
+    stats = {}
+    dE, dC = cce_backward(E, C, x, lse, go, options, n_chunk=n_chunk, v_chunk=64, stats=stats,
+                          backward_impl="gemm")
+    assert stats["products"] == mode and stats["launches"] == (3 if n_chunk else 1) * 5
+    _, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
+    assert relative_error(dE, rdE) < TOL[torch.float16] and relative_error(dC, rdC) < TOL[torch.float16]
+
+
+def test_gemm_chunks_bound_the_scratch():
+    """Gemma-2-2B head, bf16: all rows in one fp32 dE accumulator (75.5 MB <= LB / 16) and G chunks
+    of 2,304 columns (37.7 MB <= LB / 32); a long Qwen3 batch splits its rows."""
+    from helpers.cce import gemm_chunks
+
+    N, V, D = 8192, 256_000, 2304
+    lb = (N + V) * D * 2
+    n_chunk, v_chunk = gemm_chunks(N, V, D, torch.bfloat16, 256)
+    assert (n_chunk, v_chunk) == (8192, 2304)
+    assert n_chunk * D * 4 <= lb / 16 and n_chunk * v_chunk * 2 <= lb / 32
+    n_chunk, v_chunk = gemm_chunks(131_072, 151_936, 1024, torch.bfloat16, 256)
+    lb = (131_072 + 151_936) * 1024 * 2
+    assert n_chunk < 131_072 and n_chunk * 1024 * 4 <= max(64 * 2**20, lb / 16) and v_chunk % 256 == 0
+    assert n_chunk * v_chunk * 2 <= max(32 * 2**20, lb / 32)
+
+
+def test_bad_backward_impl_names_the_argument():
+    E, C, x = make_inputs(torch.float32)
+    with pytest.raises(ValueError, match="backward_impl"):
+        cce_backward(E, C, x, torch.zeros(N), torch.ones(N), backward_impl="v2")
+
+
+BAD_INPUTS = [
+    (lambda E, C, x: (E, C, torch.full_like(x, V)), ValueError, "x holds target"),
+    (lambda E, C, x: (E, C, torch.full_like(x, -5)), ValueError, "x holds target"),
+    (lambda E, C, x: (E, C[:, :-1], x), ValueError, "share the hidden size D"),
+    (lambda E, C, x: (E, C.to("meta"), x), ValueError, "one device"),
+    (lambda E, C, x: (E.double(), C.double(), x), TypeError, "E must be one of"),
+    (lambda E, C, x: (E, C.half(), x), TypeError, "C must have E's dtype"),
+    (lambda E, C, x: (E[None], C, x), ValueError, "E must be 2-D"),
+    (lambda E, C, x: (E, C, x[:, None]), ValueError, "x must be 1-D"),
+    (lambda E, C, x: (E, C, x.float()), TypeError, "integer class indices"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INPUTS)))
+def test_bad_inputs_name_the_argument(case):
+    make, error, message = BAD_INPUTS[case]
+    with pytest.raises(error, match=message):
+        linear_cross_entropy(*make(*make_inputs(torch.float32)))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(filter_eps=-1.0), "filter_eps"),
+        (dict(filter_eps="high"), "filter_eps"),
+        (dict(z_loss=-0.1), "z_loss"),
+        (dict(label_smoothing=1.5), "label_smoothing"),
+        (dict(accumulation="bf16"), "accumulation"),
+        (dict(sort_vocab="yes"), "sort_vocab"),
+        (dict(reduction="avg"), "reduction"),
+        (dict(softcap=-1.0), "softcap"),
+        (dict(backward_impl="fast"), "backward_impl"),
+    ],
+)
+def test_bad_options_name_the_option(options, message):
+    with pytest.raises(ValueError, match=message):
+        linear_cross_entropy(*make_inputs(torch.float32), **options)
+
+
+def test_filter_eps_defaults_from_the_dtype():
+    assert resolve_options(torch.bfloat16).filter_eps == 2.0**-12
+    assert resolve_options(torch.float16).filter_eps == 2.0**-15
+    assert resolve_options(torch.float32).filter_eps is None
+    assert resolve_options(torch.bfloat16, label_smoothing=0.1).filter_eps is None
+    assert resolve_options(torch.bfloat16, filter_eps=0).filter_eps is None
+    assert resolve_options(torch.float32, filter_eps=1e-3).filter_eps == 1e-3
+    assert isinstance(resolve_options(torch.float32), CCEOptions)
+
+
+def test_why_unavailable_speaks_plainly():
+    assert "float64" in why_unavailable("cpu", torch.float64)
+    assert "CUDA" in why_unavailable("mps", torch.float32)
+    if torch.cuda.is_available():
+        return
+    assert why_unavailable("cpu", torch.float32) is None
+    assert why_unavailable("cpu", torch.float16) is None
+    assert "bfloat16" in why_unavailable("cpu", torch.bfloat16)

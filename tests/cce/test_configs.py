@@ -1,0 +1,268 @@
+"""Every launch configuration in ``helpers/cce/kernels/configs.py`` fits its tier's shared memory.
+
+Compiled on this CPU for the GPU of each tier (``triton.compile`` with a ``GPUTarget``, see
+a platform fact, re-derived here): the compiler reports the shared memory a launch would ask for, which is what decides
+whether a kernel runs on a T4 (64 KB per block) at all. What fits depends on the Triton version,
+so the messages name it. The compiling happens in a subprocess with TRITON_INTERPRET=0, because
+under the interpreter ``@triton.jit`` builds interpreted functions that cannot be compiled.
+
+Also shown: Apple's CCE backward (the ``cut_cross_entropy`` package) does not fit a T4.
+
+And a guard for a Hopper miscompile: when the backward kernel's dE product took the logit tile's
+accumulator (cast to fp16/bf16) as a register operand of sm_90's wgmma across its D loop, ptxas
+reused those registers inside the loop and dE came out wrong on the H200 (see
+``helpers/cce/kernels/backward_atomic.py``). The sm_90 compiles here must keep no accumulator as an operand.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+KERNEL_FLAGS = {
+    # (kernel, variant) -> the constexpr flags compiled: every flag on, and every flag off.
+    ("lse_forward", "all"): dict(HAS_SOFTCAP=True, SUM_LOGITS=True),
+    ("lse_forward", "none"): dict(HAS_SOFTCAP=False, SUM_LOGITS=False),
+    ("backward", "all"): dict(HAS_SOFTCAP=True, FILTER=True, FULL_E=True, FULL_C=True, SORTED=True,
+                              DC_LOCAL=True, COUNT_SKIPS=True),
+    ("backward", "none"): dict(HAS_SOFTCAP=False, FILTER=False, FULL_E=False, FULL_C=False,
+                               SORTED=False, DC_LOCAL=False, COUNT_SKIPS=False),
+    ("indexed_dot", "all"): dict(HAS_SOFTCAP=True),
+    ("backward_gemm", "all"): dict(HAS_SOFTCAP=True, FILTER=True, SPLIT_G=True, SORTED=True),
+    ("backward_gemm", "none"): dict(HAS_SOFTCAP=False, FILTER=False, SPLIT_G=False, SORTED=False),
+}
+DTYPE_NAMES = {2: ("fp16", "bf16"), 4: ("fp32",)}
+
+
+def _signature(kernel_name, fn, dtype):
+    """Triton signature strings for each argument of our kernels, by naming convention."""
+    pointers = {
+        "E_ptr": dtype, "C_ptr": dtype, "x_ptr": "i64", "vocab_order_ptr": "i64",
+        "skip_count_ptr": "i32", "G_ptr": dtype, "G_exact_ptr": dtype, "tile_kept_ptr": "i8",
+    }
+    floats = {"softcap", "z_loss", "label_smoothing", "eps"}
+    sig = {}
+    for param in fn.params:
+        name = param.name
+        if param.is_constexpr:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*" + pointers.get(name, "fp32")
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_ours(request):
+    """Runs in the subprocess: compile one kernel for one target, return its shared memory."""
+    import triton
+
+    from helpers.cce.kernels import configs as K
+    from helpers.cce.kernels.backward_atomic import backward_atomic_kernel
+    from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
+    from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
+    from helpers.cce.kernels.lse_forward import lse_forward_kernel
+
+    kernels = {"lse_forward": lse_forward_kernel, "backward": backward_atomic_kernel,
+               "indexed_dot": indexed_dot_kernel, "backward_gemm": gradient_chunk_kernel}
+    tier = K.tier(request["tier"])
+    size = 4 if request["dtype"] == "fp32" else 2
+    fn = kernels[request["kernel"]]
+    if request["kernel"] == "indexed_dot":
+        cfg = tier.indexed_dot
+        constexprs = cfg.tiles("BLOCK_N", "BLOCK_D")
+    else:
+        table = {"lse_forward": tier.forward, "backward": tier.backward,
+                 "backward_gemm": tier.backward_gemm}[request["kernel"]]
+        cfg = table[size]
+        constexprs = cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D")
+        constexprs["DOT_PRECISION"] = "ieee" if size == 4 else "tf32"
+        if request["kernel"] in ("backward", "backward_gemm"):
+            constexprs["GROUP_N"] = cfg.GROUP_N
+    constexprs.update(KERNEL_FLAGS[(request["kernel"], request["variant"])])
+    major, minor = request.get("target") or tier.target_capability
+    compiled = triton.compile(
+        triton.compiler.ASTSource(fn=fn, signature=_signature(request["kernel"], fn, request["dtype"]),
+                                  constexprs=constexprs),
+        target=triton.backends.compiler.GPUTarget("cuda", 10 * major + minor, 32),
+        options=cfg.launch,
+    )
+    return dict(request, shared=compiled.metadata.shared, budget=tier.shared_memory_bytes,
+                config=repr(cfg), compiled_for=[major, minor],
+                accumulator_operands=ACCUMULATOR_AS_OPERAND.findall(compiled.asm["ttgir"]))
+
+
+# In TTGIR: a dot's accumulator layout (#mma) converted to a dot's register-operand layout.
+ACCUMULATOR_AS_OPERAND = re.compile(
+    r"ttg\.convert_layout \S+ : tensor<[^>]*#mma\d*> -> tensor<[^>]*#ttg\.dot_op<[^>]*>>")
+
+
+def compile_apple(request):
+    """Runs in the subprocess: Apple's CCE backward, its default 128x128x32 tiles, for sm_75."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    import cut_cross_entropy.cce_backward as apple
+
+    fn = apple._cce_backward_kernel
+    while not isinstance(fn, JITFunction):  # unwrap its autotune/heuristics decorators
+        fn = fn.fn
+    dtype = request["dtype"]
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update({p: f"*{dtype}" for p in ("E", "C", "dE", "dC")})
+    sig.update({p: "*fp32" for p in ("LSE", "dOut")})
+    sig.update({p: "*i32" for p in ("Targets", "dELocks", "dCLocks", "Valids", "VocabOrdering")})
+    sig.update({p: "fp32" for p in ("softcap", "filter_eps", "grad_scale")})
+    constexprs = dict(BLOCK_B=128, BLOCK_V=128, BLOCK_D=32, MM_BACK_BLOCK_D=64, GROUP_B=8,
+                      EVEN_D=True, MM_BACK_EVEN_D=True, ITEM_DO=True, HAS_VALIDS=False,
+                      HAS_VOCAB_ORDERING=False, FILTER_GRAD=True, HAS_TARGETS=True,
+                      HAS_SOFTCAP=False, SHIFT=False, REQUIRES_GRAD=True)
+    sig.update({k: "constexpr" for k in constexprs})
+    compiled = triton.compile(
+        triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+        target=triton.backends.compiler.GPUTarget("cuda", 75, 32),
+        options={"num_warps": 4, "num_stages": 4},
+    )
+    return dict(request, shared=compiled.metadata.shared)
+
+
+def _compile(request):
+    try:
+        return (compile_apple if request["kernel"] == "apple_backward" else compile_ours)(request)
+    except Exception as error:  # reported by the test that asked for this compile
+        return dict(request, error=f"{type(error).__name__}: {error}"[:2000])
+
+
+def all_requests():
+    from helpers.cce.kernels.configs import TIERS
+
+    requests = []
+    for tier in TIERS:
+        turing = tier.target_capability < (8, 0)
+        for size, names in DTYPE_NAMES.items():
+            for dtype in names:
+                if dtype == "bf16" and turing:
+                    continue  # no bf16 on sm_75: why_unavailable refuses it
+                for kernel, variant in KERNEL_FLAGS:
+                    # Every variant on the T4 tier (the tight one); all flags on elsewhere.
+                    if variant == "none" and not turing:
+                        continue
+                    requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant=variant))
+    # Every tier's backwards for a Hopper GPU too (configs= can pick any tier on any GPU).
+    for tier in TIERS:
+        if tier.target_capability != (9, 0):
+            for dtype in ("fp16", "bf16"):
+                for kernel in ("backward", "backward_gemm"):
+                    requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant="none",
+                                         target=[9, 0]))
+    requests.append(dict(tier="apple", dtype="fp16", kernel="apple_backward", variant="default"))
+    return requests
+
+
+def _key(r):
+    target = f"-sm{r['target'][0]}{r['target'][1]}" if r.get("target") else ""
+    return f"{r['tier']}-{r['kernel']}-{r['dtype']}-{r['variant']}{target}"
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Compile everything once, in a subprocess without the interpreter, two at a time."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return {_key(r): r for r in results["results"]} | {"triton": results["triton"]}
+
+
+def _our_requests():
+    # Listing the tiers here needs no triton compile, only the table.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return [r for r in all_requests() if r["kernel"] != "apple_backward"]
+
+
+@pytest.mark.slow  # compiles kernels for sm_75/sm_80/sm_90 (a minute on a cold cache)
+@pytest.mark.parametrize("request_", [r for r in _our_requests() if not r.get("target")], ids=_key)
+def test_config_fits_its_tier(compiled, request_):
+    r = compiled[_key(request_)]
+    assert "error" not in r, f"Triton {compiled['triton']} failed to compile {_key(r)}: {r['error']}"
+    assert r["shared"] <= r["budget"], (
+        f"Triton {compiled['triton']}: {_key(r)} {r['config']} asks {r['shared']:,} B of shared "
+        f"memory, over the tier's {r['budget']:,} B"
+    )
+
+
+def _hopper_backward_requests():
+    return [r for r in _our_requests() if r["kernel"] in ("backward", "backward_gemm")
+            and r["dtype"] != "fp32"
+            and (r.get("target") == [9, 0] or r["tier"] == "hopper-227k")]
+
+
+@pytest.mark.slow  # compiles kernels for sm_75/sm_80/sm_90 (a minute on a cold cache)
+@pytest.mark.parametrize("request_", _hopper_backward_requests(), ids=_key)
+def test_hopper_backward_keeps_no_accumulator_in_registers_as_operand(compiled, request_):
+    """ptxas 12.8/12.9 clobbered such an operand held across the D loop: wrong dE on the H200."""
+    r = compiled[_key(request_)]
+    assert "error" not in r, f"Triton {compiled['triton']} failed to compile {_key(r)}: {r['error']}"
+    assert r["compiled_for"] == [9, 0]
+    assert not r["accumulator_operands"], (
+        f"Triton {compiled['triton']}: {_key(r)} feeds an accumulator to a dot from registers: "
+        f"{r['accumulator_operands'][0][:300]}"
+    )
+
+
+@pytest.mark.slow  # compiles kernels for sm_75/sm_80/sm_90 (a minute on a cold cache)
+def test_turing_configs_fit_64_kb(compiled):
+    turing = [r for k, r in compiled.items() if k.startswith("turing-64k") and "-sm" not in k]
+    assert len(turing) == 14  # 3 kernels x (fp16, fp32) x (all flags, none) + indexed_dot x 2
+    for r in turing:
+        assert r["shared"] <= 65536, (
+            f"Triton {compiled['triton']}: {_key(r)} needs {r['shared']:,} B > 65,536 B (T4, sm_75)"
+        )
+
+
+@pytest.mark.slow  # compiles kernels for sm_75/sm_80/sm_90 (a minute on a cold cache)
+def test_apple_cce_backward_does_not_fit_a_t4(compiled):
+    """98,304 B for fp16 128x128x32 tiles on sm_75 with Triton 3.4-3.9."""
+    r = compiled["apple-apple_backward-fp16-default"]
+    if "error" in r:
+        pytest.skip(f"Apple's kernel did not compile with Triton {compiled['triton']}: {r['error'][:200]}")
+    assert r["shared"] > 65536, (
+        f"Triton {compiled['triton']}: Apple's fp16 backward asks only {r['shared']:,} B for sm_75"
+    )
+
+
+def test_configs_are_picked_by_shared_memory():
+    from helpers.cce.kernels.configs import configs_for_shared_memory
+
+    assert configs_for_shared_memory(64 * 1024).name == "turing-64k"
+    assert configs_for_shared_memory(99 * 1024).name == "ampere-99k"
+    assert configs_for_shared_memory(166_912).name == "ampere-163k"  # A100
+    assert configs_for_shared_memory(232_448).name == "hopper-227k"  # H100 / H200
+    assert configs_for_shared_memory(48 * 1024).name == "turing-64k"  # smallest tier at worst
+
+
+if __name__ == "__main__":
+    import triton
+
+    with ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        results = list(pool.map(_compile, all_requests()))
+    print(json.dumps({"triton": triton.__version__, "results": results}))
+
+
+def test_tier_for_capability_agrees_with_shared_memory():
+    """The theory's guess of a GPU's tier (helpers.compare.sweep) matches what the device would pick by its
+    shared memory, for the GPUs configs.py names: T4, RTX 30xx/40xx, A100, H100/H200."""
+    from helpers.cce.kernels.configs import configs_for_shared_memory, tier_for_capability
+
+    for capability, shared_kib in [((7, 5), 64), ((8, 6), 99), ((8, 9), 99), ((8, 0), 163), ((9, 0), 227)]:
+        assert tier_for_capability(capability) is configs_for_shared_memory(shared_kib * 1024), capability
+    assert tier_for_capability(None).name == "interpreter"

@@ -1,0 +1,38 @@
+"""The benchmark command: gate first, measure, write as it goes, never time a failing method."""
+
+import json
+
+import torch
+
+from helpers.compare.bench import bench_table, run_bench
+from helpers.compare.methods import Method, naive_loss
+from helpers.compare.sweep import lower_bound_bytes
+
+
+def test_bench_measures_gated_methods_and_writes_as_it_goes(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    records = run_bench(["naive", "chunked", "apple_cce"], ["tiny"], ["uniform", "realistic"], (torch.float32,),
+                        Ns=[64], output=out, warmup=0, repeats=2, device="cpu", progress=False)
+    by = {(r.method, r.regime): r for r in records}
+    assert by[("apple_cce", "uniform")].status == "unavailable" and "CUDA GPU" in by[("apple_cce", "uniform")].note
+    for regime in ("uniform", "realistic"):
+        r = by[("chunked", regime)]
+        assert r.status == "ok" and r.gate == "pass" and r.fwd_bwd_ms > 0 and r.peak_mb > 0
+        assert r.lower_bound_mb == lower_bound_bytes(64, 1031, 40, torch.float32) / 1e6
+        assert r.peak_over_lb >= 1.0  # the step's own gradients are part of its peak
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == len(records) == 6
+    assert "| tiny | realistic | float32 | 64 | chunked |" in bench_table(records)
+
+
+def test_a_method_that_fails_the_gate_is_not_timed(temporary_method):
+    def too_steep(E, C, x, **kw):
+        return naive_loss(E, C, x, **kw) * 1.02
+
+    temporary_method(Method("too_steep", "too_steep", "wrong by 2%", too_steep, lambda d, t, s: None))
+    skipped = run_bench(["too_steep"], ["tiny"], dtypes=(torch.float32,), Ns=[64], warmup=0, repeats=1,
+                        device="cpu", progress=False)
+    assert [r.status for r in skipped] == ["failed gate"] and skipped[0].fwd_bwd_ms is None
+    timed = run_bench(["too_steep"], ["tiny"], dtypes=(torch.float32,), Ns=[64], warmup=0, repeats=1,
+                      time_failed=True, device="cpu", progress=False)
+    assert timed[0].status == "ok" and timed[0].gate == "fail (timed anyway)"

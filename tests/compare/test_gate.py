@@ -1,0 +1,127 @@
+"""The gate passes correct methods, reports unavailable ones, and catches wrong ones."""
+
+import math
+
+import pytest
+import torch
+
+from helpers.compare.gate import GateCase, GateFailure, gate_cases, run_gate
+from helpers.compare.methods import Method, naive_loss
+
+SHAPES = [(23, 301, 40), (9, 517, 24)]
+CASES = gate_cases(SHAPES)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # bf16 is fine for pure-PyTorch methods on CPU
+
+
+def test_correct_methods_pass_in_every_dtype():
+    report = run_gate(["naive", "chunked"], DTYPES, CASES, device="cpu")
+    assert not report.failures
+    assert report.passed("chunked", torch.bfloat16)
+    assert len(report.rows) == 2 * len(DTYPES) * len(CASES)
+
+
+def test_unavailable_methods_are_reported_not_dropped():
+    report = run_gate(["chunked", "apple_cce"], (torch.float32,), CASES[:1], device="cpu")
+    cce_rows = [r for r in report.rows if r.method == "apple_cce"]
+    assert cce_rows and all(r.status == "unavailable" and "CUDA GPU" in r.reason for r in cce_rows)
+    assert not report.passed("apple_cce")
+
+
+class ScaledGradient(torch.autograd.Function):
+    """Identity forward; backward scales the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, t, scale):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def _wrong(name, implementation):
+    return Method(name, name, "deliberately wrong", implementation, lambda d, t, s: None)
+
+
+def gradient_times_1_01(E, C, x, **kw):
+    return naive_loss(ScaledGradient.apply(E, 1.01), ScaledGradient.apply(C, 1.01), x, **kw)
+
+
+def softcap_dropped(E, C, x, *, softcap=None, **kw):
+    return naive_loss(E, C, x, **kw)
+
+
+def upstream_gradient_ignored(E, C, x, **kw):
+    loss = naive_loss(E, C, x, **kw)
+    return ScaledGradient.apply(loss, 1.0 / 0.73) if loss.dim() == 0 else loss
+
+
+def nan_when_all_ignored_gradients(E, C, x, **kw):
+    loss = naive_loss(E, C, x, **kw)
+    if (x != -100).any() or kw["reduction"] != "mean":
+        return loss
+    return loss + E.sum() * math.nan  # NaN loss, as torch, but NaN gradients too: wrong
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "wrong, broken_quantities",
+    [
+        (gradient_times_1_01, {"dE", "dC"}),
+        (softcap_dropped, {"loss", "dE", "dC"}),
+        (upstream_gradient_ignored, {"dE", "dC"}),
+    ],
+)
+def test_the_gate_catches_a_wrong_method(temporary_method, dtype, wrong, broken_quantities):
+    temporary_method(_wrong("wrong", wrong))
+    with pytest.raises(GateFailure) as failure:
+        run_gate(["naive", "wrong"], (dtype,), CASES, device="cpu")
+    message = str(failure.value)
+    assert "wrong [" in message and "naive [" not in message
+    assert any(f": {q} error" in message for q in broken_quantities)
+
+
+def test_the_gate_catches_nan_gradients(temporary_method):
+    temporary_method(_wrong("nan_grads", nan_when_all_ignored_gradients))
+    report = run_gate(["nan_grads"], (torch.float32,), CASES, device="cpu", raise_on_failure=False)
+    failed = {r.case for r in report.failures}
+    assert failed == {c.name for c in CASES if c.ignore == "all" and c.reduction == "mean"}
+
+
+def test_a_crashing_method_is_a_failure_not_a_crash(temporary_method):
+    def crash(E, C, x, **kw):
+        raise RuntimeError("kernel exploded")
+
+    temporary_method(_wrong("crash", crash))
+    report = run_gate(["crash"], (torch.float32,), CASES[:1], device="cpu", raise_on_failure=False)
+    assert report.failures and "kernel exploded" in report.failures[0].reason
+    assert "kernel exploded" in report.failure_message()
+
+
+def test_cases_cover_reductions_ignores_and_softcap():
+    assert {c.reduction for c in CASES} == {"mean", "sum", "none"}
+    assert {c.ignore for c in CASES} == {"none", "some", "all"}
+    assert any(c.softcap for c in CASES)
+    assert all(isinstance(c, GateCase) for c in CASES)
+
+
+def test_report_writes_json_and_markdown(tmp_path):
+    report = run_gate(["naive", "apple_cce"], (torch.float32,), CASES[:2], device="cpu")
+    path = report.to_json(tmp_path / "gate.json")
+    assert '"passed": true' in path.read_text()
+    table = report.markdown()
+    assert "| naive | float32 | 2 |" in table and "unavailable" in table
+
+
+def test_naive_over_its_floor_is_reported_not_failed(monkeypatch):
+    import helpers.compare.gate as gate
+
+    tight = {dtype: {q: 1e-12 for q in gate.QUANTITIES} for dtype in gate.FLOOR}
+    monkeypatch.setattr(gate, "FLOOR", tight)
+    report = run_gate(["naive", "chunked"], (torch.float16,), CASES[:2], device="cpu", raise_on_failure=False)
+    naive_rows = [r for r in report.rows if r.method == "naive"]
+    assert naive_rows and all(r.status == "over floor" for r in naive_rows)
+    assert report.passed("naive") and "over the dtype floor" in report.markdown()
+    # chunked is judged against 2x naive's errors, which it beats or fails on its own merits
+    assert all(r.method == "chunked" for r in report.failures)

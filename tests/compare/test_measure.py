@@ -1,0 +1,174 @@
+"""helpers.compare.measure on the CPU: the peak-memory meter against known allocations and against autograd,
+the byte budget that stands in for a small card, latency statistics, the OOM-safe runner, and the
+chunked method's bounded memory."""
+
+import math
+import time
+
+import pytest
+import torch
+
+from helpers.compare.measure import (
+    MemoryBudgetExceeded,
+    apply_memory_cap,
+    is_out_of_memory,
+    latency,
+    measure,
+    peak_memory,
+)
+from helpers.compare.methods import chunked_loss, naive_loss
+from helpers.compare.inputs import make_inputs
+
+MB = 1024**2
+
+
+def test_peak_memory_measures_a_known_allocation():
+    result, peak = peak_memory(lambda: torch.empty(10 * MB, dtype=torch.uint8), device="cpu")
+    assert result.numel() == 10 * MB
+    assert abs(peak - 10 * MB) <= 0.02 * 10 * MB
+
+
+def test_peak_memory_sees_a_temporary_freed_before_the_end():
+    def fn():
+        a = torch.empty(4 * MB, dtype=torch.uint8)
+        b = torch.empty(8 * MB, dtype=torch.uint8)  # peak here: a and b, 12 MB
+        del a
+        c = torch.empty(2 * MB, dtype=torch.uint8)  # 10 MB: below the peak
+        return b, c
+
+    _, peak = peak_memory(fn, device="cpu")
+    assert abs(peak - 12 * MB) <= 0.02 * 12 * MB
+
+
+def test_peak_memory_does_not_count_what_existed_before():
+    held = torch.empty(32 * MB, dtype=torch.uint8)
+    _, peak = peak_memory(lambda: held.add_(1), device="cpu")  # in place: allocates nothing
+    assert peak < MB
+
+
+def test_peak_memory_ignores_frees_of_blocks_from_an_earlier_profile():
+    # A library that keeps a buffer from one call and frees it in the next (Liger under the
+    # interpreter does): the profiler knows that block's size from the earlier profile, and the
+    # free must not pull the running sum below what this call allocates.
+    kept = [peak_memory(lambda: torch.empty(4 * MB, dtype=torch.uint8), device="cpu")[0]]
+
+    def fn():
+        kept.clear()
+        return torch.empty(MB, dtype=torch.uint8)
+
+    _, peak = peak_memory(fn, device="cpu")
+    assert abs(peak - MB) <= 0.02 * MB
+
+
+def test_peak_memory_follows_autograd_through_backward():
+    # The naive loss peaks inside log_softmax's backward with three fp32 N×V tensors alive: the
+    # meter must see allocations made by the autograd engine, not only by the forward. fp32 inputs:
+    # a CPU's fp16 matmul allocates a conversion workspace whose size depends on the processor's
+    # instruction set (on some, 1.7% over 12·N·V here), which is the BLAS's, not the loss's.
+    N, V, D = 96, 1031, 32
+    E, C, x = make_inputs(N, V, D, torch.float32, "cpu", requires_grad=True)
+
+    def step():
+        return torch.autograd.grad(naive_loss(E, C, x), (E, C))
+
+    step()
+    _, peak = peak_memory(step, device="cpu")
+    assert abs(peak / (12 * N * V) - 1) < 0.01
+
+
+def test_budget_turns_an_oversized_peak_into_an_oom():
+    with pytest.raises(MemoryBudgetExceeded) as raised:
+        peak_memory(lambda: torch.empty(4 * MB, dtype=torch.uint8), device="cpu", budget_bytes=MB)
+    assert isinstance(raised.value, MemoryError) and is_out_of_memory(raised.value)
+    _, peak = peak_memory(lambda: torch.empty(MB // 2, dtype=torch.uint8), device="cpu", budget_bytes=MB)
+    assert peak <= MB
+
+
+def test_is_out_of_memory_reads_the_exception_chain():
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.96 GiB")
+        except torch.OutOfMemoryError as inner:
+            raise RuntimeError("backend compiler failed") from inner
+    except RuntimeError as wrapped:
+        assert is_out_of_memory(wrapped)
+    assert not is_out_of_memory(ValueError("shape mismatch"))
+
+
+def test_latency_returns_sane_statistics():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002)
+
+    stats = latency(fn, warmup=2, repeats=5, device="cpu")
+    assert len(calls) == 7
+    assert stats.repeats == 5
+    assert 2.0 <= stats.p10_ms <= stats.median_ms <= stats.p90_ms < 200
+    assert latency(fn, warmup=0, repeats=1, device="cpu").median_ms >= 2.0
+    with pytest.raises(ValueError):
+        latency(fn, repeats=0, device="cpu")
+
+
+def test_measure_records_an_oom_and_lets_other_errors_through():
+    def too_big():
+        return torch.empty(4 * MB, dtype=torch.uint8)
+
+    result = measure(too_big, warmup=1, repeats=2, device="cpu", budget_bytes=MB)
+    assert result.status == "oom" and "MemoryBudgetExceeded" in result.error and result.peak_bytes is None
+
+    def real_oom():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    assert measure(real_oom, device="cpu").status == "oom"
+
+    def broken():
+        raise ValueError("not a memory problem")
+
+    with pytest.raises(ValueError):
+        measure(broken, device="cpu")
+
+    fine = measure(lambda: torch.ones(MB // 4), warmup=1, repeats=3, device="cpu")
+    assert fine.status == "ok" and abs(fine.peak_bytes - MB) <= 0.02 * MB and fine.latency.repeats == 3
+
+
+def test_memory_cap_on_the_cpu_is_a_budget():
+    cap = apply_memory_cap(0.9, cpu_budget_bytes=5_000_000, device="cpu")
+    assert cap.budget_bytes == cap.usable_bytes == 5_000_000
+    assert cap.room_for(input_bytes=1_000_000) == 5_000_000  # the budget is above the inputs already
+    assert apply_memory_cap(0.9, device="cpu").budget_bytes is None
+
+
+def test_chunked_peak_grows_with_dE_only_while_naive_grows_with_the_logits():
+    # fp32, so the blocks are easy to count: dE (N, D), dC (V, D), and at most four fp32 (rows, V)
+    # blocks (raw logits, z - lse, G, and the previous chunk's G, which lives until the new one is
+    # bound). Going from N1 to N2 tokens naive must add 12 bytes per extra logit; chunked only the
+    # extra rows of dE (and O(N) per-row vectors).
+    V, D, rows = 1031, 32, 16
+    N1, N2 = 128, 512
+
+    def peaks(loss):
+        out = []
+        for N in (N1, N2):
+            E, C, x = make_inputs(N, V, D, torch.float32, "cpu", requires_grad=True)
+
+            def step():
+                return torch.autograd.grad(loss(E, C, x), (E, C))
+
+            step()
+            out.append(peak_memory(step, device="cpu")[1])
+        return out
+
+    naive = peaks(naive_loss)
+    chunked = peaks(lambda E, C, x: chunked_loss(E, C, x, rows=rows))
+    assert abs((naive[1] - naive[0]) / (12 * (N2 - N1) * V) - 1) < 0.01
+
+    chunk_budget = 4 * rows * V * 4
+    per_row_vectors = 64  # bytes per token of fp32/int64/bool (N,) vectors: lse, weights, targets, mask
+    for N, peak in zip((N1, N2), chunked):
+        gradients = (N * D + V * D) * 4
+        assert gradients <= peak <= gradients + chunk_budget + per_row_vectors * N
+    assert chunked[1] - chunked[0] <= (N2 - N1) * (D * 4 + per_row_vectors)
+    assert chunked[1] < naive[1] / 10
+    assert math.isclose(chunked[1] - chunked[0], (N2 - N1) * D * 4, rel_tol=0.5)

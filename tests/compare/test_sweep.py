@@ -1,0 +1,289 @@
+"""helpers.compare.sweep on the CPU: the theory against hand arithmetic, the article and the meter; the
+runner's OOM handling, skip-after-OOM, error recording and resume; the files and the figure."""
+
+import json
+
+import pytest
+import torch
+
+from helpers.compare.inputs import make_inputs
+from helpers.compare.measure import MemoryCap, peak_memory
+from helpers.compare.methods import Method, chunked_loss, naive_loss
+from helpers.compare.sweep import (
+    ARTICLE_N,
+    ARTICLE_T4_PEAK_GB,
+    QWEN3_HEAD,
+    T4_CAPABILITY,
+    first_oom_n,
+    input_bytes,
+    load_points,
+    loss_step,
+    lower_bound_bytes,
+    predicted_peak_bytes,
+    results_table,
+    run_sweep,
+    sizes_that_fit,
+    verdicts,
+    write_results,
+)
+
+V_QWEN, D_QWEN = QWEN3_HEAD["V"], QWEN3_HEAD["D"]
+NO_CAP = MemoryCap("cpu", None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Theory
+# ---------------------------------------------------------------------------------------------
+
+
+def test_theory_at_the_qwen3_head_by_hand():
+    N, V, D = 1024, V_QWEN, D_QWEN
+    # dE: 1024·1024·2 = 2,097,152; dC: 151,936·1024·2 = 311,164,928
+    assert lower_bound_bytes(N, V, D, torch.float16) == 313_262_080
+    # three fp32 N×V tensors: 12 · 1024 · 151,936
+    assert predicted_peak_bytes("naive", N, V, D, torch.float16) == 1_866_989_568
+    assert predicted_peak_bytes("naive", N, V, D, torch.bfloat16) == 1_866_989_568
+    # fp16 logits 1024·151,936·2 = 311,164,928, plus dE and dC
+    assert predicted_peak_bytes("torch_compile", N, V, D, "float16") == 311_164_928 + 313_262_080
+    # Liger: chunk rows = next_pow2(ceil(1024 / ceil(151,936 / 1024))) = next_pow2(7) = 8, so an
+    # (8, V) fp16 block: 2,430,976; its fp32 loss vector: 4,096. On a T4 each chunk's dC goes
+    # through a (V, D) fp16 matmul result and its fp32 copy: 151,936·1024·6 = 933,494,784.
+    liger_sm80 = 313_262_080 + 2_430_976 + 4_096
+    assert predicted_peak_bytes("liger", N, V, D, "bfloat16", (9, 0)) == liger_sm80
+    assert predicted_peak_bytes("liger", N, V, D, "float16", T4_CAPABILITY) == liger_sm80 + 933_494_784
+    # chunked at N = 4096, fp16: 441 rows a chunk (256 MiB / (4·151,936)), three fp32 (441, V)
+    # blocks = 804,045,312; dE 8,388,608; fp32 dC and fp32 copy of C 2·622,329,856;
+    # fp32 rows of E 441·1024·4 = 1,806,336.
+    assert predicted_peak_bytes("chunked", 4096, V, D, "float16") == (
+        804_045_312 + 8_388_608 + 2 * 622_329_856 + 1_806_336
+    )
+    assert predicted_peak_bytes("apple_cce", N, V, D, "bfloat16") == 313_262_080
+    # ours: all 1,024 rows in one chunk; G chunk max(32 MiB, LB / 32) / (1024 rows · 2 bytes) =
+    # 16,384 columns: 33,554,432 bytes; dE's fp32 accumulator 1024·1024·4 = 4,194,304.
+    assert predicted_peak_bytes("ours", N, V, D, "bfloat16", (9, 0)) == 313_262_080 + 33_554_432 + 4_194_304
+    # fp32 inputs: no accumulator (dE accumulates itself), G in fp32: 8,192 columns, same bytes.
+    assert predicted_peak_bytes("ours", N, V, D, "float32", (9, 0)) == 2 * 313_262_080 + 33_554_432
+    assert predicted_peak_bytes("no_such_method", N, V, D, "bfloat16") is None
+
+
+def test_theory_explains_the_articles_t4_table():
+    # The article measured absolute memory in its trainer; minus (theory + inputs) every one of
+    # its fifteen numbers must leave the same constant (what else was resident: ~1.59 GB).
+    residuals = []
+    for method, row in ARTICLE_T4_PEAK_GB.items():
+        for N, gb in zip(ARTICLE_N, row):
+            if gb is not None:
+                ours = predicted_peak_bytes(method, N, V_QWEN, D_QWEN, "float16", T4_CAPABILITY)
+                residuals.append(gb - (ours + input_bytes(N, V_QWEN, D_QWEN, "float16")) / 1e9)
+    assert len(residuals) == 15
+    assert max(residuals) - min(residuals) < 0.02
+    assert 1.5 < min(residuals) < 1.7
+
+
+# Measured earlier on an H200, Qwen3 head in bf16 (sm_90), peak MiB above the inputs, by method and N.
+H200_BF16_PEAK_MIB = {
+    "naive": {1024: 1782, 4096: 7122, 16384: 28488, 65536: 113952},
+    "torch_compile": {1024: 596, 4096: 1493, 16384: 5077, 65536: 19417, 131072: 38537},
+    "liger": {1024: 301, 4096: 314, 16384: 366, 65536: 573, 131072: 850},
+    "apple_cce": {1024: 300, 4096: 307, 16384: 331, 65536: 427, 131072: 555},
+}
+
+
+@pytest.mark.parametrize("method", sorted(H200_BF16_PEAK_MIB))
+def test_theory_matches_the_h200_measurements(method):
+    for N, mib in H200_BF16_PEAK_MIB[method].items():
+        predicted = predicted_peak_bytes(method, N, V_QWEN, D_QWEN, "bfloat16", (9, 0)) / 1024**2
+        assert abs(predicted / mib - 1) < 0.01, (method, N, predicted, mib)
+
+
+# Ours (helpers.cce, the "gemm" backward with G inside dE where it fits), bf16 on the H200 (sm_90),
+# 2026-11-30, the backward's timing script of then: peak of forward+backward above the inputs, MB (10^6 B).
+H200_BF16_OURS_PEAK_MB = {(1024, V_QWEN, D_QWEN): 351.0, (16_384, V_QWEN, D_QWEN): 412.0,
+                          (131_072, V_QWEN, D_QWEN): 654.7, (8192, 256_000, 2304): 1293.0}
+
+
+def test_ours_theory_matches_the_h200_measurements():
+    for (N, V, D), mb in H200_BF16_OURS_PEAK_MB.items():
+        predicted = predicted_peak_bytes("ours", N, V, D, "bfloat16", (9, 0)) / 1e6
+        assert abs(mb / predicted - 1) < 0.01, (N, V, D, predicted, mb)
+
+
+def test_theory_predicts_the_articles_oom_wall_on_a_t4_with_the_guardrail():
+    t4 = MemoryCap("cuda", int(0.9 * 15 * 1024**3), 15 * 1024**3, 0.9)
+    assert first_oom_n("naive", ARTICLE_N, V_QWEN, D_QWEN, "float16", t4, T4_CAPABILITY) == 8192
+    assert first_oom_n("torch_compile", ARTICLE_N, V_QWEN, D_QWEN, "float16", t4, T4_CAPABILITY) is None
+    assert first_oom_n("liger", ARTICLE_N, V_QWEN, D_QWEN, "float16", t4, T4_CAPABILITY) is None
+    assert sizes_that_fit([1024, 10**8], V_QWEN, D_QWEN, "float16", t4) == [1024]
+
+
+# naive and Liger multiply in fp16 with torch's CPU matmul, which on some processors converts its
+# operands to fp32 in scratch (60-90% over the theory at this tiny head, none on others): that is the
+# BLAS's memory, not the method's, so those two are checked in fp32 only. chunked and ours multiply
+# in fp32 on the CPU whatever the input dtype.
+@pytest.mark.parametrize("method,dtype", [
+    ("naive", torch.float32), ("liger", torch.float32),
+    ("chunked", torch.float32), ("chunked", torch.float16), ("ours", torch.float32), ("ours", torch.float16),
+])
+def test_theory_matches_the_cpu_meter(method, dtype):
+    N, V, D = 48, 257, 24
+    E, C, x = make_inputs(N, V, D, dtype, "cpu", requires_grad=True)
+    step = loss_step(method, E, C, x)
+    step()
+    _, measured = peak_memory(step, device="cpu")
+    predicted = predicted_peak_bytes(method, N, V, D, dtype)  # capability None: the CPU's paths
+    assert abs(measured / predicted - 1) < 0.02, (measured, predicted)
+
+
+def test_chunked_theory_with_several_chunks_matches_the_meter(monkeypatch):
+    from helpers.compare import sweep
+
+    N, V, D, rows = 100, 509, 16, 16  # seven chunks, the last one ragged
+    E, C, x = make_inputs(N, V, D, torch.float16, "cpu", requires_grad=True)
+
+    def step():
+        return torch.autograd.grad(chunked_loss(E, C, x, rows=rows), (E, C))
+
+    step()
+    _, measured = peak_memory(step, device="cpu")
+    monkeypatch.setattr(sweep, "chunk_rows", lambda V: rows)  # the theory reads the registry's chunk size
+    predicted = predicted_peak_bytes("chunked", N, V, D, torch.float16)
+    assert abs(measured / predicted - 1) < 0.03, (measured, predicted)
+
+
+@pytest.mark.parametrize("N, V, D, chunks", [
+    (100, 1031, 64, (32, 128)),  # 4 row chunks (the last ragged) x 9 vocabulary chunks, G scratch
+    (256, 300, 64, (256, 64)),  # V_c = D: each G chunk lives in dE, 11% of the peak
+], ids=["G_scratch", "G_in_dE"])
+def test_ours_theory_with_chunks_matches_the_meter(monkeypatch, N, V, D, chunks):
+    import helpers.cce.backward_gemm
+
+    # D large enough that the O(N) per-row vectors the formula leaves out stay under 1%.
+    monkeypatch.setattr(helpers.cce.backward_gemm, "gemm_chunks", lambda N, V, D, dtype, block_v: chunks)
+    E, C, x = make_inputs(N, V, D, torch.float16, "cpu", requires_grad=True)
+    step = loss_step("ours", E, C, x)
+    step()
+    _, measured = peak_memory(step, device="cpu")
+    predicted = predicted_peak_bytes("ours", N, V, D, torch.float16)
+    assert abs(measured / predicted - 1) < 0.03, (measured, predicted)
+    if chunks[1] <= D:  # the formula must know where G lives: counting it would be off by > 5%
+        assert (predicted + chunks[0] * chunks[1] * 2) / measured - 1 > 0.05
+
+
+# ---------------------------------------------------------------------------------------------
+# The runner
+# ---------------------------------------------------------------------------------------------
+
+
+def _method(name, implementation):
+    return Method(name, name, "a test method", implementation, lambda device, dtype, softcap: None)
+
+
+@pytest.fixture
+def flat(temporary_method):
+    """A method whose memory barely grows with N: chunked with 16-row chunks."""
+    return temporary_method(
+        _method("flat_chunked", lambda E, C, x, **kw: chunked_loss(E, C, x, rows=16, **kw))
+    ).name
+
+
+def _sweep(tmp_path, methods, Ns, cap=NO_CAP, **kw):
+    return run_sweep(methods, Ns, V=257, D=16, dtype=torch.float32, store=tmp_path / "points.jsonl",
+                     memory_cap=cap, device="cpu", warmup=0, repeats=1, progress=False, **kw)
+
+
+def test_runner_records_oom_skips_larger_n_and_carries_on(tmp_path, flat):
+    # A simulated 0.2 MB card: naive needs 12·N·257 bytes, over 0.2 MB from N = 65.
+    cap = MemoryCap("cpu", 200_000, None, None)
+    Ns = [16, 32, 128, 256]
+    records = _sweep(tmp_path, ["naive", flat], Ns, cap)
+    status = {(r["method"], r["N"]): r["status"] for r in records}
+    assert [status["naive", n] for n in Ns] == ["ok", "ok", "oom", "skipped after OOM"]
+    assert [status[flat, n] for n in Ns] == ["ok"] * 4
+    oom = next(r for r in records if r["status"] == "oom")
+    assert "MemoryBudgetExceeded" in oom["error"]
+    skipped = next(r for r in records if r["status"] == "skipped after OOM")
+    assert "N=128" in skipped["error"]
+    assert len(load_points(tmp_path / "points.jsonl")) == 8
+    said = verdicts(records, V=257)
+    assert "grows with the logits" in said["naive"] and "hit the wall at N=128" in said["naive"]
+    assert "flat in V" in said[flat] and "no OOM up to N=256" in said[flat]
+
+
+def test_runner_records_a_real_oom_error(tmp_path, temporary_method):
+    # What a capped CUDA allocator raises, without a GPU: torch.OutOfMemoryError from N = 128 on.
+    def implementation(E, C, x, **kw):
+        if E.shape[0] >= 128:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.96 GiB")
+        return naive_loss(E, C, x, **kw)
+
+    name = temporary_method(_method("oom_at_128", implementation)).name
+    records = _sweep(tmp_path, [name], [64, 128, 256])
+    assert [r["status"] for r in records] == ["ok", "oom", "skipped after OOM"]
+    assert "OutOfMemoryError" in records[1]["error"]
+
+
+def test_runner_records_other_errors_and_retries_them_on_resume(tmp_path, temporary_method, flat):
+    broken = {"on": True}
+
+    def implementation(E, C, x, **kw):
+        if broken["on"] and E.shape[0] == 128:
+            raise ValueError("a kernel bug at this shape")
+        return naive_loss(E, C, x, **kw)
+
+    name = temporary_method(_method("flaky", implementation)).name
+    records = _sweep(tmp_path, [name, flat], [32, 128, 256])
+    assert [r["status"] for r in records if r["method"] == name] == ["ok", "error", "ok"]
+    assert "a kernel bug" in verdicts(records, V=257)[name]
+    broken["on"] = False
+    again = _sweep(tmp_path, [name, flat], [32, 128, 256])
+    assert [r["status"] for r in again if r["method"] == name] == ["ok", "ok", "ok"]
+
+
+def test_resume_skips_points_already_measured(tmp_path, temporary_method):
+    calls = []
+
+    def counting(E, C, x, **kw):
+        calls.append(E.shape[0])
+        return naive_loss(E, C, x, **kw)
+
+    name = temporary_method(_method("counting", counting)).name
+    first = _sweep(tmp_path, [name], [64, 128])
+    measured = len(calls)
+    assert measured > 0
+    second = _sweep(tmp_path, [name], [64, 128, 256])
+    assert set(calls[measured:]) == {256}  # only the new point ran
+    assert [r["peak_bytes"] for r in second[:2]] == [r["peak_bytes"] for r in first]
+    # Another configuration (here the memory cap) is a different point: measured again.
+    _sweep(tmp_path, [name], [64], MemoryCap("cpu", 10**9, None, None))
+    assert calls[-1] == 64
+    keys = load_points(tmp_path / "points.jsonl")
+    assert len(keys) == 4
+
+
+def test_a_torn_last_line_does_not_stop_a_resume(tmp_path, flat):
+    _sweep(tmp_path, [flat], [64])
+    with (tmp_path / "points.jsonl").open("a") as f:
+        f.write('{"method": "flat_chu')  # a run killed mid-write
+    assert [r["status"] for r in _sweep(tmp_path, [flat], [64, 128])] == ["ok", "ok"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Table, files, figure
+# ---------------------------------------------------------------------------------------------
+
+
+def test_table_files_and_figure(tmp_path, flat):
+    from helpers.lab.plots import plot_memory_sweep
+
+    cap = MemoryCap("cpu", 200_000, None, None)
+    records = _sweep(tmp_path, ["naive", flat], [16, 32, 128], cap)
+    table = results_table(records)
+    assert "| naive | 128 | **oom** |" in table and "measured MB" in table
+    csv_path, json_path = write_results(records, tmp_path, "memory_sweep", {"device": "cpu"})
+    assert len(csv_path.read_text().splitlines()) == 1 + len(records)
+    assert json.loads(json_path.read_text())["meta"] == {"device": "cpu"}
+    fig = plot_memory_sweep(records, path=tmp_path / "sweep.png", title="test",
+                            room_bytes={n: 200_000 for n in (16, 32, 128)}, unit=("MB", 1e6),
+                            latency_caveat="CPU")
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+    assert len(fig.axes) == 2

@@ -1,0 +1,175 @@
+"""The package's shape: layers that import one way, no cycles, no borrowed private names, the names
+a user wants on its face, and an ``import helpers`` that works in any order."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import helpers
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "helpers"
+# A module may import its own layer and those below it: suite -> lab -> compare -> cce -> spec.
+LAYERS = ["spec", "cce", "compare", "lab", "suite"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of every import in the file, at any depth (a lazy import is an edge too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            found.append((f"relative:{node.module}", [alias.name for alias in node.names]))
+    return found
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def edges() -> dict[str, set[str]]:
+    """helpers module -> the helpers modules it imports (``from helpers.x import y`` counts as x, or
+    x.y when y is a module)."""
+    graph = {}
+    for name, path in MODULES.items():
+        targets = set()
+        for module, names in imports(path):
+            if not module.startswith("helpers"):
+                continue
+            for n in names or [""]:
+                targets.add(f"{module}.{n}" if f"{module}.{n}" in MODULES else module)
+        graph[name] = targets - {name}
+    return graph
+
+
+def layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_relative_imports_are_not_used():
+    relative = [name for name, path in MODULES.items() for module, _ in imports(path) if module.startswith("relative:")]
+    assert not relative, relative
+
+
+def test_layers_import_one_way():
+    wrong = []
+    for module, targets in edges().items():
+        mine = layer(module)
+        if mine is None:
+            continue
+        for target in targets:
+            theirs = layer(target)
+            if target == "helpers" or (theirs is not None and theirs > mine):
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle():
+    graph = edges()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph or nxt == "helpers":
+                continue  # the package's face imports everything; nothing below may import it back
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+def test_nothing_below_the_face_imports_the_face():
+    offenders = [m for m, targets in edges().items() if m != "helpers" and "helpers" in targets
+                 and not m.endswith("__main__")]
+    assert not offenders, offenders
+
+
+def test_no_module_imports_a_private_name_of_another():
+    offenders = [f"{name}: from {module} import {n}" for name, path in MODULES.items()
+                 for module, names in imports(path) if module.startswith("helpers")
+                 for n in names if n.startswith("_")]
+    assert not offenders, offenders
+
+
+def test_the_face_has_what_a_user_wants():
+    for name in ["linear_cross_entropy", "METHODS", "get_method", "run_gate", "gate_cases", "reference_loss",
+                 "reference_loss_and_grads", "relative_error", "validate_inputs"]:
+        assert name in helpers.__all__ and hasattr(helpers, name), name
+    from helpers.cce import linear_cross_entropy
+
+    assert helpers.linear_cross_entropy is linear_cross_entropy
+
+
+def environment_writes_at_import(path: Path) -> int:
+    """Statements at a module's top level (run on import) that write os.environ."""
+    count = 0
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        for sub in ast.walk(node):
+            writes = (isinstance(sub, ast.Subscript) and isinstance(sub.ctx, ast.Store)
+                      and ast.unparse(sub.value) == "os.environ")
+            calls = (isinstance(sub, ast.Call) and ast.unparse(sub.func) in
+                     ("os.environ.setdefault", "os.environ.update", "os.environ.pop"))
+            count += writes or calls
+    return count
+
+
+def test_only_the_env_module_sets_environment_variables_on_import():
+    writers = [name for name, path in MODULES.items() if environment_writes_at_import(path)]
+    assert writers == ["helpers.env"], writers
+
+
+_IMPORT_ORDER = """
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+{first}
+import torch
+from helpers.cce.options import triton_reason
+E = torch.randn(5, 8); C = torch.randn(11, 8); x = torch.randint(0, 11, (5,))
+loss = helpers.linear_cross_entropy(E, C, x)
+assert triton_reason("cpu", torch.float32) is None and torch.isfinite(loss), loss
+print("ok", os.environ["TRITON_INTERPRET"])
+"""
+
+
+@pytest.mark.parametrize("first", ["import helpers\nimport triton", "import torch, triton\nimport helpers"],
+                         ids=["helpers first", "torch and triton first"])
+def test_import_helpers_works_whether_torch_and_triton_came_first(first):
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", _IMPORT_ORDER.format(first=first)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok 1", done.stdout + done.stderr
+
+
+def test_notebooks_are_found_in_the_repository_not_the_working_folder(tmp_path, monkeypatch):
+    from helpers.suite.paths import NOTEBOOKS, find_notebooks
+
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "01_someone_elses.ipynb").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    found = find_notebooks()
+    assert found and all(p.parent == NOTEBOOKS for p in found)
+    assert "01_someone_elses" not in [p.stem for p in found]
+    with pytest.raises(SystemExit, match="starts with"):
+        find_notebooks(["99"])

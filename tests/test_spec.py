@@ -1,0 +1,62 @@
+"""The specification: its options against torch and against its own closed form, and the one
+relative-error function everything reports."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers.compare.inputs import make_inputs
+from helpers.spec import reference_loss, reference_loss_and_grads, relative_error
+
+OPTION_CASES = {
+    "mean": dict(),
+    "sum, ignored": dict(reduction="sum"),
+    "none": dict(reduction="none"),
+    "softcap": dict(softcap=3.0),
+    "z-loss": dict(z_loss=1e-3),
+    "label smoothing": dict(label_smoothing=0.2),
+    "everything": dict(reduction="none", softcap=5.0, z_loss=1e-3, label_smoothing=0.1, ignore_index=-1),
+}
+
+
+def inputs(ignore_index=-100):
+    E, C, x = make_inputs(23, 97, 12, torch.float64, regime="uniform", seed=3)
+    x[::5] = ignore_index
+    return E, C, x
+
+
+@pytest.mark.parametrize("options", OPTION_CASES.values(), ids=OPTION_CASES)
+def test_the_chunked_closed_form_is_the_autograd_spec(options):
+    E, C, x = inputs(options.get("ignore_index", -100))
+    go = torch.randn(23, dtype=torch.float64) if options.get("reduction") == "none" else torch.tensor(0.7)
+    chunked = reference_loss_and_grads(E, C, x, go, chunk_rows=4, **options)
+    autograd = reference_loss_and_grads(E, C, x, go, **options)
+    for got, want in zip(chunked, autograd):
+        assert relative_error(got, want) < 1e-12
+
+
+def test_label_smoothing_and_z_loss_follow_their_definitions():
+    E, C, x = inputs()
+    z = E @ C.T
+    kept = x != -100
+    lse = torch.logsumexp(z, 1)
+    rows = lse - 0.8 * z.gather(1, x.clamp(min=0)[:, None])[:, 0] - 0.2 * z.mean(1) + 1e-3 * lse**2
+    want = torch.where(kept, rows, 0.0).sum() / kept.sum()
+    got = reference_loss(E, C, x, label_smoothing=0.2, z_loss=1e-3)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(reference_loss(E, C, x, label_smoothing=0.2),
+                               F.cross_entropy(z, x, label_smoothing=0.2))
+
+
+def test_relative_error_handles_nan_positions_zero_references_and_shapes():
+    r = torch.tensor([1.0, float("nan"), 2.0])
+    assert relative_error(torch.tensor([1.0, float("nan"), 2.0]), r) == 0.0
+    assert relative_error(torch.tensor([1.0, 0.0, 2.0]), r) == math.inf  # a NaN gone missing
+    assert relative_error(torch.tensor([1.0, float("nan"), float("inf")]), r) == math.inf
+    assert relative_error(torch.tensor([0.0, 3.0]), torch.zeros(2)) == 3.0  # ||a - r|| when r is 0
+    big = torch.randn(20_000, 3)
+    assert relative_error(big * 1.01, big, chunk_rows=1000) == pytest.approx(0.01, rel=1e-6)
+    with pytest.raises(ValueError, match="one shape"):
+        relative_error(torch.zeros(2), torch.zeros(3))
