@@ -407,7 +407,7 @@ fig = plot_memory_sweep(
 # Where they differ, and why. For naive and torch.compile the formulas count every tensor, and
 # the ratio should sit at 1.00 (a GPU may add a few MB of cuBLAS or Triton scratch). Liger's
 # formula follows its code path for this device (in-place dC accumulation only on sm_80+ in 16-bit).
-# Ours counts its G chunk and fp32 accumulator; on the lent H200 it sat within 0.6% of measured
+# Ours counts its G chunk and fp32 accumulator; on an H200 it sat within 0.6% of measured
 # (the excess at large N: O(N) per-row vectors the formula leaves out). For Apple
 # CCE the formula is the floor (its O(N) LSE is left out: about 0.6% here); PyTorch's
 # `linear_cross_entropy` has none. Every measured peak must be at least the floor, or the

@@ -1,7 +1,7 @@
 """The GPU scripts behind the closing notes' figures run on a CPU with ``--tiny``.
 
 They are how every GPU number in docs/PERFORMANCE.md was produced; a script that no longer runs
-would only be found on the next lent GPU, whose minutes are scarce. ``--tiny`` shrinks every shape
+would only be found on the next GPU run, whose minutes are scarce. ``--tiny`` shrinks every shape
 so the Triton kernels run under the interpreter: this checks the scripts' code paths and their
 JSON, not any figure (timings under the interpreter mean nothing).
 """
