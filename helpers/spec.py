@@ -44,34 +44,46 @@ def validate_inputs(
     reduction: str = "mean",
     softcap: float | None = None,
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES,
+    bias: torch.Tensor | None = None,
+    leading_dims: bool = False,
 ) -> None:
     """Raise a ``ValueError``/``TypeError`` naming the argument when the inputs break the contract.
 
-    E: (N, D) embeddings, C: (V, D) classifier, x: (N,) integer targets in [0, V) or ignore_index.
-    The range check on x reads x once (a device sync on a GPU): a wrong target must never reach a
-    kernel, where it reads out of bounds instead of failing.
+    E: (N, D) embeddings, C: (V, D) classifier, x: (N,) integer targets in [0, V) or ignore_index;
+    with ``leading_dims`` E may be (..., D) and x then has E's leading shape (B, T, say). bias: None
+    or (V,) in C's dtype. The range check on x reads x once (a device sync on a GPU): a wrong
+    target must never reach a kernel, where it reads out of bounds instead of failing.
     """
     for name, t in (("E", E), ("C", C), ("x", x)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if E.dim() != 2:
-        raise ValueError(
-            f"E must be 2-D (N tokens, D hidden), got shape {tuple(E.shape)}; "
-            "flatten batch and sequence first, e.g. E.reshape(-1, E.shape[-1])"
-        )
+    if leading_dims:
+        if E.dim() < 1:
+            raise ValueError("E must be (..., D) with D the hidden size, got a scalar")
+        if tuple(x.shape) != tuple(E.shape[:-1]):
+            raise ValueError(
+                f"x must have E's leading shape {tuple(E.shape[:-1])} (one target per row of E), "
+                f"got {tuple(x.shape)}"
+            )
+    else:
+        if E.dim() != 2:
+            raise ValueError(
+                f"E must be 2-D (N tokens, D hidden), got shape {tuple(E.shape)}; "
+                "flatten batch and sequence first, e.g. E.reshape(-1, E.shape[-1])"
+            )
+        if x.dim() != 1:
+            raise ValueError(
+                f"x must be 1-D (N targets), got shape {tuple(x.shape)}; flatten it, e.g. x.reshape(-1)"
+            )
+        if x.shape[0] != E.shape[0]:
+            raise ValueError(
+                f"x must hold one target per row of E: x has {x.shape[0]}, E has {E.shape[0]} rows"
+            )
     if C.dim() != 2:
         raise ValueError(f"C must be 2-D (V vocabulary, D hidden), got shape {tuple(C.shape)}")
-    if x.dim() != 1:
-        raise ValueError(
-            f"x must be 1-D (N targets), got shape {tuple(x.shape)}; flatten it, e.g. x.reshape(-1)"
-        )
-    if E.shape[1] != C.shape[1]:
+    if E.shape[-1] != C.shape[1]:
         raise ValueError(
             f"E and C must share the hidden size D: E is {tuple(E.shape)}, C is {tuple(C.shape)}"
-        )
-    if x.shape[0] != E.shape[0]:
-        raise ValueError(
-            f"x must hold one target per row of E: x has {x.shape[0]}, E has {E.shape[0]} rows"
         )
     if E.device != C.device or x.device != E.device:
         raise ValueError(
@@ -84,11 +96,19 @@ def validate_inputs(
         raise TypeError(f"C must have E's dtype ({E.dtype}), got {C.dtype}")
     if x.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"x must hold integer class indices (int64 or int32), got {x.dtype}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be None or a torch.Tensor, got {type(bias).__name__}")
+        if tuple(bias.shape) != (C.shape[0],):
+            raise ValueError(f"bias must be (V,) = ({C.shape[0]},), one per row of C, got {tuple(bias.shape)}")
+        if bias.dtype != C.dtype or bias.device != C.device:
+            raise TypeError(f"bias must have C's dtype and device ({C.dtype}, {C.device}), "
+                            f"got {bias.dtype} on {bias.device}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
         raise ValueError(f"softcap must be None or a positive number, got {softcap!r}")
-    if E.shape[0] == 0 or C.shape[0] == 0 or E.shape[1] == 0:
+    if E.numel() == 0 or C.shape[0] == 0 or E.shape[-1] == 0:
         raise ValueError(f"E and C must be non-empty, got E {tuple(E.shape)} and C {tuple(C.shape)}")
     kept = x[x != ignore_index]
     if kept.numel():
@@ -102,10 +122,13 @@ def validate_inputs(
 
 
 def reference_logits(
-    E: torch.Tensor, C: torch.Tensor, softcap: float | None = None, dtype=torch.float64
+    E: torch.Tensor, C: torch.Tensor, softcap: float | None = None, dtype=torch.float64,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """z = cap(E @ C^T) in ``dtype``: (N, V). The one place the soft cap's formula lives."""
+    """z = cap(E @ C^T + bias) in ``dtype``: (N, V). The one place the soft cap's formula lives."""
     z = E.to(dtype) @ C.to(dtype).T
+    if bias is not None:
+        z = z + bias.to(dtype)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     return z
@@ -121,14 +144,16 @@ def reference_loss(
     softcap: float | None = None,
     z_loss: float = 0.0,
     label_smoothing: float = 0.0,
+    bias: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """The loss as the specification above defines it, computed in ``dtype`` (float64 by default).
+    """The loss as the specification above defines it, computed in ``dtype`` (float64 by default);
+    ``bias`` (V,) is added to every row's logits before the soft cap.
 
     Differentiable: autograd through it gives the reference dE and dC (in ``dtype``; pass leaf
     tensors already upcast when you want their ``.grad``).
     """
-    z = reference_logits(E, C, softcap, dtype)
+    z = reference_logits(E, C, softcap, dtype, bias)
     x = x.long()
     loss = F.cross_entropy(z, x, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
     if z_loss:
@@ -166,7 +191,7 @@ def reference_loss_and_grads(
 
 
 def _chunked_loss_and_grads(E, C, x, grad_output, chunk_rows, *, ignore_index=-100, reduction="mean",
-                            softcap=None, z_loss=0.0, label_smoothing=0.0, dtype=torch.float64):
+                            softcap=None, z_loss=0.0, label_smoothing=0.0, bias=None, dtype=torch.float64):
     """``reference_loss_and_grads`` row chunk by row chunk, from the gradient's closed form:
 
         G = S (1 + 2 zl lse) - (1 - ls) [v = x] - ls / V   (times 1 - (z / softcap)^2 under the cap),
@@ -187,6 +212,8 @@ def _chunked_loss_and_grads(E, C, x, grad_output, chunk_rows, *, ignore_index=-1
         n1 = min(N, n0 + chunk_rows)
         En = E[n0:n1].to(dtype)
         z = En @ C64.T  # (rows, V)
+        if bias is not None:
+            z += bias.to(dtype)
         t = None
         if softcap is not None:
             t = torch.tanh(z / softcap)

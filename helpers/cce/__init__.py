@@ -2,7 +2,7 @@
 ``linear_cross_entropy`` (autograd), its forward, two backward versions ("gemm", "atomic"), options,
 device limits and kernels. It imports nothing of the package but ``helpers.spec``; start at ``api``."""
 
-from helpers.cce.api import LinearCrossEntropyFunction, linear_cross_entropy
+from helpers.cce.api import LinearCrossEntropy, LinearCrossEntropyFunction, linear_cross_entropy
 from helpers.cce.backward import cce_backward
 from helpers.cce.backward_atomic import atomic_chunks
 from helpers.cce.backward_gemm import g_fits_in_dE, gemm_chunks, product_mode
@@ -20,6 +20,7 @@ from helpers.cce.options import (
 __all__ = [
     "linear_cross_entropy",
     "LinearCrossEntropyFunction",
+    "LinearCrossEntropy",
     "cce_forward",
     "cce_backward",
     "CCEOptions",

@@ -37,8 +37,8 @@ Vocabulary sort (paper section 4.3): ``sort_vocab=True`` orders the vocabulary b
 (``helpers.cce.gradients.vocabulary_order``), so large softmax entries share tiles and more tiles
 pass the filter. Off by default: it only pays when the filter has something to skip.
 
-What it does not do: a bias on the head, vocabulary parallelism, returning lse, and the paper's
-lock-free bf16 atomics (fp32 scratch instead: ~0.06-0.2 LB, for the naive path's accuracy).
+What it does not do: vocabulary parallelism (C sharded across GPUs), and the paper's lock-free
+bf16 atomics (fp32 scratch instead: ~0.06-0.2 LB, for the naive path's accuracy).
 """
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ from helpers.spec import validate_inputs
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """loss = CE(E C^T, x) with the CCE kernels; backward recomputes the logits (saves only lse)."""
+    """(loss, lse) of CE(E C^T + b, x) with the CCE kernels, E (N, D) and x (N,); backward
+    recomputes the logits (it saves only lse) and computes only the gradients autograd asks for."""
 
     @staticmethod
-    def forward(ctx, E, C, x, options: CCEOptions, configs, backward_impl="gemm", stats=None):
-        loss_rows, lse = cce_forward(E, C, x, options, configs)
+    def forward(ctx, E, C, x, bias, options: CCEOptions, configs, backward_impl="gemm", stats=None):
+        loss_rows, lse = cce_forward(E, C, x, options, configs, bias=bias)
         kept = x != options.ignore_index
         n_kept = kept.sum()
         if options.reduction == "none":
@@ -66,34 +67,33 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             loss = loss_rows.sum()
         else:
             loss = loss_rows.sum() / n_kept  # 0 / 0 = NaN when every token is ignored, as torch
-        ctx.save_for_backward(E, C, x, lse, n_kept)
+        ctx.save_for_backward(E, C, x, lse, n_kept, bias)
         ctx.options, ctx.configs, ctx.backward_impl, ctx.stats = options, configs, backward_impl, stats
-        return loss
+        ctx.set_materialize_grads(False)  # an output nobody uses gets None, not a tensor of zeros
+        ctx.mark_non_differentiable(n_kept)
+        return loss, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        E, C, x, lse, n_kept = ctx.saved_tensors
+    def backward(ctx, grad_loss, grad_lse):
+        E, C, x, lse, n_kept, bias = ctx.saved_tensors
         o = ctx.options
-        grad_loss = grad_loss.to(torch.float32)
-        if o.reduction == "none":
-            grad_rows = grad_loss
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        if not any(need) or (grad_loss is None and grad_lse is None):
+            return None, None, None, None, None, None, None, None
+        N = x.shape[0]
+        if grad_loss is None:
+            grad_rows = torch.zeros(N, dtype=torch.float32, device=E.device)
+        elif o.reduction == "none":
+            grad_rows = grad_loss.to(torch.float32)
         elif o.reduction == "sum":
-            grad_rows = grad_loss.expand(x.shape[0])
+            grad_rows = grad_loss.to(torch.float32).expand(N)
         else:
             # All ignored: torch's gradients are 0, not NaN, so divide by at least 1.
-            grad_rows = (grad_loss / n_kept.clamp(min=1)).expand(x.shape[0])
-        dE, dC = cce_backward(E, C, x, lse, grad_rows, o, ctx.configs, stats=ctx.stats,
-                              backward_impl=ctx.backward_impl)
-        return (
-            dE if ctx.needs_input_grad[0] else None,
-            dC if ctx.needs_input_grad[1] else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+            grad_rows = (grad_loss.to(torch.float32) / n_kept.clamp(min=1)).expand(N)
+        dE, dC, db = cce_backward(E, C, x, lse, grad_rows, o, ctx.configs, stats=ctx.stats,
+                                  backward_impl=ctx.backward_impl, grad_lse=grad_lse, bias=bias, need=need)
+        return dE, dC, None, db, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -101,48 +101,61 @@ def linear_cross_entropy(
     C: torch.Tensor,
     x: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
+    shift: bool = False,
     softcap: float | None = None,
+    z_loss: float = 0.0,
+    label_smoothing: float = 0.0,
+    return_lse: bool = False,
     filter_eps: float | str | None = "auto",
     sort_vocab: bool = False,
     accumulation: str = "fp32",
     full_c: bool = False,
     full_e: bool = False,
-    z_loss: float = 0.0,
-    label_smoothing: float = 0.0,
     configs: CCEConfigs | str | None = None,
     backward_impl: str = "gemm",
     stats: dict | None = None,
-) -> torch.Tensor:
-    """Cross-entropy of the logits E C^T against x, without materialising the logits.
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy of the logits E C^T (+ bias) against x, without materialising the logits.
 
-    E (N, D), C (V, D), x (N,) int targets; fp32, fp16 or bf16 (E and C alike). Returns an fp32
-    loss: a scalar for "mean"/"sum", (N,) for "none" (0 at ignored rows); exactly
-    ``F.cross_entropy(softcap(E C^T).float(), x, ...)`` up to rounding, NaN for a mean over zero
-    kept tokens (with zero gradients), as torch gives.
+    E (..., D) hidden states, C (V, D) the classifier (an lm_head's weight), x integer targets of
+    E's leading shape (..., ); fp32, fp16 or bf16 (E, C and bias alike). Returns an fp32 loss: a
+    scalar for "mean"/"sum", E's leading shape for "none" (0 at ignored rows); exactly
+    ``F.cross_entropy(softcap(E C^T + bias).float(), x, ...)`` up to rounding, NaN for a mean over
+    zero kept tokens (with zero gradients), as torch gives. Gradients flow to whichever of E, C
+    and bias require them; the others are not computed.
 
+    bias: (V,) added to every row's logits, its gradient computed by the "gemm" backward.
+    shift: a causal LM's shift, done on the targets: position t is scored against x[..., t + 1] and
+        the last position of each sequence (the last index of x's last dimension) is ignored. No
+        copy of E is made (E is flattened as a view when its leading dimensions are contiguous).
+    return_lse: also return each row's log-sum-exp (fp32, E's leading shape), differentiable: a
+        z-loss the caller computes from it (e.g. ``1e-4 * (lse ** 2).mean()``) backpropagates.
+    z_loss: adds z_loss * lse^2 per kept token. label_smoothing: torch's definition, in [0, 1].
     filter_eps: "auto" (2^-12 bf16, 2^-15 fp16, off for fp32; off with label smoothing), a number
         (0 = off) or None (off). sort_vocab: order the vocabulary by average logit for the filter.
     accumulation: "fp32" (fp32 scratch, rounded once per row chunk) or "kahan" (also compensates
         dC's folds across row chunks). With one row chunk (N * D * 4 <= max(64 MiB, LB / 16): all
         N up to 16,384 at the Qwen3 head, 8,192+ at Gemma's) "fp32" keeps bf16 dE and dC within
-        1.5x of the naive bf16 path's error (0.55-1.0x measured on the H200); past it dC is rounded
-        once per chunk (2.1x at N = 131,072) and "kahan" brings it back to 1.0x for a V * D buffer
-        in the input dtype (+0.54 LB at N = 131,072, Qwen3 head). full_c / full_e: filter only
-        dE / only dC.
-    z_loss: adds z_loss * lse^2 per kept token. label_smoothing: torch's definition, in [0, 1].
+        1.5x of the naive bf16 path's error; past it dC is rounded once per chunk and "kahan"
+        brings it back for a V * D buffer in the input dtype (docs/PERFORMANCE.md has the numbers).
+        full_c / full_e: filter only dE / only dC.
     configs: a ``CCEConfigs`` or tier name from ``helpers.cce.kernels.configs``; None picks by the
         device's shared memory per block.
     backward_impl: "gemm" (the default: G per vocabulary chunk in scratch, its two products in
-        cuBLAS) or "atomic" (fp32 atomics in one kernel; 1.9x slower on
-        the H200); ``helpers/cce/backward_gemm.py``. fp32 "gemm" products follow torch's fp32
-        matmul setting (default: no TF32).
+        cuBLAS) or "atomic" (fp32 atomics in one kernel, slower; no bias gradient);
+        ``helpers.cce.backward``. fp32 "gemm" products follow torch's fp32 matmul setting
+        (default: no TF32).
     stats: a dict the backward fills with what its gradient filter did: "tiles" (logit tiles
         rebuilt), "skipped" (tiles whose gradient the filter dropped), "launches"; see
         ``cce_backward``. Counting costs one host sync per backward.
     """
-    validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+    validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias,
+                    leading_dims=True)
+    if not isinstance(shift, bool) or not isinstance(return_lse, bool):
+        raise ValueError(f"shift and return_lse must be True or False, got {shift!r} and {return_lse!r}")
     options = resolve_options(
         E.dtype,
         filter_eps=filter_eps,
@@ -157,9 +170,42 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing,
     )
     check_backward_impl(backward_impl)
+    if bias is not None and bias.requires_grad and backward_impl != "gemm":
+        raise ValueError('a bias that requires grad needs backward_impl="gemm" (the "atomic" backward has no db)')
     reason = why_unavailable(E.device, E.dtype, softcap)
     if reason:
         raise RuntimeError(f"helpers.linear_cross_entropy cannot run here: {reason}")
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
-    return LinearCrossEntropyFunction.apply(E, C, x, options, configs, backward_impl, stats)
+    lead = x.shape
+    if shift:
+        shifted = torch.full_like(x, ignore_index)
+        shifted[..., :-1] = x[..., 1:]
+        x = shifted
+    loss, lse = LinearCrossEntropyFunction.apply(E.reshape(-1, E.shape[-1]), C, x.reshape(-1), bias, options,
+                                                 configs, backward_impl, stats)
+    if reduction == "none":
+        loss = loss.reshape(lead)
+    return (loss, lse.reshape(lead)) if return_lse else loss
+
+
+class LinearCrossEntropy(torch.nn.Module):
+    """``linear_cross_entropy`` as a module: the options at construction, the tensors at call.
+
+        loss_fn = LinearCrossEntropy(shift=True, softcap=30.0)
+        loss = loss_fn(hidden_states, model.lm_head.weight, labels)
+    """
+
+    def __init__(self, **options):
+        super().__init__()
+        probe = dict(options)
+        for name in ("E", "C", "x"):
+            if name in probe:
+                raise ValueError(f"{name} is given at call time, not to LinearCrossEntropy(...)")
+        self.options = probe
+
+    def forward(self, E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None):
+        return linear_cross_entropy(E, C, x, bias=bias, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

@@ -16,7 +16,7 @@ import torch
 
 from helpers.cce.backward_atomic import backward_atomic
 from helpers.cce.backward_gemm import backward_gemm
-from helpers.cce.gradients import UpstreamGradient, vocabulary_order
+from helpers.cce.gradients import RowGradient, vocabulary_order
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import CCEOptions, check_backward_impl, resolve_configs
 
@@ -33,11 +33,18 @@ def cce_backward(
     v_chunk: int | None = None,
     stats: dict | None = None,
     backward_impl: str = "gemm",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dE (N, D), dC (V, D)) in E's dtype.
+    *,
+    grad_lse: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    need: tuple[bool, bool, bool] = (True, True, False),
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dE (N, D), dC (V, D), db (V,)) in the inputs' dtypes; None for a gradient that ``need``
+    (dE, dC, db) does not ask for, which is then not computed.
 
     grad_rows: (N,) fp32, the upstream gradient of each row's loss (0 at ignored rows is implied).
-    backward_impl: "gemm" or "atomic" (module doc).
+    grad_lse: (N,) fp32 or None, the gradient flowing into the returned lse (``return_lse``).
+    bias: the head's bias (V,), or None. backward_impl: "gemm" or "atomic" (module doc); only
+    "gemm" computes db.
     n_chunk, v_chunk: "gemm": rows per dE accumulator and vocabulary columns per G chunk; "atomic":
     rows of dE's and of dC's fp32 scratch (fp16/bf16 only). None: ``gemm_chunks`` or
     ``atomic_chunks``.
@@ -47,10 +54,15 @@ def cce_backward(
     the launches whose every tile the filter skipped (their GEMMs multiply zeros).
     """
     check_backward_impl(backward_impl)
+    if need[2] and backward_impl != "gemm":
+        raise ValueError('the bias\'s gradient is computed by backward_impl="gemm" only, got "atomic"')
     o = options
     configs = resolve_configs(configs, E.device)
-    up = UpstreamGradient.of(grad_rows, x != o.ignore_index)
+    up = RowGradient.of(grad_rows, grad_lse, x != o.ignore_index, lse, o)
     order = vocabulary_order(E, C) if o.sort_vocab else None
     if backward_impl == "gemm":
-        return backward_gemm(E, C, x, lse, up, order, o, configs.backward_gemm_for(E.dtype), n_chunk, v_chunk, stats)
-    return backward_atomic(E, C, x, lse, up, order, o, configs.for_dtype(E.dtype)[1], n_chunk, v_chunk, stats)
+        return backward_gemm(E, C, x, lse, up, order, o, configs.backward_gemm_for(E.dtype), n_chunk, v_chunk,
+                             stats, bias, need)
+    dE, dC = backward_atomic(E, C, x, lse, up, order, o, configs.for_dtype(E.dtype)[1], n_chunk, v_chunk, stats,
+                             bias, need[:2])
+    return dE, dC, None

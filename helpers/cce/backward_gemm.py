@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from helpers.cce.gradients import MiB, UpstreamGradient, fold_dC
+from helpers.cce.gradients import MiB, RowGradient, fold_dC
 from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
 from helpers.cce.kernels.configs import LaunchConfig
 from helpers.cce.options import CCEOptions, dot_precision
@@ -102,19 +102,22 @@ def _product(out, a, b, *, alpha: float, accumulate: bool, mode: str):
             torch.mul(product, alpha, out=out)
 
 
-def backward_gemm(E, C, x, lse, up: UpstreamGradient, vocab_order, o: CCEOptions, cfg: LaunchConfig,
-                  n_chunk: int | None, v_chunk: int | None, stats: dict | None):
-    """Per (row chunk, vocabulary chunk), G_c from ``gradient_chunk_kernel``, then
-    dC[v0:v1] = g_scale G_c^T (g_rel E) and dE_acc += G_c C[v0:v1] in cuBLAS; the arguments are
-    ``helpers.cce.backward.cce_backward``'s.
+def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg: LaunchConfig,
+                  n_chunk: int | None, v_chunk: int | None, stats: dict | None, bias=None,
+                  need: tuple[bool, bool, bool] = (True, True, False)):
+    """(dE, dC, db), each None where ``need`` (dE, dC, db) says it is not wanted: per (row chunk,
+    vocabulary chunk), G_c from ``gradient_chunk_kernel``, then dC[v0:v1] = w_scale G_c^T (w_rel E),
+    db[v0:v1] = w_scale G_c^T w_rel and dE_acc += G_c C[v0:v1] in cuBLAS; the other arguments are
+    ``helpers.cce.backward.cce_backward``'s. A product whose gradient is not wanted is not made.
 
     Memory beyond LB, fp16/bf16: dE_acc (n_chunk * D * 4) + G_c (n_chunk * v_chunk * itemsize,
-    nothing when ``g_fits_in_dE``; once more with FullC/FullE and the filter) + g_rel E
-    (n_chunk * D * itemsize, only when rows have
-    different upstream gradients, i.e. reduction="none") + C's gathered chunk (v_chunk * D *
-    itemsize, sort only) + dC's fp32 fold (v_chunk * D * 4, several row chunks only) + Kahan's
-    V * D compensation (several row chunks only) + O(N). fp32: no dE_acc (dE accumulates itself).
+    nothing when ``g_fits_in_dE``; once more with FullC/FullE and the filter) + w_rel E
+    (n_chunk * D * itemsize, only when rows have different upstream gradients: reduction "none",
+    or a gradient through the lse) + C's gathered chunk (v_chunk * D * itemsize, sort only) + dC's
+    fp32 fold (v_chunk * D * 4, several row chunks only) + Kahan's V * D compensation (several row
+    chunks only) + db's fp32 accumulator (V * 4, bias only) + O(N). fp32: no dE_acc.
     """
+    need_dE, need_dC, need_db = need
     N, D = E.shape
     V = C.shape[0]
     dtype, device = E.dtype, E.device
@@ -128,29 +131,32 @@ def backward_gemm(E, C, x, lse, up: UpstreamGradient, vocab_order, o: CCEOptions
     split = filtering and (o.full_c or o.full_e)
     mode = product_mode(device, dtype)
 
-    # dC's GEMM alpha, one host sync per backward. When every row has the same g (0 at ignored
-    # rows, whose G is 0), alpha is that g and E is the operand as it is; otherwise g_scale, with
-    # g_rel E the operand.
-    alpha = float(up.g[up.g.abs().argmax()]) if up.uniform else float(up.g_scale)
-    g_in_dE = g_fits_in_dE(dtype, v_chunk, D)
+    # dC's (and db's) GEMM alpha, one host sync per backward: the largest row weight; the signs
+    # are inside G. When every row has the same weight, E is dC's operand as it is.
+    alpha = float(up.w_scale)
+    g_in_dE = need_dE and g_fits_in_dE(dtype, v_chunk, D)
     G_buf = None if g_in_dE else torch.empty(n_chunk * v_chunk, dtype=dtype, device=device)
     G_exact_buf = torch.empty(n_chunk * v_chunk, dtype=dtype, device=device) if split else None
     tiles_max = triton.cdiv(n_chunk, cfg.BLOCK_N) * triton.cdiv(v_chunk, cfg.BLOCK_V)
     tile_kept = torch.empty(tiles_max if filtering else 1, dtype=torch.int8, device=device)
     skipped = torch.zeros((), dtype=torch.int64, device=device)
     dead_chunks = torch.zeros((), dtype=torch.int64, device=device)  # chunks with every tile skipped
-    dE = torch.empty(N, D, dtype=dtype, device=device)
-    dC = torch.empty(V, D, dtype=dtype, device=device)
-    dE_acc = torch.empty(n_chunk, D, dtype=torch.float32, device=device) if low_precision else None
-    E_scaled_buf = None if up.uniform else torch.empty(n_chunk, D, dtype=dtype, device=device)
-    C_sorted_buf = torch.empty(v_chunk, D, dtype=dtype, device=device) if vocab_order is not None else None
+    dE = torch.empty(N, D, dtype=dtype, device=device) if need_dE else None
+    dC = torch.empty(V, D, dtype=dtype, device=device) if need_dC else None
+    db_acc = torch.zeros(V, dtype=torch.float32, device=device) if need_db else None
+    dE_acc = torch.empty(n_chunk, D, dtype=torch.float32, device=device) if low_precision and need_dE else None
+    uniform = up.uniform
+    E_scaled_buf = None if uniform or not need_dC else torch.empty(n_chunk, D, dtype=dtype, device=device)
+    C_sorted_buf = (torch.empty(v_chunk, D, dtype=dtype, device=device)
+                    if vocab_order is not None and need_dE else None)
     # dC rows in fp32 before they land in dC: folds (several row chunks), the sort's scatter,
     # the CPU's "upcast" products.
     staged = vocab_order is not None or (low_precision and (n_chunks > 1 or mode == "upcast"))
-    dC_rows_buf = torch.empty(v_chunk, D, dtype=torch.float32, device=device) if staged else None
+    dC_rows_buf = torch.empty(v_chunk, D, dtype=torch.float32, device=device) if staged and need_dC else None
+    db_rows_buf = torch.empty(v_chunk, 1, dtype=torch.float32, device=device) if need_db else None
     compensation = (
         torch.zeros(V, D, dtype=dtype, device=device)
-        if low_precision and o.accumulation == "kahan" and n_chunks > 1 else None
+        if need_dC and low_precision and o.accumulation == "kahan" and n_chunks > 1 else None
     )
     counters = {"tiles": 0, "launches": 0}
 
@@ -158,11 +164,16 @@ def backward_gemm(E, C, x, lse, up: UpstreamGradient, vocab_order, o: CCEOptions
         n1 = min(N, n0 + n_chunk)
         rows = n1 - n0
         E_rows = E[n0:n1]  # (rows, D)
-        dE_rows = (dE_acc[:rows] if low_precision else dE[n0:n1]).zero_()  # (rows, D) fp32
-        # dC's operand: g_rel E, (rows, D) in the dtype (rounded as the "atomic" kernel rounds G g_rel for dC).
-        E_op = E_rows if up.uniform else torch.mul(E_rows, up.g_rel[n0:n1, None], out=E_scaled_buf[:rows])
+        if need_dE:
+            dE_rows = (dE_acc[:rows] if low_precision else dE[n0:n1]).zero_()  # (rows, D) fp32
+        # dC's operand: w_rel E, (rows, D) in the dtype (rounded as the "atomic" kernel rounds G w_rel for dC).
+        E_op = (E_rows if uniform else torch.mul(E_rows, up.w_rel[n0:n1, None], out=E_scaled_buf[:rows])
+                if need_dC else None)
+        # db's operand: w_rel as a column, in the dtype (1 at kept rows for a mean or a sum).
+        w_op = up.w_rel[n0:n1, None].to(dtype) if need_db else None
         G_store = dE[n0:n1].view(-1) if g_in_dE else G_buf
         G_exact_store = G_exact_buf if split else G_store
+        coef = up.coef[:, n0:n1]
         for v0 in range(0, V, v_chunk):
             v1 = min(V, v0 + v_chunk)
             cols = v1 - v0
@@ -173,15 +184,15 @@ def backward_gemm(E, C, x, lse, up: UpstreamGradient, vocab_order, o: CCEOptions
             counters["launches"] += 1
             # 1. G_c: the logit tiles rebuilt, G formed and filtered, written in the dtype.
             gradient_chunk_kernel[(tiles,)](
-                E_rows, C, x[n0:n1], lse[n0:n1],
+                E_rows, C, x[n0:n1], lse[n0:n1], coef, bias if bias is not None else lse,
                 vocab_order if vocab_order is not None else tile_kept,
                 G, G_exact, tile_kept,
                 rows, V, D, v0, cols,
                 E_rows.stride(0), E_rows.stride(1), C.stride(0), C.stride(1), x.stride(0),
-                G.stride(0), G.stride(1),
-                o.ignore_index, o.softcap if o.softcap is not None else 1.0, o.z_loss,
-                o.label_smoothing, o.filter_eps or 0.0,
+                G.stride(0), G.stride(1), coef.stride(0),
+                o.softcap if o.softcap is not None else 1.0, o.filter_eps or 0.0,
                 HAS_SOFTCAP=o.softcap is not None,
+                HAS_BIAS=bias is not None,
                 FILTER=filtering,
                 SPLIT_G=split,
                 SORTED=vocab_order is not None,
@@ -191,17 +202,23 @@ def backward_gemm(E, C, x, lse, up: UpstreamGradient, vocab_order, o: CCEOptions
             if stats is not None and filtering:
                 skipped += (tile_kept[:tiles] == 0).sum()
                 dead_chunks += (tile_kept[:tiles] == 0).all()
-            G_dE = G_exact if o.full_e else G  # FullE: dE exact; FullC: dC exact
+            G_dE = G_exact if o.full_e else G  # FullE: dE exact; FullC: dC (and db) exact
             G_dC = G_exact if o.full_c else G
-            if vocab_order is not None:
-                where = vocab_order[v0:v1]
-                C_c = torch.index_select(C, 0, where, out=C_sorted_buf[:cols])  # (V_c, D)
-            else:
-                where = slice(v0, v1)
-                C_c = C[v0:v1]
-            # 2. dE_acc += G_c C_c: (rows, V_c) @ (V_c, D), fp32 output.
-            _product(dE_rows, G_dE, C_c, alpha=1.0, accumulate=True, mode=mode)
-            # 3. dC[v0:v1] = alpha G_c^T (g_rel E): (V_c, rows) @ (rows, D).
+            where = vocab_order[v0:v1] if vocab_order is not None else slice(v0, v1)
+            if need_dE:
+                C_c = (torch.index_select(C, 0, where, out=C_sorted_buf[:cols]) if vocab_order is not None
+                       else C[v0:v1])  # (V_c, D)
+                # 2. dE_acc += G_c C_c: (rows, V_c) @ (V_c, D), fp32 output.
+                _product(dE_rows, G_dE, C_c, alpha=1.0, accumulate=True, mode=mode)
+            if need_db:
+                # db[v0:v1] += w_scale G_c^T w_rel: (V_c, rows) @ (rows, 1), fp32.
+                db_rows = db_rows_buf[:cols]
+                _product(db_rows, G_dC.T, w_op, alpha=alpha, accumulate=False, mode=mode)
+                db_acc.index_add_(0, where if vocab_order is not None else torch.arange(v0, v1, device=device),
+                                  db_rows[:, 0])
+            if not need_dC:
+                continue
+            # 3. dC[v0:v1] = alpha G_c^T (w_rel E): (V_c, rows) @ (rows, D).
             if not staged:
                 # In place from cuBLAS's fp32 sum: written once in the dtype (one row chunk), or
                 # accumulated in fp32 (fp32 inputs) across row chunks.
@@ -217,13 +234,14 @@ def backward_gemm(E, C, x, lse, up: UpstreamGradient, vocab_order, o: CCEOptions
                 dC.index_copy_(0, where, dC_rows)
             else:
                 dC.index_add_(0, where, dC_rows)
-        # 4. dE = g dE_acc, rounded once (fp32: scaled in place).
-        if low_precision:
-            torch.mul(dE_rows, up.g[n0:n1, None], out=dE[n0:n1])
-        else:
-            dE_rows.mul_(up.g[n0:n1, None])
+        # 4. dE = w dE_acc, rounded once (fp32: scaled in place).
+        if need_dE and low_precision:
+            torch.mul(dE_rows, up.w[n0:n1, None], out=dE[n0:n1])
+        elif need_dE:
+            dE_rows.mul_(up.w[n0:n1, None])
 
     if stats is not None:
         stats.update(counters, skipped=int(skipped.item()), dead_chunks=int(dead_chunks.item()),
                      products=mode)
-    return dE, dC
+    db = db_acc.to(bias.dtype) if need_db else None
+    return dE, dC, db

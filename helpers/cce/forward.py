@@ -25,10 +25,12 @@ def cce_forward(
     options: CCEOptions = CCEOptions(),
     configs: CCEConfigs | str | None = None,
     v_splits: int | None = None,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32), from Algorithms 1 and 2.
 
     ``v_splits``: vocabulary splits of the LSE grid; None picks enough to fill the device.
+    ``bias``: the head's bias (V,), added to every row's logits; None for none.
     """
     N, D = E.shape
     V = C.shape[0]
@@ -39,11 +41,12 @@ def cce_forward(
     # Algorithm 1: z_{i, x_i}, (N,).
     target_logit = torch.empty(N, dtype=torch.float32, device=E.device)
     indexed_dot_kernel[(triton.cdiv(N, dot_cfg.BLOCK_N),)](
-        E, C, x, target_logit,
+        E, C, x, target_logit, bias if bias is not None else target_logit,
         N, D,
         E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0),
         o.ignore_index, softcap,
         HAS_SOFTCAP=o.softcap is not None,
+        HAS_BIAS=bias is not None,
         **dot_cfg.tiles("BLOCK_N", "BLOCK_D"), **dot_cfg.launch,
     )
 
@@ -59,11 +62,12 @@ def cce_forward(
     smoothing = o.label_smoothing > 0
     logit_sum_split = torch.empty_like(lse_split) if smoothing else lse_split
     lse_forward_kernel[(n_blocks, v_splits)](
-        E, C, lse_split, logit_sum_split,
+        E, C, bias if bias is not None else lse_split, lse_split, logit_sum_split,
         N, V, D, blocks_per_split,
         E.stride(0), E.stride(1), C.stride(0), C.stride(1),
         softcap,
         HAS_SOFTCAP=o.softcap is not None,
+        HAS_BIAS=bias is not None,
         SUM_LOGITS=smoothing,
         DOT_PRECISION=dot_precision(E.dtype),
         **fwd.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D"), **fwd.launch,

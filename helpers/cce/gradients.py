@@ -1,12 +1,17 @@
-"""What both backward implementations share: the upstream gradient, the vocabulary order, and the
+"""What both backward implementations share: each row's gradient, the vocabulary order, and the
 fold of dC's fp32 rows into dC.
 
-The upstream gradient. Each row i of the loss carries g_i (1/N_kept for a mean, the caller's
-vector for "none", 0 at ignored rows). It is kept out of G = dloss_i/dz_{i,v}: in fp16, g = 1/N
-times a softmax entry of ~1e-6 falls below fp16's smallest subnormal (6e-8) and rounds to zero,
-whatever a trainer's loss scale does later. So dE's products take G unscaled and the rows are
-scaled afterwards in fp32, and dC's products take g_rel = g / max|g| (|g_rel| <= 1, exact for a
-mean or a sum) with g_scale = max|g| applied to the fp32 result.
+Each row's gradient. Row i's loss carries an upstream gradient g_i (1/N_kept for a mean, the
+caller's vector for "none", 0 at ignored rows) and, when the caller backpropagates through the
+returned lse, h_i. The gradient with respect to the row's logits is then
+
+    g_i [S (1 + 2 zl lse_i) - (1 - ls) [v = x_i] - ls / V] + h_i S = w_i (a_i S - b_i [v = x_i] - c_i / V)
+
+with w_i = max(|g_i|, |h_i|) and a, b, c the coefficients that remain (each of size about 1). The
+kernels form the bracket, G, unscaled by w: in fp16, w = 1/N times a softmax entry of ~1e-6 falls
+below fp16's smallest subnormal (6e-8) and rounds to zero, whatever a trainer's loss scale does
+later. So dE's products take G and the rows are scaled by w afterwards in fp32, and dC's products
+take w_rel E (w_rel = w / max w, exact for a mean or a sum) with max w applied to the fp32 result.
 """
 
 from __future__ import annotations
@@ -15,25 +20,37 @@ from dataclasses import dataclass
 
 import torch
 
+from helpers.cce.options import CCEOptions
+
 MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
-class UpstreamGradient:
-    """g (N,) fp32 per row (0 at ignored rows) = g_rel * g_scale, |g_rel| <= 1; ``uniform`` when
-    every row has the same g (a mean or a sum hands each row an expanded scalar)."""
+class RowGradient:
+    """The upstream gradient of every row, as the kernels take it (module doc)."""
 
-    g: torch.Tensor
-    g_rel: torch.Tensor
-    g_scale: torch.Tensor  # (1,) fp32: max |g|
-    uniform: bool
+    w: torch.Tensor  # (N,) fp32 >= 0, applied to the products' fp32 results
+    w_rel: torch.Tensor  # (N,) fp32, w / w_scale
+    w_scale: torch.Tensor  # (1,) fp32, max w
+    uniform: bool  # every row has the same w: a mean or a sum, no gradient through the lse
+    coef: torch.Tensor  # (3, N) fp32: a, b, c of each row
 
     @classmethod
-    def of(cls, grad_rows: torch.Tensor, kept: torch.Tensor) -> UpstreamGradient:
+    def of(cls, grad_rows: torch.Tensor, grad_lse: torch.Tensor | None, kept: torch.Tensor,
+           lse: torch.Tensor, o: CCEOptions) -> RowGradient:
+        """grad_rows: (N,) the loss's upstream gradient per row (an expanded scalar for a mean or a
+        sum); grad_lse: (N,) the gradient flowing into the returned lse, or None."""
         g = torch.where(kept, grad_rows.to(torch.float32), 0.0)
-        g_scale = g.abs().amax().reshape(1)
-        g_rel = torch.where(g_scale > 0, g / g_scale, 0.0)
-        return cls(g, g_rel, g_scale, uniform=grad_rows.numel() == 1 or grad_rows.stride(0) == 0)
+        h = grad_lse.to(torch.float32) if grad_lse is not None else torch.zeros_like(g)
+        w = torch.maximum(g.abs(), h.abs())
+        safe = torch.where(w > 0, w, 1.0)
+        coef = torch.stack([(g * (1.0 + 2.0 * o.z_loss * lse) + h) / safe,
+                            g * (1.0 - o.label_smoothing) / safe,
+                            g * o.label_smoothing / safe])
+        w_scale = w.amax().reshape(1)
+        w_rel = torch.where(w_scale > 0, w / w_scale, 0.0)
+        uniform = grad_lse is None and (grad_rows.numel() == 1 or grad_rows.stride(0) == 0)
+        return cls(w, w_rel, w_scale, uniform, coef)
 
 
 def vocabulary_order(E: torch.Tensor, C: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,10 @@ def _ours(N, V, D, b, capability):
         scratch += v_chunk * D * 4
     if low and capability is None:  # the larger of the two products' fp32 operand copies
         scratch += n_chunk * v_chunk * 4 + max(v_chunk, n_chunk) * D * 4
-    return (N * D + V * D) * b + scratch
+    # Per row, fp32: the forward's lse, and the backward's row gradient (w, w / max w and the three
+    # coefficients of G, helpers.cce.gradients.RowGradient).
+    per_row = 24 * N
+    return (N * D + V * D) * b + scratch + per_row
 
 
 def _next_power_of_2(n: int) -> int:
@@ -150,7 +153,7 @@ THEORY: dict[str, tuple[Callable[..., int], str]] = {
               "temporaries for dC except on sm_80+ in 16-bit"),
     "apple_cce": (_floor, "(N·D + V·D)·b: the floor (its O(N) LSE not counted)"),
     "ours": (_ours, "(N·D + V·D)·b + a G chunk (input dtype; inside dE when it fits) + 16-bit: "
-             "dE's fp32 accumulator (helpers.cce.gemm_chunks sizes both)"),
+             "dE's fp32 accumulator (helpers.cce.gemm_chunks sizes both) + 24 bytes of per-row state"),
 }
 
 

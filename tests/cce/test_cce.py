@@ -172,7 +172,7 @@ def test_chunked_host_paths(dtype, accumulation, impl):
     options = resolve_options(dtype, filter_eps=None, sort_vocab=True, accumulation=accumulation)
     loss_rows, lse = cce_forward(E, C, x, options, v_splits=3)
     go = upstream("none")
-    dE, dC = cce_backward(E, C, x, lse, go, options, n_chunk=16, v_chunk=100, backward_impl=impl)
+    dE, dC, _ = cce_backward(E, C, x, lse, go, options, n_chunk=16, v_chunk=100, backward_impl=impl)
     rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
     torch.testing.assert_close(loss_rows.double(), rloss, rtol=TOL[dtype], atol=TOL[dtype])
     assert relative_error(dE, rdE) < TOL[dtype] and relative_error(dC, rdC) < TOL[dtype]
@@ -188,7 +188,7 @@ def test_kahan_compensates_the_folds_of_dC(impl):
         options = resolve_options(torch.float16, filter_eps=None, accumulation=accumulation)
         _, lse = cce_forward(E, C, x, options)
         grad_rows = go.expand(N).float()
-        _, dC = cce_backward(E, C, x, lse, grad_rows, options, n_chunk=1, v_chunk=64,
+        _, dC, _ = cce_backward(E, C, x, lse, grad_rows, options, n_chunk=1, v_chunk=64,
                              backward_impl=impl)
         errors[accumulation] = relative_error(dC, reference_loss_and_grads(E, C, x, go, reduction="sum")[2])
     assert errors["kahan"] < 0.6 * errors["fp32"], errors
@@ -222,7 +222,7 @@ def test_filter_skips_tiles_when_the_softmax_is_peaked(dtype, backward_impl):
         options = resolve_options(dtype, filter_eps=eps, sort_vocab=sort)
         _, lse = cce_forward(E, C, x, options)
         stats = {}
-        dE, dC = cce_backward(E, C, x, lse, go, options, stats=stats, backward_impl=backward_impl)
+        dE, dC, _ = cce_backward(E, C, x, lse, go, options, stats=stats, backward_impl=backward_impl)
         skipped[name] = stats["skipped"] / stats["tiles"]
         # What the filter drops is below eps per entry, ~1e-6 here: under fp16's rounding, and a
         # visible 3e-5 in fp32 (where "auto" keeps the filter off).
@@ -287,7 +287,7 @@ def test_gemm_products_as_on_a_gpu(monkeypatch, mode, n_chunk):
     options = resolve_options(torch.float16, filter_eps=None)
     _, lse = cce_forward(E, C, x, options)
     stats = {}
-    dE, dC = cce_backward(E, C, x, lse, go, options, n_chunk=n_chunk, v_chunk=64, stats=stats,
+    dE, dC, _ = cce_backward(E, C, x, lse, go, options, n_chunk=n_chunk, v_chunk=64, stats=stats,
                           backward_impl="gemm")
     assert stats["products"] == mode and stats["launches"] == (3 if n_chunk else 1) * 5
     _, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
@@ -323,8 +323,8 @@ BAD_INPUTS = [
     (lambda E, C, x: (E, C.to("meta"), x), ValueError, "one device"),
     (lambda E, C, x: (E.double(), C.double(), x), TypeError, "E must be one of"),
     (lambda E, C, x: (E, C.half(), x), TypeError, "C must have E's dtype"),
-    (lambda E, C, x: (E[None], C, x), ValueError, "E must be 2-D"),
-    (lambda E, C, x: (E, C, x[:, None]), ValueError, "x must be 1-D"),
+    (lambda E, C, x: (E[None], C, x), ValueError, "x must have E's leading shape"),
+    (lambda E, C, x: (E, C, x[:, None]), ValueError, "x must have E's leading shape"),
     (lambda E, C, x: (E, C, x.float()), TypeError, "integer class indices"),
 ]
 

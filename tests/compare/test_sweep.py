@@ -59,10 +59,11 @@ def test_theory_at_the_qwen3_head_by_hand():
     )
     assert predicted_peak_bytes("apple_cce", N, V, D, "bfloat16") == 313_262_080
     # ours: all 1,024 rows in one chunk; G chunk max(32 MiB, LB / 32) / (1024 rows · 2 bytes) =
-    # 16,384 columns: 33,554,432 bytes; dE's fp32 accumulator 1024·1024·4 = 4,194,304.
-    assert predicted_peak_bytes("ours", N, V, D, "bfloat16", (9, 0)) == 313_262_080 + 33_554_432 + 4_194_304
+    # 16,384 columns: 33,554,432 bytes; dE's fp32 accumulator 1024·1024·4 = 4,194,304; per-row
+    # state 24·1024 = 24,576.
+    assert predicted_peak_bytes("ours", N, V, D, "bfloat16", (9, 0)) == 313_262_080 + 33_554_432 + 4_194_304 + 24_576
     # fp32 inputs: no accumulator (dE accumulates itself), G in fp32: 8,192 columns, same bytes.
-    assert predicted_peak_bytes("ours", N, V, D, "float32", (9, 0)) == 2 * 313_262_080 + 33_554_432
+    assert predicted_peak_bytes("ours", N, V, D, "float32", (9, 0)) == 2 * 313_262_080 + 33_554_432 + 24_576
     assert predicted_peak_bytes("no_such_method", N, V, D, "bfloat16") is None
 
 

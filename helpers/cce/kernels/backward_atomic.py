@@ -8,8 +8,9 @@ For a kept row i (target x_i), the loss of ``helpers.cce`` is
 
     G_{i, v} = S_{i, v} (1 + 2 zl lse_i) - (1 - ls) [v = x_i] - ls / V,
 
-times d cap(a) / da = 1 - (z / softcap)^2 under Gemma-2's soft cap. Then dE = G C and dC = G^T E
-(each scaled by the upstream gradient g_i of its row).
+times d cap(a) / da = 1 - (z / softcap)^2 under Gemma-2's soft cap (``gradient.py`` forms it, with
+per-row coefficients from the host). Then dE = G C and dC = G^T E (each scaled by the upstream
+gradient of its row).
 
 Each program owns one (BLOCK_N, BLOCK_V) tile: it rebuilds the logits (``logit_tile``), forms G,
 and walks D in BLOCK_D steps adding G @ C_tile into dE's rows and G^T @ E_tile into dC's rows.
@@ -87,7 +88,9 @@ def backward_atomic_kernel(
     # pointers
     E_ptr, C_ptr, x_ptr,  # E (N, D), C (V, D), x (N,) targets
     lse_ptr,  # (N,) fp32 from the forward pass
-    g_rel_ptr, g_scale_ptr,  # (N,) fp32 upstream gradient / g_scale; (1,) fp32 g_scale
+    coef_ptr,  # (3, stride_coef) fp32: each row's G coefficients a, b, c (``gradient_tile``)
+    bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
+    g_rel_ptr, g_scale_ptr,  # (N,) fp32 row weight w / g_scale; (1,) fp32 g_scale = max w
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
     dE_ptr,  # (N, D) fp32 accumulator
     dC_ptr,  # fp32 accumulator: (v_count, D) chunk-local rows if DC_LOCAL, else (V, D)
@@ -97,15 +100,18 @@ def backward_atomic_kernel(
     v_begin, v_count,  # this launch covers vocabulary positions [v_begin, v_begin + v_count)
     # strides
     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
-    stride_dEn, stride_dEd, stride_dCv, stride_dCd,
+    stride_dEn, stride_dEd, stride_dCv, stride_dCd, stride_coef,
     # options
-    ignore_index, softcap, z_loss, label_smoothing, eps,
+    softcap, eps,
     # meta-parameters
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NEED_DE: tl.constexpr,
+    NEED_DC: tl.constexpr,
     FILTER: tl.constexpr,
     FULL_E: tl.constexpr,
     FULL_C: tl.constexpr,
@@ -133,10 +139,9 @@ def backward_atomic_kernel(
         dC_rows = cols
 
     # 2-3. The logit tile, recomputed on chip (Algorithm 3, line 3), and its gradient G.
-    G = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, rows, cols, row_mask, col_mask, V, D,
-                      stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
-                      ignore_index, softcap, z_loss, label_smoothing,
-                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, DOT_PRECISION)
+    G = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
+                      V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
+                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION)
 
     g_rel = tl.load(g_rel_ptr + rows, mask=row_mask, other=0.0)
     g_scale = tl.load(g_scale_ptr)
@@ -147,13 +152,13 @@ def backward_atomic_kernel(
         if tl.max(tl.sum(tl.abs(G), axis=1)) < eps:
             if COUNT_SKIPS:
                 tl.atomic_add(skip_count_ptr, 1)
-            if FULL_E:
+            if FULL_E and NEED_DE:
                 accumulate_grads(G, g_rel, g_scale, E_ptr, C_ptr, dE_ptr, dC_ptr,
                                  rows, cols, dC_rows, row_mask, col_mask, D,
                                  stride_En, stride_Ed, stride_Cv, stride_Cd,
                                  stride_dEn, stride_dEd, stride_dCv, stride_dCd,
                                  BLOCK_D, True, False, DOT_PRECISION)
-            if FULL_C:
+            if FULL_C and NEED_DC:
                 accumulate_grads(G, g_rel, g_scale, E_ptr, C_ptr, dE_ptr, dC_ptr,
                                  rows, cols, dC_rows, row_mask, col_mask, D,
                                  stride_En, stride_Ed, stride_Cv, stride_Cd,
@@ -166,4 +171,4 @@ def backward_atomic_kernel(
                      rows, cols, dC_rows, row_mask, col_mask, D,
                      stride_En, stride_Ed, stride_Cv, stride_Cd,
                      stride_dEn, stride_dEd, stride_dCv, stride_dCd,
-                     BLOCK_D, True, True, DOT_PRECISION)
+                     BLOCK_D, NEED_DE, NEED_DC, DOT_PRECISION)

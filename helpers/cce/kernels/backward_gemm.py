@@ -46,6 +46,8 @@ def gradient_chunk_kernel(
     # pointers
     E_ptr, C_ptr, x_ptr,  # E (N, D), C (V, D), x (N,) targets
     lse_ptr,  # (N,) fp32 from the forward pass
+    coef_ptr,  # (3, stride_coef) fp32: each row's G coefficients a, b, c (``gradient_tile``)
+    bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
     G_ptr,  # (N, v_count) in E's dtype: G of this chunk, zeros in skipped tiles
     G_exact_ptr,  # (N, v_count) in E's dtype: G of this chunk, no tile skipped (SPLIT_G only)
@@ -56,14 +58,16 @@ def gradient_chunk_kernel(
     # strides
     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
     stride_Gn, stride_Gv,  # shared by G and G_exact
+    stride_coef,
     # options
-    ignore_index, softcap, z_loss, label_smoothing, eps,
+    softcap, eps,
     # meta-parameters
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GROUP_N: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     FILTER: tl.constexpr,
     SPLIT_G: tl.constexpr,
     SORTED: tl.constexpr,
@@ -82,10 +86,9 @@ def gradient_chunk_kernel(
         cols = v_begin + local_v
 
     # 2. The logit tile rebuilt on chip and its gradient, exactly as the "atomic" kernel forms it.
-    G = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, rows, cols, row_mask, col_mask, V, D,
-                      stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
-                      ignore_index, softcap, z_loss, label_smoothing,
-                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, DOT_PRECISION)  # (BLOCK_N, BLOCK_V)
+    G = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
+                      V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
+                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION)  # (BLOCK_N, BLOCK_V)
 
     dtype = G_ptr.dtype.element_ty
     g_ptrs = rows[:, None] * stride_Gn + local_v[None, :] * stride_Gv  # (BLOCK_N, BLOCK_V)

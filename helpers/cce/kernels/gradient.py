@@ -1,10 +1,13 @@
 """The gradient of the loss with respect to a logit tile, shared by both backward kernels.
 
-``gradient_tile`` rebuilds a (BLOCK_N, BLOCK_V) logit tile (``logit_tile``) and forms
+``gradient_tile`` rebuilds a (BLOCK_N, BLOCK_V) logit tile (``logit_tile``, plus the bias) and forms
 
-    G = S (1 + 2 zl lse) - (1 - ls) [v = x] - ls / V,    S = exp(z - lse),
+    G_{i, v} = a_i S_{i, v} - b_i [v = x_i] - c_i / V,    S = exp(z - lse),
 
-times 1 - (z / softcap)^2 under the soft cap, 0 at ignored rows and padding: the "atomic" kernel
+times 1 - (z / softcap)^2 under the soft cap. The row coefficients come from the host
+(``helpers.cce.gradients.RowGradient``): for the loss alone a = 1 + 2 zl lse, b = 1 - ls, c = ls,
+each divided by the row's weight w (its upstream gradient, applied after the products); a gradient
+flowing into the returned lse adds to a; ignored rows and padding have a = b = c = 0. The "atomic" kernel
 (``backward_atomic.py``) and the "gemm" backward's G kernel (``backward_gemm.py``) call this one
 function, so the two compute the same G to the bit. ``grouped_tile`` orders their programs as Triton
 tutorial 03 does. Reference: autograd through ``helpers.spec.reference_loss``.
@@ -13,7 +16,7 @@ tutorial 03 does. Reference: autograd through ``helpers.spec.reference_loss``.
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import logit_tile, tanh
+from helpers.cce.kernels.logits import add_bias, logit_tile, tanh
 
 
 @triton.jit
@@ -33,38 +36,42 @@ def grouped_tile(pid, N, v_count, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, 
 
 @triton.jit
 def gradient_tile(
-    E_ptr, C_ptr, x_ptr, lse_ptr,  # E (N, D), C (V, D), x (N,), lse (N,) fp32
+    E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,  # E (N, D), C (V, D), x (N,), lse (N,) fp32,
+    # coef (3, N) fp32 rows a, b, c; bias (V,) (HAS_BIAS only)
     rows, cols,  # (BLOCK_N,), (BLOCK_V,) int64 indices into E and C
     row_mask, col_mask,
     V, D,
-    stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
-    ignore_index, softcap, z_loss, label_smoothing,
+    stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
+    softcap,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """G = dloss_i / dz_{i, v} for the tile, (BLOCK_N, BLOCK_V) fp32, before the upstream
-    gradient; 0 at ignored rows and padding. Shared by both backward kernels (this file's and
-    ``backward_gemm.py``'s), so the two compute the same G."""
+    """G = dloss_i / dz_{i, v} / w_i for the tile, (BLOCK_N, BLOCK_V) fp32; 0 at ignored rows and
+    padding. Shared by both backward kernels, so the two compute the same G."""
     # The logit tile, recomputed on chip (Algorithm 3, line 3).
     z = logit_tile(E_ptr, C_ptr, rows, cols, row_mask, col_mask, D,
                    stride_En, stride_Ed, stride_Cv, stride_Cd,
                    BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION)
+    if HAS_BIAS:
+        z = add_bias(z, bias_ptr, cols, col_mask)
     if HAS_SOFTCAP:
         t = tanh(z / softcap)
         z = softcap * t
 
-    # G = S (1 + 2 zl lse) - (1 - ls) [v = x] - ls / V, then the soft cap's chain rule.
+    # G = a S - b [v = x] - c / V, then the soft cap's chain rule.
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    x = tl.load(x_ptr + rows * stride_x, mask=row_mask, other=ignore_index).to(tl.int64)
-    kept = row_mask & (x != ignore_index)
+    a = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
+    b = tl.load(coef_ptr + stride_coef + rows, mask=row_mask, other=0.0)
+    c = tl.load(coef_ptr + 2 * stride_coef + rows, mask=row_mask, other=0.0)
+    x = tl.load(x_ptr + rows * stride_x, mask=row_mask, other=-1).to(tl.int64)
     S = tl.exp(z - lse[:, None])
     is_target = x[:, None] == cols[None, :]
-    G = (S * (1.0 + 2.0 * z_loss * lse)[:, None]
-         - tl.where(is_target, 1.0 - label_smoothing, 0.0) - label_smoothing / V)
+    G = a[:, None] * S - tl.where(is_target, b[:, None], 0.0) - c[:, None] / V
     if HAS_SOFTCAP:
         G = G * (1.0 - t * t)
-    # Ignored rows and padding contribute nothing, and must not keep a tile from being skipped.
-    return tl.where(kept[:, None] & col_mask[None, :], G, 0.0)
+    # Padding columns contribute nothing, and must not keep a tile from being skipped.
+    return tl.where(col_mask[None, :], G, 0.0)

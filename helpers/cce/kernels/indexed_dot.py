@@ -1,4 +1,4 @@
-"""Algorithm 1 of the CCE paper: the indexed dot z_{i, x_i} = cap(E_i . C_{x_i}), (N,).
+"""Algorithm 1 of the CCE paper: the indexed dot z_{i, x_i} = cap(E_i . C_{x_i} + b_{x_i}), (N,).
 
 The target logit of each row, read without forming the row of logits: one gather of C's target
 row per token, N * D multiply-adds in all. Reference: ``reference_logits(E, C, softcap)[i, x[i]]``.
@@ -14,6 +14,7 @@ from helpers.cce.kernels.logits import tanh
 def indexed_dot_kernel(
     # pointers
     E_ptr, C_ptr, x_ptr, out_ptr,  # E (N, D), C (V, D), x (N,), out (N,) fp32
+    bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     # sizes
     N, D,
     # strides
@@ -24,6 +25,7 @@ def indexed_dot_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -39,6 +41,8 @@ def indexed_dot_kernel(
         e = tl.load(E_ptr + rows[:, None] * stride_En + d[None, :] * stride_Ed, mask=mask, other=0.0)
         c = tl.load(C_ptr + x[:, None] * stride_Cv + d[None, :] * stride_Cd, mask=mask, other=0.0)
         acc += tl.sum(e.to(tl.float32) * c.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + x, mask=kept, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
         acc = softcap * tanh(acc / softcap)
     tl.store(out_ptr + rows, acc, mask=row_mask)

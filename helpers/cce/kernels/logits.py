@@ -43,3 +43,11 @@ def logit_tile(
         e_ptrs += BLOCK_D * stride_Ed
         c_ptrs += BLOCK_D * stride_Cd
     return z
+
+
+@triton.jit
+def add_bias(z, bias_ptr, cols, col_mask):
+    """z + b[cols] for a logit tile (BLOCK_N, BLOCK_V) fp32: the head's bias, read in its dtype and
+    added in fp32 before the soft cap (``cap(E C^T + b)``). Reference: ``reference_logits``."""
+    b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    return z + b[None, :]

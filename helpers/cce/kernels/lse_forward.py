@@ -9,20 +9,21 @@ running (max m, sum s) pair, the online softmax:
 Global memory written: one lse per (row, split), SPLITS * N * 4 bytes, instead of the N * V
 logits. The splits exist only to give the GPU enough programs when N is small (N / BLOCK_N
 programs would leave most SMs idle); the host merges them with a logsumexp over SPLITS.
-With label smoothing the kernel also sums the logits of each row (the smoothing term needs
+With a bias, z = E C^T + b. With label smoothing the kernel also sums the logits of each row (the smoothing term needs
 sum_v z_{i, v}). Reference: ``torch.logsumexp(reference_logits(E, C, softcap), dim=1)``.
 """
 
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import logit_tile, tanh
+from helpers.cce.kernels.logits import add_bias, logit_tile, tanh
 
 
 @triton.jit
 def lse_forward_kernel(
     # pointers
     E_ptr, C_ptr,  # E (N, D), C (V, D)
+    bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     lse_split_ptr,  # (SPLITS, N) fp32: the lse of each row over one vocabulary split
     logit_sum_split_ptr,  # (SPLITS, N) fp32: sum_v z_{i, v} over the split (SUM_LOGITS only)
     # sizes
@@ -37,6 +38,7 @@ def lse_forward_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     SUM_LOGITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -59,6 +61,8 @@ def lse_forward_kernel(
         z = logit_tile(E_ptr, C_ptr, rows, cols, row_mask, col_mask, D,
                        stride_En, stride_Ed, stride_Cv, stride_Cd,
                        BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION)
+        if HAS_BIAS:
+            z = add_bias(z, bias_ptr, cols, col_mask)
         if HAS_SOFTCAP:
             z = softcap * tanh(z / softcap)
         if SUM_LOGITS:
