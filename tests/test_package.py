@@ -12,8 +12,8 @@ import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "helpers"
-# A module may import its own layer and those below it: suite -> lab -> compare -> cce -> spec.
-LAYERS = ["spec", "cce", "compare", "lab", "suite"]
+# A module may import its own layer and those below it: suite -> lab -> compare -> (hf) -> cce -> spec.
+LAYERS = ["spec", "cce", "hf", "compare", "lab", "suite"]  # hf: the Hugging Face adapter of cce
 
 
 def module_name(path: Path) -> str:

@@ -49,6 +49,7 @@ REQUIREMENTS = {
     "triton": "triton>=3.0",
     "liger_kernel": "liger-kernel>=0.5",
     "cut_cross_entropy": "cut-cross-entropy>=24.12",
+    "transformers": "transformers>=5.0",
 }
 # Where an attached Kaggle dataset is mounted.
 WHEEL_DIRS = ["/kaggle/input"]
