@@ -96,6 +96,7 @@ class _PatchState:
     signature: inspect.Signature  # of the original forward, without self
     varkw: str  # the name of its **kwargs
     softcap_attr: str | None  # the config attribute holding the final logit soft cap, if any
+    loss: object  # the linear cross-entropy the patched forward calls (None: ours)
     output_class: type
     instance_forward: object  # what model.__dict__["forward"] held before patching, or None
     structure_checked: bool  # whether the forward's source was read and checked (else: trusted by name)
@@ -131,11 +132,13 @@ def causal_lm_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     softcap: float | None = None,
     bias: torch.Tensor | None = None,
+    loss=None,
 ) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss(hidden_states @ weight.T + bias, labels, ...)``, without the logits.
 
     hidden_states (..., D) (typically (B, T, D)); weight (V, D), the head's weight; bias (V,) or
-    None, the head's bias; labels with
+    None, the head's bias; ``loss``: the linear cross-entropy to call, with ``linear_cross_entropy``'s
+    signature (None: ours; another kernel for a like-for-like comparison); labels with
     hidden_states' leading shape, shifted here, or ``shift_labels`` (already shifted) instead.
     Returns the fp32 scalar loss: the mean over kept targets, or their sum / num_items_in_batch.
     """
@@ -165,13 +168,13 @@ def causal_lm_loss(
     reduction = "mean" if num_items_in_batch is None else "sum"
     # The kernel's own torch ops (lse merge, reductions) must not be autocast: its inputs are set.
     with torch.autocast(device_type=E.device.type, enabled=False):
-        loss = linear_cross_entropy(E, C, x, bias=b, ignore_index=ignore_index, reduction=reduction,
-                                    softcap=softcap)
+        value = (loss or linear_cross_entropy)(E, C, x, bias=b, ignore_index=ignore_index, reduction=reduction,
+                                               softcap=softcap)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
+            num_items_in_batch = num_items_in_batch.to(value.device)
+        value = value / num_items_in_batch
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,6 +356,7 @@ def check_supported(model, *, allow_unlisted: bool = False) -> _PatchState:
         signature=signature,
         varkw=varkw,
         softcap_attr=structure["softcap_attr"],
+        loss=None,
         output_class=_output_class(fn),
         instance_forward=model.__dict__.get("forward"),
         structure_checked=checked,
@@ -363,8 +367,11 @@ def is_patched(model) -> bool:
     return _STATE in getattr(model, "__dict__", {})
 
 
-def patch(model, *, allow_unlisted: bool = False):
+def patch(model, *, allow_unlisted: bool = False, loss=None):
     """Make ``model`` (this instance only) compute its training loss without logits; returns it.
+
+    ``loss``: the linear cross-entropy the patched forward calls, with ``linear_cross_entropy``'s
+    signature (E, C, x, *, bias, ignore_index, reduction, softcap); None: ours.
 
     After patching, ``model(..., labels=labels)`` returns the usual output with ``loss`` from
     ``helpers.cce.linear_cross_entropy`` and ``logits=None`` (no logits are computed when labels
@@ -376,7 +383,7 @@ def patch(model, *, allow_unlisted: bool = False):
         raise RuntimeError(
             f"{type(model).__name__} is already patched by helpers.hf.patch; call unpatch(model) first"
         )
-    state = check_supported(model, allow_unlisted=allow_unlisted)
+    state = dataclasses.replace(check_supported(model, allow_unlisted=allow_unlisted), loss=loss)
 
     def forward(self, *args, **kwargs):
         return _patched_forward(self, *args, **kwargs)
@@ -450,6 +457,7 @@ def _patched_forward(self, *args, **kwargs):
         ignore_index=extra.get("ignore_index", -100),
         num_items_in_batch=extra.get("num_items_in_batch"),
         softcap=softcap,
+        loss=state.loss,
     )
     fields = {f.name for f in dataclasses.fields(state.output_class)} - {"loss", "logits"}
     result = state.output_class(loss=loss, logits=None, **{f: getattr(outputs, f, None) for f in fields})

@@ -86,34 +86,79 @@ def peak_memory(
     return result, peak
 
 
-def _cpu_peak_memory(fn: Callable[[], Any]) -> tuple[Any, int]:
+def memory_timeline(fn: Callable[[], Any], *, device: torch.device | str | None = None) -> tuple[Any, list[int]]:
+    """(fn(), the bytes ``fn`` held above its start after each allocation and free, in order).
+
+    CUDA: the caching allocator's own record (``torch.cuda.memory._record_memory_history``), so
+    every tensor allocation and free counts; CPU: the profiler's events, as ``peak_memory`` reads
+    them. Its maximum is ``peak_memory``'s number; its shape shows where in a step the peak is.
+    """
+    device = _device(device)
+    if device.type != "cuda":
+        result, events = _cpu_memory_events(fn)
+        held, timeline = 0, []
+        for size in events:
+            held += size
+            timeline.append(held)
+        return result, timeline
+    torch.cuda.synchronize(device)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, device=device)
+    try:
+        result = fn()
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot(device)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    traces = snapshot["device_traces"][index]
+    held, live, timeline = 0, {}, []
+    for event in traces:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event["size"]
+            held += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            held -= live.pop(event["addr"])
+        else:
+            continue
+        timeline.append(held)
+    return result, timeline
+
+
+def _cpu_memory_events(fn: Callable[[], Any]) -> tuple[Any, list[int]]:
+    """(fn(), the signed sizes of the allocations and frees ``fn`` made, in time order): frees of
+    blocks allocated before the call are left out (the module doc of ``peak_memory`` says why)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    # The event tree holds each allocation (positive size) and free (negative size) as its own
-    # node with a timestamp. The flat FunctionEvent list would not do: it folds a free into the op
-    # that made it, so an op that allocates a temporary and frees it shows no peak at all.
     events = [
         node
         for node in _walk(prof.profiler.kineto_results.experimental_event_tree())
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu"
     ]
     events.sort(key=lambda node: node.start_time_ns)
-    # Only what fn allocated counts. The profiler remembers the sizes of blocks allocated under an
-    # earlier profile, so a free of one of those (say, a buffer a library kept from the previous
-    # call) would otherwise pull the running sum below what fn really holds.
-    live: dict[int, int] = {}  # address -> bytes, for blocks allocated during this call
-    held = peak = 0
+    live: dict[int, int] = {}
+    sizes = []
     for node in events:
         size, address = node.extra_fields.alloc_size, node.extra_fields.ptr
         if size > 0:
             live[address] = size
-            held += size
-            peak = max(peak, held)
+            sizes.append(size)
         elif address in live:
-            held -= live.pop(address)
+            sizes.append(-live.pop(address))
+    return result, sizes
+
+
+def _cpu_peak_memory(fn: Callable[[], Any]) -> tuple[Any, int]:
+    # The event tree holds each allocation (positive size) and free (negative size) as its own
+    # node with a timestamp. The flat FunctionEvent list would not do: it folds a free into the op
+    # that made it, so an op that allocates a temporary and frees it shows no peak at all.
+    result, sizes = _cpu_memory_events(fn)
+    held = peak = 0
+    for size in sizes:
+        held += size
+        peak = max(peak, held)
     return result, peak
 
 
@@ -248,6 +293,7 @@ def apply_memory_cap(
     memory_fraction: float | None,
     *,
     cpu_budget_bytes: int | None = None,
+    card_bytes: int | None = None,
     device: torch.device | str | None = None,
 ) -> MemoryCap:
     """Cap the memory this process may use, and say how much that is.
@@ -257,7 +303,8 @@ def apply_memory_cap(
     unified-memory machine down). The usable bytes are ``memory_fraction`` of the card as
     ``helpers.cce.device.device_info`` sees it: on a pretend T4 (``HELPERS_PRETEND_T4=1``) of a T4's
     memory, so a bigger GPU hits the wall a T4 reader running this same code would hit, guardrail
-    included. ``memory_fraction=None`` leaves the card (or the pretend T4) uncapped.
+    included. ``memory_fraction=None`` leaves the card (or the pretend T4) uncapped. ``card_bytes``:
+    take the fraction of a card of that size instead (a 16 GB card's wall on a bigger one).
 
     CPU: nothing to set; ``cpu_budget_bytes`` (or None) becomes the budget ``peak_memory`` checks.
     """
@@ -266,13 +313,14 @@ def apply_memory_cap(
         return MemoryCap("cpu", cpu_budget_bytes, None, None)
     info = device_info(device)
     total = torch.cuda.get_device_properties(device).total_memory
-    usable = min(total, int(info.total_memory_bytes * (memory_fraction if memory_fraction is not None else 1.0)))
+    card = min(total, card_bytes) if card_bytes else info.total_memory_bytes
+    usable = min(total, int(card * (memory_fraction if memory_fraction is not None else 1.0)))
     fraction = usable / total
     # Set even when it is 1.0: a notebook re-run in the same process must not keep an old cap.
     # It takes an index: a bare torch.device("cuda") raises ("expected ... a specified index").
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.set_per_process_memory_fraction(fraction, index)
-    return MemoryCap("cuda", usable, total, fraction, info.pretend_t4)
+    return MemoryCap("cuda", usable, total, fraction, info.pretend_t4 or bool(card_bytes))
 
 
 def is_out_of_memory(error: BaseException) -> bool:

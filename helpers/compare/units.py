@@ -37,4 +37,9 @@ def lower_bound_bytes(N: int, V: int, D: int, dtype: torch.dtype | str) -> int:
     return (N * D + V * D) * dtype_bytes(dtype)
 
 
-__all__ = ["GB", "DTYPES", "torch_dtype", "dtype_name", "dtype_bytes", "lower_bound_bytes"]
+def format_bytes(n: float) -> str:
+    """"1.23 GB", or "4.56 MB" under a tenth of a GB (the CPU's smoke sizes)."""
+    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
+
+
+__all__ = ["GB", "DTYPES", "format_bytes", "torch_dtype", "dtype_name", "dtype_bytes", "lower_bound_bytes"]

@@ -74,6 +74,13 @@ _CONVERGENCE_GPU_SIZES = {
     },
 }
 
+# Notebook 05 on a GPU: the Qwen3-0.6B shape in sequences of 2,048 tokens; micro-batches searched
+# from one sequence up; the training comparison at 4,096 tokens a step.
+_FITS_GPU = {
+    "shape": "0.6b", "seq_len": 2048, "fit_start": 2048, "fit_limit": 262_144, "article_tokens": 16_384,
+    "curve": {"tokens": 4096, "steps": 30, "seed": 0}, "check_tokens": 2048, "repeats": 3,
+}
+
 PROFILES: dict[str, Profile] = {
     "cpu": Profile(
         name="cpu",
@@ -98,6 +105,14 @@ PROFILES: dict[str, Profile] = {
                 "BLOCK_N": 16, "BLOCK_V": 64, "kahan_terms": 2048, "seed": 0,
             },
             "01_correctness": {"shapes": _GATE_SMALL, "seed": 0},
+            # A tiny Qwen3 on the CPU (its 512-entry vocabulary makes the logits small next to the
+            # activations: the smoke run checks the pipeline, not the picture); a simulated 1.3 MB
+            # card puts a wall inside the search.
+            "05_fits": {
+                "shape": "tiny", "precision": "fp32", "seq_len": 32, "fit_start": 32, "fit_limit": 128,
+                "article_tokens": 64, "curve": {"tokens": 64, "steps": 3, "seed": 0}, "check_tokens": 64,
+                "repeats": 1, "cpu_budget_bytes": 1_300_000,
+            },
             "03_convergence": {
                 # Smoke run: under the Triton interpreter a step of ours takes ~0.4 s even at V = 256.
                 "compute_dtype": "float32", "tolerance": 1e-4,
@@ -134,6 +149,7 @@ PROFILES: dict[str, Profile] = {
                 "BLOCK_N": 32, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
+            "05_fits": {**_FITS_GPU, "precision": "fp16"},
             # Sized for ~10 minutes on a T4; the gpu profile runs the same sizes in bf16.
             "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "float16", "tolerance": 1e-2},
         },
@@ -156,6 +172,7 @@ PROFILES: dict[str, Profile] = {
                 "BLOCK_N": 64, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
+            "05_fits": {**_FITS_GPU, "precision": "bf16"},
             "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "bfloat16", "tolerance": 2e-2},
         },
     ),
@@ -168,6 +185,7 @@ def _in_fp16(cpu: Profile) -> Profile:
     sections["02_memory_sweep"]["dtype"] = "float16"
     sections["03_convergence"].update(compute_dtype="float16", tolerance=1e-2)
     sections["04_kernel_walkthrough"]["dtype"] = "float16"
+    sections["05_fits"]["precision"] = "fp16"
     return replace(
         cpu, name="cpu-t4", dtypes=("float16",), sections=sections,
         description="CPU smoke run of the T4's path: the cpu sizes in fp16, Turing-tier kernel configurations "
