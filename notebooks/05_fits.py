@@ -252,7 +252,7 @@ measure.release_memory(device)
 # ## How many tokens fit
 #
 # For each loss, micro-batches double from one sequence until a step runs out of memory, then the
-# size is bisected between the last that fit and the first that did not (to one sequence).
+# size is bisected between the last that fit and the first that did not (to `fit_step` tokens).
 
 # %%
 trainer = fits.Trainer(model, precision)
@@ -263,7 +263,7 @@ for name, arm in arms.items():
                               budget_bytes=cap.budget_bytes)
         return r["status"] == "ok"
 
-    largest[name], tried[name] = fits.largest_fit(fits_in, S["fit_start"], S["fit_limit"], S["seq_len"])
+    largest[name], tried[name] = fits.largest_fit(fits_in, S["fit_start"], S["fit_limit"], S["fit_step"])
     shown = "not even one sequence" if largest[name] is None else f"{largest[name]:,} tokens"
     print(f"{arm.label:<26} largest micro-batch: {shown}  (tried {', '.join(f'{n:,}' for n in tried[name])})")
 

@@ -75,10 +75,12 @@ _CONVERGENCE_GPU_SIZES = {
 }
 
 # Notebook 05 on a GPU: the Qwen3-0.6B shape in sequences of 2,048 tokens; micro-batches searched
-# from one sequence up; the training comparison at 4,096 tokens a step.
+# from one sequence up (doubling, then bisected to 4 sequences); the training comparison at 4,096
+# tokens a step.
 _FITS_GPU = {
-    "shape": "0.6b", "seq_len": 2048, "fit_start": 2048, "fit_limit": 262_144, "article_tokens": 16_384,
-    "curve": {"tokens": 4096, "steps": 30, "seed": 0}, "check_tokens": 2048, "repeats": 3,
+    "shape": "0.6b", "seq_len": 2048, "fit_start": 2048, "fit_limit": 262_144, "fit_step": 8192,
+    "article_tokens": 16_384, "curve": {"tokens": 4096, "steps": 20, "seed": 0}, "check_tokens": 2048,
+    "repeats": 2,
 }
 
 PROFILES: dict[str, Profile] = {
@@ -109,7 +111,7 @@ PROFILES: dict[str, Profile] = {
             # activations: the smoke run checks the pipeline, not the picture); a simulated 1.3 MB
             # card puts a wall inside the search.
             "05_fits": {
-                "shape": "tiny", "precision": "fp32", "seq_len": 32, "fit_start": 32, "fit_limit": 128,
+                "shape": "tiny", "precision": "fp32", "seq_len": 32, "fit_start": 32, "fit_limit": 128, "fit_step": 32,
                 "article_tokens": 64, "curve": {"tokens": 64, "steps": 3, "seed": 0}, "check_tokens": 64,
                 "repeats": 1, "cpu_budget_bytes": 1_300_000,
             },
