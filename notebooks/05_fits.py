@@ -312,7 +312,12 @@ timelines = {}
 if len(both) == 2:
     tokens = min(both)
     for name in ("hf", "ours"):
-        timelines[name] = fits.step_timeline(trainer, fits.ARMS[name], ids, tokens, S["seq_len"])
+        line = fits.step_timeline(trainer, fits.ARMS[name], ids, tokens, S["seq_len"])
+        if line is None:
+            print(f"{fits.ARMS[name].label}: out of memory this time at {tokens:,} tokens (a fragmented cache)")
+        else:
+            timelines[name] = line
+if timelines:
     fig, ax = plt.subplots(figsize=(9, 3.8))
     for name, line in timelines.items():
         ax.plot([i / max(1, len(line) - 1) for i in range(len(line))], [v / 1e9 for v in line],
@@ -328,7 +333,8 @@ else:
 # %% [markdown]
 # ## Does it train the same?
 #
-# A short run per loss from the same weights and the same batches (seed), and the default run a
+# A short run per loss from the same weights and the same batches (seed), at a micro-batch every
+# loss fits (the profile's, or the default's largest if that is smaller), and the default run a
 # second time: the difference between the two default runs is the noise floor (GPU kernels do not
 # add in a fixed order). A loss trains the same when its largest step-by-step gap to the default
 # stays within twice that floor, or within the dtype's rounding (the bound above) where the floor
@@ -338,12 +344,20 @@ else:
 del trainer, model
 measure.release_memory(device)
 C = S["curve"]
+curve_tokens = min([C["tokens"], *[v for v in largest.values() if v]])
 curves = {}
-for name in ["hf", *[n for n in arms if n != "hf"]]:
-    curves[name] = fits.train_curve(S["shape"], arms[name], ids, tokens=C["tokens"], seq_len=S["seq_len"],
+for name in ["hf", *[n for n in arms if n != "hf" and largest[n]]]:
+    curves[name] = fits.train_curve(S["shape"], arms[name], ids, tokens=curve_tokens, seq_len=S["seq_len"],
                                     steps=C["steps"], precision=precision, device=device, seed=C["seed"])
-repeat = fits.train_curve(S["shape"], arms["hf"], ids, tokens=C["tokens"], seq_len=S["seq_len"],
+repeat = fits.train_curve(S["shape"], arms["hf"], ids, tokens=curve_tokens, seq_len=S["seq_len"],
                           steps=C["steps"], precision=precision, device=device, seed=C["seed"])
+if curves["hf"] is None or repeat is None:
+    raise RuntimeError(f"the default loss ran out of memory training at {curve_tokens:,} tokens, which fitted "
+                       "in the search: nothing to compare against")
+missing = [n for n, c in curves.items() if c is None]
+for name in missing:
+    print(f"{fits.ARMS[name].label}: out of memory training at {curve_tokens:,} tokens")
+curves = {n: c for n, c in curves.items() if c is not None}
 floor = fits.max_relative_gap(repeat, curves["hf"])
 gaps = {name: fits.max_relative_gap(curve, curves["hf"]) for name, curve in curves.items() if name != "hf"}
 allowed = max(2 * floor, bound)
@@ -354,7 +368,7 @@ for name, gap in gaps.items():
 fig, ax = plt.subplots(figsize=(9, 3.8))
 for name, curve in curves.items():
     ax.plot(range(1, len(curve) + 1), curve, label=fits.ARMS[name].label)
-ax.set(xlabel="step", ylabel="training loss", title=f"{C['steps']} steps of {C['tokens']:,} tokens, seed {C['seed']}")
+ax.set(xlabel="step", ylabel="training loss", title=f"{C['steps']} steps of {curve_tokens:,} tokens, seed {C['seed']}")
 ax.legend()
 fig.tight_layout()
 fig.savefig(out / "training_curves.png", dpi=120)
@@ -371,8 +385,8 @@ for name, arm in arms.items():
     cost = ("out of memory at the article's micro-batch" if not r or r["status"] != "ok" else
             f"{format_bytes(r['peak_bytes'])} above the weights and {r['tokens_per_s']:,.0f} tokens/s at "
             f"{S['article_tokens']:,} tokens")
-    trains = "" if name == "hf" else (", trains like the default" if gaps[name] <= (allowed) else
-                                       ", but its training curve differs from the default's")
+    trains = ("" if name == "hf" else ", not trained here" if name not in gaps else
+              ", trains like the default" if gaps[name] <= allowed else ", but its training curve differs from the default's")
     fit = "not even one sequence" if largest[name] is None else f"up to {largest[name]:,} tokens"
     verdicts.append(f"{arm.label}: {fit} per micro-batch; {cost}{trains}.")
 if smoke:

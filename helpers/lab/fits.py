@@ -193,24 +193,31 @@ def largest_fit(fits: Callable[[int], bool], start: int, limit: int, step: int) 
     return good, tried
 
 
-def step_timeline(trainer: Trainer, arm: Arm, ids, tokens: int, seq_len: int, seed=0) -> list[int]:
-    """Bytes held above the step's start after each allocation and free of one training step."""
+def step_timeline(trainer: Trainer, arm: Arm, ids, tokens: int, seq_len: int, seed=0) -> list[int] | None:
+    """Bytes held above the step's start after each allocation and free of one training step;
+    None when the step runs out of memory (a cache fragmented by earlier steps can do that at a
+    size that fitted before)."""
     g = torch.Generator().manual_seed(seed)
     arm.apply(trainer.model)
+    timeline = None
     try:
         inputs = batch(ids, tokens, seq_len, g, trainer.device)
         trainer.step(*inputs)  # warm-up: one-time workspaces are not the step's
         _, timeline = memory_timeline(lambda: trainer.step(*inputs), device=trainer.device)
+    except Exception as error:  # noqa: BLE001  (only an OOM is a result)
+        if not is_out_of_memory(error):
+            raise
     finally:
         arm.remove(trainer.model)
+        trainer.optimizer.zero_grad(set_to_none=True)
     release_memory(trainer.device)
     return timeline
 
 
 def train_curve(shape: str, arm: Arm, ids, *, tokens: int, seq_len: int, steps: int, precision: str,
-                device, seed: int = 0, lr: float = 1e-2) -> list[float]:
+                device, seed: int = 0, lr: float = 1e-2) -> list[float] | None:
     """The loss of each of ``steps`` training steps from the same initial weights and batches for
-    every arm with the same ``seed``."""
+    every arm with the same ``seed``; None when a step runs out of memory."""
     model = build_model(shape, device, precision, seed=seed)
     trainer = Trainer(model, precision, lr=lr)
     arm.apply(model)
@@ -219,10 +226,14 @@ def train_curve(shape: str, arm: Arm, ids, *, tokens: int, seq_len: int, steps: 
     try:
         for _ in range(steps):
             losses.append(trainer.step(*batch(ids, tokens, seq_len, g, device)))
+    except Exception as error:  # noqa: BLE001  (only an OOM is a result)
+        if not is_out_of_memory(error):
+            raise
+        losses = None
     finally:
         arm.remove(model)
-    result = [float(v) for v in losses]
-    del model, trainer
+    result = None if losses is None else [float(v) for v in losses]
+    del model, trainer, losses
     release_memory(device)
     return result
 
