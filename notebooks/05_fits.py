@@ -227,24 +227,29 @@ for name, arm in fits.ARMS.items():
 # %% [markdown]
 # ## The same loss and gradients, without the logits
 #
-# Before anything is measured: on one batch, each patched model's loss and gradients against the
-# unpatched model's (the same instance, the same weights). The bound is the dtype's: the logits
-# path itself rounds its logits to the compute dtype.
+# Before anything is measured: on one batch, each loss's gradients against a yardstick that
+# differs from them only in the loss arithmetic: the same patched forward with a loss computed from
+# fp32 logits (autocast off). The model's body runs as in training, so whatever its precision
+# costs is common to both sides. The error is over every gradient of the model together (the norm
+# of the difference over the norm of the yardstick's); the bound is the dtype's. The default's own
+# logits path is one of the arms, not the yardstick: in fp16 its gradient of the mean loss, about
+# 1/(N·V) per logit, underflows (notebook 01).
 
 # %%
 check_batch = fits.batch(ids, S["check_tokens"], S["seq_len"], torch.Generator().manual_seed(0), device)
-ref_loss, ref_grads = fits.loss_and_grads(model, fits.ARMS["hf"], *check_batch, precision)
+ref_loss, ref_grads = fits.loss_and_grads(model, fits.EXACT, *check_batch, precision)
 bound = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 3e-2}[precision]
 agreement = {}
 for name, arm in arms.items():
-    if name == "hf":
-        continue
     loss, grads = fits.loss_and_grads(model, arm, *check_batch, precision)
-    grad_error = max(helpers.relative_error(grads[n], g) for n, g in ref_grads.items())
+    names = list(ref_grads)
+    grad_error = helpers.relative_error(torch.cat([grads[n].float().reshape(-1) for n in names]),
+                                        torch.cat([ref_grads[n].float().reshape(-1) for n in names]))
     agreement[name] = {"loss_error": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
-                       "worst_grad_error": grad_error, "ok": grad_error < bound}
-    print(f"{arm.label:<26} loss {float(loss):.5f} (default {float(ref_loss):.5f}), worst gradient "
-          f"error {grad_error:.1e} over {len(ref_grads)} tensors: {'ok' if grad_error < bound else 'OFF'}")
+                       "grad_error": grad_error, "ok": grad_error < bound}
+    print(f"{arm.label:<26} loss {float(loss):.5f} (exact {float(ref_loss):.5f}), gradient error "
+          f"{grad_error:.1e} over {len(names)} tensors: {'ok' if grad_error < bound else 'OFF'}")
+    del grads
 del ref_grads
 measure.release_memory(device)
 
@@ -392,8 +397,8 @@ for name, arm in arms.items():
 if smoke:
     verdicts.insert(0, "Smoke run on a CPU (a tiny model, a simulated card): checks the pipeline, supports no conclusion.")
 print("\n".join(verdicts))
-problems = [f"{fits.ARMS[n].label}: gradients off the default's ({a['worst_grad_error']:.1e} > {bound:g})"
-            for n, a in agreement.items() if not a["ok"] and fits.ARMS[n].method in ("ours", None)]
+problems = [f"{fits.ARMS[n].label}: gradients off the exact loss's ({a['grad_error']:.1e} > {bound:g})"
+            for n, a in agreement.items() if not a["ok"] and fits.ARMS[n].method == "ours"]
 problems += [f"{fits.ARMS[n].label}: trains differently ({gaps[n]:.2e} > {allowed:.2e})"
              for n in gaps if n == "ours" and gaps[n] > allowed]
 

@@ -72,6 +72,18 @@ def _apple_loss(E, C, x, *, bias=None, ignore_index=-100, reduction="mean", soft
     return linear_cross_entropy(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
 
 
+def _exact_loss(E, C, x, *, bias=None, ignore_index=-100, reduction="mean", softcap=None):
+    """The yardstick: the same cross-entropy from fp32 logits, autocast off (materialises them:
+    only for a check batch)."""
+    with torch.autocast(E.device.type, enabled=False):
+        logits = E.float() @ C.float().T
+        if bias is not None:
+            logits = logits + bias.float()
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return torch.nn.functional.cross_entropy(logits, x, ignore_index=ignore_index, reduction=reduction)
+
+
 def _apply_liger(model):
     from liger_kernel.transformers import apply_liger_kernel_to_qwen3
 
@@ -98,6 +110,11 @@ ARMS = {
     "apple_cce": Arm("apple_cce", "Apple CCE (same patch)", "apple_cce",
                      lambda m: hf.patch(m, loss=_apple_loss), hf.unpatch),
 }
+# Not an arm of the comparison: the gradient check's yardstick. It goes through the same patch as
+# ours and Apple's, so it differs from them only in the loss arithmetic (fp32 logits), whatever
+# precision the model's body runs in.
+EXACT = Arm("exact", "exact (fp32 logits, same patch)", None, lambda m: hf.patch(m, loss=_exact_loss),
+            hf.unpatch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,5 +277,5 @@ def loss_and_grads(model, arm: Arm, input_ids, labels, precision: str):
     return loss.detach().float(), grads
 
 
-__all__ = ["QWEN3_SHAPES", "ARMS", "Arm", "Trainer", "build_model", "batch", "measure_step", "largest_fit",
+__all__ = ["QWEN3_SHAPES", "ARMS", "EXACT", "Arm", "Trainer", "build_model", "batch", "measure_step", "largest_fit",
            "step_timeline", "train_curve", "max_relative_gap", "loss_and_grads", "compute_dtype"]
