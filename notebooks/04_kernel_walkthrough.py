@@ -409,7 +409,7 @@ def indexed_dot_truth(E, C, x):  # the answer read off the full logits: what we 
 
 
 indexed_dot_spec = your_turn("indexed_dot", indexed_dot_spec, lambda attempt: check_exercise(
-    "indexed dot", attempt, indexed_dot_truth, [(E, C, x), (E[:5], C[:7], x[:5] % 7)], atol=1e-9))
+    "indexed dot", attempt, indexed_dot_truth, [(E, C, x), (E[:5], C[:7], x[:5] % 7)], atol=1e-9, rtol=1e-9))
 
 # %% [markdown]
 # The kernel: each program owns `BLOCK_N` rows, loads their targets, and gathers the matching rows
