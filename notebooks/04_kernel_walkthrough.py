@@ -1262,8 +1262,8 @@ for kahan in (False, True):
 # - **Its tiles fit a T4.** The launch configurations are a table keyed by shared memory per
 #   block (`helpers/cce/kernels/configs.py`); the Turing tier stays within a T4's 64 KB, and a test
 #   compiles every tier for its GPU on a CPU to prove the bytes. Apple's backward, compiled by a
-#   current Triton, asks for 98 KB at its default tiles and cannot launch on a T4. Our teaching kernels, which keep all of D on chip,
-#   would ask for more than 64 KB at D = 1,024 (next section).
+#   current Triton, asks for 98 KB at its default tiles and cannot launch on a T4. Our teaching
+#   kernels, which keep all of D on chip, would ask for more than 64 KB at D = 1,024 (next section).
 #
 # The two filter rules side by side, on a flat softmax and on section 6's trained-like one:
 
@@ -1324,7 +1324,8 @@ def measure_payoff(N, V, D):
         except triton.runtime.errors.OutOfResources as error:  # shared memory: the teaching kernels' whole D
             found[way] = {"status": "does not fit this GPU", "peak_gb": None, "median_ms": None, "error": str(error)}
             continue
-        found[way] = {"status": m.status, "peak_gb": gigabytes(m.peak_bytes) if m.peak_bytes is not None else None,
+        found[way] = {"status": "out of memory" if m.status == "oom" else m.status,
+                      "peak_gb": gigabytes(m.peak_bytes) if m.peak_bytes is not None else None,
                       "median_ms": m.latency.median_ms if m.latency else None, "error": m.error}
     return found
 
@@ -1337,8 +1338,8 @@ if device.type == "cuda":
     print(f"N = {N_payoff:,}, V = {QWEN3['V']:,}, D = {QWEN3['D']:,}, {cfg['dtype']}; lower bound "
           f"{gigabytes(memory_footprint(N_payoff, QWEN3['V'], QWEN3['D'], dtype)['lower_bound']):.2f} GB")
     for way, r in payoff.items():
-        shown = f"{r['peak_gb']:7.2f} GB {r['median_ms']:9.1f} ms" if r["status"] == "ok" else f"{r['status']}: {r['error'][:120]}"
-        print(f"{way:>17}: {shown}")
+        ok = r["status"] == "ok"
+        print(f"{way:>17}: " + (f"{r['peak_gb']:7.2f} GB {r['median_ms']:9.1f} ms" if ok else f"{r['status']}: {r['error'][:120]}"))
     teaching, naive = payoff["teaching kernels"], payoff["naive"]
     if teaching["status"] == "ok":
         naive_held = f"{naive['peak_gb']:.1f} GB" if naive["status"] == "ok" else "more than this card has"
@@ -1356,10 +1357,15 @@ print(f"{len(results['checks']) - len(failed)}/{len(results['checks'])} checks p
       f"{sum(results['exercises'].values())}/{len(results['exercises'])} exercises right, "
       f"{results['seconds']:.1f} s; results in {out / 'results.json'}")
 check_rows = "\n".join(f"| {c['name']} | {'ok' if c['ok'] else 'FAIL'} |" for c in results["checks"])
+payoff_line = ("" if "payoff" not in results["numbers"] else "The payoff at the Qwen3 head, N = {N:,}: ".format(
+    **results["numbers"]["payoff"]) + "; ".join(
+    f"{way} {r['peak_gb']:.2f} GB, {r['median_ms']:.0f} ms" if r["status"] == "ok" else f"{way} {r['status']}"
+    for way, r in results["numbers"]["payoff"]["ways"].items()) + ".")
 write_report_fragment(out, f"""
 {len(results['checks']) - len(failed)} of {len(results['checks'])} checks passed (teaching kernels against their
 specs and the production kernels); {sum(results['exercises'].values())} of {len(results['exercises'])} exercises
 right{" with the worked solutions in place (SOLUTIONS = True)" if SOLUTIONS else ""}; {results['seconds']:.0f} s.
+{payoff_line}
 
 | check | result |
 |---|---|
