@@ -29,23 +29,33 @@
 #
 # 1. **The memory arithmetic**: what the logits cost, and what no method can avoid.
 # 2. **The decomposition** loss = LSE − (C<sup>T</sup>E)<sub>x</sub>: why only N numbers must be kept.
-# 3. **Algorithm 1**, the indexed dot, and **Algorithm 2**, the online log-sum-exp.
-# 4. **The backward**: recompute, G = S − 1[v = x], dE = G C, dC = G<sup>T</sup> E.
-# 5. **The gradient filter**: skip tiles of G too small to matter.
-# 6. **The softmax sparsity curve**: why there is so much to skip on real data.
-# 7. **Vocabulary sorting**: gather the large entries into fewer tiles.
-# 8. **Kahan summation**: keep low-precision accumulation honest.
+# 3. **Algorithm 1**, the indexed dot.
+# 4. **Algorithm 2**, the online log-sum-exp.
+# 5. **The backward**: recompute, G = S − 1[v = x], dE = G C, dC = G<sup>T</sup> E.
+# 6. **The gradient filter**: skip tiles of G too small to matter.
+# 7. **The softmax sparsity curve**: why there is so much to skip on real data.
+# 8. **Vocabulary sorting**: gather the large entries into fewer tiles.
+# 9. **Kahan summation**: keep low-precision accumulation honest.
 #
-# Each step has the same shape, after Triton-Puzzles: the formula, a plain PyTorch **spec**, a
-# small Triton **kernel**, and a **check** that they agree (and, where it makes sense, that they
-# agree with this package's production kernels). The kernels here are written for reading, not
-# speed; `helpers/cce/kernels/` holds the fast ones. On a CPU they run under the Triton interpreter.
+# Then what the production kernel does differently, and, on a GPU, what it all buys at a real
+# model's head: memory and time of your kernels, the naive loss and the production kernel.
 #
-# Four **your turn** cells ask you to fill in one line. Each comes with its worked solution in
-# place, so the notebook runs top to bottom; to practise, replace the line between the
-# `your turn` markers with `raise NotImplementedError`, run the cell (the check says *not filled
-# in yet*), then write your own line and run it again until the check says *right*. Later cells
-# call the function you wrote, so get it right before moving on.
+# Each step has the same shape, after [Triton-Puzzles](https://github.com/srush/Triton-Puzzles):
+# the formula, a plain PyTorch **spec**, a small Triton **kernel**, and a **check** that they agree
+# (and, where it makes sense, that they agree with this package's production kernels). The kernels
+# here are written for reading, not speed; `helpers/cce/kernels/` holds the fast ones. On a CPU
+# they run under the Triton interpreter.
+#
+# Four **your turn** cells ask you to fill in one line; one of them is a line of Triton, inside the
+# forward kernel. Each gap holds `raise NotImplementedError`: run the cell and its check says *not
+# filled in yet*; write your line and run it again until the check says *right*. Until yours is
+# right, later cells use a worked solution kept out of sight, so the notebook always runs to the
+# end. `SOLUTIONS = True` in the parameters cell fills every gap with the worked solutions (the
+# test suite runs so).
+#
+# **Run time:** about 20 s on a CPU; on an H200, about 25-30 s plus the closing measurement at the
+# Qwen3 head; on a T4 not measured: expect a few minutes. **Needs Triton**, which installs on Linux
+# only: on macOS or Windows open the notebook in Colab or Kaggle (the badges above).
 
 # %% jupyter={"source_hidden": true} tags=["cold-start"]
 # Cold start: make `helpers` importable here, then report what this machine can run.
@@ -168,6 +178,14 @@ def cold_start(environ=os.environ, modules=sys.modules, run=subprocess.run):
 cold_start()
 
 # %%
+# Every kernel here is Triton, which installs on Linux only (a CPU runs it under its interpreter).
+import importlib.util
+
+if importlib.util.find_spec("triton") is None:
+    raise RuntimeError("This notebook's kernels are written in Triton, which installs on Linux only. On macOS or "
+                       "Windows, open the notebook in Colab or Kaggle (the badges at the top) and run it there.")
+
+# %%
 import helpers  # first: on a CPU it switches the Triton interpreter on before any kernel is defined
 
 import json
@@ -176,6 +194,8 @@ import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
 import torch
 import torch.nn.functional as F
 import triton
@@ -196,13 +216,16 @@ from helpers.lab.teaching import (
     entries_per_row,
     gigabytes,
     memory_footprint,
+    row_mass_mask,
     skipped_fraction,
+    solution,
     vocabulary_order,
 )
 
 # %% tags=["parameters"]
 profile = "auto"
 output_dir = "results/04_kernel_walkthrough"
+SOLUTIONS = False  # True: the worked solutions fill every "your turn" gap (the test suite runs so)
 
 # %%
 P = get_profile(profile)
@@ -244,6 +267,17 @@ def close_to(got, want, name, bound=FORWARD_BOUND):
     record(check(name, got, want, rel_l2=bound))
 
 
+def your_turn(name, attempt, check_attempt):
+    """Check a "your turn" function with ``check_attempt(fn) -> bool``; return the one later cells
+    call: yours once it is right, the worked solution until then (and throughout with SOLUTIONS)."""
+    if SOLUTIONS:
+        attempt = solution(name)
+    results["exercises"][name] = check_attempt(attempt)
+    if not results["exercises"][name]:
+        print("   (later cells use the worked solution until yours is right)")
+    return attempt if results["exercises"][name] else solution(name)
+
+
 # %% [markdown]
 # ## 1 · The memory arithmetic
 #
@@ -262,29 +296,33 @@ QWEN3 = {"V": 151_936, "D": 1_024}
 footprint = memory_footprint(16_384, QWEN3["V"], QWEN3["D"], "float32")
 for item, n_bytes in footprint.items():
     print(f"{item:>12}: {gigabytes(n_bytes):9.4f} GB")
-ratio = footprint["logits"] / footprint["lower_bound"]
-print(f"fp32 logits are {ratio:.0f}× the lower bound")
-assert round(gigabytes(footprint["logits"]), 2) == 9.96
+print(f"fp32 logits are {footprint['logits'] / footprint['lower_bound']:.0f}× the lower bound, "
+      f"the naive loss's peak {footprint['naive_peak'] / footprint['lower_bound']:.0f}×")
+assert round(gigabytes(footprint["logits"]), 2) == 9.96 and round(gigabytes(footprint["lower_bound"]), 2) == 0.69
 results["numbers"]["qwen3_fp32_logits_gb_at_16384"] = gigabytes(footprint["logits"])
+results["numbers"]["qwen3_naive_peak_gb_at_16384"] = gigabytes(footprint["naive_peak"])
 
 # %% [markdown]
 # 9.96 GB for one tensor, on a 16 GB card, before a single weight or activation of the model.
-# The naive path also keeps an fp32 copy when the inputs are bf16, and a same-sized gradient of
-# the logits in backward. The gradients themselves need 0.65 GB.
+# And the naive loss holds more than that at once: inside the backward of `log_softmax` three
+# fp32 N×V tensors are alive together (the log-softmax saved by the forward, the gradient handed
+# to it, the gradient it returns), **12 bytes per logit: 29.9 GB** here, whatever the input dtype
+# (notebook 02 measures it). The gradients themselves, the lower bound, need 0.69 GB in fp32,
+# half that in bf16.
 #
-# **Explore.** The sliders call the same `memory_footprint` (nothing is computed only in the
-# widget). Where does the red line, a free T4's 16 GB, cut the naive bars?
+# **Explore** (interactive: run in Jupyter, Colab or Kaggle). The sliders call the same
+# `memory_footprint` (nothing is computed only in the widget). At the defaults the naive peak is
+# past the red line, a free T4's 16 GB: how many tokens fit under it?
 
 # %%
 def show_memory(N=16_384, vocabulary="Qwen3 (151,936)", D=1_024, dtype="bfloat16", card_gb=16.0):
     f = memory_footprint(N, VOCABULARIES[vocabulary], D, dtype)
-    bars = {
-        f"logits ({dtype})": f["logits"],
-        "logits, fp32 copy": f["logits_fp32"],
-        "lower bound dE + dC": f["lower_bound"],
-    }
-    fig, ax = plt.subplots(figsize=(10, 3.5))
-    ax.barh(list(bars), [gigabytes(b) for b in bars.values()], color=["C3", "C1", "C2"])
+    bars = [(f"logits ({dtype})", f["logits"], "C1")]
+    if "logits_fp32" in f:  # 16-bit inputs: the upcast copy is a second tensor
+        bars.append(("logits, fp32 copy", f["logits_fp32"], "C1"))
+    bars += [("naive peak (12 bytes per logit)", f["naive_peak"], "C3"), ("lower bound dE + dC", f["lower_bound"], "C2")]
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.barh([label for label, _, _ in bars], [gigabytes(b) for _, b, _ in bars], color=[c for _, _, c in bars])
     ax.axvline(card_gb, color="red", linestyle="--", label=f"card: {card_gb:g} GB")
     ax.set_xlabel("GB")
     ax.set_title(f"N = {N:,}, {vocabulary}, D = {D:,}")
@@ -360,8 +398,9 @@ print(f"N={N}, V={V}, D={D}; kept between passes: {N * 4} bytes of LSE instead o
 
 # %%
 def indexed_dot_spec(E, C, x):
+    """o (N,) in float64."""
     # ---- your turn: one line, no (N, V) tensor ----
-    o = (E.double() * C[x].double()).sum(dim=1)
+    raise NotImplementedError
     # ---- end of your turn ----
     return o
 
@@ -370,10 +409,8 @@ def indexed_dot_truth(E, C, x):  # the answer read off the full logits: what we 
     return (E.double() @ C.double().T)[torch.arange(len(x)), x]
 
 
-results["exercises"]["indexed_dot"] = check_exercise(
-    "indexed dot", indexed_dot_spec, indexed_dot_truth,
-    [(E, C, x), (E[:5], C[:7], x[:5] % 7)], atol=1e-9,
-)
+indexed_dot_spec = your_turn("indexed_dot", indexed_dot_spec, lambda attempt: check_exercise(
+    "indexed dot", attempt, indexed_dot_truth, [(E, C, x), (E[:5], C[:7], x[:5] % 7)], atol=1e-9, rtol=1e-9))
 
 # %% [markdown]
 # The kernel: each program owns `BLOCK_N` rows, loads their targets, and gathers the matching rows
@@ -397,11 +434,11 @@ def indexed_dot_kernel(
     tl.store(o_ptr + rows, tl.sum(e.to(tl.float32) * c.to(tl.float32), axis=1), mask=row_mask)
 
 
-def indexed_dot(E, C, x):
+def indexed_dot(E, C, x, block_n=BLOCK_N):
     N, D = E.shape
     o = torch.empty(N, dtype=torch.float32, device=E.device)
-    indexed_dot_kernel[(triton.cdiv(N, BLOCK_N),)](
-        E, C, x, o, N, D, BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(D))
+    indexed_dot_kernel[(triton.cdiv(N, block_n),)](
+        E, C, x, o, N, D, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D))
     return o
 
 
@@ -434,35 +471,16 @@ print(f"torch.logsumexp(z)         = {torch.logsumexp(z_row, 0).item():.6f}")
 record(check("merge identity on numbers", m + torch.log(s), torch.logsumexp(z_row, 0), atol=1e-4))
 
 # %% [markdown]
-# ### Your turn (2): merge two (m, s) pairs
-# Fill in the new sum `s`: both partial sums must be rescaled to the new maximum before adding.
+# The spec folds the blocks in one by one with that merge: this *online* form is what the kernel
+# will do.
 
 # %%
 def merge_lse(m1, s1, m2, s2):
+    """The (m, s) pair of two blocks together: both sums rescaled to the larger maximum."""
     m = torch.maximum(m1, m2)
-    # ---- your turn: s from s1, s2 rescaled to m ----
-    s = s1 * torch.exp(m1 - m) + s2 * torch.exp(m2 - m)
-    # ---- end of your turn ----
-    return m, s
+    return m, s1 * torch.exp(m1 - m) + s2 * torch.exp(m2 - m)
 
 
-def merge_truth(m1, s1, m2, s2):  # the pair of the concatenated blocks, from the definition
-    both = torch.stack([m1 + torch.log(s1), m2 + torch.log(s2)])
-    m = torch.maximum(m1, m2)
-    return m, torch.exp(torch.logsumexp(both, 0) - m)
-
-
-g = torch.Generator().manual_seed(1)
-merge_cases = [(m1, s1, m2, s2)] + [
-    (torch.randn(5, generator=g) * 50, torch.rand(5, generator=g) + 1,
-     torch.randn(5, generator=g) * 50, torch.rand(5, generator=g) + 1) for _ in range(3)]
-results["exercises"]["merge_lse"] = check_exercise("merge two (m, s) pairs", merge_lse, merge_truth,
-                                                   merge_cases, atol=1e-5, rtol=1e-4)
-
-# %% [markdown]
-# The spec folds the blocks in one by one: this *online* form is what the kernel will do.
-
-# %%
 def lse_spec(E, C, block_v):
     """LSE_i = log sum_v exp(E_i . C_v), (N,), one (N, block_v) logit block alive at a time."""
     m = torch.full((E.shape[0],), -math.inf, dtype=torch.float64, device=E.device)
@@ -481,6 +499,26 @@ record(check("online LSE spec vs torch.logsumexp", lse_spec(E, C, BLOCK_V),
 # BLOCK_V)` logit tile is built by `tl.dot` in on-chip memory, folded into `(m, s)` and dropped.
 # Global memory sees E and C read, and N floats written. Columns past V are set to −∞, which
 # adds $e^{-\infty} = 0$.
+#
+# ### Your turn (2): the merge, in Triton
+# The fold is yours: `fold_tile` gets each row's running pair, `m` and `s` (both `(BLOCK_N,)`,
+# fp32), and the new logit tile `z` (`(BLOCK_N, BLOCK_V)`), and returns the pair after it. The
+# tile is one block of the merge above, with its own maximum and sum. `m_new` is written; fill in
+# `s_new`. *Hints:* `tl.exp`, `tl.sum(..., axis=1)`, and `m_new[:, None]` to broadcast a row's
+# value over its columns. The kernel calls whatever `fold_tile` you pass it (`FOLD`), so the check
+# runs your line inside the real kernel, against the spec, on the notebook's inputs and on logits
+# large enough that a fold without the maximum overflows.
+
+# %%
+@triton.jit
+def fold_tile(m, s, z):
+    """Each row's running (m, s) after the logit tile z (BLOCK_N, BLOCK_V)."""
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    # ---- your turn: s_new, from s and the tile, both rescaled to m_new ----
+    raise NotImplementedError
+    # ---- end of your turn ----
+    return m_new, s_new
+
 
 # %%
 @triton.jit
@@ -489,6 +527,7 @@ def lse_kernel(
     N, V, D,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FOLD: tl.constexpr,  # a @triton.jit (m, s, z) -> (m, s): fold_tile
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
@@ -503,23 +542,28 @@ def lse_kernel(
         # 1. the logit tile, on chip only
         z = tl.dot(e, c, input_precision=DOT_PRECISION)
         z = tl.where((cols < V)[None, :], z, float("-inf"))
-        # 2. [merge] m' = max(m, max z);  s' = s e^{m - m'} + sum e^{z - m'}
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
-        m = m_new
+        # 2. [merge] fold the tile into each row's (m, s): section 4's identity, in fold_tile
+        m, s = FOLD(m, s, z)
     # 3. LSE = m + log s
     tl.store(lse_ptr + rows, m + tl.log(s), mask=rows < N)
 
 
-def lse(E, C):
+def lse(E, C, fold=None, block_n=BLOCK_N, block_v=BLOCK_V):
+    """LSE (N,) fp32 of the logits E C^T; ``fold``: the merge the kernel calls (fold_tile when None)."""
     N, D = E.shape
     out_lse = torch.empty(N, dtype=torch.float32, device=E.device)
-    lse_kernel[(triton.cdiv(N, BLOCK_N),)](
-        E, C, out_lse, N, C.shape[0], D, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
-        BLOCK_D=triton.next_power_of_2(D), DOT_PRECISION=DOT_PRECISION)
+    lse_kernel[(triton.cdiv(N, block_n),)](
+        E, C, out_lse, N, C.shape[0], D, BLOCK_N=block_n, BLOCK_V=block_v,
+        BLOCK_D=triton.next_power_of_2(D), DOT_PRECISION=DOT_PRECISION,
+        FOLD=fold if fold is not None else fold_tile)
     return out_lse
 
 
+# %%
+lse_cases = [(E, C), (E[:7] * 50, C[:333])]  # the second: logits past 88, where a bare exp overflows fp32
+fold_tile = your_turn("fold_tile", fold_tile, lambda fold: check_exercise(
+    "the merge inside the LSE kernel", lambda E, C: lse(E, C, fold), lambda E, C: lse_spec(E, C, BLOCK_V),
+    lse_cases, atol=0.0, rtol=FORWARD_BOUND))
 lse_E_C = lse(E, C)
 close_to(lse_E_C, lse_spec(E, C, BLOCK_V), "Algorithm 2 kernel vs spec")
 
@@ -569,8 +613,31 @@ print(f"mean loss {loss_ours.item():.6f} (float64 reference {loss_ref.item():.6f
 # exchange for N×V fewer bytes.
 #
 # ### Your turn (3): the gradient with respect to the logits
-# Fill in `G` (N, V) from the softmax `S` and the targets `x`. The check compares the dE and dC
-# your G produces with autograd's.
+# Fill in `G` (N, V) from the softmax `S` (N, V) and the targets `x` (N,). The check compares it
+# with what autograd finds for the logits; then the spec turns it into dE and dC.
+
+# %%
+def logit_gradient(S, x):
+    """G (N, V) of the mean loss, from the softmax S (N, V) and the targets x (N,)."""
+    # ---- your turn: G = (S - onehot(x)) / N ----
+    raise NotImplementedError
+    # ---- end of your turn ----
+    return G
+
+
+def logit_gradient_truth(S, x):  # autograd's answer; log S are logits whose softmax is S
+    z = S.log().requires_grad_(True)
+    F.cross_entropy(z, x).backward()
+    return z.grad
+
+
+S_cases = [(torch.softmax(E.double() @ C.double().T, dim=1), x),
+           (torch.softmax(E[:5].double() @ C[:7].double().T, dim=1), x[:5] % 7)]
+logit_gradient = your_turn("logit_gradient", logit_gradient, lambda attempt: check_exercise(
+    "G = (S - onehot) / N", attempt, logit_gradient_truth, S_cases, atol=0.0, rtol=1e-9))
+
+# %% [markdown]
+# The spec of the whole backward, checked against autograd's dE and dC:
 
 # %%
 def backward_spec(E, C, x, lse_rows, keep=None):
@@ -580,22 +647,15 @@ def backward_spec(E, C, x, lse_rows, keep=None):
     """
     E64, C64 = E.double(), C.double()
     S = torch.exp(E64 @ C64.T - lse_rows.double()[:, None])  # (N, V): recomputed, not stored
-    # ---- your turn: G = (S - onehot(x)) / N ----
-    G = (S - F.one_hot(x, C.shape[0]).double()) / E.shape[0]
-    # ---- end of your turn ----
+    G = logit_gradient(S, x)
     if keep is not None:
         G = G * keep
     return G @ C64, G.T @ E64
 
 
-def backward_truth(E, C, x, lse_rows):
-    _, dE, dC = reference_loss_and_grads(E, C, x)
-    return dE, dC
-
-
 lse_ref = torch.logsumexp(E.double() @ C.double().T, dim=1)
-results["exercises"]["gradient_G"] = check_exercise(
-    "G = (S - onehot) / N", backward_spec, backward_truth, [(E, C, x, lse_ref)], atol=1e-9)
+for name, got, want in zip(("dE", "dC"), backward_spec(E, C, x, lse_ref), (dE_ref, dC_ref)):
+    close_to(got, want, f"backward spec vs float64 autograd: {name}", 1e-10)
 
 # %% [markdown]
 # The kernel: one program per `BLOCK_N` rows, walking the vocabulary like the forward. dE of its
@@ -661,16 +721,16 @@ def backward_kernel(
     tl.store(dE_ptr + rows[:, None] * D + d[None, :], dE, mask=row_mask[:, None] & (d < D)[None, :])
 
 
-def backward(E, C, x, lse_rows, eps=0.0, scale_before_cast=False):
+def backward(E, C, x, lse_rows, eps=0.0, scale_before_cast=False, block_n=BLOCK_N, block_v=BLOCK_V):
     """(dE, dC, tile_kept) of the mean loss; dE and dC in fp32."""
     (N, D), V = E.shape, C.shape[0]
     dE = torch.empty(N, D, dtype=torch.float32, device=E.device)
     dC = torch.zeros(V, D, dtype=torch.float32, device=E.device)
-    tile_kept = torch.empty(triton.cdiv(N, BLOCK_N), triton.cdiv(V, BLOCK_V), dtype=torch.bool,
+    tile_kept = torch.empty(triton.cdiv(N, block_n), triton.cdiv(V, block_v), dtype=torch.bool,
                             device=E.device)
-    backward_kernel[(triton.cdiv(N, BLOCK_N),)](
+    backward_kernel[(triton.cdiv(N, block_n),)](
         E, C, x, lse_rows, dE, dC, tile_kept, N, V, D, 1.0 / N, eps,
-        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=triton.next_power_of_2(D),
         DOT_PRECISION=DOT_PRECISION, SCALE_BEFORE_CAST=scale_before_cast)
     return dE, dC, tile_kept
 
@@ -722,7 +782,8 @@ close_to(dC16, dC16_spec, "fp16 backward kernel (G unscaled) vs spec: dC", 2e-3)
 # That is the whole method: forward keeps N floats, backward recomputes. Peak memory is the
 # inputs, the two gradients and O(N), which is the lower bound of section 1. What remains is
 # speed: the backward does two N×V×D products per tile plus the recomputation. The next three
-# ideas make most tiles cheap.
+# ideas aim to make most tiles cheap (how far the production kernel gets is the last section's
+# story).
 #
 # ## 6 · The gradient filter
 #
@@ -753,8 +814,9 @@ results["numbers"]["bf16_smallest_surviving_k"] = max(k for k, v in survives_bf1
 # fp16. For fp32 it leaves the filter off.)
 #
 # The filter works on **tiles**, because a GPU program computes a whole `BLOCK_N × BLOCK_V` tile
-# or nothing. A tile is skipped when every entry has $|G| < \varepsilon$; a tile holding a target
-# is never skipped (there $|S_x - 1|$ is large). `block_mask` in `helpers.lab.teaching` is the spec.
+# or nothing. A tile is skipped when every entry has $|G| < \varepsilon$ (the paper's rule; the
+# production kernel's is stricter, see the end); a tile holding a target is never skipped (there
+# $|S_x - 1|$ is large). `block_mask` in `helpers.lab.teaching` is the spec.
 #
 # What there is to skip depends on the data, and benchmarks on random data mislead both ways: a
 # near-uniform softmax (every entry about 1/V, below $2^{-12}$) lets the filter skip almost every
@@ -808,7 +870,9 @@ results["numbers"]["filter_error"] = filter_cost(dE_filt, dC_filt, G_s, keep_s, 
 # %% [markdown]
 # The tile mask as a picture, on the larger head: each cell is one `BLOCK_N × BLOCK_V` tile of G,
 # dark where the products run, light where they are skipped. We checked above that the kernel
-# skips exactly the tiles `block_mask` marks, so the spec can draw it.
+# skips exactly the tiles `block_mask` marks, so the spec can draw it. It skips more than the
+# kernel did on the small head: each row's ~50 large entries are spread over more vocabulary
+# blocks (a larger V), so more tiles hold none of them.
 
 # %%
 Nc, Vc, Dc = cfg["curve"]
@@ -819,11 +883,16 @@ G_c = S_c - F.one_hot(x_c, Vc).double()
 mask_c = block_mask(G_c, BLOCK_N, BLOCK_V, EPS)
 
 
+MASK_COLOURS = ListedColormap(["#dbe9f6", "#08519c"])  # False: skipped (light), True: computed (dark)
+
+
 def draw_mask(ax, mask, title):
-    ax.imshow(mask.cpu().numpy(), cmap="Blues", vmin=-0.3, vmax=1, aspect="auto", interpolation="nearest")
+    ax.imshow(mask.cpu().numpy(), cmap=MASK_COLOURS, vmin=0, vmax=1, aspect="auto", interpolation="nearest")
     ax.set_title(title)
     ax.set_xlabel(f"vocabulary block ({BLOCK_V} tokens each)")
     ax.set_ylabel(f"row block ({BLOCK_N} rows)")
+    ax.legend(handles=[Patch(color=MASK_COLOURS(1), label="computed"), Patch(color=MASK_COLOURS(0), label="skipped")],
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=12)
 
 
 fig, ax = plt.subplots(figsize=(12, 4))
@@ -837,7 +906,8 @@ for k in (8, 10, 12, 14, 16, 20):
 results["numbers"]["tiles_skipped_unsorted"] = skipped_fraction(mask_c)
 
 # %% [markdown]
-# **Explore.** Move the threshold: the picture and the fraction come from the same `block_mask`.
+# **Explore** (interactive: run in Jupyter, Colab or Kaggle). Move the threshold: the picture and
+# the fraction come from the same `block_mask`.
 
 # %%
 from ipywidgets import IntSlider
@@ -1003,36 +1073,44 @@ for name, ours, theirs, want in (("dE", dE_sort, dE_prod_s, dE_s64), ("dC", dC_s
 # stay in the low-precision dtype: twice the memory of the accumulator, far better accuracy.
 #
 # ### Your turn (4): the compensation
-# Fill in the line that computes the new `c`. Emulate bf16 in PyTorch by rounding after every
-# operation (`.to(torch.bfloat16)` is exact on CPU; only the Triton *interpreter* gets bf16 wrong).
+# Fill in the line that computes the new `c` in `kahan_add`, one step of the sum. `accumulate`
+# runs the steps over the terms; tensors in bf16 round after every operation, which is the
+# emulation (`.to(torch.bfloat16)` is exact in PyTorch; only the Triton *interpreter* gets bf16
+# wrong).
 
 # %%
-def accumulate(terms, acc_dtype, kahan):
-    """sum over dim 0 of terms (K, R), each addition rounded to acc_dtype: (R,) in acc_dtype."""
+def kahan_add(s, c, t):
+    """(s + t, the new compensation c), every operation rounded to s's dtype."""
+    y = t - c
+    new_s = s + y
+    # ---- your turn: c, what the addition lost ----
+    raise NotImplementedError
+    # ---- end of your turn ----
+    return new_s, c
+
+
+def plain_add(s, c, t):
+    return s + t, c
+
+
+def accumulate(terms, acc_dtype, add):
+    """sum over dim 0 of terms (K, R), each addition ``add`` rounded to acc_dtype: (R,) in acc_dtype."""
     s = torch.zeros(terms.shape[1], dtype=acc_dtype, device=terms.device)
     c = torch.zeros_like(s)
     for t in terms.to(acc_dtype):
-        if kahan:
-            y = t - c
-            new_s = s + y
-            # ---- your turn: what the addition lost ----
-            c = (new_s - s) - y
-            # ---- end of your turn ----
-            s = new_s
-        else:
-            s = s + t
+        s, c = add(s, c, t)
     return s
 
 
-def exact_sum(terms, acc_dtype, kahan):  # the float64 sum of the same rounded terms
+def exact_sum(terms, acc_dtype):  # the float64 sum of the same rounded terms
     return terms.to(acc_dtype).double().sum(dim=0)
 
 
 g = torch.Generator().manual_seed(2)
-kahan_cases = [(torch.rand(1000, 8, generator=g) * 0.01 + 0.1, torch.bfloat16, True)]
-results["exercises"]["kahan"] = check_exercise(
-    "Kahan compensation", lambda t, d, k: accumulate(t, d, k).double(), exact_sum, kahan_cases,
-    atol=0.0, rtol=2.0**-8)  # within one rounding of the exact sum
+kahan_cases = [(torch.rand(1000, 8, generator=g) * 0.01 + 0.1, torch.bfloat16)]
+kahan_add = your_turn("kahan_add", kahan_add, lambda attempt: check_exercise(
+    "Kahan compensation", lambda t, d: accumulate(t, d, attempt).double(), exact_sum, kahan_cases,
+    atol=0.0, rtol=2.0**-8))  # within one rounding of the exact sum
 
 # %% [markdown]
 # How the error grows with the number of terms, bf16 accumulator with and without Kahan, and an
@@ -1046,9 +1124,9 @@ checkpoints = [2**k for k in range(4, int(math.log2(K)) + 1)]
 curves = {"bf16": [], "bf16 + Kahan": [], "fp32": []}
 for k in checkpoints:
     exact = terms[:k].double().sum(dim=0)  # of the fp32 terms; a bf16 accumulator also rounds each term
-    for label, acc_dtype, kahan in (("bf16", torch.bfloat16, False), ("bf16 + Kahan", torch.bfloat16, True),
-                                    ("fp32", torch.float32, False)):
-        curves[label].append(relative_error(accumulate(terms[:k], acc_dtype, kahan), exact))
+    for label, acc_dtype, add in (("bf16", torch.bfloat16, plain_add), ("bf16 + Kahan", torch.bfloat16, kahan_add),
+                                  ("fp32", torch.float32, plain_add)):
+        curves[label].append(relative_error(accumulate(terms[:k], acc_dtype, add), exact))
 for label, errs in curves.items():
     print(f"{label:>13}: relative error after {K:,} terms {errs[-1]:.2e}")
 assert curves["bf16 + Kahan"][-1] < curves["bf16"][-1] / 10
@@ -1080,9 +1158,9 @@ block_terms = torch.stack([G_scaled[:, v0 : v0 + BLOCK_V] @ C_s[v0 : v0 + BLOCK_
                            for v0 in range(0, Vs, BLOCK_V)]).float()  # (V/BLOCK_V, Ns, Ds)
 flat = block_terms.reshape(block_terms.shape[0], -1)
 dE_exact = block_terms.double().sum(dim=0).reshape(-1)
-for label, acc_dtype, kahan in (("bf16 accumulator", torch.bfloat16, False),
-                                ("bf16 + Kahan", torch.bfloat16, True), ("fp32 accumulator", torch.float32, False)):
-    err = relative_error(accumulate(flat, acc_dtype, kahan), dE_exact)
+for label, acc_dtype, add in (("bf16 accumulator", torch.bfloat16, plain_add),
+                              ("bf16 + Kahan", torch.bfloat16, kahan_add), ("fp32 accumulator", torch.float32, plain_add)):
+    err = relative_error(accumulate(flat, acc_dtype, add), dE_exact)
     results["numbers"][f"dE_error_{label}"] = err
     print(f"dE over {flat.shape[0]} vocabulary blocks, {label:>16}: relative error {err:.2e}")
 
@@ -1126,11 +1204,11 @@ def accumulate_triton(terms, acc_dtype, kahan):
 kahan_terms = terms[:512].to(device)
 for kahan in (False, True):
     got = accumulate_triton(kahan_terms, low_precision, kahan).double()
-    want = accumulate(kahan_terms.cpu(), low_precision, kahan).double().to(device)
-    one_step = torch.finfo(low_precision).eps * want.abs().max().item()
-    record(check(f"accumulate kernel ({cfg['low_precision']}, kahan={kahan}) vs emulation", got, want,
-                 atol=one_step))
-    print(f"   error against the exact sum: {relative_error(got, exact_sum(kahan_terms.cpu(), low_precision, 0).to(device)):.2e}")
+    want = accumulate(kahan_terms.cpu(), low_precision, kahan_add if kahan else plain_add).double().to(device)
+    # Same roundings in the same order: equal, up to a rare last-bit difference in a few columns.
+    close_to(got, want, f"accumulate kernel ({cfg['low_precision']}, kahan={kahan}) vs emulation",
+             torch.finfo(low_precision).eps / 4)
+    print(f"   error against the exact sum: {relative_error(got, exact_sum(kahan_terms.cpu(), low_precision).to(device)):.2e}")
 
 # %% [markdown]
 # ## What we built, and what we left out
@@ -1147,7 +1225,129 @@ for kahan in (False, True):
 # **Caveats of the teaching kernels** (the production kernels in `helpers/cce/kernels/` handle all of
 # these): D fits in one block (production loops over D); inputs must be contiguous; no
 # `ignore_index`, soft cap or other reductions; no split of the vocabulary across programs (a GPU
-# with few row blocks sits idle); dE and dC are returned in fp32; no autotuning.
+# with few row blocks sits idle); dE and dC are returned in fp32; one launch configuration for
+# every GPU (production picks its tiles by the card's shared memory).
+#
+# ## 10 · What the production kernel does differently, and why
+#
+# `helpers.linear_cross_entropy` runs the same algorithms. Five things differ, each for a reason
+# found by measuring:
+#
+# - **The filter bounds each row's mass in a tile, not each entry.** This notebook's kernel (and
+#   the paper) skips a tile when every $|G| < \varepsilon$. The production kernel skips it only when,
+#   in every row, the tile's $|G|$ entries *sum* to less than $\varepsilon$ (`row_mass_mask` is its
+#   spec). Why stricter: on a flat softmax (an untrained model, or Gemma-2's soft cap of 4 over
+#   V = 151,936) every entry is about 1/V, below $2^{-12}$, so the paper's rule skips every tile but
+#   the targets', and the dropped entries, each negligible, sum to the whole softmax: dE came out
+#   2.3·10<sup>-2</sup> off on an H200. Bounding the row mass keeps what one skip drops below ε in
+#   every row, and on a peaked softmax it skips nearly as much (the cell below counts both).
+# - **G is written per vocabulary chunk and multiplied by cuBLAS, not added with atomics.** Our
+#   backward adds each tile's `Gᵀ E` into dC with `tl.atomic_add` (dE stays in registers: a program
+#   owns its rows). The production "atomic" backward, which also splits the vocabulary across
+#   programs, adds both products: (BLOCK_N + BLOCK_V)·D adds per tile, about 7.5·10<sup>10</sup> at
+#   the Gemma-2-2B head, ~300 GB of read-modify-write through L2 for a 2.4 GB result, ~100 of its
+#   128 ms. The default ("gemm") backward writes G for one vocabulary chunk at a time
+#   (N × V<sub>c</sub>, in the input dtype, inside dE's not-yet-written rows when it fits) and hands
+#   the two products to cuBLAS as dense GEMMs that write each gradient element once per chunk
+#   (`helpers/cce/backward_gemm.py`).
+# - **It accumulates in fp32.** dE's products add into an fp32 accumulator (a cuBLAS product with
+#   fp32 output), rounded once at the end; dC is written once per chunk. Apple's CCE adds dE in
+#   bf16 across ~1,000 vocabulary blocks, and its dE is about 18× less accurate than naive's
+#   (notebook 01); section 9 is why. Where dC must be folded across row chunks,
+#   `accumulation="kahan"` compensates the fold.
+# - **The filter currently saves no time in the default backward.** A skipped tile is written as
+#   zeros, and the dense cuBLAS products multiply the zeros like any other number: the filter
+#   changes the result (a little less accurate, sections 6 and 8), not the speed. It only skips
+#   work in the "atomic" backward (`backward_impl="atomic"`), which is slower for other reasons.
+#   Vocabulary sorting is off by default for the same reason.
+# - **Its tiles fit a T4.** The launch configurations are a table keyed by shared memory per
+#   block (`helpers/cce/kernels/configs.py`); the Turing tier stays within a T4's 64 KB, and a test
+#   compiles every tier for its GPU on a CPU to prove the bytes. Apple's backward, compiled by a
+#   current Triton, asks for 98 KB at its default tiles and cannot launch on a T4. Our teaching
+#   kernels, which keep all of D on chip, would ask for more than 64 KB at D = 1,024 (next section).
+#
+# The two filter rules side by side, on a flat softmax and on section 6's trained-like one:
+
+# %%
+G_flat = torch.full((Nc, Vc), 1.0 / Vc, dtype=torch.float64, device=device) - F.one_hot(x_c, Vc).double()
+filter_rules = {}
+for label, G_ in (("flat softmax (every S = 1/V)", G_flat), ("trained-like (section 6)", G_c)):
+    paper, production = block_mask(G_, BLOCK_N, BLOCK_V, EPS), row_mass_mask(G_, BLOCK_N, BLOCK_V, EPS)
+    dropped = (G_.abs() * ~expand_mask(paper, BLOCK_N, BLOCK_V, Nc, Vc)).sum(dim=1).mean().item()
+    filter_rules[label] = {"paper_skipped": skipped_fraction(paper), "row_mass_skipped": skipped_fraction(production),
+                           "paper_dropped_mass_per_row": dropped}
+    print(f"{label:>28}: the paper's rule skips {skipped_fraction(paper):5.1%} of tiles, dropping {dropped:.2g} of "
+          f"each row's |G| (which sums to 2 - 2 S_x); the row-mass rule skips {skipped_fraction(production):5.1%}")
+results["numbers"]["filter_rules"] = filter_rules
+
+# %% [markdown]
+# ## 11 · The payoff, measured (GPU)
+#
+# One forward and backward at the Qwen3 head (V = 151,936, D = 1,024), three ways: your teaching
+# kernels, the naive loss (`helpers.get_method("naive")`) and the production kernel
+# (`helpers.linear_cross_entropy`, the registry's `ours`), on the same random inputs, in the
+# profile's dtype. N = 16,384 tokens where the card has room for the naive loss's 30 GB, 4,096 on a
+# smaller card. `measure` (`helpers.compare.measure`) warms each up, takes its peak memory above
+# the inputs, gradients included (`peak_memory`), and its median time (`latency`); an out-of-memory
+# error (`is_out_of_memory`) is reported as such instead of stopping the notebook.
+#
+# The teaching kernels keep a row block's whole D on chip, so at D = 1,024 they run with 16 × 16
+# tiles (about 66 KB of shared memory per block, compiled for sm_90); a T4 has 64 KB and says
+# so. Expect them to be much slower than production: one launch configuration, a dC tile added with
+# atomics by every row block, no tuning. The point is the memory.
+
+# %%
+from helpers.compare.measure import measure
+from helpers.compare.sweep import loss_step
+
+PAYOFF_BLOCKS = {"block_n": 16, "block_v": 16}  # all of D = 1,024 on chip: small tiles
+
+
+def teaching_step(E, C, x):
+    """One forward and backward with this notebook's kernels: the mean loss, then dE and dC (fp32)."""
+    def step():
+        lse_rows = lse(E, C, block_n=PAYOFF_BLOCKS["block_n"], block_v=PAYOFF_BLOCKS["block_v"])
+        loss = (lse_rows - indexed_dot(E, C, x, block_n=PAYOFF_BLOCKS["block_n"])).mean()
+        backward(E, C, x, lse_rows, **PAYOFF_BLOCKS)
+        return loss
+    return step
+
+
+def measure_payoff(N, V, D):
+    """{way: {status, peak_gb, median_ms, error}} of one forward and backward at (N, V, D)."""
+    E_p, C_p, x_p = make_inputs(N, V, D, dtype, device, regime="uniform", seed=cfg["seed"], requires_grad=True)
+    steps = {"teaching kernels": teaching_step(E_p, C_p, x_p), "naive": loss_step("naive", E_p, C_p, x_p),
+             "production": loss_step("ours", E_p, C_p, x_p)}
+    found = {}
+    for way, step in steps.items():
+        try:
+            m = measure(step, warmup=1, repeats=3, device=device)
+        except triton.runtime.errors.OutOfResources as error:  # shared memory: the teaching kernels' whole D
+            found[way] = {"status": "does not fit this GPU", "peak_gb": None, "median_ms": None, "error": str(error)}
+            continue
+        found[way] = {"status": "out of memory" if m.status == "oom" else m.status,
+                      "peak_gb": gigabytes(m.peak_bytes) if m.peak_bytes is not None else None,
+                      "median_ms": m.latency.median_ms if m.latency else None, "error": m.error}
+    return found
+
+
+# %%
+if device.type == "cuda":
+    N_payoff = 16_384 if helpers.device_info(device).total_memory_bytes >= 40e9 else 4_096
+    payoff = measure_payoff(N_payoff, **QWEN3)
+    results["numbers"]["payoff"] = {"N": N_payoff, **QWEN3, "dtype": cfg["dtype"], "ways": payoff}
+    print(f"N = {N_payoff:,}, V = {QWEN3['V']:,}, D = {QWEN3['D']:,}, {cfg['dtype']}; lower bound "
+          f"{gigabytes(memory_footprint(N_payoff, QWEN3['V'], QWEN3['D'], dtype)['lower_bound']):.2f} GB")
+    for way, r in payoff.items():
+        ok = r["status"] == "ok"
+        print(f"{way:>17}: " + (f"{r['peak_gb']:7.2f} GB {r['median_ms']:9.1f} ms" if ok else f"{r['status']}: {r['error'][:120]}"))
+    teaching, naive = payoff["teaching kernels"], payoff["naive"]
+    if teaching["status"] == "ok":
+        naive_held = f"{naive['peak_gb']:.1f} GB" if naive["status"] == "ok" else "more than this card has"
+        print(f"Your kernels held {teaching['peak_gb']:.2f} GB where the naive loss held {naive_held}.")
+else:
+    print("Skipped on the CPU: the Qwen3 head's naive step alone allocates 30 GB, and the interpreter would take hours "
+          "over the kernels. Run this notebook on a GPU (Colab, Kaggle) to see the payoff.")
 
 # %%
 results["seconds"] = time.perf_counter() - started
@@ -1158,10 +1358,15 @@ print(f"{len(results['checks']) - len(failed)}/{len(results['checks'])} checks p
       f"{sum(results['exercises'].values())}/{len(results['exercises'])} exercises right, "
       f"{results['seconds']:.1f} s; results in {out / 'results.json'}")
 check_rows = "\n".join(f"| {c['name']} | {'ok' if c['ok'] else 'FAIL'} |" for c in results["checks"])
+payoff_line = ("" if "payoff" not in results["numbers"] else "The payoff at the Qwen3 head, N = {N:,}: ".format(
+    **results["numbers"]["payoff"]) + "; ".join(
+    f"{way} {r['peak_gb']:.2f} GB, {r['median_ms']:.0f} ms" if r["status"] == "ok" else f"{way} {r['status']}"
+    for way, r in results["numbers"]["payoff"]["ways"].items()) + ".")
 write_report_fragment(out, f"""
 {len(results['checks']) - len(failed)} of {len(results['checks'])} checks passed (teaching kernels against their
 specs and the production kernels); {sum(results['exercises'].values())} of {len(results['exercises'])} exercises
-right with the worked solutions in place; {results['seconds']:.0f} s.
+right{" with the worked solutions in place (SOLUTIONS = True)" if SOLUTIONS else ""}; {results['seconds']:.0f} s.
+{payoff_line}
 
 | check | result |
 |---|---|
@@ -1174,4 +1379,5 @@ right with the worked solutions in place; {results['seconds']:.0f} s.
 ![Kahan summation](kahan.png)
 """)
 assert not failed, f"checks failed: {failed}"
-assert not missing, f"exercises not yet right: {missing}"
+if SOLUTIONS:  # an attendee's open gaps are their work in progress, not a fault of the notebook
+    assert not missing, f"worked solutions not right: {missing}"

@@ -81,6 +81,24 @@ def test_suite_runs_headless_on_the_cpu(mode, tmp_path):
     assert "data:image/png;base64," in (tmp_path / "REPORT.html").read_text()
 
 
+@pytest.mark.slow
+def test_the_workshop_runs_to_the_end_with_its_gaps_open(tmp_path):
+    """What an attendee's "Run all" does (SOLUTIONS = False, the default): every "your turn" cell
+    says it is not filled in yet, later cells use the worked solutions, and every check passes."""
+    import papermill
+
+    out = tmp_path / "out"
+    papermill.execute_notebook(
+        str(ROOT / "notebooks" / "04_kernel_walkthrough.ipynb"), str(tmp_path / "executed.ipynb"),
+        parameters={"profile": "cpu", "output_dir": str(out)}, cwd=str(ROOT / "notebooks"), progress_bar=False,
+    )
+    results = json.loads((out / "results.json").read_text())
+    assert results["exercises"] and not any(results["exercises"].values()), results["exercises"]
+    assert all(c["ok"] for c in results["checks"])
+    executed = (tmp_path / "executed.ipynb").read_text()
+    assert executed.count("not filled in yet") == len(results["exercises"]) == 4
+
+
 # A peer that drifts is a finding; ours that drifts is a fault. The drift is forced from outside
 # the notebook: a sitecustomize module on the kernel's PYTHONPATH scales one arm's loss by 1.5
 # before the notebook runs (the notebook itself has no hook for it).

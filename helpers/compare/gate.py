@@ -116,6 +116,24 @@ class GateRow:
     reason: str = ""  # why unavailable, or what raised
 
 
+# The gate figure: each bar's colour is its verdict, its hatching the quantity.
+VERDICT_COLOURS = {"pass": "#2ca02c", "fail": "#d62728", "yardstick over the floor": "#f0a030"}
+QUANTITY_HATCHES = {"loss": "", "dE": "///", "dC": "..."}
+
+
+def bar_verdict(summary_row: dict, ratio: float) -> str:
+    """The verdict one bar of the gate figure shows: a method's worst error/bound on one quantity.
+
+    At most 1: "pass". Over 1: "fail", except for naive, the yardstick, whose finite errors over
+    the floor are the dtype's own limit ("over floor" rows, which pass) unless it failed otherwise.
+    """
+    if math.isfinite(ratio) and ratio <= 1.0:
+        return "pass"
+    if summary_row["method"] == "naive" and math.isfinite(ratio) and summary_row["verdict"] != "fail":
+        return "yardstick over the floor"
+    return "fail"
+
+
 class GateFailure(AssertionError):
     """Raised by the gate with one line per failing method, dtype, case and quantity."""
 
@@ -206,8 +224,14 @@ class GateReport:
         return "\n".join(lines)
 
     def plot(self, path: str | Path | None = None):
-        """Worst error per method, quantity and dtype, as a multiple of its bound (pass: below 1)."""
+        """Worst error per method, quantity and dtype, as a multiple of its bound (pass: below 1).
+
+        Each bar is coloured by its verdict (``bar_verdict``): a caption saying "below the line
+        passes" would read wrong for the yardstick, whose bars may stand over the line and pass.
+        The quantity is the bar's place in its group of three and its hatching.
+        """
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
 
         summary = [s for s in self.summary() if s["verdict"] != "unavailable"]
         dtypes = list(dict.fromkeys(s["dtype"] for s in summary))
@@ -218,19 +242,21 @@ class GateReport:
             for k, q in enumerate(QUANTITIES):
                 ratios = [max(s.get(f"worst {q} error/bound", 0.0), 1e-6) for s in rows]
                 xs = [i + (k - 1) * 0.27 for i in range(len(rows))]
-                ax.bar(xs, [r if math.isfinite(r) else 1e3 for r in ratios], width=0.27, label=q)
-                for xi, r, row in zip(xs, ratios, rows):
-                    if not math.isfinite(r):  # NaN where the reference has none, or an inf
-                        ax.text(xi, 1e3, "NaN", ha="center", va="bottom", fontsize=8)
-                    elif r > 1 and row["verdict"] != "fail":  # naive over its floor: not a failure
-                        ax.text(xi, r, "yardstick", ha="center", va="bottom", fontsize=7, rotation=90)
-            ax.axhline(1.0, color="crimson", linestyle="--", linewidth=1.5, label="bound")
+                colours = [VERDICT_COLOURS[bar_verdict(s, r)] for s, r in zip(rows, ratios)]
+                ax.bar(xs, [r if math.isfinite(r) else 1e3 for r in ratios], width=0.27, color=colours,
+                       hatch=QUANTITY_HATCHES[q], edgecolor="black", linewidth=0.5)
+                for xi, r in zip(xs, ratios):
+                    if not math.isfinite(r):  # NaN where the reference has none, or an inf: drawn at 1e3
+                        ax.text(xi, 1e3, "NaN" if math.isnan(r) else "inf", ha="center", va="bottom", fontsize=8)
+            ax.axhline(1.0, color="black", linestyle="--", linewidth=1.5)
             ax.set_yscale("log")
             ax.set_xticks(range(len(rows)), names, rotation=30, ha="right")
             ax.set_title(f"{d} on {self.device}")
-        axes[0][0].set_ylabel("worst error / bound  (below 1 passes)")
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9, frameon=False)
+        axes[0][0].set_ylabel("worst error / bound  (bound: 1)")
+        handles = [Patch(facecolor=c, edgecolor="black", label=v) for v, c in VERDICT_COLOURS.items()]
+        handles += [Patch(facecolor="white", edgecolor="black", hatch=h, label=q) for q, h in QUANTITY_HATCHES.items()]
+        handles.append(plt.Line2D([], [], color="black", linestyle="--", label="bound"))
+        fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
         fig.tight_layout(rect=(0, 0.08, 1, 1))
         if path is not None:
             fig.savefig(path, dpi=120)

@@ -4,10 +4,13 @@
   method must pay (the two gradients), for a classifier head of shape (N, V, D);
 - ``check`` and ``check_exercise``: the "does it match?" lines every step ends with, and the
   "your turn" checker that says right or not yet without stopping the notebook;
-- ``block_mask`` and friends: which (BLOCK_N, BLOCK_V) tiles of the gradient the filter keeps.
+- ``solution``: the worked solution of each "your turn" cell, out of the attendee's sight (the
+  notebook uses it under ``SOLUTIONS = True``, and until the attendee's own answer is right);
+- ``block_mask`` and friends: which (BLOCK_N, BLOCK_V) tiles of the gradient the filter keeps, by
+  the paper's rule (``block_mask``) and by the production kernel's (``row_mass_mask``).
 
 The specifications themselves (indexed dot, online log-sum-exp, backward) live in the notebook,
-next to their kernels; nothing here is a kernel.
+next to their kernels; the only kernel code here is the solution of the Triton exercise.
 """
 
 from __future__ import annotations
@@ -16,8 +19,12 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from helpers.compare.units import GB, dtype_bytes
+from helpers.compare.sweep import predicted_peak_bytes
+from helpers.compare.units import GB, dtype_bytes, lower_bound_bytes
 from helpers.spec import relative_error
 
 # ---------------------------------------------------------------------------------------------
@@ -37,17 +44,22 @@ def memory_footprint(N: int, V: int, D: int, dtype: str | torch.dtype = "float32
     """Bytes of what a linear cross-entropy over E (N, D), C (V, D) holds, by item.
 
     - ``logits``: the (N, V) logit matrix in the input dtype, N * V * bytes;
-    - ``logits_fp32``: the same matrix upcast to fp32 for a stable softmax, N * V * 4;
+    - ``logits_fp32``: its fp32 copy for a stable softmax, N * V * 4; only for 16-bit inputs (fp32
+      logits are upcast to themselves);
+    - ``naive_peak``: what the naive loss really holds at its peak, 12 * N * V: three fp32 N×V
+      tensors inside log_softmax's backward (``helpers.compare.sweep``'s formula, which notebook 02
+      checks against the measured peak);
     - ``lower_bound``: dE (N, D) and dC (V, D) in the input dtype, which any method must return;
     - ``lse``: the one number per row (fp32) that a cut method keeps between forward and backward.
     """
     b = dtype_bytes(dtype)
-    return {
-        "logits": N * V * b,
-        "logits_fp32": N * V * 4,
-        "lower_bound": (N + V) * D * b,
-        "lse": N * 4,
-    }
+    footprint = {"logits": N * V * b}
+    if b < 4:
+        footprint["logits_fp32"] = N * V * 4
+    footprint["naive_peak"] = predicted_peak_bytes("naive", N, V, D, dtype)
+    footprint["lower_bound"] = lower_bound_bytes(N, V, D, dtype)
+    footprint["lse"] = N * 4
+    return footprint
 
 
 def gigabytes(n_bytes: float) -> float:
@@ -103,18 +115,18 @@ def check_exercise(
 ) -> bool:
     """Run a learner's ``attempt`` against ``solution`` on each case (a tuple of arguments).
 
-    Never raises: a gap left as ``...`` or ``raise NotImplementedError`` is reported as "not yet"
-    with the reason, so a notebook run with the gap open goes on to the next cell.
+    Never raises: a gap left as ``raise NotImplementedError`` is reported as "not filled in yet",
+    a learner's bug as what it raised, so a notebook run with the gap open goes on to the next cell.
     """
     for i, args in enumerate(cases):
         want = solution(*args)
         try:
             got = attempt(*args)
-        except NotImplementedError:
-            print(f"… {name}: not filled in yet (the gap still raises NotImplementedError)")
-            return False
         except Exception as exc:  # a learner's bug: say what it was, do not stop the notebook
-            print(f"✗ {name}: case {i} raised {type(exc).__name__}: {exc}")
+            if _gap_still_open(exc):
+                print(f"… {name}: not filled in yet (the gap still raises NotImplementedError)")
+            else:
+                print(f"✗ {name}: case {i} raised {type(exc).__name__}: {exc}")
             return False
         wants = want if isinstance(want, tuple) else (want,)
         gots = got if isinstance(got, tuple) else (got,)
@@ -130,8 +142,74 @@ def check_exercise(
                 err = (g.double() - w.double()).abs().max().item()
                 print(f"✗ {name}: case {i} is off by up to {err:.3g}; look at the formula again")
                 return False
-    print(f"✓ {name}: right on all {len(cases)} cases")
+    print(f"✓ {name}: right on {'the one case' if len(cases) == 1 else f'all {len(cases)} cases'}")
     return True
+
+
+def _gap_still_open(error: BaseException) -> bool:
+    """Whether ``error`` comes from a gap still left as ``raise NotImplementedError``.
+
+    In PyTorch code it is that error, bare. Inside a Triton function the interpreter re-raises it
+    wrapped (InterpreterError, raised from it), and the compiler refuses the statement itself
+    (CompilationError, raised from "unsupported AST node type: Raise"), so the whole chain is read.
+    Triton's own NotImplementedErrors carry a message ("... is not supported in triton"): a bug.
+    """
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, NotImplementedError) and not error.args:
+            return True
+        if "unsupported AST node type: Raise" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# The worked solutions of the "your turn" cells, by name
+# ---------------------------------------------------------------------------------------------
+
+
+def _indexed_dot(E, C, x):
+    """o_i = C_{x_i} . E_i, (N,) float64: one gathered row of C per token, no (N, V) tensor."""
+    return (E.double() * C[x].double()).sum(dim=1)
+
+
+@triton.jit
+def _fold_tile(m, s, z):
+    """Each row's running (m, s) after the logit tile z (BLOCK_N, BLOCK_V) of the LSE kernel."""
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    # Both sums rescaled to the new maximum: s e^{m - m'} + sum_v e^{z_v - m'}.
+    s_new = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+    return m_new, s_new
+
+
+def _logit_gradient(S, x):
+    """G = (S - onehot(x)) / N, (N, V): the gradient of the mean loss with respect to the logits."""
+    return (S - F.one_hot(x, S.shape[1]).to(S.dtype)) / S.shape[0]
+
+
+def _kahan_add(s, c, t):
+    """(s + t, the new compensation), every operation rounded to s's dtype."""
+    y = t - c
+    new_s = s + y
+    return new_s, (new_s - s) - y  # (new_s - s) is what the addition added; minus y, what it lost
+
+
+_SOLUTIONS = {
+    "indexed_dot": _indexed_dot,
+    "fold_tile": _fold_tile,
+    "logit_gradient": _logit_gradient,
+    "kahan_add": _kahan_add,
+}
+
+
+def solution(name: str) -> Callable:
+    """The worked solution of the "your turn" cell ``name``: a function with the attempt's signature
+    (for ``fold_tile``, a ``@triton.jit`` function the LSE kernel calls)."""
+    if name not in _SOLUTIONS:
+        raise KeyError(f"no exercise {name!r}; exercises: {sorted(_SOLUTIONS)}")
+    return _SOLUTIONS[name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,25 +227,40 @@ def entries_per_row(S: torch.Tensor, eps: float = 2.0**-12) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def block_max(A: torch.Tensor, block_n: int, block_v: int) -> torch.Tensor:
-    """max |A| over each (block_n, block_v) tile of A (N, V): (cdiv(N, block_n), cdiv(V, block_v)).
+def _abs_tiles(A: torch.Tensor, block_n: int, block_v: int) -> torch.Tensor:
+    """|A| (N, V) as tiles: (cdiv(N, block_n), block_n, cdiv(V, block_v), block_v).
 
-    Ragged edge tiles are padded with zeros, which never raise a maximum of absolute values.
+    Ragged edge tiles are padded with zeros, which never raise a maximum or a sum of absolute values.
     """
     N, V = A.shape
     nb_n, nb_v = -(-N // block_n), -(-V // block_v)
     padded = A.new_zeros(nb_n * block_n, nb_v * block_v)
     padded[:N, :V] = A.abs()
-    return padded.reshape(nb_n, block_n, nb_v, block_v).amax(dim=(1, 3))
+    return padded.reshape(nb_n, block_n, nb_v, block_v)
+
+
+def block_max(A: torch.Tensor, block_n: int, block_v: int) -> torch.Tensor:
+    """max |A| over each (block_n, block_v) tile of A (N, V): (cdiv(N, block_n), cdiv(V, block_v))."""
+    return _abs_tiles(A, block_n, block_v).amax(dim=(1, 3))
 
 
 def block_mask(G: torch.Tensor, block_n: int, block_v: int, eps: float) -> torch.Tensor:
     """True where a tile of G holds at least one entry with |G| >= eps: the tiles that are computed.
 
-    A tile where every |G| < eps is skipped: its contribution to dE = G C and dC = G^T E is below
-    what the low-precision result can hold.
+    A tile where every |G| < eps is skipped (the paper's rule): each of its entries is below what a
+    low-precision sum of order 1 can register.
     """
     return block_max(G, block_n, block_v) >= eps
+
+
+def row_mass_mask(G: torch.Tensor, block_n: int, block_v: int, eps: float) -> torch.Tensor:
+    """True where a tile of G has a row whose |G| entries in it sum to at least eps: the tiles the
+    production kernel computes (its row-mass rule, ``helpers/cce/kernels/backward_gemm.py``).
+
+    Stricter than ``block_mask``: on a flat softmax every entry is below eps while a row's mass in a
+    tile is not, so this rule keeps the tiles the paper's would drop with the whole softmax.
+    """
+    return _abs_tiles(G, block_n, block_v).sum(dim=3).amax(dim=1) >= eps
 
 
 def skipped_fraction(mask: torch.Tensor) -> float:

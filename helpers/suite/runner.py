@@ -1,7 +1,8 @@
 """Run the notebook suite headless with papermill: ``python -m helpers run``.
 
-Each notebook gets two parameters, ``profile`` and ``output_dir`` (``<output>/<notebook stem>``);
-everything else it derives from the profile. The executed notebook lands next to its results, so
+Each notebook gets two parameters, ``profile`` and ``output_dir`` (``<output>/<notebook stem>``),
+plus those of ``SUITE_PARAMETERS`` that its parameters cell declares; everything else it derives
+from the profile. The executed notebook lands next to its results, so
 one folder holds the whole run:
 
     results/
@@ -31,6 +32,11 @@ from helpers.suite.paths import find_notebooks
 from helpers.suite.report import build_report
 
 
+# Set wherever a notebook's parameters cell declares them: a headless run checks the workshop (04)
+# with its worked solutions in place, where "Run all" leaves the exercises' gaps to the attendee.
+SUITE_PARAMETERS = {"SOLUTIONS": True}
+
+
 @dataclass
 class NotebookRun:
     notebook: str
@@ -39,6 +45,17 @@ class NotebookRun:
     output_dir: str
     files: list[str] = field(default_factory=list)
     error: str = ""
+
+
+def notebook_parameters(path: Path, profile: str, out_dir: Path) -> dict:
+    """What papermill injects into ``path``: profile, output_dir, and the ``SUITE_PARAMETERS`` it
+    declares. papermill would inject an undeclared one too, with only a logged warning, as a stray
+    variable; reading the parameters cell keeps each notebook's namespace to what it asked for."""
+    import papermill
+
+    declared = papermill.inspect_notebook(str(path))
+    suite = {name: value for name, value in SUITE_PARAMETERS.items() if name in declared}
+    return {"profile": profile, "output_dir": str(out_dir), **suite}
 
 
 def run_notebook(path: Path, profile: str, output: Path, timeout_s: int | None = None) -> NotebookRun:
@@ -52,7 +69,7 @@ def run_notebook(path: Path, profile: str, output: Path, timeout_s: int | None =
         papermill.execute_notebook(
             str(path),
             str(out_dir / path.name),
-            parameters={"profile": profile, "output_dir": str(out_dir)},
+            parameters=notebook_parameters(path, profile, out_dir),
             cwd=str(path.parent),
             progress_bar=False,
             execution_timeout=timeout_s,

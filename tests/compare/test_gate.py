@@ -125,3 +125,28 @@ def test_naive_over_its_floor_is_reported_not_failed(monkeypatch):
     assert report.passed("naive") and "over the dtype floor" in report.markdown()
     # chunked is judged against 2x naive's errors, which it beats or fails on its own merits
     assert all(r.method == "chunked" for r in report.failures)
+
+
+def test_each_bar_of_the_figure_is_coloured_by_its_verdict(monkeypatch, tmp_path):
+    import matplotlib.colors
+
+    import helpers.compare.gate as gate
+
+    tight = {dtype: {q: 1e-12 for q in gate.QUANTITIES} for dtype in gate.FLOOR}
+    monkeypatch.setattr(gate, "FLOOR", tight)  # naive over its floor everywhere; chunked fails some bars
+    report = run_gate(["naive", "chunked"], (torch.float16,), CASES[:2], device="cpu", raise_on_failure=False)
+    fig = report.plot(tmp_path / "gate.png")
+    assert (tmp_path / "gate.png").is_file()
+    bars = fig.axes[0].patches  # grouped by quantity: loss (naive, chunked), dE (...), dC (...)
+    colours = [matplotlib.colors.to_hex(b.get_facecolor()) for b in bars]
+    summary = {s["method"]: s for s in report.summary()}
+    for k, q in enumerate(gate.QUANTITIES):
+        for i, method in enumerate(["naive", "chunked"]):
+            want = gate.bar_verdict(summary[method], summary[method][f"worst {q} error/bound"])
+            assert colours[2 * k + i] == gate.VERDICT_COLOURS[want], (method, q)
+    assert {gate.bar_verdict(summary["naive"], 5.0), gate.bar_verdict(summary["chunked"], 5.0)} == {
+        "yardstick over the floor", "fail"}
+    assert gate.bar_verdict(summary["chunked"], 0.5) == "pass"
+    assert gate.bar_verdict(summary["naive"], float("nan")) == "fail"  # a stray NaN is never the dtype's limit
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels[:3] == list(gate.VERDICT_COLOURS) and {"loss", "dE", "dC", "bound"} <= set(labels)

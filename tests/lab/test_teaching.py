@@ -1,8 +1,15 @@
 """Fast CPU tests of helpers/lab/teaching.py, the pieces behind the kernel walkthrough (notebook 04)."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from helpers.compare.inputs import make_inputs
 from helpers.lab.teaching import (
@@ -13,7 +20,9 @@ from helpers.lab.teaching import (
     gigabytes,
     masks_agree,
     memory_footprint,
+    row_mass_mask,
     skipped_fraction,
+    solution,
     vocabulary_order,
 )
 
@@ -26,7 +35,16 @@ def test_qwen3_fp32_logits_are_9_96_gb():
     assert f["logits"] == 16_384 * 151_936 * 4 == 9_957_277_696
     assert round(gigabytes(f["logits"]), 2) == 9.96
     assert f["lower_bound"] == (16_384 + 151_936) * 1_024 * 4
+    assert round(gigabytes(f["lower_bound"]), 2) == 0.69  # the notebook's prose says so
     assert f["lse"] == 16_384 * 4
+    assert "logits_fp32" not in f  # fp32 logits are their own fp32 copy: not a second tensor
+
+
+def test_the_naive_peak_is_12_bytes_per_logit_in_every_dtype():
+    for dtype in ("float32", "bfloat16", "float16"):
+        f = memory_footprint(16_384, 151_936, 1_024, dtype)
+        assert f["naive_peak"] == 12 * 16_384 * 151_936
+    assert round(gigabytes(f["naive_peak"]), 1) == 29.9  # past a T4's 16 GB at the notebook's defaults
 
 
 def test_bf16_halves_logits_but_not_the_fp32_copy():
@@ -94,6 +112,133 @@ def test_check_exercise_gap_left_open_does_not_raise(capsys):
     assert "expected a tensor" in capsys.readouterr().out
 
 
+def test_check_exercise_says_one_case_in_words(capsys):
+    assert check_exercise("dot", _dot_truth, _dot_truth, _cases())
+    assert "right on the one case" in capsys.readouterr().out
+    assert check_exercise("dot", _dot_truth, _dot_truth, _cases() * 2)
+    assert "right on all 2 cases" in capsys.readouterr().out
+
+
+@triton.jit
+def _gap(m, s, z):
+    raise NotImplementedError
+
+
+@triton.jit
+def _fold_kernel(m_ptr, s_ptr, z_ptr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, FOLD: tl.constexpr):
+    """Fold one (BLOCK_N, BLOCK_V) tile z into the pairs (m, s), as notebook 04's LSE kernel does."""
+    rows = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_V)
+    z = tl.load(z_ptr + rows[:, None] * BLOCK_V + cols[None, :])
+    m, s = FOLD(tl.load(m_ptr + rows), tl.load(s_ptr + rows), z)
+    tl.store(m_ptr + rows, m)
+    tl.store(s_ptr + rows, s)
+
+
+def _fold(fold, m, s, z):
+    m, s = m.clone(), s.clone()
+    _fold_kernel[(1,)](m, s, z, BLOCK_N=z.shape[0], BLOCK_V=z.shape[1], FOLD=fold)
+    return m, s
+
+
+def _fold_truth(m, s, z):  # the pair of the two blocks together, from the definition
+    m_new = torch.maximum(m, z.max(dim=1).values)
+    return m_new, torch.exp(torch.logaddexp(m + torch.log(s), torch.logsumexp(z, dim=1)) - m_new)
+
+
+def _fold_cases():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, generator=g) * 50, torch.rand(16, generator=g) + 1, torch.randn(16, 32, generator=g) * 50)]
+
+
+def test_a_triton_gap_under_the_interpreter_is_not_filled_in_yet(capsys):
+    # The interpreter re-raises the gap's NotImplementedError wrapped in its own InterpreterError.
+    assert not check_exercise("fold", lambda *case: _fold(_gap, *case), _fold_truth, _fold_cases())
+    assert "not filled in yet" in capsys.readouterr().out
+
+
+@triton.jit
+def _fold_without_rescaling(m, s, z):
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    return m_new, s + tl.sum(tl.exp(z - m_new[:, None]), axis=1)  # s still relative to the old m
+
+
+def test_a_wrong_triton_line_is_off(capsys):
+    assert not check_exercise("fold", lambda *case: _fold(_fold_without_rescaling, *case), _fold_truth,
+                              _fold_cases(), atol=0.0, rtol=1e-5)
+    assert "off by" in capsys.readouterr().out
+
+
+def test_a_triton_gap_refused_by_the_compiler_is_not_filled_in_yet(tmp_path):
+    """On a GPU the compiler refuses the gap's `raise` statement; compiled here for an H100, in a
+    process of its own: a real compile needs TRITON_INTERPRET=0 and kernels defined in a file."""
+    script = tmp_path / "compile_gap.py"
+    script.write_text(textwrap.dedent("""
+        import triton, triton.language as tl
+        from helpers.lab.teaching import check_exercise
+
+        @triton.jit
+        def gap(m, s, z):
+            raise NotImplementedError
+
+        @triton.jit
+        def kernel(m_ptr, FOLD: tl.constexpr):
+            m = tl.load(m_ptr + tl.arange(0, 16))
+            m, s = FOLD(m, m, m)
+            tl.store(m_ptr + tl.arange(0, 16), s)
+
+        def attempt():
+            triton.compile(triton.compiler.ASTSource(fn=kernel, signature={"m_ptr": "*fp32", "FOLD": "constexpr"},
+                                                     constexprs={"FOLD": gap}),
+                           target=triton.backends.compiler.GPUTarget("cuda", 90, 32))
+
+        check_exercise("fold", attempt, lambda: None, [()])
+    """))
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert "not filled in yet" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_tritons_own_not_implemented_errors_are_bugs_not_gaps(capsys):
+    def attempt(E, C, x):
+        raise NotImplementedError("__setitem__ is not supported in triton")
+
+    assert not check_exercise("dot", attempt, _dot_truth, _cases())
+    assert "raised NotImplementedError: __setitem__" in capsys.readouterr().out
+
+
+def test_every_worked_solution_is_right():
+    assert check_exercise("indexed dot", solution("indexed_dot"), _dot_truth, _cases(), atol=1e-12)
+    assert check_exercise("fold", lambda *case: _fold(solution("fold_tile"), *case), _fold_truth, _fold_cases(),
+                          atol=0.0, rtol=1e-5)
+
+    def gradient_truth(S, x):  # autograd; log S are logits whose softmax is S
+        z = S.log().requires_grad_(True)
+        F.cross_entropy(z, x).backward()
+        return z.grad
+
+    E, C, x = _cases()[0]
+    S = torch.softmax(E.double() @ C.double().T, dim=1)
+    assert check_exercise("G", solution("logit_gradient"), gradient_truth, [(S, x)], atol=0.0, rtol=1e-9)
+
+    def bf16_sum(terms, add):  # every operation rounded to bf16
+        s = c = torch.zeros(terms.shape[1], dtype=torch.bfloat16)
+        for t in terms.to(torch.bfloat16):
+            s, c = add(s, c, t)
+        return s.double()
+
+    terms = torch.rand(1000, 8, generator=torch.Generator().manual_seed(0)) * 0.01 + 0.1
+    exact = terms.to(torch.bfloat16).double().sum(dim=0)
+    assert torch.allclose(bf16_sum(terms, solution("kahan_add")), exact, atol=0.0, rtol=2.0**-8)
+    plain = bf16_sum(terms, lambda s, c, t: (s + t, c))  # no compensation: far off
+    assert not torch.allclose(plain, exact, atol=0.0, rtol=2.0**-8)
+
+
+def test_solution_names_the_exercises_when_asked_for_another():
+    with pytest.raises(KeyError, match="indexed_dot"):
+        solution("merge_lse")
+
+
 def test_check_exercise_compares_tuples():
     def truth(a):
         return a, 2 * a
@@ -117,6 +262,22 @@ def test_block_mask_on_a_hand_made_gradient():
     assert mask.tolist() == [[True, False], [False, False], [False, False]]
     assert skipped_fraction(mask) == pytest.approx(5 / 6)
     assert block_mask(G, 2, 4, eps=1e-4).tolist() == [[True, False], [False, False], [False, True]]
+
+
+def test_row_mass_mask_bounds_each_rows_sum_in_a_tile():
+    G = torch.zeros(4, 8)  # 2 row blocks of 2, 2 vocabulary blocks of 4
+    G[0, :4] = 0.3e-2  # each entry under eps = 1e-2, the row's mass in the tile (1.2e-2) over it
+    G[3, 4:] = 0.2e-2  # mass 0.8e-2: under eps as well
+    assert block_mask(G, 2, 4, 1e-2).tolist() == [[False, False], [False, False]]
+    assert row_mass_mask(G, 2, 4, 1e-2).tolist() == [[True, False], [False, False]]
+
+
+def test_on_a_flat_softmax_the_paper_drops_nearly_everything_and_the_row_mass_rule_nothing():
+    N, V, eps = 32, 32_768, 2.0**-12
+    x = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(0))
+    G = torch.full((N, V), 1.0 / V, dtype=torch.float64) - F.one_hot(x, V).double()  # every S = 1/V < eps
+    assert skipped_fraction(block_mask(G, 16, 64, eps)) > 0.95  # all but the targets' tiles
+    assert skipped_fraction(row_mass_mask(G, 16, 64, eps)) == 0.0  # 64 / V = 2^-9 per row and tile
 
 
 def test_masks_agree_tolerates_only_borderline_tiles():

@@ -1,0 +1,39 @@
+"""The headless runner's parameters: what papermill injects into each notebook."""
+
+import json
+from pathlib import Path
+
+import jupytext
+import nbformat
+
+from helpers.suite.paths import find_notebooks
+from helpers.suite.runner import SUITE_PARAMETERS, notebook_parameters, run_notebook
+
+
+def test_the_workshop_runs_with_its_solutions_and_the_others_get_only_what_they_declare(tmp_path):
+    workshop, gate = find_notebooks(["04"])[0], find_notebooks(["01"])[0]
+    assert notebook_parameters(workshop, "cpu", tmp_path) == {"profile": "cpu", "output_dir": str(tmp_path),
+                                                              "SOLUTIONS": True}
+    assert notebook_parameters(gate, "cpu", tmp_path) == {"profile": "cpu", "output_dir": str(tmp_path)}
+    assert SUITE_PARAMETERS == {"SOLUTIONS": True}
+
+
+def _notebook(path: Path, parameters: str) -> Path:
+    nb = jupytext.reads(
+        f'# %% tags=["parameters"]\n{parameters}\n\n'
+        "# %%\nimport json, pathlib\n"
+        "pathlib.Path(output_dir, 'seen.json').write_text(json.dumps({'SOLUTIONS': globals().get('SOLUTIONS')}))\n",
+        fmt="py:percent",
+    )
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+def test_papermill_receives_solutions_only_where_the_parameters_cell_declares_it(tmp_path):
+    declares = _notebook(tmp_path / "91_declares.ipynb", 'profile = "auto"\noutput_dir = "x"\nSOLUTIONS = False')
+    does_not = _notebook(tmp_path / "92_does_not.ipynb", 'profile = "auto"\noutput_dir = "x"')
+    for path, seen in ((declares, True), (does_not, None)):
+        run = run_notebook(path, "cpu", tmp_path / "out")
+        assert run.status == "ok", run.error
+        assert json.loads((tmp_path / "out" / path.stem / "seen.json").read_text()) == {"SOLUTIONS": seen}
