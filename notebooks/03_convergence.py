@@ -161,6 +161,10 @@ def cold_start(environ=os.environ, modules=sys.modules, run=subprocess.run):
                 raise RuntimeError(f"{why} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}\nOn Kaggle, turn "
                                    "Internet on or attach the dataset that `python -m helpers stage-kaggle` builds.")
     importlib.invalidate_caches()
+    if not importable("triton") and not dry_run:
+        raise RuntimeError(f"Triton is not installed here ({platform.system()}), and every kernel in this suite is "
+                           "Triton, whose wheels are Linux-only. On macOS or Windows, open the notebook in Colab or "
+                           "Kaggle (the badges at the top) or run it on Linux (WSL 2 works).")
     if importable("helpers"):
         import helpers.suite.bootstrap
 

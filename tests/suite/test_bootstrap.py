@@ -358,3 +358,12 @@ def test_report_on_a_kaggle_t4(monkeypatch):
 def test_report_on_a_p100_says_to_choose_the_t4(monkeypatch):
     _pretend_gpu(monkeypatch, "Tesla P100-PCIE-16GB", (6, 0), 48 * 1024)
     assert "choose the accelerator 'GPU T4 x2'" in bootstrap.environment_report("kaggle")
+
+
+def test_no_triton_stops_with_where_to_run_instead(monkeypatch):
+    # macOS or Windows: nothing installs triton, and helpers cannot be imported without it.
+    monkeypatch.setattr(bootstrap, "importable", lambda m: m not in {"triton", *PEERS})
+    monkeypatch.setattr(bootstrap.platform, "system", lambda: "Darwin")
+    ok = lambda command, **kwargs: subprocess.CompletedProcess(command, 0, "", "")  # noqa: E731
+    with pytest.raises(RuntimeError, match="(?s)Triton is not installed here \\(Darwin\\).*Colab or Kaggle"):
+        bootstrap.cold_start(environ={}, modules={}, run=ok)
