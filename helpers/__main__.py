@@ -11,7 +11,7 @@ from helpers.lab.profiles import PROFILES
 def _run(args) -> int:
     from helpers.suite.runner import run_suite
 
-    runs = run_suite(args.profile, args.output, args.only, args.timeout, args.pretend_t4)
+    runs = run_suite(args.profile, args.output, args.only, args.timeout, args.pretend_t4, args.quick)
     return 0 if all(r.status == "ok" for r in runs) else 1
 
 
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--pretend-t4", action="store_true",
                      help="run every notebook as a free Kaggle/Colab T4 would see it: fp16, a T4's memory cap, "
                      "shared memory and compute capability (on a CPU: the fp16 smoke run)")
+    run.add_argument("--quick", action="store_true",
+                     help="each notebook's short run (a coarser sweep, fewer steps): minutes, not the full picture")
     run.set_defaults(func=_run)
 
     gate = sub.add_parser("gate", help="run the correctness gate and print its table")

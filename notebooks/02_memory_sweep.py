@@ -164,6 +164,7 @@ cold_start()
 
 # %% tags=["parameters"]
 profile = "auto"  # "auto": the full run for the device found; or "cpu", "t4", "gpu"
+quick = False  # True: a short run (a coarser sweep, fewer steps), minutes instead of the full picture
 output_dir = "results/02_memory_sweep"
 dtype = None  # "float16", "bfloat16" or "float32"; None: the profile's (fp16 T4, bf16 newer GPUs, fp32 CPU)
 V = None  # vocabulary; None: the profile's (the Qwen3-0.6B head on GPUs)
@@ -186,7 +187,7 @@ from helpers.lab.profiles import get_profile
 from helpers.lab.plots import plot_memory_sweep
 from helpers.suite.report import write_report_fragment
 
-P = get_profile(profile)
+P = get_profile(profile, quick=quick)
 settings = P.section("02_memory_sweep")
 device = P.torch_device
 info = helpers.device_info(device)

@@ -206,6 +206,7 @@ from helpers.suite.report import write_report_fragment
 
 # %% tags=["parameters"]
 profile = "auto"
+quick = False  # True: a short run (a coarser sweep, fewer steps), minutes instead of the full picture
 output_dir = "results/03_convergence"
 # Overrides of the profile's sizes; None keeps the profile's value.
 finetune_steps = None
@@ -215,7 +216,7 @@ vocab_size = None
 tolerance = None  # the fine-tuning verdict's bound on |loss - exact| / exact
 
 # %%
-P = get_profile(profile)
+P = get_profile(profile, quick=quick)
 S = copy.deepcopy(P.section("03_convergence"))  # the overrides below must not edit the profile table
 FT, PT = S["finetune"], S["pretrain"]
 FT["train"]["steps"] = finetune_steps or FT["train"]["steps"]

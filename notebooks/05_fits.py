@@ -164,6 +164,7 @@ cold_start()
 
 # %% tags=["parameters"]
 profile = "auto"
+quick = False  # True: a coarser search for the largest micro-batch, 8 training steps, one timed repeat
 output_dir = "results/05_fits"
 card = "t4"  # "t4": a 16 GB card's memory on any bigger GPU; "this": the card as it is
 
@@ -189,7 +190,7 @@ from helpers.suite.report import write_report_fragment
 started = time.perf_counter()
 transformers.utils.logging.set_verbosity_error()  # its deprecation notices are about its own internals
 warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-P = get_profile(profile)
+P = get_profile(profile, quick=quick)
 S = P.section("05_fits")
 device = P.torch_device
 precision = S["precision"]

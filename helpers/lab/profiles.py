@@ -1,10 +1,14 @@
 """The one table of run profiles every notebook reads its sizes from.
 
-A notebook takes a single parameter, ``profile`` ("auto" by default, so Kaggle's "Run all" gets the
-full run for the GPU it finds), and reads its own section of the chosen profile:
+A notebook takes two parameters, ``profile`` ("auto" by default, so Kaggle's "Run all" gets the
+full run for the GPU it finds) and ``quick`` (False), and reads its own section of the chosen profile:
 
-    P = get_profile(profile)
+    P = get_profile(profile, quick=quick)
     P.section("02_memory_sweep")["N"]
+
+A section may hold a ``"quick"`` dict: what a short run changes (merged over the section, a level
+deep, when ``quick`` is asked for). "auto" on a CPU-only Kaggle or Colab session is refused with
+what to switch on: the smoke profile there is a choice, not a fallback.
 
 What the hardware is (and the pretend T4) is ``helpers.cce.device``'s business; "auto" asks it.
 
@@ -33,9 +37,24 @@ class Profile:
     sections: dict[str, dict] = field(default_factory=dict)
 
     def section(self, key: str) -> dict:
+        """The notebook ``key``'s settings (without its ``"quick"`` overrides)."""
         if key not in self.sections:
             raise KeyError(f"profile {self.name!r} has no section {key!r}; it has {list(self.sections)}")
-        return self.sections[key]
+        return {k: v for k, v in self.sections[key].items() if k != "quick"}
+
+    def quick(self) -> Profile:
+        """This profile with every section's ``"quick"`` overrides applied: a short run."""
+        sections = {}
+        for key, section in self.sections.items():
+            merged = copy.deepcopy(section)
+            for name, value in merged.pop("quick", {}).items():
+                if isinstance(value, dict) and isinstance(merged.get(name), dict):
+                    merged[name] = {**merged[name], **value}
+                else:
+                    merged[name] = value
+            sections[key] = merged
+        return replace(self, name=f"{self.name}-quick", description=f"{self.description} (quick: a short run)",
+                       sections=sections)
 
     @property
     def torch_dtypes(self) -> tuple[torch.dtype, ...]:
@@ -54,6 +73,7 @@ class Profile:
 # The interpreter runs Triton programs one by one in numpy, so CPU shapes stay tiny.
 _GATE_SMALL = [(37, 257, 24), (53, 1031, 40), (5, 2053, 24)]
 _GATE_GPU = [(257, 5003, 136), (2048, 151936, 1024)]  # the second: the Qwen3 head, 2,048 tokens
+_GATE_GPU_QUICK = [(257, 5003, 136), (512, 151936, 1024)]  # the Qwen3 head at a quarter of the tokens
 
 # The memory sweep's quick gate on a GPU (the full gate is notebook 01's).
 _SWEEP_GATE_GPU = [(257, 5003, 136), (1031, 32011, 520)]
@@ -81,6 +101,8 @@ _FITS_GPU = {
     "shape": "0.6b", "seq_len": 2048, "fit_start": 2048, "fit_limit": 262_144, "fit_step": 8192,
     "article_tokens": 16_384, "curve": {"tokens": 4096, "steps": 20, "seed": 0}, "check_tokens": 2048,
     "repeats": 2,
+    # A short run: a coarser search, fewer steps (the gradient check is the same).
+    "quick": {"fit_step": 32_768, "curve": {"steps": 8}, "repeats": 1},
 }
 
 PROFILES: dict[str, Profile] = {
@@ -150,7 +172,7 @@ PROFILES: dict[str, Profile] = {
                 "shape": (1031, 32011, 120), "sparse": (2048, 32768, 128), "curve": (512, 151936, 64),
                 "BLOCK_N": 32, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
-            "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
+            "01_correctness": {"shapes": _GATE_GPU, "seed": 0, "quick": {"shapes": _GATE_GPU_QUICK}},
             "05_fits": {**_FITS_GPU, "precision": "fp16"},
             # Sized for ~10 minutes on a T4; the gpu profile runs the same sizes in bf16.
             "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "float16", "tolerance": 1e-2},
@@ -173,7 +195,7 @@ PROFILES: dict[str, Profile] = {
                 "shape": (1031, 32011, 120), "sparse": (2048, 65536, 128), "curve": (512, 151936, 64),
                 "BLOCK_N": 64, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
-            "01_correctness": {"shapes": _GATE_GPU, "seed": 0},
+            "01_correctness": {"shapes": _GATE_GPU, "seed": 0, "quick": {"shapes": _GATE_GPU_QUICK}},
             "05_fits": {**_FITS_GPU, "precision": "bf16"},
             "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "bfloat16", "tolerance": 2e-2},
         },
@@ -207,10 +229,31 @@ def detect_profile_name(device: torch.device | str | None = None) -> str:
     return "gpu" if info.has_bf16_matmul else "t4"
 
 
-def get_profile(name: str = "auto") -> Profile:
-    """The profile called ``name``; "auto" picks the one for the hardware found."""
+def get_profile(name: str = "auto", quick: bool = False) -> Profile:
+    """The profile called ``name`` ("auto": the one for the hardware found), shortened by its
+    sections' ``"quick"`` overrides when ``quick``. On a Kaggle or Colab session without a GPU,
+    "auto" raises, saying how to turn one on (or to ask for "cpu" by name)."""
     if name == "auto":
         name = detect_profile_name()
+        if name.startswith("cpu"):
+            _refuse_a_hosted_cpu_session()
     if name not in PROFILES:
         raise ValueError(f"profile must be 'auto' or one of {sorted(PROFILES)}, got {name!r}")
-    return PROFILES[name]
+    return PROFILES[name].quick() if quick else PROFILES[name]
+
+
+def _refuse_a_hosted_cpu_session() -> None:
+    import os
+    import sys
+
+    from helpers.suite.bootstrap import detect_platform  # the cold-start cell's own test of where we are
+
+    where = detect_platform(os.environ, sys.modules)
+    if where == "local":
+        return
+    how = {"kaggle": "Settings > Accelerator > GPU T4 x2", "colab": "Runtime > Change runtime type > T4 GPU"}[where]
+    raise RuntimeError(
+        f"No GPU in this {where.title()} session, so profile='auto' would only run the CPU smoke profile (tiny "
+        f"shapes that support no conclusion). Turn a GPU on ({how}), then restart and run all; or set "
+        "profile = \"cpu\" in the parameters cell to run the smoke profile on purpose."
+    )

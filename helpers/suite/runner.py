@@ -1,8 +1,8 @@
 """Run the notebook suite headless with papermill: ``python -m helpers run``.
 
 Each notebook gets two parameters, ``profile`` and ``output_dir`` (``<output>/<notebook stem>``),
-plus those of ``SUITE_PARAMETERS`` that its parameters cell declares; everything else it derives
-from the profile. The executed notebook lands next to its results, so
+plus ``quick`` (under ``--quick``) and those of ``SUITE_PARAMETERS`` where its parameters cell
+declares them; everything else it derives from the profile. The executed notebook lands next to its results, so
 one folder holds the whole run:
 
     results/
@@ -47,18 +47,20 @@ class NotebookRun:
     error: str = ""
 
 
-def notebook_parameters(path: Path, profile: str, out_dir: Path) -> dict:
+def notebook_parameters(path: Path, profile: str, out_dir: Path, quick: bool = False) -> dict:
     """What papermill injects into ``path``: profile, output_dir, and the ``SUITE_PARAMETERS`` it
     declares. papermill would inject an undeclared one too, with only a logged warning, as a stray
     variable; reading the parameters cell keeps each notebook's namespace to what it asked for."""
     import papermill
 
     declared = papermill.inspect_notebook(str(path))
-    suite = {name: value for name, value in SUITE_PARAMETERS.items() if name in declared}
+    wanted = {**SUITE_PARAMETERS, **({"quick": True} if quick else {})}
+    suite = {name: value for name, value in wanted.items() if name in declared}
     return {"profile": profile, "output_dir": str(out_dir), **suite}
 
 
-def run_notebook(path: Path, profile: str, output: Path, timeout_s: int | None = None) -> NotebookRun:
+def run_notebook(path: Path, profile: str, output: Path, timeout_s: int | None = None,
+                 quick: bool = False) -> NotebookRun:
     import papermill
 
     out_dir = output / path.stem
@@ -69,7 +71,7 @@ def run_notebook(path: Path, profile: str, output: Path, timeout_s: int | None =
         papermill.execute_notebook(
             str(path),
             str(out_dir / path.name),
-            parameters=notebook_parameters(path, profile, out_dir),
+            parameters=notebook_parameters(path, profile, out_dir, quick),
             cwd=str(path.parent),
             progress_bar=False,
             execution_timeout=timeout_s,
@@ -93,12 +95,13 @@ def run_suite(
     only: list[str] | None = None,
     timeout_s: int | None = None,
     pretend_t4: bool = False,
+    quick: bool = False,
 ) -> list[NotebookRun]:
     """Execute every notebook (or those in ``only``) and write ``summary.json``; see module doc.
 
     ``pretend_t4``: every notebook runs as a T4 would see it (``helpers.cce.device``): the T4 profile
     (``cpu-t4`` on a CPU), a T4's memory cap, shared memory and compute capability in each
-    notebook's process.
+    notebook's process. ``quick``: each notebook's short run (its profile section's ``"quick"``).
     """
     from tqdm.auto import tqdm
 
@@ -106,18 +109,18 @@ def run_suite(
         if profile not in ("auto", "t4", "cpu-t4"):
             raise SystemExit(f"--pretend-t4 runs the T4's profile; leave --profile at auto, not {profile!r}")
         os.environ[PRETEND_T4_ENV] = "1"  # inherited by every notebook's kernel process
-    resolved = get_profile(profile).name
+    resolved = get_profile(profile).name  # the notebooks apply quick themselves
     output = Path(output).resolve()
     output.mkdir(parents=True, exist_ok=True)
     notebooks = find_notebooks(only)
     info = device_info()
-    print(f"profile {resolved} on {info.describe()}; {len(notebooks)} notebooks -> {output}")
+    print(f"profile {resolved}{' (quick)' if quick else ''} on {info.describe()}; {len(notebooks)} notebooks -> {output}")
     runs = []
     bar = tqdm(notebooks, desc="suite", unit="notebook")
     for path in bar:
         bar.set_postfix_str(path.stem)
-        runs.append(run_notebook(path, resolved, output, timeout_s))
-        _write_summary(output, resolved, info, runs)
+        runs.append(run_notebook(path, resolved, output, timeout_s, quick))
+        _write_summary(output, resolved + ("-quick" if quick else ""), info, runs)
     print(summary_table(runs))
     print(f"report: {build_report(output)} (and REPORT.html beside it)")
     return runs

@@ -18,6 +18,13 @@ def test_the_workshop_runs_with_its_solutions_and_the_others_get_only_what_they_
     assert SUITE_PARAMETERS == {"SOLUTIONS": True}
 
 
+def test_quick_goes_to_the_notebooks_that_offer_a_short_run():
+    gate, workshop = find_notebooks(["01"])[0], find_notebooks(["04"])[0]
+    assert notebook_parameters(gate, "gpu", Path("o"), quick=True)["quick"] is True
+    assert "quick" not in notebook_parameters(gate, "gpu", Path("o"))
+    assert "quick" not in notebook_parameters(workshop, "gpu", Path("o"), quick=True)  # already short
+
+
 def _notebook(path: Path, parameters: str) -> Path:
     nb = jupytext.reads(
         f'# %% tags=["parameters"]\n{parameters}\n\n'
