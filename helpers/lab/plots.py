@@ -16,7 +16,16 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocat
 
 from helpers.compare.methods import METHODS
 from helpers.compare.units import GB
+from helpers.lab.profiles import SMOKE_NOTE
 from helpers.lab.training import TrainRun
+
+
+def mark_smoke(fig: plt.Figure) -> plt.Figure:
+    """Stamp a smoke run's figure so that, saved and shared, it is not read as a result."""
+    fig.text(0.5, 0.5, "SMOKE RUN", fontsize=60, color="grey", alpha=0.15, rotation=25, ha="center", va="center",
+             weight="bold", zorder=0)
+    fig.text(0.5, 0.005, SMOKE_NOTE, fontsize=8, color="firebrick", ha="center", va="bottom")
+    return fig
 
 
 def method_colors() -> dict[str, tuple]:

@@ -26,6 +26,9 @@ import torch
 from helpers.cce.device import device_info, pretending_t4
 
 
+SMOKE_NOTE = "Smoke run on a CPU (tiny shapes): checks the pipeline, supports no conclusion."
+
+
 @dataclass(frozen=True)
 class Profile:
     """A named run size. ``sections`` maps a notebook's key to that notebook's settings."""
@@ -55,6 +58,12 @@ class Profile:
             sections[key] = merged
         return replace(self, name=f"{self.name}-quick", description=f"{self.description} (quick: a short run)",
                        sections=sections)
+
+    @property
+    def smoke(self) -> bool:
+        """A CPU profile: tiny shapes that check the pipeline and support no conclusion (figures,
+        verdicts and the report say so: ``SMOKE_NOTE``)."""
+        return self.device == "cpu"
 
     @property
     def torch_dtypes(self) -> tuple[torch.dtype, ...]:

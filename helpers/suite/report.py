@@ -28,13 +28,40 @@ from pathlib import Path
 from helpers.suite.paths import find_notebooks
 
 REPORT_FRAGMENT = "report.md"
+FACTS = "facts.json"
 SUMMARY = "summary.json"
 
+# What a notebook may tell the report's opening table about a method (``facts``); every key is
+# optional, and a method's row says "not measured" for what no notebook gave.
+FACT_KEYS = {
+    "gradients": "{dtype name: 'pass' or 'fail'}: the accuracy gate's verdict against float64 (01)",
+    "peak_bytes_16k": "peak memory of one loss step (forward and backward) at 16,384 tokens, this GPU (02)",
+    "seconds_16k": "time of that step on this GPU (02)",
+    "t4_peak_bytes_16k": "the same step's peak under a T4's limits (a T4, or the pretend-T4 sweep) (02)",
+    "runs_on_t4": "True, or why not (a string) (02, 05)",
+    "convergence": "'ok' or 'off': trains like the exact loss (03)",
+    "caveats": "[str]: what a user must know (any notebook)",
+}
 
-def write_report_fragment(output_dir: str | Path, markdown: str) -> Path:
-    """Write a notebook's headline ``report.md`` (images linked relative to ``output_dir``)."""
-    path = Path(output_dir) / REPORT_FRAGMENT
-    path.parent.mkdir(parents=True, exist_ok=True)
+
+def write_report_fragment(output_dir: str | Path, markdown: str, *, headline: str | None = None,
+                          facts: dict[str, dict] | None = None, smoke: bool = False) -> Path:
+    """Write a notebook's ``report.md`` (images linked relative to ``output_dir``) and, beside it,
+    ``facts.json``: its one-line ``headline`` for the report's table of notebooks and ``facts``,
+    {method: {key: value}} with keys from ``FACT_KEYS``, for the report's opening table.
+    ``smoke``: a CPU smoke run; the fragment and the headline say it supports no conclusion."""
+    from helpers.lab.profiles import SMOKE_NOTE
+
+    unknown = {key for per_method in (facts or {}).values() for key in per_method} - set(FACT_KEYS)
+    if unknown:
+        raise ValueError(f"facts: unknown keys {sorted(unknown)}; the report reads {sorted(FACT_KEYS)}")
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if smoke:
+        markdown = f"> **{SMOKE_NOTE}**\n\n{markdown.strip()}"
+        headline = f"smoke run: {headline}" if headline else None
+    (out / FACTS).write_text(json.dumps({"headline": headline, "smoke": smoke, "methods": facts or {}}, indent=1))
+    path = out / REPORT_FRAGMENT
     path.write_text(markdown.strip() + "\n")
     return path
 
