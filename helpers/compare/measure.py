@@ -19,9 +19,13 @@ every device:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
+import os
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -124,14 +128,35 @@ def memory_timeline(fn: Callable[[], Any], *, device: torch.device | str | None 
     return result, timeline
 
 
+@contextlib.contextmanager
+def _without_native_line(fragment: str):
+    """Drop the lines containing ``fragment`` that C++ code writes to the process's stderr (file
+    descriptor 2, out of reach of ``warnings``) inside the block; pass every other line on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if fragment not in line]
+            if kept:
+                sys.stderr.write("".join(kept))
+
+
 def _cpu_memory_events(fn: Callable[[], Any]) -> tuple[Any, list[int]]:
     """(fn(), the signed sizes of the allocations and frees ``fn`` made, in time order): frees of
     blocks allocated before the call are left out (the module doc of ``peak_memory`` says why)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
+    with _without_native_line("Memory block of unknown size"):  # that case is handled below
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = fn()
     events = [
         node
         for node in _walk(prof.profiler.kineto_results.experimental_event_tree())

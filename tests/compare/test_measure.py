@@ -172,3 +172,16 @@ def test_chunked_peak_grows_with_dE_only_while_naive_grows_with_the_logits():
     assert chunked[1] - chunked[0] <= (N2 - N1) * (D * 4 + per_row_vectors)
     assert chunked[1] < naive[1] / 10
     assert math.isclose(chunked[1] - chunked[0], (N2 - N1) * D * 4, rel_tol=0.5)
+
+
+def test_the_profilers_native_warning_is_dropped_and_other_native_output_kept(capfd):
+    import os
+
+    from helpers.compare.measure import _without_native_line
+
+    with _without_native_line("Memory block of unknown size"):
+        os.write(2, b"[W CPUAllocator.cpp:245] Memory block of unknown size was allocated before\n")
+        os.write(2, b"a real problem\n")
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert "unknown size" not in err and "a real problem\n" in err and "after\n" in err
