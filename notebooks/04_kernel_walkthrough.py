@@ -333,14 +333,16 @@ fig.savefig(out / "memory.png")
 plt.show()
 
 # %%
-from ipywidgets import Dropdown, FloatText, SelectionSlider, interact
+from ipywidgets import Dropdown, FloatText, SelectionSlider
+
+from helpers.lab.widgets import explore
 
 def explore_memory(**settings):
     show_memory(**settings)
     plt.show()
 
 
-interact(
+explore(
     explore_memory,
     N=SelectionSlider(options=[2**k for k in range(10, 18)], value=16_384, description="N tokens"),
     vocabulary=Dropdown(options=list(VOCABULARIES), value="Qwen3 (151,936)"),
@@ -917,7 +919,7 @@ def show_filter(log2_eps=-12):
     plt.show()
 
 
-interact(show_filter, log2_eps=IntSlider(value=-12, min=-24, max=-2, description="log2 ε"));
+explore(show_filter, log2_eps=IntSlider(value=-12, min=-24, max=-2, description="log2 ε"));
 
 # %% [markdown]
 # ## 7 · The softmax sparsity curve
@@ -1373,7 +1375,10 @@ right{" with the worked solutions in place (SOLUTIONS = True)" if SOLUTIONS else
 ![Softmax sparsity](sparsity_curve.png)
 ![Vocabulary sorting](sorting.png)
 ![Kahan summation](kahan.png)
-""")
+""", headline=f"{len(results['checks']) - len(failed)} of {len(results['checks'])} kernel checks pass; "
+    f"{sum(results['exercises'].values())} of {len(results['exercises'])} exercises right" + (
+    f"; at the Qwen3 head the teaching kernels held {payoff['teaching kernels']['peak_gb']:.2f} GB"
+    if "payoff" in results["numbers"] and payoff["teaching kernels"]["status"] == "ok" else ""), smoke=P.smoke)
 assert not failed, f"checks failed: {failed}"
 if SOLUTIONS:  # an attendee's open gaps are their work in progress, not a fault of the notebook
     assert not missing, f"worked solutions not right: {missing}"

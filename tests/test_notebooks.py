@@ -82,10 +82,12 @@ def test_suite_runs_headless_on_the_cpu(mode, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_workshop_runs_to_the_end_with_its_gaps_open(tmp_path):
+def test_the_workshop_runs_to_the_end_with_its_gaps_open(tmp_path, monkeypatch):
     """What an attendee's "Run all" does (SOLUTIONS = False, the default): every "your turn" cell
     says it is not filled in yet, later cells use the worked solutions, and every check passes."""
     import papermill
+
+    monkeypatch.setenv("HELPERS_HEADLESS", "1")  # as the runner does: interact can hang nbclient
 
     out = tmp_path / "out"
     papermill.execute_notebook(

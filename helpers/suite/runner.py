@@ -27,6 +27,7 @@ import torch
 
 from helpers.cce.device import PRETEND_T4_ENV, device_info
 from helpers.lab.profiles import get_profile
+from helpers.lab.widgets import HEADLESS_ENV
 from helpers.suite.bootstrap import installed_version
 from helpers.suite.paths import find_notebooks
 from helpers.suite.report import build_report
@@ -109,6 +110,7 @@ def run_suite(
         if profile not in ("auto", "t4", "cpu-t4"):
             raise SystemExit(f"--pretend-t4 runs the T4's profile; leave --profile at auto, not {profile!r}")
         os.environ[PRETEND_T4_ENV] = "1"  # inherited by every notebook's kernel process
+    os.environ[HEADLESS_ENV] = "1"  # no one to move a slider: widgets stay out (helpers.lab.widgets)
     resolved = get_profile(profile).name  # the notebooks apply quick themselves
     output = Path(output).resolve()
     output.mkdir(parents=True, exist_ok=True)
