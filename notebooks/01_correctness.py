@@ -176,6 +176,7 @@ import helpers.suite.report
 from helpers.compare.gate import FLOOR, SLACK, GateCase, case_inputs, gate_cases, run_gate, run_method
 from helpers.compare.methods import primary_methods
 from helpers.compare.units import dtype_name
+from helpers.lab.plots import mark_smoke
 from helpers.lab.profiles import get_profile
 
 P = get_profile(profile, quick=quick)
@@ -322,8 +323,10 @@ else:
 # which quantity. The gap between a bar and the dashed line is the margin a method has.
 
 # %%
-fig = report.plot(out / "gate.png")
-helpers.suite.report.write_report_fragment(out, report.markdown() + "\n\n![Worst error over bound, per method and dtype](gate.png)");
+fig = report.plot()
+if P.smoke:
+    mark_smoke(fig)
+fig.savefig(out / "gate.png", dpi=120)
 
 # %% [markdown]
 # ### Why Apple CCE fails in bf16, and what it costs
@@ -371,6 +374,13 @@ for d in dict.fromkeys(r.dtype for r in apple):
 print(f"results: {gate_json}")
 failing = report.failing_methods()
 peers = {n for n in failing if helpers.get_method(n).kind == "peer"}
+facts = report.facts()
+fails_in = {n: [d for d, v in f["gradients"].items() if v == "fail"] for n, f in facts.items()}
+headline = (f"{sum(not f for f in fails_in.values())} of {len(facts)} methods pass against float64 in "
+            f"{', '.join(P.dtypes)}" + "".join(f"; {helpers.get_method(n).label} fails in {', '.join(d)}" for n, d in fails_in.items() if d))
+helpers.suite.report.write_report_fragment(
+    out, report.markdown() + "\n\n![Worst error over bound, per method and dtype](gate.png)",
+    headline=headline, facts=facts, smoke=P.smoke)
 if failing:
     print(report.failure_message())
 if peers and not fail_on_peers:

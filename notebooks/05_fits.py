@@ -183,7 +183,8 @@ from helpers.compare import measure
 from helpers.compare.units import format_bytes
 from helpers.lab import fits
 from helpers.lab.corpus import load_or_build_corpus
-from helpers.lab.profiles import get_profile
+from helpers.lab.plots import mark_smoke
+from helpers.lab.profiles import SMOKE_NOTE, get_profile
 from helpers.lab.training import write_json
 from helpers.suite.report import write_report_fragment
 
@@ -290,6 +291,8 @@ ax.set(xlabel="largest micro-batch that trains (tokens)",
 ax.legend(loc="lower right")
 ax.invert_yaxis()
 fig.tight_layout()
+if P.smoke:
+    mark_smoke(fig)
 fig.savefig(out / "largest_micro_batch.png", dpi=120)
 
 # %% [markdown]
@@ -336,6 +339,8 @@ if timelines:
            title=f"One training step at {tokens:,} tokens")
     ax.legend()
     fig.tight_layout()
+    if P.smoke:
+        mark_smoke(fig)
     fig.savefig(out / "step_timeline.png", dpi=120)
 else:
     print("the default or ours did not fit even one sequence here: no timeline")
@@ -381,13 +386,14 @@ for name, curve in curves.items():
 ax.set(xlabel="step", ylabel="training loss", title=f"{C['steps']} steps of {curve_tokens:,} tokens, seed {C['seed']}")
 ax.legend()
 fig.tight_layout()
+if P.smoke:
+    mark_smoke(fig)
 fig.savefig(out / "training_curves.png", dpi=120)
 
 # %% [markdown]
 # ## The verdict
 
 # %%
-smoke = device.type == "cpu"
 at_article = {r["arm"]: r for r in steps if r["tokens"] == S["article_tokens"]}
 verdicts = []
 for name, arm in arms.items():
@@ -399,8 +405,8 @@ for name, arm in arms.items():
               ", trains like the default" if gaps[name] <= allowed else ", but its training curve differs from the default's")
     fit = "not even one sequence" if largest[name] is None else f"up to {largest[name]:,} tokens"
     verdicts.append(f"{arm.label}: {fit} per micro-batch; {cost}{trains}.")
-if smoke:
-    verdicts.insert(0, "Smoke run on a CPU (a tiny model, a simulated card): checks the pipeline, supports no conclusion.")
+if P.smoke:
+    print(SMOKE_NOTE)
 print("\n".join(verdicts))
 problems = [f"{fits.ARMS[n].label}: gradients off the exact loss's ({a['grad_error']:.1e} > {bound:g})"
             for n, a in agreement.items() if not a["ok"] and fits.ARMS[n].method == "ours"]
@@ -421,19 +427,32 @@ rows = "\n".join(
     + " | ".join((f"{format_bytes(r['peak_bytes'])}, {r['tokens_per_s']:,.0f} tok/s" if r["status"] == "ok" else "OOM")
                  for r in [at_article.get(n, {"status": "oom"})]) + " |"
     for n in arms)
+# The report's opening table: per registry method (the default's logits path under "naive").
+on_a_t4 = P.name.startswith(("t4", "cpu-t4"))  # a T4, or a pretend one: availability is a T4's
+facts = {}
+for name, arm in fits.ARMS.items():
+    f = {}
+    if name in arms and card == "t4":
+        f["largest_step_tokens_16gb"] = largest[name] or 0
+    if on_a_t4:
+        f["runs_on_t4"] = True if name in arms else arm.why_unavailable(device, fits.compute_dtype(precision))
+    if f:
+        facts[arm.method or "naive"] = f
+fitted = {n: v for n, v in largest.items() if v}
+headline = (f"largest micro-batch of a whole Qwen3 {S['shape']} training step, {precision}, on "
+            f"{'a 16 GB card' if card == 't4' else 'this card'}: "
+            + ", ".join(f"{fits.ARMS[n].label} {v:,} tokens" for n, v in fitted.items()))
 write_report_fragment(out, f"""
-{verdicts[0]}
-
 | loss | largest micro-batch (tokens) | at {S['article_tokens']:,} tokens |
 |---|---:|---|
 {rows}
 
-{chr(10).join('- ' + v for v in verdicts[1 if smoke else 0:])}
+{chr(10).join('- ' + v for v in verdicts)}
 
 ![Largest micro-batch](largest_micro_batch.png)
 {'![One step, memory over time](step_timeline.png)' if timelines else ''}
 ![Training curves](training_curves.png)
-""")
+""", headline=headline, facts=facts, smoke=P.smoke)
 plt.close("all")
 print(f"results in {out} ({results['seconds']:.0f} s)")
 if problems:

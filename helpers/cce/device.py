@@ -118,12 +118,22 @@ def pretend_t4() -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, T4_MEMORY_BYTES / total), index)
 
 
+def detect_platform(environ, modules):
+    """'kaggle', 'colab' or 'local', from the environment variables and the imported modules."""
+    if "KAGGLE_KERNEL_RUN_TYPE" in environ:  # "Interactive" in the editor, "Batch" in Save & Run All
+        return "kaggle"
+    if "google.colab" in modules:
+        return "colab"
+    return "local"
+
+
 __all__ = [
     "PRETEND_T4_ENV",
     "T4_CAPABILITY",
     "T4_MEMORY_BYTES",
     "DeviceInfo",
     "default_device",
+    "detect_platform",
     "device_info",
     "pretend_t4",
     "pretending_t4",

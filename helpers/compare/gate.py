@@ -204,6 +204,15 @@ class GateReport:
                     s[f"worst {q} error/bound"] = max(s.get(f"worst {q} error/bound", 0.0), ratio)
         return list(out.values())
 
+    def facts(self) -> dict[str, dict]:
+        """{method: {"gradients": {dtype: "pass" or "fail"}}} over the dtypes it ran in: what the
+        report's opening table reads (``helpers.suite.report.FACT_KEYS``)."""
+        facts: dict[str, dict] = {}
+        for s in self.summary():
+            if s["verdict"] != "unavailable":
+                facts.setdefault(s["method"], {"gradients": {}})["gradients"][s["dtype"]] = s["verdict"]
+        return facts
+
     def markdown(self) -> str:
         """The summary as a Markdown table: worst error per quantity, and the verdict."""
         head = "| method | dtype | cases | loss err | dE err | dC err | worst err/bound | verdict |"

@@ -24,7 +24,7 @@ def mark_smoke(fig: plt.Figure) -> plt.Figure:
     """Stamp a smoke run's figure so that, saved and shared, it is not read as a result."""
     fig.text(0.5, 0.5, "SMOKE RUN", fontsize=60, color="grey", alpha=0.15, rotation=25, ha="center", va="center",
              weight="bold", zorder=0)
-    fig.text(0.5, 0.005, SMOKE_NOTE, fontsize=8, color="firebrick", ha="center", va="bottom")
+    fig.text(0.005, 0.995, SMOKE_NOTE, fontsize=7, color="firebrick", ha="left", va="top")
     return fig
 
 

@@ -19,11 +19,13 @@ the whole suite's sizes. Sections are plain dicts so that each notebook owns its
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from helpers.cce.device import device_info, pretending_t4
+from helpers.cce.device import detect_platform, device_info, pretending_t4
 
 
 SMOKE_NOTE = "Smoke run on a CPU (tiny shapes): checks the pipeline, supports no conclusion."
@@ -252,11 +254,6 @@ def get_profile(name: str = "auto", quick: bool = False) -> Profile:
 
 
 def _refuse_a_hosted_cpu_session() -> None:
-    import os
-    import sys
-
-    from helpers.suite.bootstrap import detect_platform  # the cold-start cell's own test of where we are
-
     where = detect_platform(os.environ, sys.modules)
     if where == "local":
         return

@@ -36,6 +36,7 @@ import re
 import shlex
 import subprocess
 import sys
+from helpers.cce.device import detect_platform  # also the profiles' (a cell function, kept stdlib-only)
 from helpers.suite.paths import HELPERS_SOURCE
 
 # What a notebook imports besides torch, helpers and IPython (the kernel itself): {module: pip
@@ -61,15 +62,6 @@ COLD_START_TAG = "cold-start"
 # The cell's functions: stdlib only, no module-level names but the constants above. Their source
 # *is* the cell (see COLD_START_CELL), so keep them short and readable on their own.
 # ---------------------------------------------------------------------------------------------
-
-
-def detect_platform(environ, modules):
-    """'kaggle', 'colab' or 'local', from the environment variables and the imported modules."""
-    if "KAGGLE_KERNEL_RUN_TYPE" in environ:  # "Interactive" in the editor, "Batch" in Save & Run All
-        return "kaggle"
-    if "google.colab" in modules:
-        return "colab"
-    return "local"
 
 
 def importable(module):

@@ -6,7 +6,9 @@ it in one line). ``build_report(results_dir)`` puts them together in notebook or
 image and link paths rewritten to the results folder, and adds what a reader needs around them:
 
 - the hardware and versions the run used (``summary.json``, written by ``helpers.suite.runner``);
-- a table of every notebook: status, time, where its headline is;
+- an opening table, "which loss to use": per method, what the notebooks measured (their
+  ``facts.json``, written by ``write_report_fragment``), and the "use X when" sentences it supports;
+- a table of every notebook: status, time, its one-line headline;
 - what did not run and why: failed notebooks with their error, notebooks that ran but wrote no
   ``report.md`` (their files are listed instead), notebooks of the suite not in this run.
 
@@ -25,6 +27,7 @@ import mimetypes
 import re
 from pathlib import Path
 
+from helpers.compare.units import format_bytes
 from helpers.suite.paths import find_notebooks
 
 REPORT_FRAGMENT = "report.md"
@@ -39,6 +42,8 @@ FACT_KEYS = {
     "seconds_16k": "time of that step on this GPU (02)",
     "t4_peak_bytes_16k": "the same step's peak under a T4's limits (a T4, or the pretend-T4 sweep) (02)",
     "runs_on_t4": "True, or why not (a string) (02, 05)",
+    "largest_step_tokens_16gb": "the largest micro-batch of a whole Qwen3-0.6B training step that fits a 16 GB "
+                                "card, in tokens (05; under naive: transformers' default loss)",
     "convergence": "'ok' or 'off': trains like the exact loss (03)",
     "caveats": "[str]: what a user must know (any notebook)",
 }
@@ -64,6 +69,144 @@ def write_report_fragment(output_dir: str | Path, markdown: str, *, headline: st
     path = out / REPORT_FRAGMENT
     path.write_text(markdown.strip() + "\n")
     return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The opening table: which loss to use
+# ---------------------------------------------------------------------------------------------
+
+
+def load_facts(results: Path, runs: list[dict]) -> tuple[dict[str, dict], dict[str, str], bool]:
+    """({method: merged facts}, {notebook: headline}, whether any notebook was a smoke run), from
+    the ``facts.json`` the notebooks of ``runs`` wrote (a notebook's own key wins over none)."""
+    methods: dict[str, dict] = {}
+    headlines: dict[str, str] = {}
+    smoke = False
+    for run in runs:
+        path = results / run["notebook"] / FACTS
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        smoke |= bool(data.get("smoke"))
+        if data.get("headline"):
+            headlines[run["notebook"]] = data["headline"]
+        for method, facts in data.get("methods", {}).items():
+            merged = methods.setdefault(method, {})
+            for key, value in facts.items():
+                if key == "caveats":
+                    merged.setdefault("caveats", [])
+                    merged["caveats"] += [c for c in value if c not in merged["caveats"]]
+                else:
+                    merged[key] = value
+    return methods, headlines, smoke
+
+
+def _label(method: str) -> str:
+    from helpers.compare.methods import METHODS
+
+    return METHODS[method].label if method in METHODS else method
+
+
+def _gradients_ok(f: dict) -> bool | None:
+    return None if "gradients" not in f else all(v == "pass" for v in f["gradients"].values())
+
+
+def _usable(f: dict) -> bool:
+    """Measured right: no failing gradient dtype, no training difference (unmeasured is not wrong)."""
+    return _gradients_ok(f) is not False and f.get("convergence") != "off"
+
+
+def _fmt_gb(n) -> str:
+    return "not measured" if n is None else "out of memory" if n == "oom" else format_bytes(n)
+
+
+def recommendation(methods: dict[str, dict], smoke: bool = False) -> list[str]:
+    """The report's opening: one row per method with what the notebooks measured, then the "use X
+    when ..." sentences those numbers support (none where the run measured too little)."""
+    lines = ["## Which loss to use", ""]
+    if smoke:
+        lines += [f"> **{_smoke_note()}** The table and sentences below show the pipeline works; they "
+                  "are not a recommendation.", ""]
+    methods = {m: f for m, f in methods.items() if f}
+    if not methods:
+        return lines + ["This run measured nothing this table reads: run notebooks 01, 02, 03 and 05 (on a GPU) "
+                        "to fill it.", ""]
+    order = sorted(methods, key=lambda m: (not isinstance(methods[m].get("peak_bytes_16k"), (int, float)),
+                                           methods[m].get("peak_bytes_16k") or 0, m))
+    # Only the columns some notebook of this run gave: (heading, alignment, key, cell).
+    columns = [(heading, align, key, cell) for heading, align, key, cell in _COLUMNS
+               if any(key in methods[m] for m in order)]
+    lines += ["| method | " + " | ".join(c[0] for c in columns) + " |",
+              "|---|" + "".join(f"{c[1]}|" for c in columns)]
+    for m in order:
+        f = methods[m]
+        cells = [_label(m)] + ["" if key not in f else cell(f[key]) for _, _, key, cell in columns]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return lines + [""] + [f"- {s}" for s in use_when(methods)] + [""]
+
+
+_COLUMNS = [
+    ("peak at 16k tokens", "---:", "peak_bytes_16k", _fmt_gb),
+    ("time at 16k", "---:", "seconds_16k", lambda s: f"{s * 1e3:,.0f} ms"),
+    ("peak at 16k on a T4", "---:", "t4_peak_bytes_16k", _fmt_gb),
+    ("runs on a T4", "---", "runs_on_t4", lambda t: "yes" if t is True else f"no: {t}"),
+    ("whole step on 16 GB", "---:", "largest_step_tokens_16gb", lambda n: f"{n:,} tokens"),
+    ("gradients vs float64", "---", "gradients", lambda g: ", ".join(f"{d} {v}" for d, v in g.items())),
+    ("trains like exact", "---", "convergence", lambda c: {"ok": "yes", "off": "**no**"}.get(c, c)),
+    ("caveats", "---", "caveats", "; ".join),
+]
+
+
+def _smoke_note() -> str:
+    from helpers.lab.profiles import SMOKE_NOTE
+
+    return SMOKE_NOTE
+
+
+def use_when(methods: dict[str, dict]) -> list[str]:
+    """The sentences that follow from the facts: least memory, fastest, on a T4, most tokens in a
+    whole step, among the methods measured right; then what to avoid and why."""
+    usable = {m: f for m, f in methods.items() if _usable(f)}
+
+    def best(key, among=usable, largest=False):
+        known = {m: f[key] for m, f in among.items() if isinstance(f.get(key), (int, float)) and f[key] is not True}
+        return (max if largest else min)(known, key=known.get) if known else None
+
+    out = []
+    naive = methods.get("naive", {})
+    lightest, fastest = best("peak_bytes_16k"), best("seconds_16k")
+    if lightest:
+        peak = usable[lightest]["peak_bytes_16k"]
+        than = (f", {naive['peak_bytes_16k'] / peak:,.0f}× less than naive's {format_bytes(naive['peak_bytes_16k'])}"
+                if isinstance(naive.get("peak_bytes_16k"), (int, float)) and lightest != "naive" else "")
+        both = " It is also the fastest measured." if fastest == lightest else ""
+        out.append(f"Use **{_label(lightest)}** when memory is the limit: {format_bytes(peak)} for a loss step at "
+                   f"16,384 tokens{than}.{both}")
+    if fastest and fastest != lightest:
+        f = usable[fastest]
+        out.append(f"Use **{_label(fastest)}** when step time matters most: {f['seconds_16k'] * 1e3:,.0f} ms at 16,384 "
+                   f"tokens ({_fmt_gb(f.get('peak_bytes_16k'))}).")
+    on_t4 = {m: f for m, f in usable.items() if f.get("runs_on_t4") is True
+             and f.get("gradients", {}).get("float16", "pass") == "pass"}
+    t4_best = best("t4_peak_bytes_16k", on_t4)
+    if t4_best:
+        cannot = [f"{_label(m)} ({f['runs_on_t4']})" for m, f in methods.items() if isinstance(f.get("runs_on_t4"), str)]
+        out.append(f"On a T4 (16 GB, fp16), use **{_label(t4_best)}**: {format_bytes(on_t4[t4_best]['t4_peak_bytes_16k'])} "
+                   "at 16,384 tokens" + (f"; cannot run there: {', '.join(cannot)}" if cannot else "") + ".")
+    most = best("largest_step_tokens_16gb", largest=True)
+    if most and usable[most]["largest_step_tokens_16gb"] > naive.get("largest_step_tokens_16gb", 0):
+        default = naive.get("largest_step_tokens_16gb")
+        out.append(f"To fit the most tokens in a whole training step on a 16 GB card, use **{_label(most)}**: "
+                   f"{usable[most]['largest_step_tokens_16gb']:,} tokens"
+                   + (f", against {default:,} with transformers' default loss" if default is not None else "") + ".")
+    for m, f in methods.items():
+        failing = [d for d, v in f.get("gradients", {}).items() if v != "pass"]
+        if failing:
+            out.append(f"Avoid **{_label(m)}** in {', '.join(failing)}: its gradients fail the float64 gate "
+                       "(notebook 01).")
+        if f.get("convergence") == "off":
+            out.append(f"**{_label(m)}** trains differently from the exact loss (notebook 03).")
+    return out or ["Too little was measured in this run to recommend a method."]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,11 +318,15 @@ def render_report(results_dir: str | Path, suite: list[str] | None = None) -> st
         datetime.datetime.fromtimestamp((results / SUMMARY).stat().st_mtime).strftime("%Y-%m-%d %H:%M")
         if summary else "unknown time")
     device = (summary or {}).get("device", {}).get("description", "unknown hardware")
+    methods, headlines, smoke = load_facts(results, runs)
     lines = [
         "# Memory-efficient cross-entropy: results",
         "",
         f"Run of {when}, profile `{(summary or {}).get('profile', '?')}`, on {device}. "
         f"{len(runs)} notebooks: {len(runs) - len(failed)} ran, {len(failed)} failed.",
+        "",
+        *recommendation(methods, smoke),
+        "## The notebooks",
         "",
         "| notebook | status | time | headline |",
         "|---|---|---:|---|",
@@ -189,8 +336,10 @@ def render_report(results_dir: str | Path, suite: list[str] | None = None) -> st
         name = run["notebook"]
         if run["status"] == "failed":
             where = _cell(run.get("error", "").splitlines()[0] if run.get("error") else "failed")
+        elif has_fragment[name]:
+            where = _cell(headlines.get(name, "no headline given")) + f" ([more](#{name}))"
         else:
-            where = f"[below](#{name})" if has_fragment[name] else "no report.md: see below"
+            where = "no report.md: see below"
         status = "**failed**" if run["status"] == "failed" else run["status"]
         lines.append(f"| `{name}` | {status} | {_seconds(run)} | {where} |")
     lines.append("")

@@ -150,3 +150,13 @@ def test_each_bar_of_the_figure_is_coloured_by_its_verdict(monkeypatch, tmp_path
     assert gate.bar_verdict(summary["naive"], float("nan")) == "fail"  # a stray NaN is never the dtype's limit
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert labels[:3] == list(gate.VERDICT_COLOURS) and {"loss", "dE", "dC", "bound"} <= set(labels)
+
+
+def test_facts_give_each_method_its_verdict_per_dtype_it_ran_in(temporary_method):
+    temporary_method(_wrong("wrong", gradient_times_1_01))
+    report = run_gate(["chunked", "wrong", "apple_cce"], (torch.float32, torch.float16), CASES[:2], device="cpu",
+                      raise_on_failure=False)
+    facts = report.facts()
+    assert facts["chunked"] == {"gradients": {"float32": "pass", "float16": "pass"}}
+    assert facts["wrong"] == {"gradients": {"float32": "fail", "float16": "fail"}}
+    assert "apple_cce" not in facts  # unavailable on a CPU: nothing measured, no verdict

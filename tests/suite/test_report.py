@@ -1,6 +1,7 @@
 """The batch report: one REPORT.md (+ REPORT.html) from every notebook's report.md, the hardware
 and versions of the run, and what did not run and why."""
 
+import copy
 import json
 import re
 import struct
@@ -147,3 +148,78 @@ def test_the_fallback_converter():
 
 def test_the_markdown_renderer_handles_tables():
     assert "<table>" in markdown_to_html("| a |\n|---|\n| 1 |\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# The opening table: which loss to use, from the facts the notebooks hand over
+# ---------------------------------------------------------------------------------------------
+
+GATE = {"naive": {"gradients": {"float16": "pass", "bfloat16": "pass"}},
+        "ours": {"gradients": {"float16": "pass", "bfloat16": "pass"}},
+        "liger": {"gradients": {"float16": "pass", "bfloat16": "pass"}},
+        "apple_cce": {"gradients": {"float16": "pass", "bfloat16": "fail"}}}
+SWEEP = {"naive": {"peak_bytes_16k": 29.9e9, "seconds_16k": 0.050, "t4_peak_bytes_16k": "oom", "runs_on_t4": True},
+         "ours": {"peak_bytes_16k": 0.45e9, "seconds_16k": 0.040, "t4_peak_bytes_16k": 0.45e9, "runs_on_t4": True},
+         "liger": {"peak_bytes_16k": 0.70e9, "seconds_16k": 0.030, "t4_peak_bytes_16k": 0.70e9, "runs_on_t4": True,
+                   "caveats": ["computes no dC when E needs no gradient"]},
+         "apple_cce": {"peak_bytes_16k": 0.40e9, "seconds_16k": 0.020,
+                       "runs_on_t4": "needs ~96 KB of shared memory, a T4 offers 64 KB"}}
+TRAIN = {"ours": {"convergence": "ok"}, "liger": {"convergence": "off"}, "apple_cce": {"convergence": "ok"}}
+
+
+def _write_run(tmp_path, notebooks: dict, smoke=False):
+    runs = []
+    for name, (headline, facts) in notebooks.items():
+        write_report_fragment(tmp_path / name, f"# {name}", headline=headline, facts=facts, smoke=smoke)
+        runs.append({"notebook": name, "status": "ok", "seconds": 1.0, "output_dir": "", "error": "", "files": []})
+    (tmp_path / "summary.json").write_text(json.dumps({"profile": "gpu", "device": DEVICE, "runs": runs}))
+    return tmp_path
+
+
+def test_the_report_opens_with_which_loss_to_use(tmp_path):
+    _write_run(tmp_path, {"01_gate": ("3 of 4 pass", GATE), "02_sweep": ("ours 0.45 GB at 16k", SWEEP),
+                          "03_train": ("liger drifts", TRAIN)})
+    md = render_report(tmp_path, suite=[])
+    opening = md[md.index("## Which loss to use"):md.index("## The notebooks")]
+    rows = [line for line in opening.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    # sorted by memory; a caveat from one notebook beside the numbers from another
+    assert [r.split(" | ")[0] for r in rows] == ["| Apple CCE", "| ours (Triton CCE)", "| Liger", "| naive"]
+    assert "computes no dC" in rows[2] and "**no**" in rows[2] and "out of memory" in rows[3]
+    assert "no: needs ~96 KB" in rows[0] and "bfloat16 fail" in rows[0]
+    # Apple CCE is lightest and fastest but fails bf16; Liger is fast but trains differently: ours
+    assert "Use **ours (Triton CCE)** when memory is the limit: 0.45 GB" in opening
+    assert "66× less than naive's 29.90 GB" in opening and "It is also the fastest measured." in opening
+    assert "On a T4 (16 GB, fp16), use **ours (Triton CCE)**" in opening and "cannot run there: Apple CCE" in opening
+    assert "Avoid **Apple CCE** in bfloat16" in opening and "**Liger** trains differently" in opening
+    # the notebooks table carries each one's headline
+    assert "| ours 0.45 GB at 16k ([more](#02_sweep)) |" in md
+
+
+def test_fastest_and_lightest_are_named_apart_when_they_differ(tmp_path):
+    sweep = copy.deepcopy(SWEEP)
+    _write_run(tmp_path, {"02_sweep": ("", sweep)})
+    opening = render_report(tmp_path, suite=[])
+    assert "Use **Apple CCE** when memory is the limit" in opening  # nothing measured it wrong here
+    assert "Use **Liger** when step time matters most" not in opening  # Apple CCE is faster still
+    sweep["apple_cce"]["seconds_16k"] = 0.5
+    _write_run(tmp_path, {"02_sweep": ("", sweep)})
+    assert "Use **Liger** when step time matters most: 30 ms" in render_report(tmp_path, suite=[])
+
+
+def test_a_run_with_no_facts_says_what_to_run(tmp_path):
+    _write_run(tmp_path, {"04_workshop": ("24 of 24 checks pass", None)})
+    md = render_report(tmp_path, suite=[])
+    assert "measured nothing this table reads" in md and "| 24 of 24 checks pass ([more](#04_workshop)) |" in md
+
+
+def test_a_smoke_run_says_so_everywhere(tmp_path):
+    _write_run(tmp_path, {"02_sweep": ("ours flat", SWEEP)}, smoke=True)
+    md = render_report(tmp_path, suite=[])
+    assert "are not a recommendation" in md[:md.index("## The notebooks")]
+    assert "smoke run: ours flat" in md
+    assert "supports no conclusion" in (tmp_path / "02_sweep" / "report.md").read_text()
+
+
+def test_facts_with_an_unknown_key_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown keys \\['peak_16k'\\]"):
+        write_report_fragment(tmp_path, "x", facts={"ours": {"peak_16k": 1}})
