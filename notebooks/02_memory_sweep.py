@@ -39,11 +39,11 @@
 # memory, a T4's kernel configurations, in this same process): the article's OOM wall, as a
 # second figure. A CPU gets a smoke run that checks the pipeline and supports no conclusion.
 #
-# **Run time.** CPU smoke profile, 2 cores: about 40 s (30 s once the compilers' caches are
-# warm). H200, full run: the main sweep took 158 s (measured 2026-12-01, before the pretend-T4
-# sweep was added); the pretend-T4 sweep and a T4's own run have not been timed yet.
-# `quick = True` keeps four token counts (8,192 and 16,384 among them) and three timed calls a
-# point.
+# **Run time.** CPU smoke profile, 2 cores: 40 to 55 s with cold compiler caches (the pretend-T4
+# pass about 11 s of it), under 30 s with warm ones. H200, full run: the main sweep took 158 s
+# (measured 2026-12-01, before the pretend-T4 sweep was added); the pretend-T4 sweep and a T4's
+# own run have not been timed yet. `quick = True` keeps four token counts (8,192 and 16,384 among
+# them) and three timed calls a point.
 
 # %% jupyter={"source_hidden": true} tags=["cold-start"]
 # Cold start: make `helpers` importable here, then report what this machine can run.
@@ -186,7 +186,7 @@ import helpers  # first: the environment it needs (helpers.env)
 import torch
 from IPython.display import Markdown, display
 
-from helpers.cce.device import T4_CAPABILITY
+from helpers.cce.device import T4_CAPABILITY, T4_MEMORY_BYTES
 from helpers.compare import measure, sweep
 from helpers.compare.inputs import make_inputs
 from helpers.compare.methods import primary_methods
@@ -469,7 +469,7 @@ if t4_settings:
         t4_pass.records, path=out / "memory_sweep_pretend_t4.png",
         room_bytes=room(t4_pass.cap, V, D, t4_pass.dtype, t4_pass.Ns), micro_batch_N=sweep.ARTICLE_MICRO_BATCH_N,
         latency_caveat=latency_caveat(t4_pass.info), unit=t4_unit, failed_gate=t4_pass.plan.failed_gate,
-        smoke=P.smoke, title=f"as a T4: {t4_pass.info.name if t4_pass.info.is_cuda else 'CPU, T4 configurations'}: "
+        smoke=P.smoke, title=f"{t4_pass.info.name if t4_pass.info.is_cuda else 'CPU with a T4’s kernel configurations'}: "
                              f"V={V:,}, D={D:,}, {t4_pass.dtype}",
     )
 elif this_is_a_t4:
@@ -482,6 +482,9 @@ t4_records, t4_plan = (t4_pass.records, t4_pass.plan) if t4_pass else (records, 
 # %%
 if t4_pass:
     display(Markdown(sweep.results_pivot(t4_pass.records, labels, failed_gate=t4_pass.plan.failed_gate)))
+    t4_verdict = sweep.verdicts(t4_pass.records, V, smoke=P.smoke)
+    for name, sentence in t4_verdict.items():
+        print(f"{labels[name]}: {sentence}")
 
 # %% [markdown]
 # ## How many tokens fit?
@@ -503,8 +506,9 @@ display(Markdown(sweep.fits_table(primary_methods(), V, D, cards, labels, cannot
 
 # %% [markdown]
 # Another card, another head: change the values below (V and D of your model, the dtype you train
-# in, the card's memory in GB as the vendor states it, its generation). The same guardrail applies:
-# the process may use `memory_fraction` of the card.
+# in, the card's memory in GB, its generation). It starts at a T4 (the 15 GiB, 16.1 GB, that
+# `helpers.cce.device` counts for one) with this notebook's head. The same guardrail applies: the process may use `memory_fraction` of
+# the card.
 
 # %%
 import ipywidgets as widgets
@@ -524,7 +528,7 @@ def tokens_that_fit(V, D, dtype, card_GB, generation):
 widgets.interact(
     tokens_that_fit, V=widgets.IntText(V), D=widgets.IntText(D),
     dtype=widgets.Dropdown(options=DTYPES, value="float16"),
-    card_GB=widgets.FloatText(round(info.total_memory_bytes / 1e9, 1) if info.is_cuda else 16.0),
+    card_GB=widgets.FloatText(round(T4_MEMORY_BYTES / 1e9, 1)),
     generation=widgets.Dropdown(options=list(GENERATIONS), value="T4 (sm_75)"),
 );
 
@@ -589,9 +593,10 @@ meta = {
 }
 files = [*sweep.write_results(records, out, stem, meta), out / f"{stem}.png"]
 if t4_pass:
-    t4_meta = {**meta, "dtype": t4_pass.dtype, "pretend_t4": True, "memory_cap_bytes": t4_pass.cap.usable_bytes,
+    t4_meta = {**meta, "device": t4_pass.info.as_dict(), "dtype": t4_pass.dtype, "pretend_t4": True,
+               "memory_cap_bytes": t4_pass.cap.usable_bytes,
                "methods": t4_pass.plan.swept, "failed_gate": t4_pass.plan.failed_gate,
-               "left_out": t4_pass.plan.unavailable, "N": t4_pass.Ns, "verdicts": sweep.verdicts(t4_pass.records, V, smoke=P.smoke)}
+               "left_out": t4_pass.plan.unavailable, "N": t4_pass.Ns, "verdicts": t4_verdict}
     files += [*sweep.write_results(t4_pass.records, out, "memory_sweep_pretend_t4", t4_meta),
               out / "memory_sweep_pretend_t4.png"]
 print("results: " + ", ".join(f.name for f in files) + f" in {out}")
@@ -603,9 +608,10 @@ verdict_lines = "".join(f"\n- **{labels[name]}**{' †' if name in plan.failed_g
                         for name, sentence in verdict.items())
 verdict_lines += "".join(f"\n- *not swept*, {labels[name]}: {why}" for name, why in plan.unavailable.items())
 t4_section = "" if not t4_pass else f"""
-### As a T4 ({t4_pass.dtype})
+### {"As a T4" if t4_pass.info.is_cuda else "The T4 pass at smoke size (a T4's kernel configurations, not its memory)"}, {t4_pass.dtype}
 
 {t4_pass.cap.describe()}.
+{"".join(f"{chr(10)}- **{labels[name]}**: {sentence}" for name, sentence in t4_verdict.items())}
 
 ![Peak memory and latency against N, as a T4](memory_sweep_pretend_t4.png)
 
