@@ -441,13 +441,14 @@ fig = plot_memory_sweep(
 # ## The T4's wall, on this card
 #
 # The figure a Kaggle user came for is the one with a T4's 16 GB in it. On a bigger GPU this
-# notebook now runs the article's sweep a second time, *as a T4*: inside
+# notebook runs the article's sweep a second time, *as a T4*: inside
 # `helpers.cce.device.pretend_t4_scope()` the allocator is capped at `memory_fraction` of a T4's
-# memory, our kernels take their T4 configurations, a method a T4 cannot run (Apple CCE: its
-# backward needs more shared memory than a T4's 64 KB) says so, and the quick gate runs again in
-# fp16. Afterwards the card is itself again. On a T4, or under `--pretend-t4`, the figure above is
-# already the T4's. On the CPU the same pass runs at smoke sizes in fp16 with the T4's kernel
-# configurations: a check of its pipeline, not a T4 (a CPU has no T4 memory to pretend).
+# memory, our kernels take their T4 configurations, a method a T4 cannot run (Apple CCE: with
+# current Triton its backward needs more than a T4's 64 KB of shared memory) says so, and the
+# quick gate runs again in fp16. Afterwards the card is itself again. On a T4, or under
+# `--pretend-t4`, the figure above is already the T4's. On the CPU the same pass runs at smoke
+# sizes in fp16 with the T4's kernel configurations: a check of its pipeline, not a T4 (a CPU has
+# no T4 memory to pretend).
 
 # %%
 this_is_a_t4 = info.is_cuda and info.capability == T4_CAPABILITY  # a real one, or a pretend one
@@ -465,12 +466,12 @@ if t4_settings:
         else:
             print(f"  sweeping  {labels[name]:<18} passed the {t4_pass.dtype} gate")
     t4_unit = sweep.memory_unit(sweep.predicted_peak_bytes("naive", t4_pass.Ns[-1], V, D, t4_pass.dtype))
+    as_t4 = t4_pass.info.name if t4_pass.info.is_cuda else "CPU with a T4's kernel configurations"
     t4_fig = plot_memory_sweep(
         t4_pass.records, path=out / "memory_sweep_pretend_t4.png",
         room_bytes=room(t4_pass.cap, V, D, t4_pass.dtype, t4_pass.Ns), micro_batch_N=sweep.ARTICLE_MICRO_BATCH_N,
         latency_caveat=latency_caveat(t4_pass.info), unit=t4_unit, failed_gate=t4_pass.plan.failed_gate,
-        smoke=P.smoke, title=f"{t4_pass.info.name if t4_pass.info.is_cuda else 'CPU with a T4’s kernel configurations'}: "
-                             f"V={V:,}, D={D:,}, {t4_pass.dtype}",
+        smoke=P.smoke, title=f"{as_t4}: V={V:,}, D={D:,}, {t4_pass.dtype}",
     )
 elif this_is_a_t4:
     print("this card is a T4 (or a pretend one): the figure above is the T4's")
@@ -507,8 +508,9 @@ display(Markdown(sweep.fits_table(primary_methods(), V, D, cards, labels, cannot
 # %% [markdown]
 # Another card, another head: change the values below (V and D of your model, the dtype you train
 # in, the card's memory in GB, its generation). It starts at a T4 (the 15 GiB, 16.1 GB, that
-# `helpers.cce.device` counts for one) with this notebook's head. The same guardrail applies: the process may use `memory_fraction` of
-# the card.
+# `helpers.cce.device` counts for one) with this notebook's head. The same guardrail applies: the
+# process may use `memory_fraction` of the card. Whether a method runs on that card at all (Apple
+# CCE does not on a T4) is for the sweeps above to say; the widget only does the arithmetic.
 
 # %%
 import ipywidgets as widgets
