@@ -30,13 +30,20 @@
 #
 # The naive loss climbs 1.87 GB for every 1,024 tokens and dies past 4,096; torch.compile climbs
 # more slowly but still linearly; Liger stays flat. This notebook measures the same sweep on *your*
-# device, for every method that passes the correctness gate, and puts the arithmetic beside each
-# measured point, so that the picture can be explained, not just believed.
+# device, for every method that can run there, and puts the arithmetic beside each measured
+# point, so that the picture can be explained, not just believed. It ends with the two answers a
+# user wants: how many tokens fit on my card, and which method to use.
 #
-# "Run all" gives the full run for the device found (a T4 gets the article's sweep; a bigger GPU
-# carries it on to 131,072 tokens; a CPU a seconds-long smoke run). On a big GPU,
-# `python -m helpers run --pretend-t4` gives it a T4's memory and the article's token counts: the
-# article's OOM wall, reproduced.
+# "Run all" gives the full run for the device found: a T4 gets the article's sweep; a bigger GPU
+# carries it on to 131,072 tokens and then runs the article's sweep again *as a T4* (a T4's
+# memory, a T4's kernel configurations, in this same process): the article's OOM wall, as a
+# second figure. A CPU gets a smoke run that checks the pipeline and supports no conclusion.
+#
+# **Run time.** CPU smoke profile, 2 cores: 40 to 55 s with cold compiler caches (the pretend-T4
+# pass about 11 s of it), under 30 s with warm ones. H200, full run: the main sweep took 158 s
+# (measured 2026-12-01, before the pretend-T4 sweep was added); the pretend-T4 sweep and a T4's
+# own run have not been timed yet. `quick = True` keeps four token counts (8,192 and 16,384 among
+# them) and three timed calls a point.
 
 # %% jupyter={"source_hidden": true} tags=["cold-start"]
 # Cold start: make `helpers` importable here, then report what this machine can run.
@@ -164,12 +171,13 @@ cold_start()
 
 # %% tags=["parameters"]
 profile = "auto"  # "auto": the full run for the device found; or "cpu", "t4", "gpu"
-quick = False  # True: a short run (a coarser sweep, fewer steps), minutes instead of the full picture
+quick = False  # True: a short run (fewer token counts, fewer timed calls), minutes instead of the full picture
 output_dir = "results/02_memory_sweep"
 dtype = None  # "float16", "bfloat16" or "float32"; None: the profile's (fp16 T4, bf16 newer GPUs, fp32 CPU)
 V = None  # vocabulary; None: the profile's (the Qwen3-0.6B head on GPUs)
 D = None  # hidden size; None: the profile's
 memory_fraction = 0.9  # the guardrail: the share of the card's memory the process may allocate
+t4_sweep = True  # on a bigger GPU, sweep again as a pretend T4 (a second figure); False: skip it
 
 # %%
 from pathlib import Path
@@ -178,13 +186,13 @@ import helpers  # first: the environment it needs (helpers.env)
 import torch
 from IPython.display import Markdown, display
 
+from helpers.cce.device import T4_CAPABILITY, T4_MEMORY_BYTES
 from helpers.compare import measure, sweep
-from helpers.compare.gate import GateCase, run_gate
 from helpers.compare.inputs import make_inputs
 from helpers.compare.methods import primary_methods
-from helpers.compare.units import dtype_name
-from helpers.lab.profiles import get_profile
-from helpers.lab.plots import plot_memory_sweep
+from helpers.compare.units import DTYPES, dtype_name
+from helpers.lab.profiles import SMOKE_NOTE, get_profile
+from helpers.lab.plots import method_label, plot_memory_sweep
 from helpers.suite.report import write_report_fragment
 
 P = get_profile(profile, quick=quick)
@@ -197,9 +205,12 @@ D = D or settings["D"]
 out = Path(output_dir)
 out.mkdir(parents=True, exist_ok=True)
 stem = "memory_sweep_pretend_t4" if info.pretend_t4 else "memory_sweep"
+labels = {name: method_label(name) for name in primary_methods()}  # one name per method, everywhere below
 print(f"profile {P.name}: {P.description}")
 print(f"device: {info.describe()}")
-print(f"head: V={V:,}, D={D:,}, {dtype_name(dtype)}; token counts {settings['N']}")
+print(f"head: V={V:,}, D={D:,}, {dtype_name(dtype)}; token counts {', '.join(f'{n:,}' for n in settings['N'])}")
+if P.smoke:
+    print(SMOKE_NOTE)
 
 # %% [markdown]
 # ## The guardrail
@@ -210,10 +221,9 @@ print(f"head: V={V:,}, D={D:,}, {dtype_name(dtype)}; token counts {settings['N']
 # raises a catchable `torch.OutOfMemoryError`. The sweep records it as the wall for that method
 # and carries on.
 #
-# The same line lets a big GPU pretend to be a small one. Run the suite with
-# `python -m helpers run --pretend-t4` (or call `helpers.cce.device.pretend_t4()` first) and the card
-# answers as a T4: the cap is `memory_fraction` (90%) of a T4's memory, exactly what a T4 reader
-# running this notebook gets, and our kernels take their T4 configurations. The speed stays this
+# The same line lets a big GPU pretend to be a small one: capped at `memory_fraction` (90%) of a
+# T4's memory, the card runs out where a T4 reader running this notebook would, and our kernels
+# take their T4 configurations (`helpers.cce.device.pretend_t4_scope`). The speed stays this
 # card's, and so do the peers' own code paths. On the CPU there is no allocator to cap; the
 # profile's simulated card is a budget on each step's measured peak.
 
@@ -227,28 +237,23 @@ if Ns != sorted(settings["N"]):
 # %% [markdown]
 # ## Which methods: the gate first
 #
-# Only a correct method is worth measuring. The full gate is notebook 01; here a quick one runs in
-# the dtype of the sweep, on the configuration the sweep calls (mean over tokens, some ignored, no
-# soft cap), at two small irregular shapes. A method that cannot run here, or fails, is named with
-# the reason and left out.
+# A quick accuracy gate (the full one is notebook 01) runs in the dtype of the sweep, on the
+# configuration the sweep calls (mean over tokens, some ignored, no soft cap), at small irregular
+# shapes. A method that cannot run here is left out, with the reason. A method that runs but fails
+# the gate is swept all the same and marked: its memory and time do not depend on its rounding,
+# and leaving it out would hide the floor (Apple CCE fails in bf16 and is the floor's best witness).
 
 # %%
-cases = [GateCase(n, v, d, "mean", "some") for n, v, d in settings["gate_shapes"]]
-report = run_gate(primary_methods(), (dtype,), cases, device=device, raise_on_failure=False)
-methods, left_out = [], {}
+gate = sweep.quick_gate(primary_methods(), dtype, settings["gate_shapes"], device)
+plan = sweep.plan_methods(primary_methods(), gate, device, dtype)
+methods = plan.swept
 for name in primary_methods():
-    method = helpers.get_method(name)
-    reason = method.why_unavailable(device, dtype)
-    if reason:
-        left_out[name] = f"unavailable: {reason}"
-        print(f"  left out  {name:<14} {left_out[name]}")
-    elif not report.passed(name, dtype):
-        failure = [line for line in report.failure_message().splitlines() if line.startswith(f"{name} ")]
-        left_out[name] = f"FAILED the gate: {failure[0] if failure else 'see notebook 01'}"
-        print(f"  left out  {name:<14} {left_out[name]}")
+    if name in plan.unavailable:
+        print(f"  left out  {labels[name]:<18} cannot run here: {plan.unavailable[name]}")
+    elif name in plan.failed_gate:
+        print(f"  sweeping  {labels[name]:<18} FAILS the accuracy gate ({plan.failed_gate[name]}); marked †")
     else:
-        methods.append(name)
-        print(f"  sweeping  {name:<14} passed the gate ({len(cases)} cases)")
+        print(f"  sweeping  {labels[name]:<18} passed the gate ({len(settings['gate_shapes'])} shapes)")
 
 # %% [markdown]
 # ## Theory first: what each method must hold
@@ -256,32 +261,43 @@ for name in primary_methods():
 # Write b for the bytes of one input element (2 in fp16/bf16, 4 in fp32). Each method's peak, in
 # bytes above the inputs, read off its code and checked against the profiler:
 #
-# - **naive**, `F.cross_entropy((E @ C.T).float(), x)`: the input-dtype logits (N·V·b) die right
-#   after the upcast. The peak is in the backward of `log_softmax`, where three fp32 N×V tensors
-#   are alive at once: the log-softmax saved by the forward, the gradient `nll_loss` hands back
-#   (dense), and the gradient `log_softmax` returns. **12 bytes per logit, 12·N·V**, in every
-#   dtype: at the article's N = 16,384 that is 29.9 GB.
-# - **torch.compile**: Inductor fuses upcast, softmax and loss, keeps only the input-dtype logits
-#   for backward and writes their gradient over them: **N·V·b + (N·D + V·D)·b**. Still N×V, but b
-#   bytes a logit instead of 12.
-# - **chunked** (plain PyTorch, in this package): dE, an fp32 dC accumulator, (16-bit inputs) an fp32 copy
-#   of C, and fp32 (rows, V) blocks of 256 MiB each: the raw logits, z − lse and G, plus the
-#   previous chunk's G, which lives on until the next one is bound (four blocks; three when one
-#   chunk covers all N). Flat once N passes one chunk's rows (441 at the Qwen3 head).
-# - **Liger**: the gradients, computed during the forward pass (**(N·D + V·D)·b**), plus one
-#   (rows, V) logit block of about N·D elements; before sm_80 (a T4), in fp32 and on the CPU it
-#   also adds each chunk's dC through a (V, D) temporary and its fp32 copy.
+# - **naive**, `F.cross_entropy((E @ C.T).float(), x)`: three fp32 N×V tensors at once in
+#   `log_softmax`'s backward, **12 bytes per logit** in every dtype (29.9 GB at N = 16,384).
+# - **torch.compile**: only the input-dtype logits, their gradient written over them:
+#   **N·V·b + (N·D + V·D)·b**. Still N×V, but b bytes a logit instead of 12.
+# - **chunked (PyTorch)**: dE, an fp32 dC and fp32 logit blocks of 256 MiB: grows with N until one
+#   block's rows (441 at the Qwen3 head), flat after.
+# - **Liger**: the gradients, computed during the forward, plus one logit block of about N·D
+#   elements; on a T4, in fp32 and on the CPU, (V, D) temporaries for dC too.
 # - **Apple CCE**: the floor, (N·D + V·D)·b, plus O(N) for the per-row LSE.
-# - **ours** (`helpers.cce`): the floor plus its backward's scratch: one chunk of G (rows ×
-#   vocabulary columns, input dtype) and, for 16-bit inputs, dE's fp32 accumulator (rows × D),
-#   sized by `helpers.cce.gemm_chunks` to at most max(32 MiB, LB/32) and max(64 MiB, LB/16); the
-#   G chunk costs nothing when it fits in the rows of dE not yet written (V_c ≤ D). The 32 and
-#   64 MiB floors keep cuBLAS's products large at small N; they are why ours sits 12-21% above
-#   the floor on this head while Apple CCE sits on it.
-# - Any other method (PyTorch's `linear_cross_entropy`) has no formula here and is compared with
-#   the floor: what it holds above it is its own buffers and accumulators.
+# - **ours (Triton CCE)**: the floor plus its backward's scratch, a G chunk and (16-bit) dE's fp32
+#   accumulator: 12-21% above the floor at the Qwen3 head.
+# - Any other method (**torch LCE**) has no formula here and is compared with the floor.
 #
 # The floor itself, the two gradients dE and dC that any method must hand back, is drawn in grey.
+#
+# <details><summary>The derivations, for the kernel author</summary>
+#
+# - **naive**: the input-dtype logits (N·V·b) die right after the upcast. The peak is in the
+#   backward of `log_softmax`, where three fp32 N×V tensors are alive at once: the log-softmax saved
+#   by the forward, the gradient `nll_loss` hands back (dense), and the gradient `log_softmax`
+#   returns.
+# - **torch.compile**: Inductor fuses upcast, softmax and loss, keeps only the input-dtype logits
+#   for backward and writes their gradient over them.
+# - **chunked**: dE, an fp32 dC accumulator, (16-bit inputs) an fp32 copy of C, and fp32
+#   (rows, V) blocks of 256 MiB each: the raw logits, z − lse and G, plus the previous chunk's G,
+#   which lives on until the next one is bound (four blocks; three when one chunk covers all N).
+# - **Liger**: the (rows, V) block has rows = next_pow2(ceil(N / ceil(V / D))). dC accumulates in
+#   place only on sm_80+ in 16-bit; elsewhere each chunk adds `mm(G^T, E_chunk).float()`: a (V, D)
+#   matmul result and its fp32 copy.
+# - **ours**: the G chunk (rows × vocabulary columns, input dtype) and dE's fp32 accumulator
+#   (rows × D) are sized by `helpers.cce.gemm_chunks` to at most max(32 MiB, LB/32) and
+#   max(64 MiB, LB/16), where LB = (N·D + V·D)·b is the floor; the G chunk costs nothing when it
+#   fits in the rows of dE not yet written (V_c ≤ D). The 32 and 64 MiB minimums keep cuBLAS's
+#   products large at small N; they are why ours sits above the floor while Apple CCE sits on it.
+#   Plus 24 bytes of fp32 per-row state.
+#
+# </details>
 
 # %%
 unit_name, unit_bytes = unit = sweep.memory_unit(sweep.predicted_peak_bytes("naive", Ns[-1], V, D, dtype))
@@ -289,14 +305,14 @@ rows = ["| method | formula | " + " | ".join(f"N={n:,}" for n in Ns) + " |", "|-
 for name in methods:
     formula = sweep.THEORY[name][1] if name in sweep.THEORY else "no formula here; compared with the floor"
     cells = [sweep.predicted_peak_bytes(name, n, V, D, dtype, sweep.capability_for(name, info)) for n in Ns]
-    rows.append(f"| {name} | {formula} | " + " | ".join("—" if c is None else f"{c / unit_bytes:.3f}" for c in cells) + " |")
+    rows.append(f"| {labels[name]} | {formula} | " + " | ".join("—" if c is None else f"{c / unit_bytes:.3f}" for c in cells) + " |")
 floor = [sweep.lower_bound_bytes(n, V, D, dtype) / unit_bytes for n in Ns]
 rows.append("| floor | dE + dC | " + " | ".join(f"{c:.3f}" for c in floor) + " |")
 display(Markdown(f"Predicted peak, {unit_name} above the inputs:\n\n" + "\n".join(rows)))
 for name in methods:
     wall = sweep.first_oom_n(name, Ns, V, D, dtype, cap, sweep.capability_for(name, info))
     if wall is not None:
-        print(f"theory says {name} will not fit from N={wall:,} on")
+        print(f"theory says {labels[name]} will not fit from N={wall:,} on")
 
 # %% [markdown]
 # ### Does the theory explain the article's numbers?
@@ -312,13 +328,13 @@ residuals = []
 for name, article in sweep.ARTICLE_T4_PEAK_GB.items():
     cells = []
     for n, gb in zip(sweep.ARTICLE_N, article):
-        ours = sweep.predicted_peak_bytes(name, n, **head, dtype="float16", capability=sweep.T4_CAPABILITY)
+        ours = sweep.predicted_peak_bytes(name, n, **head, dtype="float16", capability=T4_CAPABILITY)
         ours += sweep.input_bytes(n, **head, dtype="float16")
         cells.append("OOM" if gb is None else f"{gb:.2f} − {ours / 1e9:.2f} = **{gb - ours / 1e9:.2f}**")
         residuals += [] if gb is None else [gb - ours / 1e9]
-    rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    rows.append(f"| {labels[name]} | " + " | ".join(cells) + " |")
 display(Markdown("Article − (theory + inputs), GB:\n\n" + "\n".join(rows)))
-print(f"residual {min(residuals):.3f} to {max(residuals):.3f} GB over {len(residuals)} points")
+print(f"residual {min(residuals):.2f} to {max(residuals):.2f} GB over {len(residuals)} points")
 assert max(residuals) - min(residuals) < 0.02, "the theory no longer explains the article's table"
 
 # %% [markdown]
@@ -361,51 +377,164 @@ measure.release_memory(device)
 # %% [markdown]
 # ## The sweep
 #
-# Every method that passed the gate, at every N, on fresh random inputs (E, C normal, C scaled so
+# Every method that can run here, at every N, on fresh random inputs (E, C normal, C scaled so
 # the logits have a standard deviation of about 2, uniform targets: a dense softmax). Per point:
 # warm-up, one call under `peak_memory`, then the timed calls. A point that runs out of memory is
 # recorded as OOM, the memory released, and the method skipped at larger N.
 #
 # Each point is appended to `points.jsonl` as soon as it is measured, keyed by (method, N, V, D,
-# dtype, device, pretend T4, cap): a re-run, or a run cut short by a Kaggle session limit, picks up
-# where it stopped.
+# dtype, device, pretend T4, cap) and the versions of torch, Triton, the peers' packages and our
+# own code: a re-run, or a run cut short by a Kaggle session limit, picks up where it stopped, and
+# says how many points it reused. A point from other versions is measured again.
 
 # %%
 records = sweep.run_sweep(
     methods, Ns, V=V, D=D, dtype=dtype, store=out / "points.jsonl", memory_cap=cap, device=device,
     warmup=settings["warmup"], repeats=settings["repeats"], seed=settings["seed"],
 )
-print(f"{sum(r['status'] == 'ok' for r in records)} points measured, "
-      f"{sum(r['status'] == 'oom' for r in records)} out of memory, "
-      f"{sum(r['status'] == 'skipped after OOM' for r in records)} skipped after an OOM")
+count = {status: sum(r["status"] == status for r in records) for status in ("ok", "oom", "skipped after OOM", "error")}
+reused = sum(r["reused"] for r in records)
+print(f"{len(records)} points: {count['ok']} measured ({reused} of them reused from points.jsonl), "
+      f"{count['oom']} out of memory, {count['skipped after OOM']} skipped after an OOM, {count['error']} errors")
 
 # %% [markdown]
 # ## The picture
 #
 # Left, peak memory on log-log axes: a line with slope one grows in proportion to N, a flat line
-# does not depend on N at all. Solid lines with markers are measured; the thin dashed line of the
-# same colour is the theory (carried past the wall, to show where the method would have gone);
-# a cross is an out-of-memory point. The black dashed line is what a step may use (the cap minus
-# the inputs), the dotted line the article's real micro-batch, N = 16,384.
+# does not depend on N at all. Lines with hollow markers are measured; the thin dashed line of the
+# same colour is the theory, hidden under the measured line where the two agree, and carried past
+# the wall to show where the method would have gone. A cross is an out-of-memory point, at its N
+# and where the theory says it would have been (at least on the line it went past). The black
+# dashed line is what a step may use here (the cap minus the inputs); on a card bigger than a T4,
+# the red dashed line is what a T4 leaves, the wall of the article. The grey dotted vertical line
+# is the article's real micro-batch, N = 16,384. A method that fails the accuracy gate is drawn
+# dotted.
 #
 # Right, forward+backward time. A caveat the article made and we repeat: times on a T4 are not a
 # verdict on the kernels (Liger's fast paths need sm_80 or newer), and on the CPU the Triton
 # kernels run in an interpreter.
 
 # %%
-if info.pretend_t4:
-    caveat = "pretend T4: a T4's memory, but this GPU's speed"
-elif device.type == "cpu":
-    caveat = "CPU: Triton kernels run in the interpreter; these times say nothing about a GPU"
-else:
-    caveat = "" if info.has_bf16_matmul else "T4 times are not a verdict on the kernels (Liger's fast paths need sm_80+)"
-room = {n: cap.room_for(sweep.input_bytes(n, V, D, dtype)) for n in Ns} if cap.usable_bytes else None
+def latency_caveat(info):
+    if info.pretend_t4:
+        return "pretend T4: a T4's memory, but this GPU's speed"
+    if not info.is_cuda:
+        return "CPU: Triton kernels run in the interpreter; these times say nothing about a GPU"
+    return "" if info.has_bf16_matmul else "T4 times are not a verdict on the kernels (Liger's fast paths need sm_80+)"
+
+
+def room(cap, V, D, dtype, Ns):
+    return {n: cap.room_for(sweep.input_bytes(n, V, D, dtype)) for n in Ns} if cap.usable_bytes else None
+
+
+t4 = sweep.t4_card(memory_fraction)
+bigger_than_t4 = info.is_cuda and not info.pretend_t4 and cap.usable_bytes > t4.cap.usable_bytes
 fig = plot_memory_sweep(
-    records, path=out / f"{stem}.png", room_bytes=room, micro_batch_N=sweep.ARTICLE_MICRO_BATCH_N,
-    latency_caveat=caveat, unit=unit,
-    title=f"{info.name if info.is_cuda else 'CPU'}: V={V:,}, D={D:,}, "
-          f"{dtype_name(dtype)}",
+    records, path=out / f"{stem}.png", room_bytes=room(cap, V, D, dtype, Ns),
+    t4_room_bytes=room(t4.cap, V, D, dtype, Ns) if bigger_than_t4 else None,
+    micro_batch_N=sweep.ARTICLE_MICRO_BATCH_N, latency_caveat=latency_caveat(info), unit=unit,
+    failed_gate=plan.failed_gate, smoke=P.smoke,
+    title=f"{info.name if info.is_cuda else 'CPU'}: V={V:,}, D={D:,}, {dtype_name(dtype)}",
 )
+
+# %% [markdown]
+# ## The T4's wall, on this card
+#
+# The figure a Kaggle user came for is the one with a T4's 16 GB in it. On a bigger GPU this
+# notebook runs the article's sweep a second time, *as a T4*: inside
+# `helpers.cce.device.pretend_t4_scope()` the allocator is capped at `memory_fraction` of a T4's
+# memory, our kernels take their T4 configurations, a method a T4 cannot run (Apple CCE: with
+# current Triton its backward needs more than a T4's 64 KB of shared memory) says so, and the
+# quick gate runs again in fp16. Afterwards the card is itself again. On a T4, or under
+# `--pretend-t4`, the figure above is already the T4's. On the CPU the same pass runs at smoke
+# sizes in fp16 with the T4's kernel configurations: a check of its pipeline, not a T4 (a CPU has
+# no T4 memory to pretend).
+
+# %%
+this_is_a_t4 = info.is_cuda and info.capability == T4_CAPABILITY  # a real one, or a pretend one
+t4_settings = settings.get("t4_sweep") if t4_sweep and not this_is_a_t4 else None
+t4_pass = None
+if t4_settings:
+    t4_pass = sweep.run_pretend_t4_sweep(primary_methods(), t4_settings, V=V, D=D, device=device,
+                                         memory_fraction=memory_fraction, store=out / "points.jsonl")
+    print(t4_pass.cap.describe())
+    for name in primary_methods():
+        if name in t4_pass.plan.unavailable:
+            print(f"  left out  {labels[name]:<18} cannot run here as a T4: {t4_pass.plan.unavailable[name]}")
+        elif name in t4_pass.plan.failed_gate:
+            print(f"  sweeping  {labels[name]:<18} FAILS the {t4_pass.dtype} gate ({t4_pass.plan.failed_gate[name]}); marked †")
+        else:
+            print(f"  sweeping  {labels[name]:<18} passed the {t4_pass.dtype} gate")
+    t4_unit = sweep.memory_unit(sweep.predicted_peak_bytes("naive", t4_pass.Ns[-1], V, D, t4_pass.dtype))
+    as_t4 = t4_pass.info.name if t4_pass.info.is_cuda else "CPU with a T4's kernel configurations"
+    t4_fig = plot_memory_sweep(
+        t4_pass.records, path=out / "memory_sweep_pretend_t4.png",
+        room_bytes=room(t4_pass.cap, V, D, t4_pass.dtype, t4_pass.Ns), micro_batch_N=sweep.ARTICLE_MICRO_BATCH_N,
+        latency_caveat=latency_caveat(t4_pass.info), unit=t4_unit, failed_gate=t4_pass.plan.failed_gate,
+        smoke=P.smoke, title=f"{as_t4}: V={V:,}, D={D:,}, {t4_pass.dtype}",
+    )
+elif this_is_a_t4:
+    print("this card is a T4 (or a pretend one): the figure above is the T4's")
+else:
+    print("no T4 sweep: t4_sweep = False, or the profile has none")
+# The T4's own points: the second pass, or this sweep when the card is a T4.
+t4_records, t4_plan = (t4_pass.records, t4_pass.plan) if t4_pass else (records, plan) if this_is_a_t4 else (None, None)
+
+# %%
+if t4_pass:
+    display(Markdown(sweep.results_pivot(t4_pass.records, labels, failed_gate=t4_pass.plan.failed_gate)))
+    t4_verdict = sweep.verdicts(t4_pass.records, V, smoke=P.smoke)
+    for name, sentence in t4_verdict.items():
+        print(f"{labels[name]}: {sentence}")
+
+# %% [markdown]
+# ## How many tokens fit?
+#
+# The theory, checked against every point above, answers the question the other way round: for
+# each method, the largest N whose loss step fits on this card and on a T4 (in fp16, 90% of its
+# memory, as the guardrail leaves it). **It counts only the loss step**: its inputs E, C and x, and
+# what forward and backward hold above them. A real training step also holds the model's weights,
+# gradients, optimizer state and activations, so a real micro-batch is smaller; notebook 05 measures
+# that for the whole Qwen3-0.6B. A method with no formula has no answer here; a method a card cannot
+# run says why.
+
+# %%
+cards = [sweep.this_card(info, cap, dtype, primary_methods()), t4]
+cannot_run = {cards[0].label: plan.unavailable}
+if t4_plan is not None and info.is_cuda:
+    cannot_run[t4.label] = t4_plan.unavailable
+display(Markdown(sweep.fits_table(primary_methods(), V, D, cards, labels, cannot_run)))
+
+# %% [markdown]
+# Another card, another head: change the values below (V and D of your model, the dtype you train
+# in, the card's memory in GB, its generation). It starts at a T4 (the 15 GiB, 16.1 GB, that
+# `helpers.cce.device` counts for one) with this notebook's head. The same guardrail applies: the
+# process may use `memory_fraction` of the card. Whether a method runs on that card at all (Apple
+# CCE does not on a T4) is for the sweeps above to say; the widget only does the arithmetic.
+
+# %%
+import ipywidgets as widgets
+
+from helpers.lab.widgets import explore
+
+GENERATIONS = {"T4 (sm_75)": (7, 5), "Ampere (sm_80)": (8, 0), "Hopper (sm_90)": (9, 0)}
+
+
+def tokens_that_fit(V, D, dtype, card_GB, generation):
+    try:
+        asked = sweep.card(f"a {card_GB:g} GB {generation} card", card_GB * 1e9, dtype, GENERATIONS[generation],
+                           memory_fraction)
+        display(Markdown(sweep.fits_table(primary_methods(), V, D, [asked], labels)))
+    except ValueError as error:
+        print(f"cannot answer: {error}")
+
+
+explore(
+    tokens_that_fit, V=widgets.IntText(V), D=widgets.IntText(D),
+    dtype=widgets.Dropdown(options=DTYPES, value="float16"),
+    card_GB=widgets.FloatText(round(T4_MEMORY_BYTES / 1e9, 1)),
+    generation=widgets.Dropdown(options=list(GENERATIONS), value="T4 (sm_75)"),
+);
 
 # %% [markdown]
 # ## Measured against theory
@@ -416,50 +545,92 @@ fig = plot_memory_sweep(
 # Ours counts its G chunk and fp32 accumulator; on an H200 it sat within 0.6% of measured
 # (the excess at large N: O(N) per-row vectors the formula leaves out). For Apple
 # CCE the formula is the floor (its O(N) LSE is left out: about 0.6% here); PyTorch's
-# `linear_cross_entropy` has none. Every measured peak must be at least the floor, or the
-# measurement is wrong.
+# `linear_cross_entropy` has none and is shown against the floor. Every measured peak must be at
+# least the floor, or the measurement is wrong.
 
 # %%
-labels = {name: helpers.get_method(name).label for name in methods}
-display(Markdown(sweep.results_table(records, labels)))
+display(Markdown(sweep.results_pivot(records, labels, cell="theory_ratio", failed_gate=plan.failed_gate)))
 for r in records:
     if r["status"] == "ok":
-        assert r["peak_bytes"] >= 0.99 * r["lower_bound_bytes"], f"{r['method']} at N={r['N']} is below the floor"
+        assert r["peak_bytes"] >= 0.99 * r["lower_bound_bytes"], f"{labels[r['method']]} at N={r['N']} is below the floor"
         if r["method"] == "naive" and meter_dtype == dtype:
             assert abs(r["peak_bytes"] / r["theory_bytes"] - 1) < 0.05, f"naive at N={r['N']} is off 12·N·V"
 
 # %% [markdown]
-# ## The verdict
+# ## The results, and the verdict
 #
-# Per method: does its memory grow with the logits (N×V) or stay flat, and where did it hit the
-# wall? The wall theory predicted is printed beside the one measured.
+# The table reads like the article's: a row per method, least memory first, a column per N, each
+# cell the peak above the inputs and the time of one forward and backward. Then one sentence per
+# method: does its memory grow with the logits (N×V) or only with the gradients (N·D), where did it
+# hit the wall (beside the wall the theory predicted), and how fast is it next to torch.compile?
 #
-# One thing to read with care on the CPU smoke run: its head is so small that one 256 MiB chunk
-# holds every row, so `chunked` *is* the naive computation there (three fp32 N×V blocks, the same
-# 12 bytes per logit) and hits the simulated wall with it. At the Qwen3 head a chunk is 441 rows,
-# and from there on its line is flat.
+# On the CPU smoke run the shapes are too small for any verdict: at V = 257 one 256 MiB chunk
+# (and ours' 32 MiB G chunk) holds every row, so chunked and ours *are* the N×V computation there,
+# and the CPU's times say nothing about a GPU. The cell then says only what ran.
 
 # %%
-verdict = sweep.verdicts(records, V)
+display(Markdown(sweep.results_pivot(records, labels, failed_gate=plan.failed_gate)))
+verdict = sweep.verdicts(records, V, smoke=P.smoke)
+if P.smoke:
+    print(SMOKE_NOTE)
 for name, sentence in verdict.items():
     wall = sweep.first_oom_n(name, Ns, V, D, dtype, cap, sweep.capability_for(name, info))
     theory = "no formula" if name not in sweep.THEORY else "no wall" if wall is None else f"wall at N={wall:,}"
-    print(f"{labels[name]}: {sentence} (theory: {theory})")
+    gate_note = f" † fails the accuracy gate ({plan.failed_gate[name]})" if name in plan.failed_gate else ""
+    print(f"{labels[name]}: {sentence} (theory: {theory}){gate_note}")
+
+# %% [markdown]
+# ## Files and the report
+#
+# The points go to `memory_sweep.csv` and `.json` (with the settings, the methods left out and
+# why, the versions), the figures to PNG, and a fragment to the suite's report: a one-line headline
+# and, per method, the facts its opening table reads (peak and time at N = 16,384 on this card,
+# the peak as a T4, whether it runs on a T4). A smoke run gives no facts: its shapes say nothing
+# about N = 16,384.
+
+# %%
 meta = {
-    "profile": P.name, "device": info.as_dict(), "dtype": dtype_name(dtype), "V": V, "D": D,
+    "profile": P.name, "smoke": P.smoke, "device": info.as_dict(), "dtype": dtype_name(dtype), "V": V, "D": D,
     "pretend_t4": info.pretend_t4, "memory_fraction": memory_fraction, "memory_cap_bytes": cap.usable_bytes,
-    "methods": methods, "left_out": left_out, "N": Ns, "verdicts": verdict, "torch": torch.__version__,
+    "methods": methods, "failed_gate": plan.failed_gate, "left_out": plan.unavailable, "N": Ns,
+    "verdicts": verdict, "versions": sweep.library_versions(),
 }
-csv_path, json_path = sweep.write_results(records, out, stem, meta)
-print(f"\nresults: {csv_path}, {json_path}, {out / f'{stem}.png'}")
-verdict_lines = "".join(f"\n- **{labels[name]}**: {sentence}" for name, sentence in verdict.items())
-verdict_lines += "".join(f"\n- *not swept*, {name}: {why}" for name, why in left_out.items())
+files = [*sweep.write_results(records, out, stem, meta), out / f"{stem}.png"]
+if t4_pass:
+    t4_meta = {**meta, "device": t4_pass.info.as_dict(), "dtype": t4_pass.dtype, "pretend_t4": True,
+               "memory_cap_bytes": t4_pass.cap.usable_bytes,
+               "methods": t4_pass.plan.swept, "failed_gate": t4_pass.plan.failed_gate,
+               "left_out": t4_pass.plan.unavailable, "N": t4_pass.Ns, "verdicts": t4_verdict}
+    files += [*sweep.write_results(t4_pass.records, out, "memory_sweep_pretend_t4", t4_meta),
+              out / "memory_sweep_pretend_t4.png"]
+print("results: " + ", ".join(f.name for f in files) + f" in {out}")
+
+headline = sweep.headline(records, labels=labels, t4_records=t4_records, smoke=P.smoke)
+facts = {} if P.smoke else sweep.report_facts(records, t4_records=t4_records, t4_plan=t4_plan)
+print(f"headline: {headline}")
+verdict_lines = "".join(f"\n- **{labels[name]}**{' †' if name in plan.failed_gate else ''}: {sentence}"
+                        for name, sentence in verdict.items())
+verdict_lines += "".join(f"\n- *not swept*, {labels[name]}: {why}" for name, why in plan.unavailable.items())
+t4_section = "" if not t4_pass else f"""
+### {"As a T4" if t4_pass.info.is_cuda else "The T4 pass at smoke size (a T4's kernel configurations, not its memory)"}, {t4_pass.dtype}
+
+{t4_pass.cap.describe()}.
+{"".join(f"{chr(10)}- **{labels[name]}**: {sentence}" for name, sentence in t4_verdict.items())}
+
+![Peak memory and latency against N, as a T4](memory_sweep_pretend_t4.png)
+
+{sweep.results_pivot(t4_pass.records, labels, failed_gate=t4_pass.plan.failed_gate)}
+"""
 write_report_fragment(out, f"""
-Peak memory of loss forward+backward against tokens N on {meta["device"]["description"]},
-V={V:,}, D={D:,}, {meta["dtype"]}; {cap.describe()}.
+Peak memory of loss forward+backward against tokens N on {info.describe()},
+V={V:,}, D={D:,}, {dtype_name(dtype)}; {cap.describe()}.
 {verdict_lines}
 
 ![Peak memory and latency against N]({stem}.png)
 
-{sweep.results_table(records, labels)}
-""")
+{sweep.results_pivot(records, labels, failed_gate=plan.failed_gate)}
+{t4_section}
+### How many tokens fit (the loss step only, by the theory)
+
+{sweep.fits_table(primary_methods(), V, D, cards, labels, cannot_run)}
+""", headline=headline, facts=facts, smoke=P.smoke);

@@ -7,7 +7,7 @@ fit), multiprocessors (how many programs fill it) and memory (what fits).
 A free Kaggle or Colab GPU is a T4: sm_75, 16 GB (about 15 GiB usable), fp16 tensor cores only,
 64 KB of shared memory per block. With ``HELPERS_PRETEND_T4=1`` in the environment (set by
 ``python -m helpers run --pretend-t4``, inherited by every notebook it runs, or by ``pretend_t4()``
-in this process) a bigger GPU answers as a T4: ``device_info`` reports a T4's capability, memory,
+in this process; ``pretend_t4_scope()`` for one block of it) a bigger GPU answers as a T4: ``device_info`` reports a T4's capability, memory,
 shared memory and multiprocessors, so our kernels take their Turing-tier configurations, bf16 and
 the methods whose kernels need more shared memory are refused with the reason, and the allocator
 is capped at a T4's memory (``pretend_t4``, which ``import helpers`` calls when the variable is
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +129,34 @@ def detect_platform(environ, modules):
     return "local"
 
 
+@contextmanager
+def pretend_t4_scope() -> Iterator[None]:
+    """Within the block this process is a pretend T4, as after ``pretend_t4()``; after it, what it
+    was before: the variable and the allocator's memory fraction are put back.
+
+    For a T4-sized pass after a full one in the same process (notebook 02's second sweep on a big
+    GPU). Entering frees the caching allocator's cache: blocks reserved by the work before would
+    count against the T4's cap. Processes started inside the block inherit the variable.
+    """
+    before = os.environ.get(PRETEND_T4_ENV)
+    restore = None
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.8 and later
+        restore = (get_fraction(index) if get_fraction else 1.0, index)
+        torch.cuda.empty_cache()
+    pretend_t4()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PRETEND_T4_ENV, None)
+        else:
+            os.environ[PRETEND_T4_ENV] = before
+        if restore is not None:
+            torch.cuda.set_per_process_memory_fraction(*restore)
+
+
 __all__ = [
     "PRETEND_T4_ENV",
     "T4_CAPABILITY",
@@ -136,5 +166,6 @@ __all__ = [
     "detect_platform",
     "device_info",
     "pretend_t4",
+    "pretend_t4_scope",
     "pretending_t4",
 ]

@@ -7,10 +7,16 @@ does it stop fitting? This module answers it on whatever device is at hand, in t
 - **theory** (``predicted_peak_bytes``): what each method holds at its peak, from the arithmetic
   and from reading its code, checked against measurements (tests/test_sweep.py on the CPU; the
   article's T4 table and our earlier H200 measurements on GPUs);
-- **the runner** (``run_sweep``): every (method, N) point measured through ``helpers.compare.measure``,
-  OOM recorded and the sweep carried on, a method that ran out of memory skipped at larger N,
-  each point appended to a JSONL store as soon as it is measured, so an interrupted run resumes;
-- **the verdicts and the table** (``verdicts``, ``results_table``, ``write_results``).
+- **how many tokens fit** (``largest_n_that_fits``, ``fits_table``): the same theory asked the other
+  way round, for this card, a T4 or any card (notebook 02's widget);
+- **the runner** (``quick_gate``, ``plan_methods``, ``run_sweep``, ``run_pretend_t4_sweep``): every
+  method that can run here (one that fails the accuracy gate too: memory does not depend on
+  rounding), every (method, N) point measured through ``helpers.compare.measure``, OOM recorded and
+  the sweep carried on, a method that ran out of memory skipped at larger N, each point appended to
+  a JSONL store as soon as it is measured, so an interrupted run resumes (with the same library
+  versions only);
+- **reading the results** (``results_pivot``, ``verdicts``, ``headline``, ``report_facts``,
+  ``write_results``).
 
 Bytes everywhere; GB means 10^9 bytes (the article's unit).
 """
@@ -18,20 +24,26 @@ Bytes everywhere; GB means 10^9 bytes (the article's unit).
 from __future__ import annotations
 
 import csv
+import functools
+import hashlib
+import importlib.metadata
 import json
 import math
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from helpers.compare.units import GB, dtype_bytes, dtype_name, lower_bound_bytes, torch_dtype
+from helpers.compare.gate import GateCase, GateReport, run_gate
+from helpers.compare.units import GB, dtype_bytes, dtype_name, format_bytes, lower_bound_bytes, torch_dtype
 from helpers.compare.inputs import make_inputs
-from helpers.compare.measure import MemoryCap, measure, release_memory
-from helpers.compare.methods import chunk_rows, get_method
-from helpers.cce.device import device_info
+from helpers.compare.measure import MemoryCap, apply_memory_cap, measure, release_memory
+from helpers.compare.methods import METHODS, chunk_rows, get_method
+from helpers.cce.device import T4_CAPABILITY, T4_MEMORY_BYTES, DeviceInfo, device_info, pretend_t4_scope, pretending_t4
 
 # The seed article's setting: the Qwen3-0.6B head, its token counts, its real micro-batch.
 QWEN3_HEAD = {"V": 151_936, "D": 1_024}
@@ -43,7 +55,6 @@ ARTICLE_T4_PEAK_GB = {
     "torch_compile": [2.53, 2.84, 3.48, 4.74, 7.26, 12.30],
     "liger": [3.15, 3.16, 3.17, 3.20, 3.25, 3.36],
 }
-T4_CAPABILITY = (7, 5)
 
 # ---------------------------------------------------------------------------------------------
 # Theory: what each method holds at its peak (bytes above the inputs E, C, x)
@@ -205,10 +216,171 @@ def sizes_that_fit(Ns: Iterable[int], V: int, D: int, dtype, cap: MemoryCap) -> 
 
 
 # ---------------------------------------------------------------------------------------------
+# How many tokens fit: the theory asked the other way round
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Card:
+    """A card to ask "how many tokens fit?" about: what the process may use on it (``cap``), the
+    dtype the loss runs in, and the compute capability whose code paths the methods take
+    (``capabilities``: per method, where one differs, as ours does on a pretend T4)."""
+
+    label: str
+    cap: MemoryCap
+    dtype: str
+    capability: tuple[int, int] | None
+    capabilities: dict[str, tuple[int, int] | None] = field(default_factory=dict)
+
+    def capability_of(self, method: str) -> tuple[int, int] | None:
+        return self.capabilities.get(method, self.capability)
+
+    def describe(self) -> str:
+        usable = "no cap" if self.cap.usable_bytes is None else f"{format_bytes(self.cap.usable_bytes)} usable"
+        return f"{self.label} ({usable}, {self.dtype})"
+
+
+def card(label: str, memory_bytes: float, dtype: torch.dtype | str, capability: tuple[int, int] | None,
+         memory_fraction: float = 0.9) -> Card:
+    """A CUDA card of ``memory_bytes`` of which the process may use ``memory_fraction`` (the
+    guardrail's share, as ``helpers.compare.measure.apply_memory_cap`` takes it). Bad values are
+    refused with what was wrong."""
+    if not (isinstance(memory_bytes, (int, float)) and math.isfinite(memory_bytes) and memory_bytes > 0):
+        raise ValueError(f"the card's memory must be a positive number of bytes, got {memory_bytes!r}")
+    if not (isinstance(memory_fraction, (int, float)) and 0 < memory_fraction <= 1):
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    if capability is not None and not (len(capability) == 2 and all(isinstance(c, int) for c in capability)):
+        raise ValueError(f"capability must be (major, minor) or None, got {capability!r}")
+    dtype = torch_dtype(dtype)
+    if dtype == torch.bfloat16 and capability is not None and tuple(capability) < (8, 0):
+        raise ValueError(f"bfloat16 needs bf16 tensor cores (sm_80 or newer); sm_{capability[0]}{capability[1]} "
+                         "has none: train in float16 there")
+    usable = int(memory_bytes * memory_fraction)
+    cap = MemoryCap("cuda", usable, int(memory_bytes), memory_fraction)
+    return Card(label, cap, dtype_name(dtype), tuple(capability) if capability else None)
+
+
+def t4_card(memory_fraction: float = 0.9) -> Card:
+    """A free Kaggle or Colab T4 in fp16 (it has no bf16 tensor cores), under the same guardrail."""
+    return card("T4", T4_MEMORY_BYTES, "float16", T4_CAPABILITY, memory_fraction)
+
+
+def this_card(info: DeviceInfo, cap: MemoryCap, dtype: torch.dtype | str, methods: Iterable[str]) -> Card:
+    """The device the sweep ran on, under the sweep's own cap (on the CPU the simulated budget)."""
+    label = f"this {info.name}" if info.is_cuda else "this CPU (simulated cap)"
+    return Card(label, cap, dtype_name(dtype), info.capability, {m: capability_for(m, info) for m in methods})
+
+
+def largest_n_that_fits(method: str, V: int, D: int, dtype: torch.dtype | str, cap: MemoryCap,
+                        capability: tuple[int, int] | None = None) -> int | None:
+    """The largest N whose loss step (forward and backward) fits under ``cap`` by the theory, with
+    the inputs resident (``MemoryCap.room_for``); 0 when not even one token fits; None for a method
+    with no formula. Only the loss step: weights, optimizer state and activations are not counted.
+
+    Doubling, then bisection to one token: the theory grows with N, and where a chunk size steps
+    (ours) the N returned fits and N + 1 does not."""
+    for name, value in (("V", V), ("D", D)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive whole number, got {value!r}")
+    torch_dtype(dtype)  # refuses an unknown dtype by name
+    if cap.usable_bytes is None:
+        raise ValueError("no memory cap: every N fits; give the card's memory")
+    if method not in THEORY:
+        return None
+
+    def fits(N: int) -> bool:
+        room = cap.room_for(input_bytes(N, V, D, dtype))
+        return room >= 0 and predicted_peak_bytes(method, N, V, D, dtype, capability) <= room
+
+    if not fits(1):
+        return 0
+    good, bad = 1, 2
+    while fits(bad):
+        good, bad = bad, bad * 2
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good
+
+
+def _tokens(N: int) -> str:
+    """A token count to read: exact below 10,000, else rounded down to three significant digits
+    (rounded down, so that what is printed still fits)."""
+    if N < 10_000:
+        return f"{N:,}"
+    scale = 10 ** (len(str(N)) - 3)
+    return f"{N // scale * scale:,}"
+
+
+def fits_table(methods: Iterable[str], V: int, D: int, cards: list[Card], labels: dict[str, str] | None = None,
+               cannot_run: dict[str, dict[str, str]] | None = None) -> str:
+    """Markdown: per method (rows) and card (columns), the largest N whose loss step fits, by the
+    theory. ``cannot_run``: {card label: {method: why}} for methods a card cannot run at all."""
+    labels, cannot_run = labels or {}, cannot_run or {}
+    lines = ["| method | " + " | ".join(c.describe() for c in cards) + " |", "|---|" + "---:|" * len(cards)]
+    notes = []
+    for method in methods:
+        cells = []
+        for c in cards:
+            why = cannot_run.get(c.label, {}).get(method)
+            if why:
+                notes.append(f"{labels.get(method, method)} on {c.label}: {why}")
+                cells.append(f"cannot run [{len(notes)}]")
+                continue
+            n = largest_n_that_fits(method, V, D, c.dtype, c.cap, c.capability_of(method))
+            cells.append("no formula" if n is None else "not one token" if n == 0 else _tokens(n))
+        lines.append(f"| {labels.get(method, method)} | " + " | ".join(cells) + " |")
+    lines += [""] + [f"- [{i}] {note}" for i, note in enumerate(notes, 1)] if notes else []
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # The runner
 # ---------------------------------------------------------------------------------------------
 
 DONE = ("ok", "oom", "skipped after OOM")  # statuses a re-run keeps; an "error" is retried
+
+# The packages whose code runs in a sweep point: a point measured under other versions is measured again.
+VERSIONED_PACKAGES = ("torch", "triton", "liger-kernel", "cut-cross-entropy", "helpers")
+
+# Library warnings a reader can do nothing about, kept out of the notebook (regular expressions,
+# matched case-insensitively at the start of the message): Inductor (torch 2.7 to 2.12) warns
+# "Online softmax is disabled on the fly since Inductor decides to split the reduction" when it
+# compiles torch.compile's loss at a large vocabulary.
+QUIET_WARNINGS = (r".*online softmax is disabled",)
+
+
+@contextmanager
+def quiet_library_warnings() -> Iterator[None]:
+    """Within the block, the ``QUIET_WARNINGS`` are not shown (every other warning is)."""
+    with warnings.catch_warnings():
+        for message in QUIET_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+@functools.lru_cache(maxsize=1)
+def library_versions() -> str:
+    """The versions a point's numbers depend on, in one string: each of ``VERSIONED_PACKAGES`` as
+    installed, and for ``helpers`` a digest of the code that computes and measures the losses
+    (``helpers/cce``, the registry, the meter, the inputs, the spec), so that an edited kernel is
+    measured again at the same package version."""
+    import helpers
+
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "absent"
+
+    root = Path(helpers.__file__).parent
+    sources = sorted((root / "cce").rglob("*.py")) + [
+        root / "compare" / f"{name}.py" for name in ("methods", "measure", "inputs")] + [root / "spec.py"]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
+    versions = {package: version(package) for package in VERSIONED_PACKAGES}
+    versions["torch"] = torch.__version__  # the build running, whatever the metadata says
+    versions["helpers"] += f"+code.{digest}"
+    return " ".join(f"{package}={v}" for package, v in versions.items())
 
 
 @dataclass(frozen=True)
@@ -220,17 +392,19 @@ class SweepConfig:
     D: int
     dtype: str
     device: str  # the device's name, e.g. "NVIDIA H200" (a result from another card is not reused)
-    pretend_t4: bool
+    pretend_t4: bool  # a T4's limits and configurations (on the CPU: the configurations)
     memory_cap_bytes: int | None
+    versions: str  # library_versions(): a point from other library versions is measured again
 
     def key(self, method: str, N: int) -> tuple:
-        return (method, int(N), self.V, self.D, self.dtype, self.device, self.pretend_t4, self.memory_cap_bytes)
+        return (method, int(N), self.V, self.D, self.dtype, self.device, self.pretend_t4, self.memory_cap_bytes,
+                self.versions)
 
 
 def _record_key(record: dict) -> tuple:
     return (
         record["method"], int(record["N"]), record["V"], record["D"], record["dtype"],
-        record["device"], record["pretend_t4"], record["memory_cap_bytes"],
+        record["device"], record["pretend_t4"], record["memory_cap_bytes"], record.get("versions"),
     )
 
 
@@ -251,6 +425,7 @@ def load_points(store: str | Path) -> dict[tuple, dict]:
 
 def _append_point(store: Path, record: dict) -> None:
     store.parent.mkdir(parents=True, exist_ok=True)
+    record = {k: v for k, v in record.items() if k != "reused"}  # a property of a run, not of the point
     with store.open("a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -269,6 +444,45 @@ def loss_step(method: str, E: torch.Tensor, C: torch.Tensor, x: torch.Tensor) ->
         return loss.detach()
 
     return step
+
+
+def quick_gate(methods: list[str], dtype: torch.dtype | str, shapes: list[tuple[int, int, int]],
+               device: torch.device | str, seed: int = 0) -> GateReport:
+    """The sweep's quick accuracy gate (the full one is notebook 01's): ``methods`` in ``dtype`` on
+    the configuration the sweep calls (mean over tokens, some ignored, no soft cap) at each (N, V, D)
+    of ``shapes``. A failure is recorded, not raised."""
+    cases = [GateCase(n, v, d, "mean", "some") for n, v, d in shapes]
+    with quiet_library_warnings():
+        return run_gate(methods, (torch_dtype(dtype),), cases, device=device, seed=seed, raise_on_failure=False)
+
+
+@dataclass(frozen=True)
+class MethodPlan:
+    """Which methods a sweep measures. ``swept``: every one that can run here, in the order given;
+    ``failed_gate``: those of them that failed the accuracy gate, with the first failing line (still
+    swept: memory does not depend on rounding); ``unavailable``: not swept, with the reason."""
+
+    swept: list[str]
+    failed_gate: dict[str, str]
+    unavailable: dict[str, str]
+
+
+def plan_methods(methods: list[str], gate: GateReport, device: torch.device | str,
+                 dtype: torch.dtype | str) -> MethodPlan:
+    """The ``MethodPlan`` for ``methods`` on ``device`` in ``dtype``, given the gate's report."""
+    dtype = torch_dtype(dtype)
+    swept, failed_gate, unavailable = [], {}, {}
+    failures = gate.failure_message().splitlines()
+    for name in methods:
+        reason = get_method(name).why_unavailable(device, dtype)
+        if reason:
+            unavailable[name] = reason
+            continue
+        swept.append(name)
+        if not gate.passed(name, dtype):
+            first = next((line for line in failures if line.startswith(f"{name} ")), None)
+            failed_gate[name] = first or "no gate case ran (see notebook 01)"
+    return MethodPlan(swept, failed_gate, unavailable)
 
 
 def run_sweep(
@@ -292,17 +506,23 @@ def run_sweep(
     then ``helpers.compare.measure.measure`` on one forward+backward. Statuses: "ok"; "oom" (ran out of
     memory: the cap on CUDA, the budget on the CPU); "skipped after OOM" (a larger N of a method
     that already ran out); "error" (anything else: printed, recorded, retried on a re-run).
-    Points already in ``store`` with the same configuration are taken from it, not re-measured.
+
+    Points already in ``store`` with the same configuration and library versions are taken from it,
+    not measured again (their theory recomputed), and marked ``"reused": True``; how many, and how
+    many stored points were left for having other versions, is printed.
     """
     from tqdm.auto import tqdm
 
     device = torch.device(device)
     dtype = torch_dtype(dtype)
     info = device_info(device)
-    config = SweepConfig(V, D, dtype_name(dtype), info.name, info.pretend_t4, memory_cap.usable_bytes)
+    config = SweepConfig(V, D, dtype_name(dtype), info.name, pretending_t4(), memory_cap.usable_bytes,
+                         library_versions())
     store = Path(store)
-    done = {k: r for k, r in load_points(store).items() if r["status"] in DONE}
+    stored = load_points(store)
+    done = {k: r for k, r in stored.items() if r["status"] in DONE}
     Ns = sorted(Ns)
+    _announce_reuse(store, config, done, stored, methods, Ns)
     out_of_memory_at: dict[str, str] = {}  # method -> where it ran out, said in words
     records = []
     bar = tqdm(total=len(methods) * len(Ns), desc="sweep", disable=not progress)
@@ -310,18 +530,19 @@ def run_sweep(
         inputs = None
         for method in methods:
             bar.set_postfix_str(f"{method} N={N:,}")
+            capability = capability_for(method, info)
             record = done.get(config.key(method, N))
-            if record is None:
-                if method in out_of_memory_at:
-                    record = _record(config, method, N, capability_for(method, info), "skipped after OOM",
-                                     error=out_of_memory_at[method])
-                else:
-                    if inputs is None:
-                        inputs = make_inputs(N, V, D, dtype, device, regime="uniform", seed=seed, requires_grad=True)
-                    record = _measure_point(config, method, N, inputs, capability_for(method, info), memory_cap,
-                                            device, warmup, repeats)
-                    if record["status"] == "error":
-                        bar.write(f"{method} at N={N:,}: {record['error']}")
+            if record is not None:
+                record = {**record, **_theory(config, method, N, capability), "reused": True}
+            elif method in out_of_memory_at:
+                record = _record(config, method, N, capability, "skipped after OOM", error=out_of_memory_at[method])
+                _append_point(store, record)
+            else:
+                if inputs is None:
+                    inputs = make_inputs(N, V, D, dtype, device, regime="uniform", seed=seed, requires_grad=True)
+                record = _measure_point(config, method, N, inputs, capability, memory_cap, device, warmup, repeats)
+                if record["status"] == "error":
+                    bar.write(f"{method} at N={N:,}: {record['error']}")
                 _append_point(store, record)
             if record["status"] == "oom":
                 out_of_memory_at.setdefault(method, f"ran out of memory at N={N:,}")
@@ -335,13 +556,74 @@ def run_sweep(
     return records
 
 
+def _announce_reuse(store: Path, config: SweepConfig, done: dict, stored: dict, methods, Ns) -> None:
+    """Say how many points of this sweep ``store`` already holds, and how many it holds only from
+    other library versions (measured again)."""
+    wanted = [(m, N) for N in Ns for m in methods]
+    reused = sum(config.key(m, N) in done for m, N in wanted)
+    settings = {config.key(m, N)[:-1] for m, N in wanted if config.key(m, N) not in done}
+    old = [r for k, r in stored.items() if k[:-1] in settings and r["status"] in DONE]
+    if reused:
+        print(f"{reused} of {len(wanted)} points reused from {store} (measured before with the same settings "
+              f"and versions: {config.versions}); delete the file to measure them again")
+    if old:
+        others = sorted({r.get("versions") or "versions not recorded" for r in old})
+        print(f"{len(old)} points in {store} were measured with other versions ({'; '.join(others)}): measured again")
+
+
+def run_pretend_t4_sweep(
+    methods: list[str],
+    settings: dict,
+    *,
+    V: int,
+    D: int,
+    device: torch.device | str,
+    memory_fraction: float,
+    store: str | Path,
+    progress: bool = True,
+) -> SweepPass:
+    """The sweep a T4 would run, in this process (``helpers.cce.device.pretend_t4_scope``): the
+    allocator capped at ``memory_fraction`` of a T4's memory, our kernels in their T4
+    configurations, a method a T4 cannot run refused with the reason, the quick gate run again in
+    the T4's dtype. ``settings``: the profile's ``"t4_sweep"`` (dtype, N, gate_shapes, warmup,
+    repeats, seed; on the CPU, where only the configurations change, cpu_budget_bytes).
+    Afterwards the process is as before: its own limits, its own cap."""
+    device = torch.device(device)
+    with pretend_t4_scope():
+        info = device_info(device)
+        dtype = torch_dtype(settings["dtype"])
+        cap = apply_memory_cap(memory_fraction, cpu_budget_bytes=settings.get("cpu_budget_bytes"), device=device)
+        Ns = sizes_that_fit(settings["N"], V, D, dtype, cap)
+        plan = plan_methods(methods, quick_gate(methods, dtype, settings["gate_shapes"], device), device, dtype)
+        records = run_sweep(plan.swept, Ns, V=V, D=D, dtype=dtype, store=store, memory_cap=cap, device=device,
+                            warmup=settings["warmup"], repeats=settings["repeats"], seed=settings["seed"],
+                            progress=progress)
+    return SweepPass(info, dtype_name(dtype), V, D, Ns, cap, plan, records)
+
+
+@dataclass
+class SweepPass:
+    """One sweep with what decided it: the device as it answered, the dtype, the head, the token
+    counts, the cap, the methods, and the points measured."""
+
+    info: DeviceInfo
+    dtype: str
+    V: int
+    D: int
+    Ns: list[int]
+    cap: MemoryCap
+    plan: MethodPlan
+    records: list[dict]
+
+
 def _measure_point(config, method, N, inputs, capability, memory_cap, device, warmup, repeats) -> dict:
     # measure() turns an OOM into a result; anything else a method raises at one point is recorded
     # as an error (and printed by the caller) rather than ending the sweep.
     failure = None
     try:
-        m = measure(loss_step(method, *inputs), warmup=warmup, repeats=repeats, device=device,
-                    budget_bytes=memory_cap.budget_bytes)
+        with quiet_library_warnings():
+            m = measure(loss_step(method, *inputs), warmup=warmup, repeats=repeats, device=device,
+                        budget_bytes=memory_cap.budget_bytes)
     except Exception as error:  # noqa: BLE001
         failure = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
     if failure is not None:
@@ -351,25 +633,31 @@ def _measure_point(config, method, N, inputs, capability, memory_cap, device, wa
     return _record(config, method, N, capability, m.status, peak_bytes=m.peak_bytes, error=m.error, **stats)
 
 
+def _theory(config: SweepConfig, method: str, N: int, capability) -> dict:
+    """The arithmetic beside a point, from today's formulas (a reused point gets them fresh)."""
+    return {
+        "theory_bytes": predicted_peak_bytes(method, N, config.V, config.D, config.dtype, capability),
+        "lower_bound_bytes": lower_bound_bytes(N, config.V, config.D, config.dtype),
+        "input_bytes": input_bytes(N, config.V, config.D, config.dtype),
+    }
+
+
 def _record(config: SweepConfig, method, N, capability, status, *, peak_bytes=None, error="",
             median_ms=None, p10_ms=None, p90_ms=None, repeats=None) -> dict:
-    theory = predicted_peak_bytes(method, N, config.V, config.D, config.dtype, capability)
     return {
         **asdict(config),
         "method": method,
         "N": int(N),
         "status": status,
         "peak_bytes": peak_bytes,
-        "theory_bytes": theory,
-        "lower_bound_bytes": lower_bound_bytes(N, config.V, config.D, config.dtype),
-        "input_bytes": input_bytes(N, config.V, config.D, config.dtype),
+        **_theory(config, method, N, capability),
         "median_ms": median_ms,
         "p10_ms": p10_ms,
         "p90_ms": p90_ms,
         "repeats": repeats,
         "error": error,
-        "torch": torch.__version__,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "reused": False,
     }
 
 
@@ -392,72 +680,214 @@ def _in(value: int | float | None, unit: tuple[str, float], digits: int = 3) -> 
     return "—" if value is None else f"{value / unit[1]:.{digits}f}"
 
 
-def results_table(records: list[dict], labels: dict[str, str] | None = None) -> str:
-    """A markdown table, per method and N: measured and predicted peak, their ratio, the floor,
-    and the forward+backward median time."""
-    labels = labels or {}
+def _ms(ms: float) -> str:
+    """Milliseconds to read: about three significant digits, never an exponent."""
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
+
+
+def _first_oom_n(rows: list[dict]) -> int | None:
+    return min((r["N"] for r in rows if r["status"] == "oom"), default=None)
+
+
+def memory_order(records: list[dict]) -> list[str]:
+    """The methods of ``records`` from the least memory to the most: those that never ran out of
+    memory first, by their measured peak at the largest N every method measured (the smallest N
+    when there is none); those that did after them, the earliest wall last."""
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    ok = {(r["method"], r["N"]): r["peak_bytes"] for r in records if r["status"] == "ok"}
+    Ns = sorted({r["N"] for r in records})
+    common = [N for N in Ns if all((m, N) in ok for m in methods)]
+    at = common[-1] if common else Ns[0] if Ns else None
+
+    def key(method: str) -> tuple:
+        wall = _first_oom_n([r for r in records if r["method"] == method])
+        return (-(wall if wall is not None else math.inf), ok.get((method, at), math.inf))
+
+    return sorted(methods, key=key)
+
+
+def results_pivot(records: list[dict], labels: dict[str, str] | None = None, *, cell: str = "memory_time",
+                  failed_gate: dict[str, str] | None = None) -> str:
+    """A markdown table like the article's: methods as rows (least memory first, ``memory_order``),
+    tokens N as columns. ``cell``: "memory_time" (measured peak above the inputs / forward+backward
+    median ms) or "theory_ratio" (measured / theory; for a method with no formula, measured / floor).
+    A method in ``failed_gate`` is marked † and a note under the table says what that means."""
+    if cell not in ("memory_time", "theory_ratio"):
+        raise ValueError(f"cell must be 'memory_time' or 'theory_ratio', got {cell!r}")
+    labels, failed_gate = labels or {}, failed_gate or {}
     unit = _records_unit(records)
-    u = unit[0]
-    lines = [
-        f"| method | N | status | measured {u} | theory {u} | measured / theory | floor {u} | fwd+bwd ms |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in sorted(records, key=lambda r: (r["method"], r["N"])):
-        ok = r["status"] == "ok"
-        ratio = f"{r['peak_bytes'] / r['theory_bytes']:.3f}" if ok and r["theory_bytes"] else "—"
-        ms = f"{r['median_ms']:.2f}" if ok and r["median_ms"] is not None else "—"
-        status = r["status"] if ok else f"**{r['status']}**"
-        lines.append(
-            f"| {labels.get(r['method'], r['method'])} | {r['N']:,} | {status} | "
-            f"{_in(r['peak_bytes'], unit) if ok else '—'} | {_in(r['theory_bytes'], unit)} | {ratio} | "
-            f"{_in(r['lower_bound_bytes'], unit)} | {ms} |"
-        )
+    digits = 2 if unit[0] == "GB" else 3
+    Ns = sorted({r["N"] for r in records})
+    points = {(r["method"], r["N"]): r for r in records}
+    caption = (f"Peak {unit[0]} above the inputs / forward+backward ms (median)" if cell == "memory_time"
+               else "Measured peak / theory (no formula: measured / floor dE + dC)")
+    lines = [f"{caption}, least memory first:", "", "| method | " + " | ".join(f"N={n:,}" for n in Ns) + " |",
+             "|---|" + "---:|" * len(Ns)]
+    for method in memory_order(records):
+        cells = []
+        for N in Ns:
+            r = points.get((method, N))
+            if r is None:
+                cells.append("")
+            elif r["status"] == "oom":
+                cells.append("**OOM**")
+            elif r["status"] != "ok":
+                cells.append("error" if r["status"] == "error" else "—")
+            elif cell == "memory_time":
+                ms = "—" if r["median_ms"] is None else _ms(r["median_ms"])
+                cells.append(f"{_in(r['peak_bytes'], unit, digits)} / {ms}")
+            elif r["theory_bytes"]:
+                cells.append(f"{r['peak_bytes'] / r['theory_bytes']:.3f}")
+            else:
+                cells.append(f"{r['peak_bytes'] / r['lower_bound_bytes']:.2f}× floor")
+        mark = " †" if method in failed_gate else ""
+        lines.append(f"| {labels.get(method, method)}{mark} | " + " | ".join(cells) + " |")
+    if failed_gate and records:
+        lines += ["", f"† fails the quick accuracy gate in {records[0]['dtype']}; swept all the same, since memory "
+                  "and time do not depend on rounding."]
     return "\n".join(lines)
 
 
-def verdicts(records: list[dict], V: int) -> dict[str, str]:
-    """One sentence per method: does its peak grow with N×V (the logits) or stay flat, and where
-    did it hit the wall?
+def verdicts(records: list[dict], V: int, *, smoke: bool = False, baseline: str = "torch_compile") -> dict[str, str]:
+    """One sentence per method: does its peak grow with N×V (the logits) or only with N·D (the
+    gradients), where did it hit the wall, and how fast is it next to ``baseline``?
 
     Growth is the slope between the smallest and largest N measured, in bytes per token. Keeping
     the logits costs at least 2 bytes per logit (16-bit logits); 1.5 bytes per logit (1.5·V bytes
     per token) or more counts as growing with them. Below that the growth is dE and chunk buffers,
-    which scale with N·D (about 1 byte per logit even at the CPU run's tiny V/D = 8).
+    which scale with N·D. Time: at the largest N both measured, per token and as a multiple of the
+    baseline's.
+
+    ``smoke``: a smoke run's shapes support no such verdict (at a tiny V one chunk holds every row,
+    so a flat method is the N×V computation there); each sentence then says only what ran.
     """
     unit = _records_unit(records)
+    base = {r["N"]: r for r in records if r["method"] == baseline and r["status"] == "ok"}
+    base_label = METHODS[baseline].label if baseline in METHODS else baseline
     out = {}
     for method in dict.fromkeys(r["method"] for r in records):
         rows = sorted((r for r in records if r["method"] == method), key=lambda r: r["N"])
         ok = [r for r in rows if r["status"] == "ok"]
         oom = [r for r in rows if r["status"] == "oom"]
         errors = [r for r in rows if r["status"] == "error"]
-        if len(ok) >= 2:
+        if smoke:
+            sentence = (f"{len(ok)} points measured (N={ok[0]['N']:,} to {ok[-1]['N']:,})" if len(ok) > 1
+                        else f"one point measured (N={ok[0]['N']:,})" if ok else "no point measured")
+        elif len(ok) >= 2:
             first, last = ok[0], ok[-1]
             per_token = (last["peak_bytes"] - first["peak_bytes"]) / (last["N"] - first["N"])
             shape = (
-                f"grows with the logits: {per_token / V:.1f} bytes per logit "
-                f"({per_token / 1e3:,.1f} kB per token)"
+                f"grows with the logits N·V: {per_token / V:.1f} bytes per logit ({per_token / 1e3:,.1f} kB per token)"
                 if per_token >= 1.5 * V
-                else f"flat in V: {per_token / 1e3:,.2f} kB per token, "
-                f"{last['peak_bytes'] / first['peak_bytes']:.2f}× from N={first['N']:,} to {last['N']:,}"
+                else f"grows with N·D (the gradients), not N·V (the logits): {per_token / 1e3:,.2f} kB per token"
             )
             span = f"{_in(first['peak_bytes'], unit, 2)} → {_in(last['peak_bytes'], unit, 2)} {unit[0]}"
-            sentence = f"{shape}; {span}"
+            sentence = f"{shape}; {span} from N={first['N']:,} to {last['N']:,}"
         elif ok:
             sentence = f"one point measured: {_in(ok[0]['peak_bytes'], unit, 2)} {unit[0]} at N={ok[0]['N']:,}"
         else:
             sentence = "no point measured"
         if oom:
             skipped = any(r["status"] == "skipped after OOM" for r in rows)
-            sentence += f"; hit the wall at N={oom[0]['N']:,} (out of memory)"
-            sentence += ", larger N skipped" if skipped else ", the largest N of the sweep"
-        elif ok:
+            sentence += (f"; out of memory at N={oom[0]['N']:,} (the simulated cap)" if smoke
+                         else f"; hit the wall at N={oom[0]['N']:,} (out of memory)")
+            sentence += ", larger N skipped" if skipped else ""
+        elif ok and not smoke:
             sentence += f"; no OOM up to N={ok[-1]['N']:,}"
+        timed = [r for r in ok if r["N"] in base and r["median_ms"] is not None]
+        if timed and not smoke:
+            r = timed[-1]
+            sentence += (f"; {_ms(r['median_ms'])} ms at N={r['N']:,} "
+                         f"({r['median_ms'] * 1e3 / r['N']:.3g} µs per token")
+            ratio = r["median_ms"] / base[r["N"]]["median_ms"]
+            sentence += ")" if method == baseline else f", {ratio:.2f}× {base_label})"
         if errors:
             where = ", ".join(f"{r['N']:,}" for r in errors)
             sentence += f"; ERROR at N={where}: {errors[0]['error']}"
         out[method] = sentence + "."
     return out
+
+
+def _point(records: list[dict] | None, method: str, N: int) -> dict | None:
+    return next((r for r in records or [] if r["method"] == method and r["N"] == N), None)
+
+
+def headline(records: list[dict], *, labels: dict[str, str] | None = None, N: int = ARTICLE_MICRO_BATCH_N,
+             t4_records: list[dict] | None = None, smoke: bool = False) -> str:
+    """The sweep in one line, for the report's table of notebooks: the lowest and highest peak at
+    ``N`` (the largest N measured when the sweep has no ``N``), who ran out of memory, and where each
+    method hits a T4's wall (``t4_records``: the pretend-T4 sweep, or this sweep on a T4). A smoke
+    run's line says only what ran."""
+    labels = labels or {}
+    name = lambda m: labels.get(m, m)  # noqa: E731
+    walls = {}
+    for m in dict.fromkeys(r["method"] for r in records):
+        wall = _first_oom_n([r for r in records if r["method"] == m])
+        if wall is not None:
+            walls[m] = wall
+    ok = [r for r in records if r["status"] == "ok"]
+    if smoke:
+        line = (f"the pipeline ran: {len(ok)} points of {len({r['method'] for r in records})} methods measured, "
+                f"{len(walls)} out of memory at the simulated cap")
+        line += f" ({', '.join(f'{name(m)} at N={n:,}' for m, n in walls.items())})" if walls else ""
+        return line + (f"; the T4 pass measured {sum(r['status'] == 'ok' for r in t4_records)} points"
+                       if t4_records else "")
+    if not ok:
+        return "no point was measured"
+    at = N if any(r["N"] == N for r in ok) else max(r["N"] for r in ok)
+    here = sorted((r for r in ok if r["N"] == at), key=lambda r: r["peak_bytes"])
+    low, high = here[0], here[-1]
+    line = (f"At N={at:,} on {low['device']} ({low['dtype']}) the loss step's peak ranges from "
+            f"{format_bytes(low['peak_bytes'])} ({name(low['method'])}) to {format_bytes(high['peak_bytes'])} "
+            f"({name(high['method'])})")
+    out = [m for m, n in walls.items() if n <= at]
+    if out:
+        line += f"; {', '.join(name(m) for m in out)} ran out of memory by then"
+    if t4_records:
+        t4_walls = {m: _first_oom_n([r for r in t4_records if r["method"] == m])
+                    for m in dict.fromkeys(r["method"] for r in t4_records)}
+        t4_walls = {m: n for m, n in sorted(t4_walls.items(), key=lambda item: item[1] or 0) if n is not None}
+        as_t4 = f"; as a T4 ({t4_records[0]['dtype']}) "
+        if t4_walls:
+            line += as_t4 + " and ".join(f"{name(m)} runs out of memory from N={n:,}" for m, n in t4_walls.items())
+        else:
+            line += as_t4 + f"every method fits up to N={max(r['N'] for r in t4_records):,}"
+    return line + "."
+
+
+def report_facts(records: list[dict], *, N: int = ARTICLE_MICRO_BATCH_N, t4_records: list[dict] | None = None,
+                 t4_plan: MethodPlan | None = None) -> dict[str, dict]:
+    """Per method, what the report's opening table reads (``helpers.suite.report.FACT_KEYS``):
+    ``peak_bytes_16k`` and ``seconds_16k`` at ``N`` on this card where measured; from the T4's
+    sweep (``t4_records``, ``t4_plan``: the pretend-T4 sweep, or this sweep on a T4)
+    ``t4_peak_bytes_16k`` and ``runs_on_t4``: True when it ran at ``N`` and passed the gate there,
+    else why not. A key with nothing measured behind it is left out. Not for a smoke run: its N
+    and shapes say nothing about these."""
+    facts: dict[str, dict] = {}
+    for method in dict.fromkeys(r["method"] for r in records):
+        r = _point(records, method, N)
+        if r is not None and r["status"] == "ok":
+            facts.setdefault(method, {}).update(peak_bytes_16k=int(r["peak_bytes"]),
+                                                seconds_16k=round(r["median_ms"] / 1e3, 6))
+    if t4_plan is None:
+        return facts
+    for method, why in t4_plan.unavailable.items():
+        facts.setdefault(method, {})["runs_on_t4"] = f"cannot run on a T4: {why}"
+    for method in t4_plan.swept:
+        r = _point(t4_records, method, N)
+        if r is None:
+            continue
+        fact = facts.setdefault(method, {})
+        if r["status"] == "ok":
+            fact["t4_peak_bytes_16k"] = int(r["peak_bytes"])
+            failed = t4_plan.failed_gate.get(method)
+            fact["runs_on_t4"] = True if failed is None else f"runs, but fails the {r['dtype']} accuracy gate: {failed}"
+        elif r["status"] in ("oom", "skipped after OOM"):
+            wall = _first_oom_n([p for p in t4_records if p["method"] == method])
+            fact["runs_on_t4"] = f"out of memory on a T4 from N={wall:,}" if wall else "out of memory on a T4"
+        else:
+            fact["runs_on_t4"] = f"error on a T4's path at N={N:,}: {r['error']}"
+    return facts
 
 
 def write_results(records: list[dict], output_dir: str | Path, stem: str, meta: dict) -> tuple[Path, Path]:
@@ -480,17 +910,34 @@ __all__ = [
     "QWEN3_HEAD",
     "T4_CAPABILITY",
     "THEORY",
+    "Card",
+    "MethodPlan",
     "SweepConfig",
+    "SweepPass",
+    "capability_for",
+    "card",
     "first_oom_n",
+    "fits_table",
+    "headline",
     "input_bytes",
+    "largest_n_that_fits",
+    "library_versions",
     "load_points",
     "loss_step",
-    "memory_unit",
     "lower_bound_bytes",
+    "memory_order",
+    "memory_unit",
+    "plan_methods",
     "predicted_peak_bytes",
-    "results_table",
+    "quick_gate",
+    "quiet_library_warnings",
+    "report_facts",
+    "results_pivot",
+    "run_pretend_t4_sweep",
     "run_sweep",
     "sizes_that_fit",
+    "t4_card",
+    "this_card",
     "verdicts",
     "write_results",
 ]

@@ -8,6 +8,7 @@ themselves (``token_axis``); memory is in GB = 10^9 bytes (the seed article's un
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -59,59 +60,80 @@ def plot_memory_sweep(
     path: str | Path,
     title: str,
     room_bytes: dict[int, int] | None = None,
+    t4_room_bytes: dict[int, int] | None = None,
     micro_batch_N: int | None = None,
     latency_caveat: str = "",
     unit: tuple[str, float] = ("GB", GB),
+    failed_gate: Iterable[str] = (),
+    smoke: bool = False,
 ) -> plt.Figure:
-    """Peak memory against N (left) and forward+backward time against N (right).
+    """Peak memory against N (left) and forward+backward time against N (right); saved to ``path``.
 
-    Left: measured points as solid lines, the theory for each method as a thin dashed line of the
-    same colour (drawn past the wall too, to show where it would have gone), out-of-memory points
-    as crosses on the usable-memory line, the floor dE + dC in grey, the usable memory dashed and
-    the article's micro-batch dotted. Right: median time with the p10-p90 range.
+    Left: measured points as solid lines (hollow markers of decreasing size, so that lines lying on
+    each other stay visible), the theory for each method as a thin dashed line of the same colour
+    (under the measured line where they agree; drawn past the wall too, to show where it would have
+    gone), an out-of-memory point as a cross at its N, where the theory says it would have been
+    (on the usable-memory line when the theory has it lower, or no formula), the floor dE + dC in grey, the
+    usable memory dashed black, a T4's dashed red and the article's micro-batch dotted. Right:
+    median time with the p10-p90 range.
 
     room_bytes: {N: bytes a step may use at N}, the cap minus the inputs resident at that N (None:
-    no cap). It is the line a point must stay under. unit: (name, bytes), e.g. ("GB", 1e9).
+    no cap). t4_room_bytes: the same for a T4 (on a bigger card: where a T4 would stop). unit:
+    (name, bytes), e.g. ("GB", 1e9). failed_gate: methods that failed the accuracy gate, drawn
+    dotted and labelled so (their memory and time stand; their gradients do not). smoke: stamp the
+    figure as a smoke run (``mark_smoke``) before it is saved.
     """
     unit_name, scale = unit
     colors, markers = method_colors(), method_markers()
+    failed_gate = set(failed_gate)
     Ns = sorted({r["N"] for r in records})
     methods = list(dict.fromkeys(r["method"] for r in records))
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(14, 5.6))
-    ooms_at: dict[int, int] = {}  # N -> OOM crosses drawn there so far, to fan them out
+    ooms: list[tuple[int, float, str, tuple]] = []  # (N, y, label, colour) of each out-of-memory point
 
-    for method in methods:
+    for i, method in enumerate(methods):
         rows = sorted((r for r in records if r["method"] == method), key=lambda r: r["N"])
         color, marker, label = colors.get(method, "black"), markers.get(method, "o"), method_label(method)
+        style = dict(ls=":", alpha=0.75) if method in failed_gate else dict(ls="-")
+        label += " (fails accuracy gate)" if method in failed_gate else ""
+        hollow = dict(marker=marker, ms=max(4.0, 11 - 1.3 * i), mfc="none", mew=1.6)
         ok = [r for r in rows if r["status"] == "ok"]
-        ax_mem.plot([r["N"] for r in ok], [r["peak_bytes"] / scale for r in ok], marker + "-", color=color, lw=2,
-                    ms=6, label=label)
+        ax_mem.plot([r["N"] for r in ok], [r["peak_bytes"] / scale for r in ok], color=color, lw=2, label=label,
+                    **style, **hollow)
         theory = [r for r in rows if r["theory_bytes"] is not None]
         ax_mem.plot([r["N"] for r in theory], [r["theory_bytes"] / scale for r in theory], "--", color=color,
                     lw=1, alpha=0.7)
         for r in (r for r in rows if r["status"] == "oom"):
-            y = ((room_bytes or {}).get(r["N"]) or r["theory_bytes"] or r["lower_bound_bytes"]) / scale
-            k = ooms_at[r["N"]] = ooms_at.get(r["N"], -1) + 1
-            x = r["N"] * 2 ** (-0.12 * k)  # several methods out of memory at one N: side by side
-            ax_mem.plot(x, y, "X", color=color, ms=13, mec="black", zorder=5)
-            ax_mem.annotate(f"{label}: OOM", (x, y), textcoords="offset points", xytext=(-8, 10 + 11 * k),
-                            ha="right", fontsize=8, color=color)
+            # Where it would have been; at least the usable memory, which it went past.
+            y = max(r["theory_bytes"] or 0, (room_bytes or {}).get(r["N"]) or 0) or r["lower_bound_bytes"]
+            ooms.append((r["N"], y / scale, label, color))
         if ok:
             ax_time.errorbar(
                 [r["N"] for r in ok],
                 [r["median_ms"] for r in ok],
                 yerr=[[r["median_ms"] - r["p10_ms"] for r in ok], [r["p90_ms"] - r["median_ms"] for r in ok]],
-                fmt=marker + "-", color=color, lw=2, ms=6, capsize=3, label=label,
+                color=color, lw=2, capsize=3, label=label, **style, **hollow,
             )
 
+    # The crosses, each labelled on its left; at one N the labels step down from the highest cross
+    # (which the axes include), so that crosses close together do not write over each other.
+    for N in sorted({n for n, *_ in ooms}):
+        for k, (_, y, label, color) in enumerate(sorted((o for o in ooms if o[0] == N), key=lambda o: -o[1])):
+            ax_mem.plot(N, y, "X", color=color, ms=13, mec="black", zorder=5)
+            ax_mem.annotate(f"{label}: OOM", (N, y), textcoords="offset points", xytext=(-12, -11 * k), ha="right",
+                            va="center", fontsize=8, color=color,
+                            bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.8))
     floor = sorted({(r["N"], r["lower_bound_bytes"]) for r in records})
     ax_mem.plot([n for n, _ in floor], [b / scale for _, b in floor], "-.", color="grey", lw=1,
                 label="floor: dE + dC")
-    ax_mem.plot([], [], "--", color="grey", lw=1, label="theory (same colour as measured)")
-    if room_bytes:
-        room = sorted(room_bytes.items())
-        ax_mem.plot([n for n, _ in room], [b / scale for _, b in room], "--", color="black", lw=1.2,
-                    label=f"usable memory (cap minus inputs): {room[0][1] / scale:.2f} {unit_name}")
+    ax_mem.plot([], [], "--", color="grey", lw=1, label="theory: thin dashed, same colour (under the measured "
+                "line where they agree)")
+    for walls, color, name in ((room_bytes, "black", "usable memory"),
+                               (t4_room_bytes, "firebrick", "a T4's usable memory")):
+        if walls:
+            wall = sorted(walls.items())
+            ax_mem.plot([n for n, _ in wall], [b / scale for _, b in wall], "--", color=color, lw=1.2,
+                        label=f"{name} (cap minus inputs): {wall[0][1] / scale:.2f} {unit_name} at N={wall[0][0]:,}")
     for ax in (ax_mem, ax_time):
         if micro_batch_N is not None and Ns and Ns[0] <= micro_batch_N <= Ns[-1]:
             ax.axvline(micro_batch_N, ls=":", color="dimgrey", lw=1.5,
@@ -130,9 +152,12 @@ def plot_memory_sweep(
     # One legend for both panels, below them: inside, it would hide the lines it explains.
     handles, labels = ax_mem.get_legend_handles_labels()
     fig.suptitle(title)
-    fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize=8, frameon=False)
-    rows_of_legend = -(-len(labels) // 5)
-    fig.tight_layout(rect=(0, 0.045 * rows_of_legend + 0.02, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 0.025 if smoke else 0))
+    rows_of_legend = -(-len(labels) // 4)
+    fig.tight_layout(rect=(0, 0.045 * rows_of_legend + (0.045 if smoke else 0.02), 1, 1))
+    if smoke:
+        mark_smoke(fig)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

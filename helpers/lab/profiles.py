@@ -89,6 +89,15 @@ _GATE_GPU_QUICK = [(257, 5003, 136), (512, 151936, 1024)]  # the Qwen3 head at a
 # The memory sweep's quick gate on a GPU (the full gate is notebook 01's).
 _SWEEP_GATE_GPU = [(257, 5003, 136), (1031, 32011, 520)]
 
+# Notebook 02 as a T4 runs it: the seed article's sweep, the Qwen3-0.6B head in fp16 at its six token
+# counts. The t4 profile's own sweep, and on a bigger GPU the second, pretend-T4 sweep. A short run
+# keeps 8,192 (naive's wall) and 16,384 (the article's micro-batch, which the report reads).
+_SWEEP_T4 = {
+    "dtype": "float16", "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768],
+    "warmup": 1, "repeats": 5, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0,
+}
+_SWEEP_T4_QUICK = {"N": [1_024, 4_096, 8_192, 16_384], "repeats": 3}
+
 # Notebook 03 on a GPU, T4 or bigger: the same sizes, only the dtype and its tolerance differ.
 _CONVERGENCE_GPU_SIZES = {
     "finetune": {
@@ -126,11 +135,15 @@ PROFILES: dict[str, Profile] = {
             # Memory sweep smoke run: the Triton kernels (Liger, ours) run under the interpreter at
             # about a second per call even here, so a tiny head, four token counts, no warm-up (the
             # gate has compiled torch.compile's graph) and one timed call; a simulated 0.3 MB card
-            # puts the OOM wall inside the sweep (naive and chunked at N = 128).
+            # puts the OOM wall inside the sweep (naive and chunked at N = 128). "t4_sweep": the
+            # second, pretend-T4 pass a big GPU runs, here in fp16 at two token counts with the T4's
+            # kernel configurations (a CPU has no T4 memory to pretend): it checks that pass's pipeline.
             "02_memory_sweep": {
                 "dtype": "float32", "V": 257, "D": 32, "N": [16, 32, 64, 128],
                 "warmup": 0, "repeats": 1, "gate_shapes": [(37, 257, 24), (53, 509, 40)],
                 "cpu_budget_bytes": 300_000, "seed": 0,
+                "t4_sweep": {"dtype": "float16", "N": [16, 128], "warmup": 0, "repeats": 1,
+                             "gate_shapes": [(37, 257, 24)], "cpu_budget_bytes": 300_000, "seed": 0},
             },
             # (N, V, D) shapes: "shape" for the kernel checks (deliberately ragged), "sparse" for
             # the filter and sorting, "curve" for the sparsity curve (plain torch, no kernel).
@@ -172,12 +185,8 @@ PROFILES: dict[str, Profile] = {
         device="cuda",
         dtypes=("float32", "float16"),
         sections={
-            # The seed article's sweep: the Qwen3-0.6B head in fp16 at its six token counts.
-            "02_memory_sweep": {
-                "dtype": "float16", "V": 151_936, "D": 1_024,
-                "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768],
-                "warmup": 1, "repeats": 5, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0,
-            },
+            # The seed article's sweep (a T4 needs no second, pretend-T4 one).
+            "02_memory_sweep": {**_SWEEP_T4, "V": 151_936, "D": 1_024, "t4_sweep": None, "quick": _SWEEP_T4_QUICK},
             "04_kernel_walkthrough": {
                 "dtype": "float16", "low_precision": "float16",
                 "shape": (1031, 32011, 120), "sparse": (2048, 32768, 128), "curve": (512, 151936, 64),
@@ -195,11 +204,13 @@ PROFILES: dict[str, Profile] = {
         device="cuda",
         dtypes=("float32", "float16", "bfloat16"),
         sections={
-            # The article's sweep carried on to 131,072 tokens (sizes that cannot fit are dropped).
+            # The article's sweep carried on to 131,072 tokens (sizes that cannot fit are dropped),
+            # then the article's own as a pretend T4 (a second figure).
             "02_memory_sweep": {
                 "dtype": "bfloat16", "V": 151_936, "D": 1_024,
                 "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 131_072],
-                "warmup": 2, "repeats": 7, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0,
+                "warmup": 2, "repeats": 7, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0, "t4_sweep": _SWEEP_T4,
+                "quick": {"N": [1_024, 4_096, 16_384, 65_536], "repeats": 3, "t4_sweep": _SWEEP_T4_QUICK},
             },
             "04_kernel_walkthrough": {
                 "dtype": "bfloat16", "low_precision": "bfloat16",
@@ -217,7 +228,7 @@ PROFILES: dict[str, Profile] = {
 def _in_fp16(cpu: Profile) -> Profile:
     """The CPU smoke sizes in the T4's dtype: every notebook's fp16 path under the interpreter."""
     sections = copy.deepcopy(cpu.sections)
-    sections["02_memory_sweep"]["dtype"] = "float16"
+    sections["02_memory_sweep"].update(dtype="float16", t4_sweep=None)  # already the T4's path
     sections["03_convergence"].update(compute_dtype="float16", tolerance=1e-2)
     sections["04_kernel_walkthrough"]["dtype"] = "float16"
     sections["05_fits"]["precision"] = "fp16"

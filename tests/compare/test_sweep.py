@@ -1,5 +1,7 @@
 """helpers.compare.sweep on the CPU: the theory against hand arithmetic, the article and the meter; the
-runner's OOM handling, skip-after-OOM, error recording and resume; the files and the figure."""
+runner's OOM handling, skip-after-OOM, error recording and resume (keyed by library versions); the
+files and the figure. What the notebook reads from a sweep (pivot, verdicts, headline, facts, how
+many tokens fit) is in test_sweep_reading.py."""
 
 import json
 
@@ -20,7 +22,7 @@ from helpers.compare.sweep import (
     loss_step,
     lower_bound_bytes,
     predicted_peak_bytes,
-    results_table,
+    results_pivot,
     run_sweep,
     sizes_that_fit,
     verdicts,
@@ -207,7 +209,7 @@ def test_runner_records_oom_skips_larger_n_and_carries_on(tmp_path, flat):
     assert len(load_points(tmp_path / "points.jsonl")) == 8
     said = verdicts(records, V=257)
     assert "grows with the logits" in said["naive"] and "hit the wall at N=128" in said["naive"]
-    assert "flat in V" in said[flat] and "no OOM up to N=256" in said[flat]
+    assert "grows with N·D (the gradients), not N·V" in said[flat] and "no OOM up to N=256" in said[flat]
 
 
 def test_runner_records_a_real_oom_error(tmp_path, temporary_method):
@@ -261,6 +263,76 @@ def test_resume_skips_points_already_measured(tmp_path, temporary_method):
     assert len(keys) == 4
 
 
+def test_a_resume_reuses_points_of_the_same_versions_only_and_says_so(tmp_path, temporary_method, monkeypatch,
+                                                                        capsys):
+    from helpers.compare import sweep
+
+    calls = []
+
+    def counting(E, C, x, **kw):
+        calls.append(E.shape[0])
+        return naive_loss(E, C, x, **kw)
+
+    name = temporary_method(_method("counting", counting)).name
+    first = _sweep(tmp_path, [name], [32, 64])
+    assert not any(r["reused"] for r in first) and first[0]["versions"] == sweep.library_versions()
+    assert "reused" not in capsys.readouterr().out
+    measured = len(calls)
+    again = _sweep(tmp_path, [name], [32, 64])
+    assert len(calls) == measured and all(r["reused"] for r in again)
+    assert "2 of 2 points reused" in capsys.readouterr().out
+    # An upgrade (here: another version string) makes every stored point stale: measured again, said so.
+    real = sweep.library_versions()
+    monkeypatch.setattr(sweep, "library_versions", lambda: "torch=9.9 helpers=9.9+code.0")
+    upgraded = _sweep(tmp_path, [name], [32, 64])
+    assert len(calls) > measured and not any(r["reused"] for r in upgraded)
+    said = capsys.readouterr().out
+    assert "2 points in" in said and "other versions" in said and real in said
+
+
+def test_points_stored_without_versions_are_measured_again(tmp_path, flat):
+    _sweep(tmp_path, [flat], [32])
+    store = tmp_path / "points.jsonl"
+    old = json.loads(store.read_text().splitlines()[0])
+    del old["versions"]  # a point stored before the key had versions
+    store.write_text(json.dumps(old) + "\n")
+    records = _sweep(tmp_path, [flat], [32])
+    assert not records[0]["reused"]
+    assert json.loads(store.read_text().splitlines()[-1])["versions"]
+
+
+def test_library_versions_change_with_our_code(tmp_path, monkeypatch):
+    import helpers
+    from helpers.compare import sweep
+
+    for name in ("cce/kernels/a.py", "compare/methods.py", "compare/measure.py", "compare/inputs.py", "spec.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"# {name}\n")
+    monkeypatch.setattr(helpers, "__file__", str(tmp_path / "__init__.py"))
+    before = sweep.library_versions.__wrapped__()
+    assert f"torch={torch.__version__}" in before and "liger-kernel=" in before and "+code." in before
+    assert sweep.library_versions.__wrapped__() == before
+    (tmp_path / "cce/kernels/a.py").write_text("# a kernel, edited\n")
+    assert sweep.library_versions.__wrapped__() != before
+
+
+def test_the_inductor_online_softmax_warning_stays_out_of_the_sweep(tmp_path, temporary_method):
+    import warnings
+
+    def warning(E, C, x, **kw):
+        warnings.warn("Online softmax is disabled on the fly since Inductor decides to split the reduction.")
+        warnings.warn("another warning, which a reader should see")
+        return naive_loss(E, C, x, **kw)
+
+    name = temporary_method(_method("warns", warning)).name
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _sweep(tmp_path, [name], [16])
+    messages = [str(w.message) for w in caught]
+    assert not any("Online softmax" in m for m in messages)
+    assert any("another warning" in m for m in messages)
+
+
 def test_a_torn_last_line_does_not_stop_a_resume(tmp_path, flat):
     _sweep(tmp_path, [flat], [64])
     with (tmp_path / "points.jsonl").open("a") as f:
@@ -278,8 +350,8 @@ def test_table_files_and_figure(tmp_path, flat):
 
     cap = MemoryCap("cpu", 200_000, None, None)
     records = _sweep(tmp_path, ["naive", flat], [16, 32, 128], cap)
-    table = results_table(records)
-    assert "| naive | 128 | **oom** |" in table and "measured MB" in table
+    table = results_pivot(records)
+    assert "| naive | 0.0" in table and table.splitlines()[-1].endswith("| **OOM** |") and "Peak MB" in table
     csv_path, json_path = write_results(records, tmp_path, "memory_sweep", {"device": "cpu"})
     assert len(csv_path.read_text().splitlines()) == 1 + len(records)
     assert json.loads(json_path.read_text())["meta"] == {"device": "cpu"}
