@@ -359,21 +359,22 @@ def quiet_library_warnings() -> Iterator[None]:
         yield
 
 
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # helpers/, whose code library_versions digests
+
+
 @functools.lru_cache(maxsize=1)
 def library_versions() -> str:
     """The versions a point's numbers depend on, in one string: each of ``VERSIONED_PACKAGES`` as
     installed, and for ``helpers`` a digest of the code that computes and measures the losses
     (``helpers/cce``, the registry, the meter, the inputs, the spec), so that an edited kernel is
     measured again at the same package version."""
-    import helpers
-
     def version(package: str) -> str:
         try:
             return importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             return "absent"
 
-    root = Path(helpers.__file__).parent
+    root = PACKAGE_ROOT
     sources = sorted((root / "cce").rglob("*.py")) + [
         root / "compare" / f"{name}.py" for name in ("methods", "measure", "inputs")] + [root / "spec.py"]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]

@@ -302,13 +302,12 @@ def test_points_stored_without_versions_are_measured_again(tmp_path, flat):
 
 
 def test_library_versions_change_with_our_code(tmp_path, monkeypatch):
-    import helpers
     from helpers.compare import sweep
 
     for name in ("cce/kernels/a.py", "compare/methods.py", "compare/measure.py", "compare/inputs.py", "spec.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(f"# {name}\n")
-    monkeypatch.setattr(helpers, "__file__", str(tmp_path / "__init__.py"))
+    monkeypatch.setattr(sweep, "PACKAGE_ROOT", tmp_path)
     before = sweep.library_versions.__wrapped__()
     assert f"torch={torch.__version__}" in before and "liger-kernel=" in before and "+code." in before
     assert sweep.library_versions.__wrapped__() == before
