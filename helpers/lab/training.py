@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -306,7 +307,7 @@ def train(
         with warnings.catch_warnings():
             # A step the fp16 scaler skipped (inf or NaN gradient) leaves the optimizer unstepped;
             # the schedule moves on regardless, which torch warns about. Expected, not a fault.
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
             schedule.step()
         losses[step] = loss.detach().float()
     if eval_every:

@@ -3,6 +3,7 @@ notebook 03. Tiny shapes, fp32, exact and chunked only (the Triton arms are the 
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -127,6 +128,19 @@ def test_comparison_against_the_seed_spread():
     lines = training.describe_comparison("loss", c, {})
     assert "no difference" in lines[0] and "real difference" in lines[1]
     assert training.compare_to_baseline({"exact": [1.0], "x": [2.0]})["x"]["differs"] is None
+
+
+def test_a_skipped_first_fp16_step_warns_nothing(temporary_method):
+    # When the scaler skips the first fp16 step (inf gradients at its initial scale), torch warns that
+    # the schedule stepped before the optimizer: expected, and silenced. A loss scaled by 1e6 makes
+    # the first step's fp16 gradients overflow for certain.
+    temporary_method(Method("huge", "huge", "exact times 1e6", lambda E, C, x, **kw: 1e6 * exact_loss(E, C, x, **kw),
+                            lambda device, dtype, softcap: None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = training.train(small_finetune_task(), "huge", seed=0, steps=2, lr=1e-2, compute_dtype=torch.float16)
+    assert run.skipped_steps >= 1
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
