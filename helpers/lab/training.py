@@ -463,9 +463,10 @@ def describe_comparison(quantity: str, comparison: dict, labels: dict[str, str])
     for arm, c in comparison.items():
         name = labels.get(arm, arm)
         head = f"{name}: {quantity} {c['effect']:+.3g} vs exact"
-        if c["differs"] is None:
-            why = "one seed, so no paired interval" if c["seeds"] < 2 else "no data"
-            lines.append(f"{head} (mean over {c['seeds']} seeds); {why} to judge it against.")
+        if c["differs"] is None and not math.isfinite(c["effect"]) and c["seeds"] > 1:
+            lines.append(f"{name}: {quantity} not finite against exact's: a run diverged, or the bin holds no token.")
+        elif c["differs"] is None:
+            lines.append(f"{head} (mean over {c['seeds']} seeds); one seed, so no paired interval to judge it against.")
         elif c["differs"]:
             lines.append(
                 f"{head} (mean of {c['seeds']} paired seeds, 95% CI ±{c['ci95']:.2g}, {c['same_sign_seeds']}/"
@@ -732,7 +733,10 @@ def convergence_facts(
                 notes.append(f"fine-tuning: drifted {drift:.2g} from exact (bound {tolerance:.2g})")
         if name in final_loss:
             ran, c = True, final_loss[name]
-            if c["differs"]:
+            if not math.isfinite(c["effect"]):
+                off = True
+                notes.append("pretraining: the final validation loss is not finite (a run diverged)")
+            elif c["differs"]:
                 off = off or c["effect"] > 0
                 notes.append(f"pretraining: final validation loss {c['effect']:+.3g} nats against exact "
                              f"({c['same_sign_seeds']}/{c['seeds']} seeds){'' if c['effect'] > 0 else ', lower'}")
@@ -781,19 +785,18 @@ def convergence_headline(
                     f"past the bound {tolerance:.2g}, the other {len(arms) - len(off)} arms within it")
     else:
         finetune = f"fine-tuning: {_every_arm(len(arms))} within {tolerance:.2g} of exact"
+    diverged = [labels.get(n, n) for n, c in final_loss.items() if not math.isfinite(c["effect"])]
     judged = {n: c for n, c in final_loss.items() if c["differs"] is not None}
     differing = {n: c for n, c in judged.items() if c["differs"]}
-    if not final_loss:
-        pretrain = "pretraining: no arm ran"
-    elif not judged:
-        pretrain = "pretraining: one seed, no verdict"
-    elif differing:
-        pretrain = "pretraining: " + ", ".join(
-            f"{labels.get(n, n)} {c['effect']:+.3g} nats against exact ({c['same_sign_seeds']}/{c['seeds']} seeds)"
-            for n, c in differing.items())
-        pretrain += "; no difference for the others" if len(differing) < len(judged) else ""
-    else:
-        pretrain = f"pretraining: no difference from exact for {_every_arm(len(judged))}"
+    said = [f"{', '.join(diverged)} diverged (validation loss not finite)"] if diverged else []
+    if differing:
+        said.append(", ".join(f"{labels.get(n, n)} {c['effect']:+.3g} nats against exact "
+                              f"({c['same_sign_seeds']}/{c['seeds']} seeds)" for n, c in differing.items()))
+    if len(differing) < len(judged):
+        said.append("no difference for the others" if said else f"no difference from exact for {_every_arm(len(judged))}")
+    if not said:
+        said.append("no arm ran" if not final_loss else "one seed, no verdict")
+    pretrain = "pretraining: " + "; ".join(said)
     return f"{finetune}; {pretrain}"
 
 

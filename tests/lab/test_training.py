@@ -135,6 +135,9 @@ def test_comparison_is_paired_by_seed():
     assert lines[0].startswith("Shifted: loss +0.01 vs exact") and "a real difference" in lines[0]
     assert "no difference at this scale" in lines[1]
     assert training.compare_to_baseline({"exact": [1.0], "x": [2.0]})["x"]["differs"] is None
+    diverged = training.compare_to_baseline({"exact": [1.0, 1.1], "x": [math.nan, 1.1]})
+    assert diverged["x"]["differs"] is None
+    assert "not finite" in training.describe_comparison("loss", diverged, {})[0]
 
 
 def test_a_rounding_level_difference_is_not_called_one():
@@ -269,6 +272,9 @@ def test_convergence_facts_give_one_row_per_method_with_its_presets_as_caveats()
     facts = training.convergence_facts({}, 1e-2, {"ours": _final(-0.01, True)}, {}, not_run={"apple_cce": "a CPU"})
     assert facts["ours"]["convergence"] == "ok" and "lower" in facts["ours"]["caveats"][0]
     assert facts["apple_cce"] == {"caveats": ["not run here: a CPU"]}
+    facts = training.convergence_facts({}, 1e-2, {"liger": _final(math.nan, None)}, {})
+    assert facts["liger"] == {"convergence": "off",
+                              "caveats": ["pretraining: the final validation loss is not finite (a run diverged)"]}
 
 
 def test_the_headline_says_both_parts_and_agrees_with_the_verdicts():
@@ -282,6 +288,11 @@ def test_the_headline_says_both_parts_and_agrees_with_the_verdicts():
     assert line == "fine-tuning: the one arm within 0.01 of exact; pretraining: no difference from exact for the one arm"
     assert training.convergence_headline({}, 1e-2, {"ours": _final(0.1, None, seeds=1)}, labels).endswith(
         "pretraining: one seed, no verdict")
+    # a run that diverged is named, never counted as "no difference"
+    final = {"liger": _final(math.nan, None), "ours": _final(0.0, False), "apple_cce": _final(0.046, True)}
+    assert training.convergence_headline({}, 1e-2, final, labels).endswith(
+        "pretraining: Liger diverged (validation loss not finite); Apple CCE +0.046 nats against exact (3/3 seeds); "
+        "no difference for the others")
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
