@@ -487,6 +487,79 @@ register(
 )
 
 
+# ---------------------------------------------------------------------------------------------
+# Apple CCE's presets for pretraining. The paper recommends "CCE-Kahan-FullC" there:
+# Kahan summation for the bf16 gradient accumulators and no filter on dC, so that rare tokens'
+# classifier rows keep their small gradients. Apple's own code (GitHub, 25.6+) offers it as
+# impl="cce_kahan_full_c"; the PyPI package 25.1.1 is a fork of 24.12.1 without it (no Kahan, no
+# fp32 accumulation, no per-gradient filter), and offers only the filter's threshold. Registered
+# after every primary method, so that the colours of the others (plots.method_colors) stay put.
+# ---------------------------------------------------------------------------------------------
+
+APPLE_KAHAN_FULL_C = "cce_kahan_full_c"
+
+
+def apple_cce_impls() -> set[str]:
+    """The ``impl=`` values the installed cut-cross-entropy accepts (lower case): its
+    ``LinearCrossEntropyImpl`` members, which both the PyPI fork and Apple's code export."""
+    from cut_cross_entropy import LinearCrossEntropyImpl
+
+    return {name.lower() for name in LinearCrossEntropyImpl.__members__}
+
+
+def _apple_cce_kahan_full_c_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(E, C, x.long(), ignore_index=ignore_index, softcap=softcap, reduction=reduction,
+                                impl=APPLE_KAHAN_FULL_C)
+
+
+def _apple_cce_kahan_full_c_reason(device, dtype, softcap) -> Reason:
+    if _installed("cut_cross_entropy") and APPLE_KAHAN_FULL_C not in apple_cce_impls():
+        import importlib.metadata
+
+        version = importlib.metadata.version("cut-cross-entropy")
+        return (f"cut-cross-entropy {version} has no Kahan-FullC (impl={APPLE_KAHAN_FULL_C!r}, the paper's setting "
+                "for pretraining): it is in Apple's own code (pip install "
+                "'cut-cross-entropy @ git+https://github.com/apple/ml-cross-entropy.git'), not in the PyPI fork")
+    return _apple_cce_reason(device, dtype, softcap)
+
+
+register(
+    Method(
+        name="apple_cce_kahan_full_c",
+        kind="peer",
+        label="Apple CCE (Kahan-FullC)",
+        summary="Apple CCE as its paper recommends for pretraining: Kahan-compensated gradient accumulation and "
+        "no filter on dC (impl='cce_kahan_full_c'; Apple's GitHub code, not the PyPI fork).",
+        implementation=_apple_cce_kahan_full_c_loss,
+        availability=_apple_cce_kahan_full_c_reason,
+        preset_of="apple_cce",
+    )
+)
+
+
+def _apple_cce_nofilter_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy(E, C, x.long(), ignore_index=ignore_index, softcap=softcap, reduction=reduction,
+                                filter_eps=None)
+
+
+register(
+    Method(
+        name="apple_cce_nofilter",
+        kind="peer",
+        label="Apple CCE (filter off)",
+        summary="Apple CCE with its gradient filter off (filter_eps=None): dC and dE unfiltered, the nearest the "
+        "PyPI fork comes to Kahan-FullC; its gradients still accumulate in bf16, without Kahan.",
+        implementation=_apple_cce_nofilter_loss,
+        availability=_apple_cce_reason,
+        preset_of="apple_cce",
+    )
+)
+
+
 __all__ = [
     "Method",
     "MethodUnavailable",
@@ -497,5 +570,6 @@ __all__ = [
     "primary_methods",
     "availability",
     "available_methods",
+    "apple_cce_impls",
     "chunk_rows",
 ]

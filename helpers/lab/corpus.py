@@ -168,14 +168,37 @@ def build_corpus(
     )
 
 
+def default_cache_dir() -> Path:
+    """Where the corpus is cached unless told: ``$XDG_CACHE_HOME/helpers/corpus``, by default
+    ``~/.cache/helpers/corpus``. Outside any results folder, so that a run's outputs (what Kaggle
+    saves, what the runner lists) hold results only, and every run on the machine shares it."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "helpers" / "corpus"
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """``Corpus.describe()`` for a reader: counts with thousands separators, fractions in percent,
+    and the fingerprint left out (it identifies the text for a machine: results.json keeps it)."""
+    lines = []
+    for key, value in summary.items():
+        if key == "fingerprint":
+            continue
+        if isinstance(value, float):
+            value = f"{value:.1%}"
+        elif isinstance(value, int):
+            value = f"{value:,}"
+        lines.append(f"{key.replace('_', ' '):<28} {value}")
+    return lines
+
+
 def load_or_build_corpus(
-    cache_dir: Path | str,
+    cache_dir: Path | str | None,
     vocab_size: int,
     *,
     max_files: int | None = None,
     val_every: int = 20,
 ) -> Corpus:
-    """``build_corpus`` once, then read it back from ``cache_dir``.
+    """``build_corpus`` once, then read it back from ``cache_dir`` (None: ``default_cache_dir()``).
 
     The cache key covers everything that decides the ids: the Python version and stdlib path (the
     text), the tokenizer version, the vocabulary size, the file cap and the split.
@@ -189,7 +212,7 @@ def load_or_build_corpus(
         "val_every": val_every,
     }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"corpus-{key}.pt"
+    path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"corpus-{key}.pt"
     if path.exists():
         saved = torch.load(path, weights_only=True)
         return Corpus(
@@ -202,6 +225,9 @@ def load_or_build_corpus(
         )
     corpus = build_corpus(vocab_size, max_files=max_files, val_every=val_every)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Written under a name of its own, then renamed: runs share the cache, and one that reads while
+    # another writes must find the whole file or none.
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     torch.save(
         {
             "settings": settings,
@@ -213,8 +239,9 @@ def load_or_build_corpus(
             "n_files": corpus.n_files,
             "type_counts": corpus.type_counts,
         },
-        path,
+        partial,
     )
+    os.replace(partial, path)
     return corpus
 
 
@@ -225,7 +252,9 @@ __all__ = [
     "Vocabulary",
     "build_corpus",
     "corpus_files",
+    "default_cache_dir",
     "load_or_build_corpus",
     "stdlib_root",
+    "summary_lines",
     "tokenize",
 ]

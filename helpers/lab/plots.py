@@ -18,7 +18,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocat
 from helpers.compare.methods import METHODS
 from helpers.compare.units import GB
 from helpers.lab.profiles import SMOKE_NOTE
-from helpers.lab.training import TrainRun
+from helpers.lab.training import TrainRun, paired_difference
 
 
 def mark_smoke(fig: plt.Figure) -> plt.Figure:
@@ -164,7 +164,19 @@ def plot_memory_sweep(
     return fig
 
 
-__all__ = ["method_colors", "method_label", "method_markers", "plot_memory_sweep", "token_axis"]
+__all__ = [
+    "method_colors",
+    "method_label",
+    "method_markers",
+    "plot_filter_skipped",
+    "plot_finetune_ab",
+    "plot_memory_sweep",
+    "plot_pretrain_curves",
+    "plot_rank_frequency",
+    "plot_rare_token_diagnostic",
+    "running_max_drift",
+    "token_axis",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,83 +200,146 @@ def plot_rank_frequency(counts, vocab_size: int):
     return fig
 
 
-def plot_finetune_ab(runs: dict[str, TrainRun], labels: dict[str, str], tolerance: float, baseline: str = "exact"):
-    """Left: every arm's training loss per step, overlaid. Right: its relative difference from the
-    baseline at each step, with the tolerance the verdict uses."""
+def _tail_start(steps: np.ndarray, tail: float, keep: int = 2) -> int:
+    """Index of the first of ``steps`` in the last ``tail`` of the run, keeping at least ``keep``
+    points: every arm lies on exact at the scale of the whole run (10 nats down to 2), and the
+    differences are visible only near the end."""
+    cut = steps[-1] - tail * (steps[-1] - steps[0])
+    return int(min(np.searchsorted(steps, cut), max(0, steps.size - keep)))
+
+
+def running_max_drift(losses, reference) -> np.ndarray:
+    """max over steps 1..t of |loss - reference| / |reference|, for each t: the fine-tuning
+    verdict's number as the run goes (its last entry is ``training.max_relative_drift``)."""
+    a, r = np.asarray(losses, dtype=np.float64), np.asarray(reference, dtype=np.float64)
+    return np.maximum.accumulate(np.abs(a - r) / np.abs(r))
+
+
+def _arm_style(name: str, baseline: str, i: int) -> dict:
+    """Colour and marker of the method everywhere; the baseline thick and black; distinct dashes
+    so that arms lying on one another stay visible."""
+    if name == baseline:
+        return dict(color="black", lw=2.2, ls="-")
+    return dict(color=method_colors().get(name, "grey"), marker=method_markers().get(name, "o"),
+                ls=("--", ":", "-.", (0, (5, 1)), (0, (1, 1)))[i % 5], lw=1.4, ms=5, markevery=0.2)
+
+
+def plot_finetune_ab(runs: dict[str, TrainRun], labels: dict[str, str], tolerance: float, baseline: str = "exact",
+                     tail: float = 0.2):
+    """Left: training loss over the last ``tail`` of the steps. Right: each arm's drift from the
+    baseline so far (``running_max_drift``, the number the verdict judges), log scale, with the
+    bound. An arm equal to the baseline at every step has no point on a log axis: the title
+    names it instead."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     reference = np.asarray(runs[baseline].train_loss)
     steps = np.arange(1, reference.size + 1)
+    start = _tail_start(steps, tail)
+    identical = []
     for i, (name, run) in enumerate(runs.items()):
-        loss = np.asarray(run.train_loss)
-        style = dict(lw=2.5, color="black") if name == baseline else dict(lw=1.2, ls=("--", ":", "-.")[i % 3])
-        left.plot(steps, loss, label=labels.get(name, name), **style)
-        if name != baseline:
-            right.plot(steps, np.abs(loss - reference) / np.abs(reference), label=labels.get(name, name), **style)
-    right.axhline(tolerance, color="red", lw=1, label=f"tolerance {tolerance:g}")
-    right.set_yscale("symlog", linthresh=1e-8)
-    left.set(xlabel="step", ylabel="training loss (nats)", title="Fine-tuning: loss per step")
-    right.set(xlabel="step", ylabel="|loss − exact| / exact", title="Fine-tuning: drift from exact")
+        style, label = _arm_style(name, baseline, i), labels.get(name, name)
+        left.plot(steps[start:], np.asarray(run.train_loss)[start:], label=label, **style)
+        if name == baseline:
+            continue
+        drift = running_max_drift(run.train_loss, reference)
+        if not (drift > 0).any():
+            identical.append(label)
+            continue
+        right.plot(steps, np.where(drift > 0, drift, np.nan), label=label, **style)
+    right.axhline(tolerance, color="black", ls="--", lw=1, label=f"bound {tolerance:.2g}")
+    right.set_yscale("log")
+    left.set(xlabel="step", ylabel="training loss (nats)",
+             title=f"Fine-tuning: the last {tail:.0%} of the steps")
+    title = "Fine-tuning: largest drift from exact so far"
+    if identical:
+        title += "\nequal to exact at every step: " + ", ".join(identical)
+    right.set(xlabel="step", ylabel="max |loss − exact| / exact so far", title=title)
     left.legend(fontsize=8)
     right.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
-def plot_pretrain_curves(runs: dict[str, list[TrainRun]], labels: dict[str, str], baseline: str = "exact"):
-    """Left: validation loss per arm, mean over seeds with a min-max band. Right: each arm minus
-    the baseline, paired by seed (mean and min-max band), against the baseline's own seed spread."""
+def plot_pretrain_curves(runs: dict[str, list[TrainRun]], labels: dict[str, str], baseline: str = "exact",
+                         tail: float = 0.2):
+    """Left: validation loss per arm over the last ``tail`` of the steps, mean over seeds with a
+    min-max band. Right: each arm minus the baseline, paired by seed, over the whole run: the mean
+    and its 95% confidence band (the yardstick the findings use)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     base = np.array([r.val_loss for r in runs[baseline]])  # (seeds, evals)
     for i, (name, arm_runs) in enumerate(runs.items()):
         steps = np.asarray(arm_runs[0].eval_steps)
+        start = _tail_start(steps, tail)
         val = np.array([r.val_loss for r in arm_runs])
-        # distinct dashes: arms that agree draw on top of each other and must stay visible
-        line = left.plot(steps, val.mean(0), ls=("-", "--", ":", "-.")[i % 4],
-                         label=f"{labels.get(name, name)} ({len(arm_runs)} seeds)")[0]
-        left.fill_between(steps, val.min(0), val.max(0), color=line.get_color(), alpha=0.2)
-        if name == baseline:
-            spread = val.std(0, ddof=1) if len(arm_runs) > 1 else np.zeros_like(steps, dtype=float)
-            right.fill_between(steps, -2 * spread, 2 * spread, color="grey", alpha=0.25, label="±2 seed std of exact")
-        else:
-            diff = val - base
-            right.plot(steps, diff.mean(0), color=line.get_color(), label=labels.get(name, name))
-            right.fill_between(steps, diff.min(0), diff.max(0), color=line.get_color(), alpha=0.2)
+        style, label = _arm_style(name, baseline, i), labels.get(name, name)
+        left.plot(steps[start:], val.mean(0)[start:], label=f"{label} ({len(arm_runs)} seeds)", **style)
+        left.fill_between(steps[start:], val.min(0)[start:], val.max(0)[start:], color=style["color"], alpha=0.15)
+        if name != baseline:
+            mean, half = (t.numpy() for t in paired_difference(val, base))
+            right.plot(steps, mean, label=label, **style)
+            right.fill_between(steps, mean - half, mean + half, color=style["color"], alpha=0.15)
     right.axhline(0, color="black", lw=0.8)
-    left.set(xlabel="step", ylabel="validation loss (nats, exact fp32)", title="Pretraining: validation loss")
-    right.set(xlabel="step", ylabel="Δ validation loss vs exact (nats)", title="Pretraining: difference, paired by seed")
+    left.set(xlabel="step", ylabel="validation loss (nats, exact fp32)",
+             title=f"Pretraining: validation loss, the last {tail:.0%} of the steps")
+    right.set(xlabel="step", ylabel="Δ validation loss vs exact (nats)",
+              title="Pretraining: difference from exact, paired by seed (95% CI)")
     left.legend(fontsize=8)
     right.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
-def plot_rare_token_diagnostic(diagnostic: dict, bin_labels: list[str], labels: dict[str, str]):
-    """Per training-frequency bin, for each arm (mean over seeds, min-max bars): validation loss,
-    drift of the classifier rows from their initialisation, and the fraction of steps on which
-    those rows received any gradient. ``diagnostic[arm][quantity]`` is (seeds, bins)."""
-    panels = [
-        ("val_loss", "validation loss (nats)"),
-        ("row_drift", "‖C_v − C_v(init)‖, mean over the bin"),
-        ("grad_step_fraction", "steps with a nonzero dC row"),
-    ]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+def plot_rare_token_diagnostic(diagnostic: dict, bin_labels: list[str], labels: dict[str, str],
+                               uniform_loss: float | None = None, baseline: str = "exact"):
+    """Per training-frequency bin: the validation loss of each arm (mean over seeds, min-max bars),
+    with uniform guessing (ln V) for scale; then each arm minus the baseline, paired by seed (mean
+    and 95% confidence interval), on that loss and on how far the bin's classifier rows moved from
+    their initialisation. ``diagnostic[arm][quantity]`` is (seeds, bins)."""
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     x = np.arange(len(bin_labels))
-    width = 0.8 / max(1, len(diagnostic))
-    for i, (name, quantities) in enumerate(diagnostic.items()):
-        for ax, (key, ylabel) in zip(axes, panels):
-            values = np.array(quantities[key], dtype=float)  # (seeds, bins)
-            mean = values.mean(0)
-            err = np.stack([mean - values.min(0), values.max(0) - mean])
-            ax.bar(x + (i - (len(diagnostic) - 1) / 2) * width, mean, width, yerr=err, capsize=2,
-                   label=labels.get(name, name))
-            ax.set(ylabel=ylabel)
+    arms = list(diagnostic)
+    others = [a for a in arms if a != baseline]
+    width = 0.8 / max(1, len(arms))
+    for i, name in enumerate(arms):
+        color = "black" if name == baseline else method_colors().get(name, "grey")
+        values = np.array(diagnostic[name]["val_loss"], dtype=float)  # (seeds, bins)
+        mean = values.mean(0)
+        err = np.stack([mean - values.min(0), values.max(0) - mean])
+        axes[0].bar(x + (i - (len(arms) - 1) / 2) * width, mean, width, yerr=err, capsize=2, color=color,
+                    label=labels.get(name, name))
+    if uniform_loss is not None:
+        axes[0].axhline(uniform_loss, color="dimgrey", ls="--", lw=1.2,
+                        label=f"uniform guessing, ln V = {uniform_loss:.2f}")
+    step = 0.8 / max(1, len(others))
+    for ax, quantity in zip(axes[1:], ("val_loss", "row_drift")):
+        base = np.array(diagnostic[baseline][quantity], dtype=float)
+        for i, name in enumerate(others):
+            mean, half = (t.numpy() for t in paired_difference(np.array(diagnostic[name][quantity], dtype=float), base))
+            ax.errorbar(x + (i - (len(others) - 1) / 2) * step, mean, yerr=half, fmt=method_markers().get(name, "o"),
+                        color=method_colors().get(name, "grey"), capsize=3, label=labels.get(name, name))
+        ax.axhline(0, color="black", lw=0.8)
     for ax in axes:
         ax.set_xticks(x, bin_labels, rotation=20)
         ax.set_xlabel("times the token occurs in the training split")
-    axes[0].set_title("Loss on validation tokens, by frequency")
-    axes[1].set_title("How far each classifier row moved")
-    axes[2].set_title("How often each row got a gradient")
-    axes[2].set_ylim(0, 1.05)
+    axes[0].set(ylabel="validation loss (nats; lower is better)", title="Loss on validation tokens, by frequency")
+    axes[1].set(ylabel="Δ validation loss vs exact (nats)", title="Difference from exact, paired by seed (95% CI)")
+    axes[2].set(ylabel="Δ ‖C_v − C_v(init)‖ vs exact", title="How much farther each row moved than exact's")
     axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_filter_skipped(series: dict[str, list[float]]):
+    """The fraction of logit tiles our filter skipped at each step, one line per run (its label
+    says which part and arm). A flat line at 0: the filter never fired, and every tile was
+    multiplied in full."""
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, (label, fractions) in enumerate(series.items()):
+        fractions = np.asarray(fractions, dtype=float)
+        ax.plot(np.arange(1, fractions.size + 1), 100 * fractions, ls=("-", "--", ":", "-.")[i % 4], lw=1.5,
+                label=f"{label} (mean {fractions.mean():.1%})")
+    ax.set(xlabel="step", ylabel="logit tiles skipped (%)", ylim=(-2, 102),
+           title="Our gradient filter: the share of the backward it skipped")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -98,19 +98,29 @@ _SWEEP_T4 = {
 }
 _SWEEP_T4_QUICK = {"N": [1_024, 4_096, 8_192, 16_384], "repeats": 3}
 
-# Notebook 03 on a GPU, T4 or bigger: the same sizes, only the dtype and its tolerance differ.
+# Notebook 03 on a GPU, T4 or bigger: the same sizes, only the dtype and its bound differ. "naive"
+# (logits in the compute dtype) is the fine-tuning verdict's yardstick; Liger is the pretraining
+# control without a filter; Apple CCE runs as it ships, with its filter off, and as its paper
+# recommends for pretraining (Kahan-FullC), where the installed version offers that.
 _CONVERGENCE_GPU_SIZES = {
     "finetune": {
-        "methods": ["exact", "ours", "ours_nofilter", "liger", "apple_cce", "chunked"],
+        "methods": ["exact", "naive", "ours", "ours_nofilter", "liger", "apple_cce", "chunked"],
         "task": {"V": 32768, "D": 256, "d_features": 256, "rows": 16384, "batch": 4096},
         "train": {"steps": 300, "lr": 3e-3, "seed": 0},
     },
     "pretrain": {
-        "methods": ["exact", "ours", "ours_nofilter", "apple_cce"],
+        "methods": ["exact", "ours", "ours_nofilter", "liger", "apple_cce", "apple_cce_nofilter",
+                    "apple_cce_kahan_full_c"],
         "corpus": {"vocab_size": 32768, "max_files": None},
         "task": {"D": 256, "context": 8, "d_embed": 64, "d_hidden": 1024, "batch": 4096, "curve_tokens": 32768},
         "train": {"steps": 1000, "warmup": 50, "lr": 2e-3, "eval_every": 50},
         "seeds": [0, 1, 2],
+    },
+    # A short run: a third of the steps in both parts; the same arms, sizes and seeds (three, for
+    # a paired interval narrower than two seeds give). "train" is replaced whole, so it is whole.
+    "quick": {
+        "finetune": {"train": {"steps": 100, "lr": 3e-3, "seed": 0}},
+        "pretrain": {"train": {"steps": 300, "warmup": 30, "lr": 2e-3, "eval_every": 25}},
     },
 }
 
@@ -162,18 +172,23 @@ PROFILES: dict[str, Profile] = {
                 "repeats": 1, "cpu_budget_bytes": 1_300_000,
             },
             "03_convergence": {
-                # Smoke run: under the Triton interpreter a step of ours takes ~0.4 s even at V = 256.
-                "compute_dtype": "float32", "tolerance": 1e-4,
+                # Smoke run: under the Triton interpreter a step of ours takes ~0.4 s even at V = 256,
+                # and of Liger's in fp16 ~0.5 s, so pretraining takes 4 steps: enough to run every
+                # piece (evaluation, comparisons, figures), not to show anything.
+                # tolerance_floor: the fine-tuning bound where the naive yardstick drifts less.
+                "compute_dtype": "float32", "tolerance_floor": 1e-4,
                 "finetune": {
-                    "methods": ["exact", "ours", "ours_nofilter", "liger", "apple_cce", "chunked"],
+                    "methods": ["exact", "naive", "ours", "ours_nofilter", "liger", "apple_cce", "chunked"],
                     "task": {"V": 256, "D": 16, "d_features": 16, "rows": 512, "batch": 16},
                     "train": {"steps": 12, "lr": 1e-2, "seed": 0},
                 },
+                # ours_nofilter trains only in the fine-tuning part here: at V = 256 the filter skips
+                # nothing (and in fp32 it is off), so in pretraining it would repeat ours, at ~0.3 s a step.
                 "pretrain": {
-                    "methods": ["exact", "ours", "ours_nofilter", "apple_cce"],
+                    "methods": ["exact", "ours", "liger", "apple_cce", "apple_cce_nofilter", "apple_cce_kahan_full_c"],
                     "corpus": {"vocab_size": 256, "max_files": 60},
                     "task": {"D": 16, "context": 4, "d_embed": 16, "d_hidden": 64, "batch": 32, "curve_tokens": 2048},
-                    "train": {"steps": 8, "warmup": 2, "lr": 3e-3, "eval_every": 2},
+                    "train": {"steps": 4, "warmup": 1, "lr": 3e-3, "eval_every": 2},
                     "seeds": [0, 1],
                 },
             },
@@ -195,7 +210,7 @@ PROFILES: dict[str, Profile] = {
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0, "quick": {"shapes": _GATE_GPU_QUICK}},
             "05_fits": {**_FITS_GPU, "precision": "fp16"},
             # Sized for ~10 minutes on a T4; the gpu profile runs the same sizes in bf16.
-            "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "float16", "tolerance": 1e-2},
+            "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "float16", "tolerance_floor": 1e-3},
         },
     ),
     "gpu": Profile(
@@ -219,7 +234,7 @@ PROFILES: dict[str, Profile] = {
             },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0, "quick": {"shapes": _GATE_GPU_QUICK}},
             "05_fits": {**_FITS_GPU, "precision": "bf16"},
-            "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "bfloat16", "tolerance": 2e-2},
+            "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "bfloat16", "tolerance_floor": 4e-3},
         },
     ),
 }
@@ -229,7 +244,7 @@ def _in_fp16(cpu: Profile) -> Profile:
     """The CPU smoke sizes in the T4's dtype: every notebook's fp16 path under the interpreter."""
     sections = copy.deepcopy(cpu.sections)
     sections["02_memory_sweep"].update(dtype="float16", t4_sweep=None)  # already the T4's path
-    sections["03_convergence"].update(compute_dtype="float16", tolerance=1e-2)
+    sections["03_convergence"].update(compute_dtype="float16", tolerance_floor=1e-3)
     sections["04_kernel_walkthrough"]["dtype"] = "float16"
     sections["05_fits"]["precision"] = "fp16"
     return replace(

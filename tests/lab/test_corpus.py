@@ -11,8 +11,10 @@ from helpers.lab.corpus import (
     Vocabulary,
     build_corpus,
     corpus_files,
+    default_cache_dir,
     load_or_build_corpus,
     stdlib_root,
+    summary_lines,
     tokenize,
 )
 
@@ -83,3 +85,27 @@ def test_cache_round_trip(tmp_path):
 def test_vocabulary_size_must_leave_room_for_a_type():
     with pytest.raises(ValueError, match="at least 2"):
         Vocabulary.build(Counter({"a": 1}), size=1)
+
+
+def test_the_cache_lives_outside_any_results_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "helpers" / "corpus"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "helpers" / "corpus"
+    built = load_or_build_corpus(None, 200, max_files=20)  # None: the default folder
+    assert len(list(default_cache_dir().glob("corpus-*.pt"))) == 1
+    assert load_or_build_corpus(None, 200, max_files=20).fingerprint == built.fingerprint
+    assert not list(default_cache_dir().glob("*.partial"))  # written whole, then renamed
+
+
+def test_the_summary_for_a_reader_hides_the_fingerprint_and_rounds():
+    corpus = build_corpus(200, max_files=20)
+    summary = corpus.describe()
+    lines = summary_lines(summary)
+    assert summary["fingerprint"] and not any(summary["fingerprint"] in line for line in lines)
+    assert len(lines) == len(summary) - 1
+    unk = next(line for line in lines if line.startswith("unk fraction val"))
+    assert unk.split()[-1] == f"{summary['unk_fraction_val']:.1%}"
+    tokens = next(line for line in lines if line.startswith("train tokens"))
+    assert tokens.split()[-1] == f"{summary['train_tokens']:,}" and "," in tokens.split()[-1]

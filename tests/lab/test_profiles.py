@@ -56,3 +56,29 @@ def test_auto_on_a_local_cpu_is_the_smoke_profile(monkeypatch):
 def test_an_unknown_profile_names_the_choices():
     with pytest.raises(ValueError, match="profile must be 'auto' or one of"):
         get_profile("h100")
+
+
+@pytest.mark.parametrize("name", ["t4", "gpu"])
+def test_a_quick_convergence_run_is_shorter_with_the_same_arms(name):
+    full, quick = get_profile(name).section("03_convergence"), get_profile(name, quick=True).section("03_convergence")
+    for part in ("finetune", "pretrain"):
+        assert quick[part]["train"]["steps"] * 3 <= full[part]["train"]["steps"]
+        # "train" is replaced whole: every key a training run needs is still there
+        assert set(quick[part]["train"]) == set(full[part]["train"])
+        assert quick[part]["methods"] == full[part]["methods"] and quick[part]["task"] == full[part]["task"]
+    assert quick["pretrain"]["seeds"] == full["pretrain"]["seeds"] and len(full["pretrain"]["seeds"]) >= 3
+    assert quick["pretrain"]["corpus"] == full["pretrain"]["corpus"]
+    assert quick["tolerance_floor"] == full["tolerance_floor"]
+
+
+def test_the_convergence_arms_are_registered_and_fair_to_the_peers():
+    from helpers.compare.methods import METHODS
+
+    for profile in PROFILES.values():
+        section = profile.section("03_convergence")
+        assert "tolerance_floor" in section and "tolerance" not in section
+        assert "naive" in section["finetune"]["methods"]  # the fine-tuning bound's yardstick
+        pretrain = section["pretrain"]["methods"]
+        # Liger as the control without a filter; Apple as it ships, filter off, and as its paper advises
+        assert {"liger", "apple_cce", "apple_cce_nofilter", "apple_cce_kahan_full_c"} <= set(pretrain)
+        assert all(m in METHODS for m in section["finetune"]["methods"] + pretrain)

@@ -3,6 +3,7 @@ notebook 03. Tiny shapes, fp32, exact and chunked only (the Triton arms are the 
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -117,16 +118,181 @@ def test_rare_token_diagnostic_shapes(lm_task):
     comparisons, findings = training.pretraining_findings(runs, diagnostic, labels, {"chunked": "chunked"})
     assert comparisons["final_val_loss"]["chunked"]["differs"] is False
     assert any("no difference at this scale" in line for line in findings)
+    assert set(comparisons["bins"]) == {"val_loss", "row_drift"} and len(comparisons["bins"]["val_loss"]) == len(labels)
 
 
-def test_comparison_against_the_seed_spread():
-    values = {"exact": [1.0, 1.1, 0.9], "same": [1.01, 1.09, 0.91], "worse": [1.5, 1.6, 1.4]}
+def test_comparison_is_paired_by_seed():
+    # Seeds move the loss by ~0.1; "shifted" sits 0.01 above exact on every seed: invisible against
+    # the seed spread, plain once each seed is compared with its own exact run.
+    values = {"exact": [1.0, 1.1, 0.9], "shifted": [1.011, 1.109, 0.91], "noisy": [1.05, 1.05, 0.95]}
     c = training.compare_to_baseline(values)
-    assert c["same"]["differs"] is False and c["worse"]["differs"] is True
-    assert c["worse"]["effect"] == pytest.approx(0.5) and c["worse"]["seed_spread"] == pytest.approx(0.1)
-    lines = training.describe_comparison("loss", c, {})
-    assert "no difference" in lines[0] and "real difference" in lines[1]
+    assert c["shifted"]["differs"] is True and c["shifted"]["same_sign_seeds"] == 3
+    assert c["shifted"]["effect"] == pytest.approx(0.01) and c["shifted"]["seed_spread"] == pytest.approx(0.1)
+    # differences +0.05, -0.05, +0.05: the interval (t = 4.30 at 2 degrees of freedom) holds 0
+    assert c["noisy"]["differs"] is False
+    assert c["noisy"]["ci95"] == pytest.approx(4.303 * torch.tensor([0.05, -0.05, 0.05]).std().item() / math.sqrt(3))
+    lines = training.describe_comparison("loss", c, {"shifted": "Shifted"})
+    assert lines[0].startswith("Shifted: loss +0.01 vs exact") and "a real difference" in lines[0]
+    assert "no difference at this scale" in lines[1]
     assert training.compare_to_baseline({"exact": [1.0], "x": [2.0]})["x"]["differs"] is None
+    diverged = training.compare_to_baseline({"exact": [1.0, 1.1], "x": [math.nan, 1.1]})
+    assert diverged["x"]["differs"] is None
+    assert "not finite" in training.describe_comparison("loss", diverged, {})[0]
+
+
+def test_a_rounding_level_difference_is_not_called_one():
+    # fp32 arms doing the same arithmetic: 1e-8 apart on every seed, a zero-width interval
+    values = {"exact": [1.0, 1.1, 0.9], "same": [1.0 + 1e-8, 1.1 + 1e-8, 0.9 + 1e-8]}
+    c = training.compare_to_baseline(values)["same"]
+    assert c["ci95"] < 1e-8 and c["differs"] is False
+    assert training.compare_to_baseline({"exact": [1.0, 1.0], "x": [1.0, 1.0]})["x"]["differs"] is False
+
+
+def test_t_quantile_matches_the_t_distribution():
+    assert training.t_quantile_975(1) == pytest.approx(12.706) and training.t_quantile_975(2) == pytest.approx(4.303)
+    assert training.t_quantile_975(100) == training.t_quantile_975(30) > 1.96  # wider than the truth, never narrower
+    stats = pytest.importorskip("scipy.stats")
+    for df in range(1, 31):
+        assert training.t_quantile_975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=6e-4)
+    with pytest.raises(ValueError, match="2 seeds"):
+        training.t_quantile_975(0)
+
+
+def test_paired_difference_per_point():
+    arm = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    base = torch.tensor([[0.0, 2.0], [2.0, 3.0]])  # differences [[1, 0], [1, 1]]
+    mean, half = training.paired_difference(arm, base)
+    assert mean.tolist() == [1.0, 0.5]
+    assert half[0] == 0 and half[1] == pytest.approx(12.706 * math.sqrt(0.5) / math.sqrt(2))
+    mean, half = training.paired_difference([[1.0]], [[0.5]])
+    assert mean.tolist() == [0.5] and math.isnan(half[0])
+
+
+def test_a_skipped_first_fp16_step_warns_nothing(temporary_method):
+    # When the scaler skips the first fp16 step (inf gradients at its initial scale), torch warns that
+    # the schedule stepped before the optimizer: expected, and silenced. A loss scaled by 1e6 makes
+    # the first step's fp16 gradients overflow for certain.
+    temporary_method(Method("huge", "huge", "exact times 1e6", lambda E, C, x, **kw: 1e6 * exact_loss(E, C, x, **kw),
+                            lambda device, dtype, softcap: None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = training.train(small_finetune_task(), "huge", seed=0, steps=2, lr=1e-2, compute_dtype=torch.float16)
+    assert run.skipped_steps >= 1
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_the_fine_tuning_bound_is_calibrated_on_naive():
+    assert training.finetune_tolerance(1e-3, floor=4e-3) == 4e-3  # naive nearly exact: the floor
+    assert training.finetune_tolerance(5e-3, floor=4e-3) == pytest.approx(1e-2)  # twice naive's drift
+    assert training.finetune_tolerance(0.0, floor=1e-4) == 1e-4  # fp32: naive is exact
+    assert training.finetune_tolerance(math.inf, floor=1e-3) == 1e-3  # a diverged yardstick calibrates nothing
+    assert training.finetune_tolerance(math.nan, floor=1e-3) == 1e-3
+
+
+def test_filter_skip_summary():
+    runs = [training.TrainRun("ours", 0, [1.0] * 3, filter_skipped=[0.0, 0.5, 0.25]),
+            training.TrainRun("ours", 1, [1.0] * 3, filter_skipped=[0.0, 0.1, 0.75])]
+    summary = training.filter_skip_summary(runs)
+    assert summary == pytest.approx({"mean": 1.6 / 6, "first": 0.0, "last": 0.5, "max": 0.75})
+    assert training.filter_skip_summary([training.TrainRun("exact", 0, [1.0])]) is None
+
+
+def test_training_seconds_leave_out_evaluation_and_take_the_median():
+    def run(wall, evaluation):
+        return training.TrainRun("x", 0, [1.0], wall_s=wall, eval_s=evaluation)
+
+    # the first run of an arm also compiles its kernels: the median over seeds ignores it
+    times = training.training_seconds({"exact": [run(3, 1), run(3, 1), run(3, 1)],
+                                       "ours": [run(30, 1), run(5, 1), run(5, 1)], "chunked": run(2, 1)})
+    assert times["exact"] == {"seconds": 2.0, "vs_baseline": 1.0}
+    assert times["ours"]["seconds"] == 4.0 and times["ours"]["vs_baseline"] == 2.0
+    assert times["chunked"]["vs_baseline"] == 0.5  # a single run (fine-tuning) is its own median
+
+
+def _rare_token_case(effect_rarest, drift_rarest, effect_middle):
+    """A diagnostic and its comparisons with two bins, exact and one arm over 3 seeds."""
+    base_loss = [[11.0, 5.0], [11.1, 5.1], [10.9, 4.9]]
+    base_drift = [[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]]
+    wobble = [0.001, -0.001, 0.0]  # a little seed noise on each paired difference
+    diagnostic = {
+        "exact": {"val_loss": base_loss, "row_drift": base_drift},
+        "apple_cce": {"val_loss": [[a + effect_rarest + w, b + effect_middle + w] for (a, b), w in zip(base_loss, wobble)],
+                      "row_drift": [[a + drift_rarest + w, b + w] for (a, b), w in zip(base_drift, wobble)]},
+    }
+    bins = {q: [training.compare_to_baseline({arm: [s[b] for s in d[q]] for arm, d in diagnostic.items()})
+                for b in range(2)] for q in ("val_loss", "row_drift")}
+    return diagnostic, bins
+
+
+def test_rare_token_reading_explains_a_filter_that_helps_the_rarest_and_costs_the_middle():
+    diagnostic, bins = _rare_token_case(effect_rarest=-0.4, drift_rarest=-0.9, effect_middle=+0.07)
+    lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {"apple_cce": "Apple CCE"})
+    assert "ln 32,768 = 10.40 nats" in lines[0] and "Lower is better" in lines[0]
+    assert "11.00 nats on tokens seen 1–9 times" in lines[1] and "worse than uniform guessing" in lines[1]
+    assert lines[2].startswith("Apple CCE: -0.40 nats against exact on the rarest tokens, better.")
+    assert "moved 0.9 less than exact's" in lines[2] and "pays on tokens seen 10–99 times" in lines[2]
+
+
+def test_rare_token_reading_of_an_arm_that_starves_the_rarest_or_matches_exact():
+    diagnostic, bins = _rare_token_case(effect_rarest=+0.3, drift_rarest=-0.9, effect_middle=0.0)
+    lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {})
+    assert "+0.30 nats against exact on the rarest tokens, worse" in lines[2] and "starves rare tokens" in lines[2]
+    diagnostic, bins = _rare_token_case(effect_rarest=0.0, drift_rarest=0.0, effect_middle=0.0)
+    lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {"apple_cce": "Apple CCE"})
+    assert lines[-1] == "Apple CCE: no frequency bin worse than exact's."
+    diagnostic["exact"]["val_loss"] = [[math.nan, 5.0]] * 3
+    lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {})
+    assert "nothing to read" in lines[-1]
+
+
+def _final(effect, differs, seeds=3):
+    return {"effect": effect, "differs": differs, "same_sign_seeds": seeds if differs else 1, "seeds": seeds}
+
+
+def test_convergence_facts_give_one_row_per_method_with_its_presets_as_caveats():
+    drift = {"exact (repeat)": 0.0, "ours": 5e-4, "ours_nofilter": 4e-4, "liger": 0.14, "chunked": 4e-4}
+    final = {"ours": _final(3e-5, False), "ours_nofilter": _final(5e-5, False), "liger": _final(1e-4, False),
+             "apple_cce": _final(0.046, True), "apple_cce_nofilter": _final(0.001, False)}
+    not_run = {"apple_cce_kahan_full_c": "cut-cross-entropy 25.1.1 has no Kahan-FullC"}
+    facts = training.convergence_facts(drift, 1e-2, final, {"apple_cce_nofilter": "Apple CCE (filter off)",
+                                                             "apple_cce_kahan_full_c": "Apple CCE (Kahan-FullC)"},
+                                       not_run=not_run, caveats={"liger": ["computes no dC without E's gradient"]})
+    assert set(facts) == {"ours", "liger", "chunked", "apple_cce"}  # no yardstick, no preset row
+    assert facts["ours"] == {"convergence": "ok", "caveats": []}  # its preset says nothing new
+    assert facts["liger"]["convergence"] == "off"
+    assert facts["liger"]["caveats"] == ["fine-tuning: drifted 0.14 from exact (bound 0.01)",
+                                         "computes no dC without E's gradient"]
+    assert facts["apple_cce"]["convergence"] == "off"
+    assert facts["apple_cce"]["caveats"] == [
+        "pretraining: final validation loss +0.046 nats against exact (3/3 seeds)",
+        "Apple CCE (filter off): trains like exact",
+        "Apple CCE (Kahan-FullC): not run here: cut-cross-entropy 25.1.1 has no Kahan-FullC",
+    ]
+    # lower than exact is still "ok", said as a caveat; a method that ran nowhere has no verdict
+    facts = training.convergence_facts({}, 1e-2, {"ours": _final(-0.01, True)}, {}, not_run={"apple_cce": "a CPU"})
+    assert facts["ours"]["convergence"] == "ok" and "lower" in facts["ours"]["caveats"][0]
+    assert facts["apple_cce"] == {"caveats": ["not run here: a CPU"]}
+    facts = training.convergence_facts({}, 1e-2, {"liger": _final(math.nan, None)}, {})
+    assert facts["liger"] == {"convergence": "off",
+                              "caveats": ["pretraining: the final validation loss is not finite (a run diverged)"]}
+
+
+def test_the_headline_says_both_parts_and_agrees_with_the_verdicts():
+    drift = {"exact (repeat)": 0.0, "ours": 5e-4, "liger": 0.14}
+    final = {"ours": _final(3e-5, False), "apple_cce": _final(0.046, True)}
+    labels = {"liger": "Liger", "apple_cce": "Apple CCE"}
+    line = training.convergence_headline(drift, 1e-2, final, labels)
+    assert line == ("fine-tuning: Liger drifted 0.14 past the bound 0.01, the other 2 arms within it; "
+                    "pretraining: Apple CCE +0.046 nats against exact (3/3 seeds); no difference for the others")
+    line = training.convergence_headline({"ours": 5e-4}, 1e-2, {"ours": _final(0.0, False)}, labels)
+    assert line == "fine-tuning: the one arm within 0.01 of exact; pretraining: no difference from exact for the one arm"
+    assert training.convergence_headline({}, 1e-2, {"ours": _final(0.1, None, seeds=1)}, labels).endswith(
+        "pretraining: one seed, no verdict")
+    # a run that diverged is named, never counted as "no difference"
+    final = {"liger": _final(math.nan, None), "ours": _final(0.0, False), "apple_cce": _final(0.046, True)}
+    assert training.convergence_headline({}, 1e-2, final, labels).endswith(
+        "pretraining: Liger diverged (validation loss not finite); Apple CCE +0.046 nats against exact (3/3 seeds); "
+        "no difference for the others")
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
