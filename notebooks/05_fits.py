@@ -35,7 +35,7 @@
 # Llama, Mistral or Gemma 2/3 causal LM), and Apple's kernel through the same patch where it runs.
 # On a bigger GPU the default (`card = "t4"`) caps memory at a T4's, so the wall is the one a free
 # Kaggle or Colab user hits; `card = "this"` measures the card as it is. A T4 trains in fp16 with a
-# loss scaler; Ampere and newer in bf16. Expected run time: about 20 s on a CPU (a tiny model),
+# loss scaler; Ampere and newer in bf16. Expected run time: about a minute on a CPU (a tiny model),
 # 3-4 minutes on an H200; on a T4, not measured (expect 15-30 minutes).
 
 # %% jupyter={"source_hidden": true} tags=["cold-start"]

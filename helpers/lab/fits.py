@@ -22,7 +22,7 @@ import torch
 
 from helpers import hf
 from helpers.compare.measure import is_out_of_memory, measure, memory_timeline, release_memory
-from helpers.compare.methods import get_method
+from helpers.compare.methods import METHODS, get_method
 
 QWEN3_SHAPES = {
     # Qwen3-0.6B: the seed article's model.
@@ -104,10 +104,10 @@ class Arm:
 
 
 ARMS = {
-    "hf": Arm("hf", "HF default (logits)", None, lambda m: None, lambda m: None),
-    "liger": Arm("liger", "Liger's patch", "liger", _apply_liger, lambda m: m.__dict__.pop("forward", None)),
-    "ours": Arm("ours", "ours (helpers.hf.patch)", "ours", hf.patch, hf.unpatch),
-    "apple_cce": Arm("apple_cce", "Apple CCE (same patch)", "apple_cce",
+    "hf": Arm("hf", "transformers' default", None, lambda m: None, lambda m: None),
+    "liger": Arm("liger", METHODS["liger"].label, "liger", _apply_liger, lambda m: m.__dict__.pop("forward", None)),
+    "ours": Arm("ours", METHODS["ours"].label, "ours", hf.patch, hf.unpatch),
+    "apple_cce": Arm("apple_cce", METHODS["apple_cce"].label, "apple_cce",
                      lambda m: hf.patch(m, loss=_apple_loss), hf.unpatch),
 }
 # Not an arm of the comparison: the gradient check's yardstick. It goes through the same patch as
