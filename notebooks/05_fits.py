@@ -249,8 +249,7 @@ agreement = {}
 for name, arm in arms.items():
     loss, grads = fits.loss_and_grads(model, arm, *check_batch, precision)
     names = list(ref_grads)
-    grad_error = helpers.relative_error(torch.cat([grads[n].float().reshape(-1) for n in names]),
-                                        torch.cat([ref_grads[n].float().reshape(-1) for n in names]))
+    grad_error = helpers.relative_error([grads[n] for n in names], [ref_grads[n] for n in names])
     agreement[name] = {"loss_error": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
                        "grad_error": grad_error, "ok": grad_error < bound}
     print(f"{arm.label:<26} loss {float(loss):.5f} (exact {float(ref_loss):.5f}), gradient error "

@@ -60,3 +60,19 @@ def test_relative_error_handles_nan_positions_zero_references_and_shapes():
     assert relative_error(big * 1.01, big, chunk_rows=1000) == pytest.approx(0.01, rel=1e-6)
     with pytest.raises(ValueError, match="one shape"):
         relative_error(torch.zeros(2), torch.zeros(3))
+
+
+def test_relative_error_over_sequences_is_the_error_of_their_concatenation():
+    g = torch.Generator().manual_seed(0)
+    refs = [torch.randn(7, 5, generator=g), torch.randn(3, generator=g), torch.randn(2, 4, 6, generator=g)]
+    got = [r + 0.01 * torch.randn(r.shape, generator=g) for r in refs]
+    flat = relative_error(torch.cat([t.reshape(-1) for t in got]), torch.cat([t.reshape(-1) for t in refs]))
+    assert relative_error(got, refs) == pytest.approx(flat, rel=1e-12)
+    assert relative_error(tuple(got), tuple(refs), chunk_rows=2) == pytest.approx(flat, rel=1e-12)
+    got[1] = got[1].clone()
+    got[1][0] = float("inf")
+    assert relative_error(got, refs) == math.inf  # one bad tensor spoils the whole
+    with pytest.raises(ValueError, match="one length"):
+        relative_error(got[:2], refs)
+    with pytest.raises(ValueError, match="sequences"):
+        relative_error(got[0], refs)
