@@ -78,7 +78,8 @@ def write_report_fragment(output_dir: str | Path, markdown: str, *, headline: st
 
 def load_facts(results: Path, runs: list[dict]) -> tuple[dict[str, dict], dict[str, str], bool]:
     """({method: merged facts}, {notebook: headline}, whether any notebook was a smoke run), from
-    the ``facts.json`` the notebooks of ``runs`` wrote (a notebook's own key wins over none)."""
+    the ``facts.json`` the notebooks of ``runs`` wrote: a later notebook's value of a key wins, except
+    that no "runs on a T4" outweighs a reason it cannot."""
     methods: dict[str, dict] = {}
     headlines: dict[str, str] = {}
     smoke = False
@@ -96,6 +97,8 @@ def load_facts(results: Path, runs: list[dict]) -> tuple[dict[str, dict], dict[s
                 if key == "caveats":
                     merged.setdefault("caveats", [])
                     merged["caveats"] += [c for c in value if c not in merged["caveats"]]
+                elif key == "runs_on_t4" and isinstance(merged.get(key), str) and value is True:
+                    pass  # one notebook's reason it cannot (out of memory at 16k, say) outweighs another's "ran"
                 else:
                     merged[key] = value
     return methods, headlines, smoke
@@ -195,10 +198,17 @@ def use_when(methods: dict[str, dict]) -> list[str]:
                    "at 16,384 tokens" + (f"; cannot run there: {', '.join(cannot)}" if cannot else "") + ".")
     most = best("largest_step_tokens_16gb", largest=True)
     if most and usable[most]["largest_step_tokens_16gb"] > naive.get("largest_step_tokens_16gb", 0):
-        default = naive.get("largest_step_tokens_16gb")
-        out.append(f"To fit the most tokens in a whole training step on a 16 GB card, use **{_label(most)}**: "
-                   f"{usable[most]['largest_step_tokens_16gb']:,} tokens"
-                   + (f", against {default:,} with transformers' default loss" if default is not None else "") + ".")
+        tokens, default = usable[most]["largest_step_tokens_16gb"], naive.get("largest_step_tokens_16gb")
+        # The fit search steps coarsely, so equal counts are common: name every method that reached it.
+        tied = [m for m in usable if m != most and usable[m].get("largest_step_tokens_16gb") == tokens]
+        passed_over = [m for m in methods if m not in usable and methods[m].get("largest_step_tokens_16gb") == tokens]
+        out.append("To fit the most tokens in a whole training step on a 16 GB card, use "
+                   + " or ".join(f"**{_label(m)}**" for m in [most, *tied])
+                   + f": {tokens:,} tokens" + (" each" if tied else "")
+                   + (f", against {default:,} with transformers' default loss" if default is not None else "")
+                   + (f"; {' and '.join(_label(m) for m in passed_over)} "
+                      + ("fit as many but are" if len(passed_over) > 1 else "fits as many but is")
+                      + " not recommended here (below)" if passed_over else "") + ".")
     for m, f in methods.items():
         failing = [d for d, v in f.get("gradients", {}).items() if v != "pass"]
         if failing:

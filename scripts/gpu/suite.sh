@@ -3,6 +3,7 @@
 #   bash scripts/gpu/suite.sh pretend-t4 [seconds] [notebook prefixes...]  every notebook as a T4 sees it
 #   bash scripts/gpu/suite.sh t4 [seconds] [...]                            the T4 profile (fp16), this GPU as itself
 #   bash scripts/gpu/suite.sh gpu [seconds] [...]                           the gpu profile (bf16, full sizes)
+# QUICK=1 in the environment adds --quick (each notebook's short run).
 # Results are packed into $OUT/results-<mode>.tgz even when the run is cut by its time limit, and
 # the summary (each notebook's status and seconds) and the REPORT's first lines are printed last.
 source scripts/gpu/env.sh || exit 1
@@ -18,6 +19,7 @@ case "$mode" in
 esac
 R=/tmp/results-$mode
 mkdir -p "$R"
+[ -n "$QUICK" ] && args+=(--quick)
 t0=$SECONDS
 timeout "$limit" python3 -m helpers run "${args[@]}" --output "$R" "${only[@]}"
 echo "== exit $? after $((SECONDS - t0)) s: helpers run ${args[*]} ${only[*]}"

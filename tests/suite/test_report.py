@@ -223,3 +223,27 @@ def test_a_smoke_run_says_so_everywhere(tmp_path):
 def test_facts_with_an_unknown_key_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown keys \\['peak_16k'\\]"):
         write_report_fragment(tmp_path, "x", facts={"ours": {"peak_16k": 1}})
+
+
+def test_methods_that_fit_as_many_tokens_are_all_named(tmp_path):
+    fits = {"naive": {"largest_step_tokens_16gb": 4096}, "ours": {"largest_step_tokens_16gb": 65536},
+            "liger": {"largest_step_tokens_16gb": 65536}, "apple_cce": {"largest_step_tokens_16gb": 32768}}
+    _write_run(tmp_path, {"05_fits": ("", fits)})
+    opening = render_report(tmp_path, suite=[])
+    assert "use **ours (Triton CCE)** or **Liger**: 65,536 tokens each, against 4,096" in opening
+    _write_run(tmp_path, {"03_train": ("", TRAIN), "05_fits": ("", fits)})  # Liger now trains differently
+    opening = render_report(tmp_path, suite=[])
+    assert "use **ours (Triton CCE)**: 65,536 tokens, against 4,096" in opening
+    assert "Liger fits as many but is not recommended here" in opening
+
+
+def test_a_reason_a_method_cannot_run_on_a_t4_outweighs_a_later_notebooks_yes(tmp_path):
+    fits = {"naive": {"largest_step_tokens_16gb": 4096, "runs_on_t4": True}}
+    _write_run(tmp_path, {"02_sweep": ("", SWEEP), "05_fits": ("", fits)})
+    naive_row = next(line for line in render_report(tmp_path, suite=[]).splitlines() if line.startswith("| naive |"))
+    assert "out of memory" in naive_row
+    sweep = copy.deepcopy(SWEEP)
+    sweep["naive"]["runs_on_t4"] = "out of memory on a T4 from N=8,192"
+    _write_run(tmp_path, {"02_sweep": ("", sweep), "05_fits": ("", fits)})
+    naive_row = next(line for line in render_report(tmp_path, suite=[]).splitlines() if line.startswith("| naive |"))
+    assert "no: out of memory on a T4 from N=8,192" in naive_row and "| yes |" not in naive_row
