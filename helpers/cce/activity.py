@@ -1,0 +1,80 @@
+"""What the forward tells the "sparse" backward: which (row, vocabulary tile) pairs may carry gradient.
+
+``Activity`` holds one bit per (row, tile of ``block_v`` vocabulary positions), packed 8 tiles to a
+byte as ``bits`` (ceil(T / 8), N) uint8 (byte-major, so a byte of 128 rows is one coalesced store),
+the vocabulary order the forward walked (tiles are tiles of sorted positions when there is one), and
+the eps the bits were computed for. A bit is 1 whenever the pair's softmax mass may be >= eps (see
+``helpers/cce/kernels/lse_forward.py``: the forward compares against a lower bound of the row's sum,
+so the bits over-mark and never miss). The backward decides from the bits alone which work to skip,
+and applies the exact rule to what it computes.
+
+Memory: N * ceil(V / block_v / 8) bytes: 2.0 MB at the Gemma-2-2B head (N = 8,192, V = 256,000,
+128-column tiles), 19.5 MB at the Qwen3 head with N = 131,072 (0.034 LB), plus the order (V int64).
+
+This module also holds the host-side bit arithmetic both sides share: counts per row and per tile,
+and the list of marked pairs of a block of rows and tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Activity:
+    bits: torch.Tensor  # (ceil(T / 8), N) uint8: bit t % 8 of byte t // 8 is tile t of each row
+    block_v: int  # vocabulary positions per tile
+    vocab: int  # V
+    order: torch.Tensor | None  # (V,) int64: C's row at each sorted position; None: unsorted
+    eps: float  # the filter's threshold the bits were computed for (before any z-loss margin)
+    pilot: int = 0  # vocabulary positions walked first, in one split, to seed the others (sorted)
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.vocab // self.block_v)
+
+    def nbytes(self) -> int:
+        return self.bits.numel() + (self.order.numel() * self.order.element_size() if self.order is not None else 0)
+
+
+_SHIFTS = {}
+
+
+def _shifts(device) -> torch.Tensor:
+    if device not in _SHIFTS:
+        _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
+    return _SHIFTS[device]
+
+
+def popcount_rows(bits: torch.Tensor) -> torch.Tensor:
+    """(N,) int64: marked tiles of each row, by SWAR popcount of the bytes (no N x T temporary)."""
+    b = bits
+    b = b - ((b >> 1) & 0x55)
+    b = (b & 0x33) + ((b >> 2) & 0x33)
+    b = (b + (b >> 4)) & 0x0F
+    return b.sum(dim=0, dtype=torch.int64)
+
+
+def count_tiles(bits: torch.Tensor, T: int) -> torch.Tensor:
+    """(T,) int64: marked rows of each tile."""
+    counts = torch.stack([((bits >> k) & 1).sum(dim=1, dtype=torch.int64) for k in range(8)], dim=1)
+    return counts.reshape(-1)[:T]
+
+
+def marked_pairs(bits: torch.Tensor, t0: int, t1: int, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tiles, rows) int64 of the marked pairs with tile in [t0, t1) and row in [n0, n1), ordered by
+    tile, then row. Unpacks (t1 - t0) x (n1 - n0) bytes at a time."""
+    b0, b1 = t0 // 8, -(-t1 // 8)
+    sub = bits[b0:b1, n0:n1]
+    unpacked = (sub[:, None, :] >> _shifts(bits.device)[None, :, None]) & 1  # (bytes, 8, rows)
+    unpacked = unpacked.reshape(-1, n1 - n0)[t0 - 8 * b0 : t1 - 8 * b0]
+    idx = unpacked.nonzero()  # row-major: by tile, then row
+    return idx[:, 0] + t0, idx[:, 1] + n0
+
+
+def set_bits(bits: torch.Tensor, tiles: torch.Tensor, rows: torch.Tensor) -> None:
+    """Mark (tiles[k], rows[k]) for every k (at most one pair per row)."""
+    byte = bits[tiles // 8, rows]
+    bits[tiles // 8, rows] = byte | (1 << (tiles % 8)).to(torch.uint8)
