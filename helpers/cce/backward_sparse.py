@@ -1,0 +1,314 @@
+"""The "sparse" backward (opt-in, ``backward_impl="sparse"``): only the marked (row, tile) pairs.
+
+Why. On a trained model's softmax most of a row's vocabulary carries no gradient worth its
+arithmetic, but the rows do not agree on which: in our ``realistic`` regime at the Gemma-2-2B
+vocabulary, sorted, ~1-10% of (row, 128-column tile) pairs matter while ~25-60% of (128-row block,
+tile) pairs hold at least one that does (docs/speed_v3_notes.md). So skipping is decided per row,
+and before any logit is rebuilt: from the forward's activity bits (``helpers.cce.activity``).
+
+The filter's rule, as everywhere: a row's gradient in a tile is dropped when its |G| mass there is
+below eps. A row has T = ceil(V / BLOCK_V) tiles, so at most T * eps of its |G| mass (out of
+sum |G| <= 2, more with z-loss) is dropped. For this backward "auto" picks eps = B / T with B one
+machine epsilon of the dtype (``SPARSE_ROW_BUDGET``: 2^-7 bf16, 2^-10 fp16): at most B of each row's
+gradient mass is dropped, and a flat softmax (every tile ~1/T) keeps every tile. The "gemm"
+backward's eps = 2^-12 per tile, applied per row, dropped up to 2% of a row's mass at V = 256,000
+and put dE 5-9x the naive bf16 path's error (notes); a number passed as ``filter_eps`` is used as
+given, per tile. ``stats`` reports the softmax mass each row lost.
+
+The work (kernels: ``helpers/cce/kernels/backward_sparse.py``):
+
+1. Fix-up of the bits (in place, the same on every call): ignored rows cleared, every kept row's
+   target tile marked (G there holds -1; the forward's bits see only S).
+2. dE, row block by row block: the block's marked pairs gathered per tile into packs of BLOCK_N
+   rows; each pack's G (filter applied per row) times C_tile goes to Y, one fp32 row of D per pack
+   lane; then each row sums its Y rows in tile order and is written once: dE_i = w_i sum Y.
+   Y lives in dC's memory (dC is not written yet): V * D * itemsize / (4 D) lanes, V / 2 for
+   16-bit inputs, so no scratch; a row block is as many rows as fill it.
+3. dC, tile range by tile range: every row's packs of those tiles, G again (times w_rel) into Gc,
+   then each tile's dC rows = w_scale sum_packs Gc^T E[pack rows], written once.
+
+Deterministic: no atomics; every sum runs in an order fixed by the data (tile, then row), so two
+runs give the same bits. When the bits mark more than ``DENSE_FALLBACK`` of the pairs (a dense
+softmax: early training, the ``uniform`` regime) or an option needs every pair (label smoothing,
+FullC/FullE, no filter), the "gemm" backward runs instead and ``stats["fallback"]`` says why.
+
+Memory beyond dE and dC (LB): the bits (N * T / 8 bytes), Gc (max(LB / 40, 4 MiB, the largest tile's
+packs): ~30 MB at the Gemma-2-2B head, 33.5 MB at the Qwen3 head with N = 131,072, whose first tiles
+hold every row), the pack lists of one block (int32 per marked pair, a few MB) and O(N). At the
+Gemma head 1.03 LB, Qwen3 N = 16,384 1.04 LB, N = 131,072 1.10 LB (notes).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+
+import torch
+import triton
+
+from helpers.cce.activity import Activity, count_tiles, marked_pairs, popcount_rows, set_bits
+from helpers.cce.backward_gemm import backward_gemm
+from helpers.cce.gradients import MiB, RowGradient, vocabulary_order
+from helpers.cce.kernels.backward_sparse import (
+    sparse_dC_kernel,
+    sparse_dE_pack_kernel,
+    sparse_dE_reduce_kernel,
+    sparse_g_kernel,
+)
+from helpers.cce.kernels.configs import CCEConfigs
+from helpers.cce.options import CCEOptions, dot_precision
+
+# "auto" filter for this backward: at most this much of a row's |G| mass is dropped (eps = B / T).
+SPARSE_ROW_BUDGET = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: None}
+# Marked share of the (kept row, tile) pairs above which the "gemm" backward is faster (a guess
+# from the kernels' arithmetic: 4 products on the marked pairs at ~60% of cuBLAS's rate against 3
+# on all of them; the GPU run will tell).
+DENSE_FALLBACK = 0.25
+# Tests shrink these to force several row blocks and tile ranges.
+Y_LANES = None  # lanes of Y in dC's memory; None: all that fit
+GC_BYTES = None  # Gc's bytes; None: max(LB / 40, 4 MiB, the largest tile's packs)
+
+
+def sparse_auto_eps(dtype: torch.dtype, V: int, block_v: int, label_smoothing: float = 0.0) -> float | None:
+    """The "auto" filter threshold of the sparse backward: B / T, T = ceil(V / block_v) tiles per row;
+    None (off) for fp32 and with label smoothing, as "auto" is for the other backwards."""
+    budget = SPARSE_ROW_BUDGET[dtype]
+    if budget is None or label_smoothing:
+        return None
+    return budget / triton.cdiv(V, block_v)
+
+
+def options_need_every_pair(o: CCEOptions) -> str | None:
+    """Why these options leave nothing for the sparse backward to skip (None: they do not)."""
+    if o.filter_eps is None:
+        return "the filter is off (fp32 'auto', filter_eps=None or label smoothing)"
+    if o.full_c or o.full_e:
+        return "FullC / FullE keep one gradient exact: every pair"
+    if o.label_smoothing:
+        return "label smoothing puts -ls/V in every entry"
+    return None
+
+
+def why_dense(activity: Activity | None, o: CCEOptions, block_v: int, bias=None, lse_grad: bool = False) -> str | None:
+    """Why the sparse backward cannot run from this forward's state (None when it can)."""
+    reason = options_need_every_pair(o)
+    if reason is None and bias is not None:
+        reason = "a bias on the head (not yet supported by the sparse kernels)"
+    if reason is None and lse_grad:
+        reason = "a gradient flowing into the returned lse (not yet supported by the sparse kernels)"
+    if reason is None and activity is None:
+        reason = "the forward emitted no activity bits"
+    if reason is None and (activity.block_v != block_v or activity.eps != o.filter_eps):
+        reason = "the forward's bits were made for other tiles or another eps"
+    return reason
+
+
+def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o: CCEOptions,
+                    configs: CCEConfigs, n_chunk: int | None, v_chunk: int | None, stats: dict | None,
+                    bias=None, need: tuple[bool, bool, bool] = (True, True, False), lse_grad: bool = False):
+    """(dE, dC, db) from the marked pairs, or from ``backward_gemm`` when the bits mark too much
+    (``DENSE_FALLBACK``), the options need every pair, or the inputs need what the sparse kernels
+    do not do yet (a bias, a gradient into the lse: ``lse_grad``); arguments as ``cce_backward``'s
+    (``n_chunk`` and ``v_chunk`` reach only the fallback). The sparse kernels compute dE and dC
+    both and hand back those ``need`` asks for."""
+    dtype = E.dtype
+    cfg = configs.sparse_for(dtype)
+    reason = why_dense(activity, o, cfg.BLOCK_V, bias, lse_grad)
+    plan = None
+    if reason is None:
+        plan = _plan(E, C, x, lse, up, activity, o, cfg)
+        reason = plan.get("dense")
+    if reason is not None:
+        order = activity.order if activity is not None else None
+        if order is None and o.sort_vocab:
+            order = vocabulary_order(E, C)
+        grads = backward_gemm(E, C, x, lse, up, order, o, configs.backward_gemm_for(dtype),
+                              n_chunk, v_chunk, stats, bias, need)
+        if stats is not None:
+            stats.update(fallback=reason, density=plan["density"] if plan else None)
+        return grads
+    dE, dC = _sparse(E, C, x, lse, up, activity, o, cfg, plan, stats)
+    return dE if need[0] else None, dC if need[1] else None, None
+
+
+def _plan(E, C, x, lse, up, activity, o, cfg) -> dict:
+    """Fix the bits up (step 1 of the module doc) and decide: {"dense": reason} or the counts."""
+    N = E.shape[0]
+    bits = activity.bits
+    T, BV = activity.tiles, activity.block_v
+    # Only what x decides (ignored rows, target tiles): the fix-up is the same on every call, so a
+    # second backward through the same graph (retain_graph) finds the bits as it needs them.
+    kept = x != o.ignore_index
+    if o.z_loss:
+        # The forward's bits assumed |1 + 2 zl lse| <= 2 (it halved eps); past that, every pair.
+        factor = (1 + 2 * o.z_loss * lse).abs()
+        if bool(((factor > 2) & kept).any()):
+            return {"dense": "z-loss factor |1 + 2 zl lse| > 2 in some row", "density": None}
+    bits[:, ~kept] = 0
+    rows = kept.nonzero()[:, 0]
+    target = x[rows].long()
+    if activity.order is not None:
+        position = torch.empty_like(activity.order)
+        position[activity.order] = torch.arange(activity.order.numel(), device=E.device)
+        target = position[target]
+    set_bits(bits, target // BV, rows)
+    per_row = popcount_rows(bits)
+    n_kept = int(kept.sum())
+    marked = int(per_row.sum())
+    density = marked / max(1, n_kept * T)
+    plan = {"per_row": per_row, "kept_rows": n_kept, "marked": marked, "density": density, "kept": kept}
+    if density > DENSE_FALLBACK:
+        plan["dense"] = f"the bits mark {density:.0%} of the pairs (> {DENSE_FALLBACK:.0%})"
+        return plan
+    # Y must hold at least one row's packs (one per marked tile); 4 rows' worth at the least.
+    plan["min_lanes"] = 4 * max(1, int(per_row.max())) * cfg.BLOCK_N
+    return plan
+
+
+def _y_lanes(E, C) -> int:
+    V, D = C.shape
+    lanes = V * D * E.element_size() // (4 * D)
+    return min(lanes, Y_LANES) if Y_LANES else lanes
+
+
+def _y_in(dC: torch.Tensor, lanes: int, D: int) -> torch.Tensor:
+    """(lanes, D) fp32 laid over dC's memory (dC is written only after the last use of Y)."""
+    flat = dC.view(-1)
+    if flat.dtype != torch.float32:
+        flat = flat[: flat.numel() // 2 * 2].view(torch.float32)
+    return flat[: lanes * D].view(lanes, D)
+
+
+def _packs(tiles: torch.Tensor, rows: torch.Tensor, t0: int, n_tiles: int, P: int):
+    """Gather each tile's rows (pairs ordered by tile, then row) into packs of P:
+    (pack_rows (packs, P) int32 with -1 in empty lanes, pack_tile (packs,) int32,
+    tile_packs (n_tiles + 1,) int64, lane of each pair (pairs,) int64)."""
+    device = rows.device
+    local = tiles - t0
+    counts = torch.bincount(local, minlength=n_tiles)
+    per_tile = (counts + P - 1) // P
+    tile_packs = torch.zeros(n_tiles + 1, dtype=torch.int64, device=device)
+    torch.cumsum(per_tile, 0, out=tile_packs[1:])
+    first_pair = torch.cumsum(counts, 0) - counts
+    position = torch.arange(rows.numel(), device=device) - first_pair[local]
+    pack = tile_packs[local] + position // P
+    n_packs = int(tile_packs[-1])
+    pack_rows = torch.full((n_packs, P), -1, dtype=torch.int32, device=device)
+    pack_rows[pack, position % P] = rows.to(torch.int32)
+    pack_tile = torch.repeat_interleave(torch.arange(t0, t0 + n_tiles, dtype=torch.int32, device=device),
+                                        per_tile)
+    return pack_rows, pack_tile, tile_packs, pack * P + position % P
+
+
+def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict, stats: dict | None):
+    N, D = E.shape
+    V = C.shape[0]
+    dtype, device = E.dtype, E.device
+    bits, order = activity.bits, activity.order
+    T, P, BV = activity.tiles, cfg.BLOCK_N, activity.block_v
+    lb = (N + V) * D * E.element_size()
+    dE = torch.empty(N, D, dtype=dtype, device=device)
+    dC = torch.empty(V, D, dtype=dtype, device=device)
+    counting = stats is not None
+    common = dict(
+        BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, HAS_SOFTCAP=o.softcap is not None,
+        HAS_BIAS=False, SORTED=order is not None, DOT_PRECISION=dot_precision(dtype), **cfg.launch)
+    gather = (E, C, x, lse, up.coef, lse, order if order is not None else lse)  # lse: no bias, no order
+    strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0), up.coef.stride(0))
+    options = (o.softcap if o.softcap is not None else 1.0, o.filter_eps)
+    unpack_bytes = max(8 * MiB, lb // 64)  # the bits of one block, one byte per pair while unpacked
+    counters = dict(launches=0, row_blocks=0, tile_ranges=0, pack_lanes=0, pack_lanes_dC=0)
+    kept_pairs = torch.zeros((), dtype=torch.int64, device=device)
+    kept_mass = torch.zeros(N, dtype=torch.float32, device=device) if counting else None
+
+    # 2. dE, row block by row block; Y over dC's memory (its own buffer only when dC is too small
+    # to hold a few rows' packs: tiny vocabularies).
+    lanes = _y_lanes(E, C)
+    if lanes >= plan["min_lanes"]:
+        Y = _y_in(dC, lanes, D)
+    else:
+        lanes = plan["min_lanes"]
+        Y = torch.empty(lanes, D, dtype=torch.float32, device=device)
+    ends = torch.cumsum(plan["per_row"], 0).tolist()  # marked pairs up to each row (one sync)
+    block_r = 256 if device.type == "cuda" else 16
+    n0 = 0
+    while n0 < N:
+        # As many rows as their pairs fill ~2/3 of Y (the rest for the packs' empty lanes) and
+        # their unpacked bits fit unpack_bytes; halved until the packs fit.
+        before = ends[n0 - 1] if n0 else 0
+        n1 = min(bisect_right(ends, before + lanes * 2 // 3, lo=n0), n0 + max(1, unpack_bytes // T))
+        n1 = max(n1, n0 + 1)
+        while True:
+            tiles, rows = marked_pairs(bits, 0, T, n0, n1)
+            pack_rows, pack_tile, _, slot = _packs(tiles, rows, 0, T, P)
+            if pack_rows.shape[0] * P <= lanes or n1 == n0 + 1:
+                break
+            n1 = n0 + max(1, (n1 - n0) // 2)
+        n_packs = pack_rows.shape[0]
+        if n_packs:
+            stat_kept = torch.empty(n_packs * P, dtype=torch.int8, device=device) if counting else Y
+            stat_mass = torch.empty(n_packs * P, dtype=torch.float32, device=device) if counting else Y
+            sparse_dE_pack_kernel[(n_packs,)](
+                *gather, pack_rows, pack_tile, Y, stat_kept, stat_mass,
+                V, D, *strides, Y.stride(0), *options, STATS=counting, **common)
+            counters["launches"] += 1
+            counters["pack_lanes"] += n_packs * P
+            if counting:
+                kept_pairs += stat_kept.sum()
+                kept_mass.index_add_(0, rows, stat_mass[slot])
+        # Each row's slots in tile order (pairs are ordered by tile, then row: a stable sort by row).
+        by_row = torch.sort(rows, stable=True)
+        row_slots = slot[by_row.indices]
+        row_start = torch.zeros(n1 - n0 + 1, dtype=torch.int64, device=device)
+        torch.cumsum(torch.bincount(rows - n0, minlength=n1 - n0), 0, out=row_start[1:])
+        sparse_dE_reduce_kernel[(n1 - n0, triton.cdiv(D, block_r))](
+            Y, row_start, row_slots, up.w, dE, n0, D, Y.stride(0), dE.stride(0), dE.stride(1),
+            BLOCK_R=block_r)
+        counters["launches"] += 1
+        counters["row_blocks"] += 1
+        n0 = n1
+
+    # 3. dC, tile range by tile range: Gc for the range's packs, then each tile's rows, once.
+    per_tile = count_tiles(bits, T)
+    pack_bytes = ((per_tile + P - 1) // P) * (P * BV * E.element_size())
+    gc_bytes = GC_BYTES or max(lb // 40, 4 * MiB, int(pack_bytes.max()))
+    gc_bytes = max(gc_bytes, int(pack_bytes.max()))
+    Gc = torch.empty(max(1, gc_bytes // E.element_size()), dtype=dtype, device=device)
+    tile_ends = torch.cumsum(pack_bytes, 0).tolist()
+    t0 = 0
+    while t0 < T:
+        before = tile_ends[t0 - 1] if t0 else 0
+        t1 = min(bisect_right(tile_ends, before + gc_bytes, lo=t0), t0 + max(1, unpack_bytes // N))
+        t1 = max(t1, t0 + 1)
+        tiles, rows = marked_pairs(bits, t0, t1, 0, N)
+        pack_rows, pack_tile, tile_packs, _ = _packs(tiles, rows, t0, t1 - t0, P)
+        n_packs = pack_rows.shape[0]
+        if n_packs:
+            sparse_g_kernel[(n_packs,)](
+                *gather, pack_rows, pack_tile, up.w_rel, Gc, V, D, *strides, *options, **common)
+            counters["launches"] += 1
+            counters["pack_lanes_dC"] += n_packs * P
+        sparse_dC_kernel[(t1 - t0, triton.cdiv(D, cfg.BLOCK_D))](
+            E, Gc, pack_rows, tile_packs, order if order is not None else tile_packs, up.w_scale, dC,
+            t0, V, D, E.stride(0), E.stride(1), dC.stride(0), dC.stride(1),
+            BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, SORTED=order is not None,
+            DOT_PRECISION=dot_precision(dtype), **cfg.launch)
+        counters["launches"] += 1
+        counters["tile_ranges"] += 1
+        t0 = t1
+
+    if counting:
+        pairs = plan["kept_rows"] * T
+        kept = int(kept_pairs)
+        lost = (1.0 - kept_mass).clamp_(min=0.0)[plan["kept"]]
+        stats.update(
+            counters, fallback=None, density=plan["density"], pairs=pairs, marked=plan["marked"],
+            kept_pairs=kept, tiles=pairs, skipped=pairs - kept,
+            # Tile products done (2 per pack lane in each pass) against the "gemm" backward's 3 on N x T.
+            work_fraction=2 * (counters["pack_lanes"] + counters["pack_lanes_dC"]) / (3 * N * T),
+            skipped_mass_max=float(lost.max()) if lost.numel() else 0.0,
+            skipped_mass_mean=float(lost.mean()) if lost.numel() else 0.0,
+            eps=o.filter_eps, block_v=BV, pack_rows=P, y_in_dC=Y.data_ptr() == dC.data_ptr(),
+            extra_bytes=activity.nbytes() + Gc.numel() * Gc.element_size()
+            + (0 if Y.data_ptr() == dC.data_ptr() else Y.numel() * 4),
+        )
+    return dE, dC

@@ -1,0 +1,218 @@
+"""The "sparse" backward's kernels: only the (row, vocabulary tile) pairs the forward marked.
+
+The forward marked, per row, the tiles whose softmax mass may reach eps (``lse_forward.py``, bits
+in ``helpers.cce.activity``). The host gathers, tile by tile, the marked rows into packs of BLOCK_N
+rows (``pack_rows``: row indices, -1 in empty lanes; ``pack_tile``: the pack's tile), and these
+kernels compute only packs. Every kernel writes each output element once, in a fixed order: no
+atomics, the results are bitwise repeatable.
+
+``pack_gradient`` rebuilds a pack's (BLOCK_N, BLOCK_V) logit tile from the gathered rows of E and
+the tile's rows of C and forms G (``gradient_and_softmax_tile``: the G of every other backward),
+then applies the exact filter rule per row: a row whose |G| mass in the tile is below eps gets
+G = 0 (the bits over-mark; what they let through is judged here, exactly).
+
+dE, per block of rows (host: ``helpers.cce.backward_sparse``), a segmented reduction:
+
+    sparse_dE_pack_kernel     Y[slot] = G_row C_tile         (one fp32 row of D per pack lane)
+    sparse_dE_reduce_kernel   dE_i = w_i sum_{slots of i} Y[slot], in tile order, rounded once
+
+dC, per range of tiles, with the packs of every row:
+
+    sparse_g_kernel           Gc[pack] = w_rel G             (BLOCK_N, BLOCK_V) in E's dtype
+    sparse_dC_kernel          dC_tile = w_scale sum_packs Gc^T E[pack rows]   (fp32 accumulator,
+                              one program per (tile, D block) owns its dC rows: written once)
+
+G is computed twice per pack (once for dE, once for dC): four tile products instead of the
+"gemm" backward's three, on the marked pairs only. Why not once: dC needs every row of a tile
+before its rows can be written, dE every tile of a row; keeping G between the two would cost
+pairs x BLOCK_V x itemsize bytes (0.1-0.3 LB at the heads), recomputing costs one product on a few
+percent of the pairs. Reference: autograd through ``helpers.spec.reference_loss``.
+"""
+
+import triton
+import triton.language as tl
+
+from helpers.cce.kernels.gradient import gradient_and_softmax_tile
+
+
+@triton.jit
+def pack_gradient(
+    E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr,
+    pack_rows_ptr, pack_tile_ptr, pack,
+    V, D,
+    stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
+    softcap, eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SORTED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """(G, rows, row_mask, keep, softmax mass per row, cols, col_mask) of pack ``pack``: G is
+    (BLOCK_N, BLOCK_V) fp32, zero in rows the filter drops (keep = 0), empty lanes and padding."""
+    lanes = tl.arange(0, BLOCK_N)
+    rows = tl.load(pack_rows_ptr + pack.to(tl.int64) * BLOCK_N + lanes)
+    row_mask = rows >= 0
+    rows = tl.where(row_mask, rows, 0).to(tl.int64)
+    tile = tl.load(pack_tile_ptr + pack).to(tl.int64)
+    local_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)  # vocabulary positions
+    col_mask = local_v < V
+    if SORTED:
+        cols = tl.load(vocab_order_ptr + local_v, mask=col_mask, other=0).to(tl.int64)
+    else:
+        cols = local_v
+    G, S = gradient_and_softmax_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols,
+                                     row_mask, col_mask, V, D,
+                                     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
+                                     softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION)
+    # [Gradient filter, per row] the rule of every backward, decided for each row on its own.
+    keep = tl.sum(tl.abs(G), axis=1) >= eps
+    G = tl.where(keep[:, None], G, 0.0)
+    return G, rows, row_mask, keep, tl.sum(S, axis=1), cols, col_mask
+
+
+@triton.jit
+def sparse_dE_pack_kernel(
+    E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,  # as ``gradient_tile``'s: coef (3, N) fp32 a, b, c
+    vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
+    pack_rows_ptr, pack_tile_ptr,  # (packs, BLOCK_N) int32 rows (-1: empty lane); (packs,) int32 tiles
+    Y_ptr,  # (packs * BLOCK_N, D) fp32: G_row C_tile of each lane
+    kept_ptr, mass_ptr,  # (packs * BLOCK_N,) int8 / fp32: filter's verdict, kept softmax mass (STATS)
+    V, D,
+    stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, stride_Y,
+    softcap, eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SORTED: tl.constexpr,
+    STATS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    G, rows, row_mask, keep, s_mass, cols, col_mask = pack_gradient(
+        E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, pack_rows_ptr, pack_tile_ptr,
+        pid, V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap, eps,
+        BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, SORTED, DOT_PRECISION)
+    slots = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if STATS:
+        tl.store(kept_ptr + slots, keep.to(tl.int8))
+        tl.store(mass_ptr + slots, tl.where(keep, s_mass, 0.0))
+    # Y = G C_tile, walking D. Unscaled G in the input dtype (as every backward's dE product).
+    G_dt = G.to(E_ptr.dtype.element_ty)
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + offs_d
+        d_mask = d < D
+        c = tl.load(C_ptr + cols[:, None] * stride_Cv + d[None, :] * stride_Cd,
+                    mask=col_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_V, BLOCK_D)
+        # (c^T G^T)^T, not tl.dot(G_dt, c): the form that keeps the logit accumulator's cast out
+        # of sm_90's register operands across this loop (see ``backward_atomic.py``: ptxas reused
+        # those registers and dE came out wrong on the H200).
+        y = tl.trans(tl.dot(tl.trans(c), tl.trans(G_dt), input_precision=DOT_PRECISION))
+        tl.store(Y_ptr + slots[:, None] * stride_Y + d[None, :], y,
+                 mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def sparse_dE_reduce_kernel(
+    Y_ptr,  # (slots, D) fp32
+    row_start_ptr,  # (rows + 1,) int64: row r's slots are row_slots[row_start[r]:row_start[r + 1]]
+    row_slots_ptr,  # (pairs,) int64, each row's in tile order
+    w_ptr,  # (N,) fp32 each row's weight w (``helpers.cce.gradients.RowGradient``)
+    dE_ptr,  # (N, D) in E's dtype
+    row0, D,
+    stride_Y, stride_dEn, stride_dEd,
+    BLOCK_R: tl.constexpr,
+):
+    r = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d_mask = d < D
+    start = tl.load(row_start_ptr + r)
+    end = tl.load(row_start_ptr + r + 1)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for j in range(start, end):  # a fixed order: the same sum, to the bit, on every run
+        slot = tl.load(row_slots_ptr + j)
+        acc += tl.load(Y_ptr + slot * stride_Y + d, mask=d_mask, other=0.0)
+    row = row0 + r.to(tl.int64)
+    w = tl.load(w_ptr + row)
+    tl.store(dE_ptr + row * stride_dEn + d * stride_dEd, (acc * w).to(dE_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def sparse_g_kernel(
+    E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,  # as ``gradient_tile``'s: coef (3, N) fp32 a, b, c
+    vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
+    pack_rows_ptr, pack_tile_ptr,
+    w_rel_ptr,  # (N,) fp32: w / w_scale
+    Gc_ptr,  # (packs, BLOCK_N, BLOCK_V) in E's dtype: w_rel G of each pack
+    V, D,
+    stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
+    softcap, eps,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SORTED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    G, rows, row_mask, keep, s_mass, cols, col_mask = pack_gradient(
+        E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, pack_rows_ptr, pack_tile_ptr,
+        pid, V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap, eps,
+        BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, SORTED, DOT_PRECISION)
+    # dC's operand carries w relative to its maximum (w_rel <= 1: no fp16 underflow of w S).
+    w_rel = tl.load(w_rel_ptr + rows, mask=row_mask, other=0.0)
+    lanes = tl.arange(0, BLOCK_N)
+    v = tl.arange(0, BLOCK_V)
+    tl.store(Gc_ptr + pid.to(tl.int64) * BLOCK_N * BLOCK_V + lanes[:, None] * BLOCK_V + v[None, :],
+             (G * w_rel[:, None]).to(Gc_ptr.dtype.element_ty))
+
+
+@triton.jit
+def sparse_dC_kernel(
+    E_ptr,  # (N, D)
+    Gc_ptr,  # (packs, BLOCK_N, BLOCK_V) from ``sparse_g_kernel``
+    pack_rows_ptr,  # (packs, BLOCK_N) int32
+    tile_packs_ptr,  # (tiles + 1,) int64: tile t's packs are [tile_packs[t], tile_packs[t + 1])
+    vocab_order_ptr,
+    w_scale_ptr,  # (1,) fp32: max w
+    dC_ptr,  # (V, D) in E's dtype
+    tile0, V, D,
+    stride_En, stride_Ed, stride_dCv, stride_dCd,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SORTED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    local_v = (tile0 + t).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = local_v < V
+    if SORTED:
+        cols = tl.load(vocab_order_ptr + local_v, mask=col_mask, other=0).to(tl.int64)
+    else:
+        cols = local_v
+    p0 = tl.load(tile_packs_ptr + t)
+    p1 = tl.load(tile_packs_ptr + t + 1)
+    lanes = tl.arange(0, BLOCK_N)
+    v = tl.arange(0, BLOCK_V)
+    acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+    for p in range(p0, p1):  # every marked row of the tile, pack by pack, in one fixed order
+        rows = tl.load(pack_rows_ptr + p * BLOCK_N + lanes)
+        row_mask = rows >= 0
+        rows = tl.where(row_mask, rows, 0).to(tl.int64)
+        gT = tl.load(Gc_ptr + p * BLOCK_N * BLOCK_V + lanes[None, :] * BLOCK_V + v[:, None])  # (BLOCK_V, BLOCK_N)
+        e = tl.load(E_ptr + rows[:, None] * stride_En + d[None, :] * stride_Ed,
+                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        acc = tl.dot(gT, e, acc, input_precision=DOT_PRECISION)
+    # A tile no row marked gets zeros: every row of dC is written here, once.
+    w_scale = tl.load(w_scale_ptr)
+    tl.store(dC_ptr + cols[:, None] * stride_dCv + d[None, :] * stride_dCd,
+             (acc * w_scale).to(dC_ptr.dtype.element_ty), mask=col_mask[:, None] & d_mask[None, :])
