@@ -159,15 +159,9 @@ def _plan(E, C, x, lse, up, activity, o, cfg) -> dict:
     if density > DENSE_FALLBACK:
         plan["dense"] = f"the bits mark {density:.0%} of the pairs (> {DENSE_FALLBACK:.0%})"
         return plan
-    # Y must hold at least one row's packs (one per marked tile); 4 rows' worth at the least.
-    plan["min_lanes"] = 4 * max(1, int(per_row.max())) * cfg.BLOCK_N
+    # Y must hold one row's packs (one per marked tile) at the least.
+    plan["row_lanes"] = max(1, int(per_row.max())) * cfg.BLOCK_N
     return plan
-
-
-def _y_lanes(E, C) -> int:
-    V, D = C.shape
-    lanes = V * D * E.element_size() // (4 * D)
-    return min(lanes, Y_LANES) if Y_LANES else lanes
 
 
 def _y_in(dC: torch.Tensor, lanes: int, D: int) -> torch.Tensor:
@@ -220,14 +214,16 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     kept_pairs = torch.zeros((), dtype=torch.int64, device=device)
     kept_mass = torch.zeros(N, dtype=torch.float32, device=device) if counting else None
 
-    # 2. dE, row block by row block; Y over dC's memory (its own buffer only when dC is too small
-    # to hold a few rows' packs: tiny vocabularies).
-    lanes = _y_lanes(E, C)
-    if lanes >= plan["min_lanes"]:
+    # 2. dE, row block by row block; Y over dC's memory (its own buffer only when dC cannot hold
+    # one row's packs: tiny vocabularies).
+    lanes = V * D * E.element_size() // (4 * D)
+    if lanes >= plan["row_lanes"]:
         Y = _y_in(dC, lanes, D)
     else:
-        lanes = plan["min_lanes"]
+        lanes = 4 * plan["row_lanes"]
         Y = torch.empty(lanes, D, dtype=torch.float32, device=device)
+    if Y_LANES:  # tests: as few lanes as one row needs
+        lanes = min(lanes, max(Y_LANES, plan["row_lanes"]))
     ends = torch.cumsum(plan["per_row"], 0).tolist()  # marked pairs up to each row (one sync)
     block_r = 256 if device.type == "cuda" else 16
     n0 = 0
@@ -244,6 +240,8 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
                 break
             n1 = n0 + max(1, (n1 - n0) // 2)
         n_packs = pack_rows.shape[0]
+        if n_packs * P > lanes:  # cannot happen: one row's packs fit by construction
+            raise RuntimeError(f"sparse backward: {n_packs * P} Y lanes needed, {lanes} available")
         if n_packs:
             stat_kept = torch.empty(n_packs * P, dtype=torch.int8, device=device) if counting else Y
             stat_mass = torch.empty(n_packs * P, dtype=torch.float32, device=device) if counting else Y

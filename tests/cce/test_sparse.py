@@ -1,0 +1,286 @@
+"""The "sparse" backward (``backward_impl="sparse"``) against float64, on the CPU.
+
+The sparse backward drops, per row, the tiles whose |G| mass is below eps, so its reference is the
+float64 gradient with that rule applied exactly (``filtered_reference``): the sparse path must match
+it within rounding, whatever the forward's bits over-marked, however rows and tiles were blocked. Its
+distance to the unfiltered spec is the dropped mass, bounded by the rule and reported in ``stats``.
+Shapes are irregular (partial tiles, packs and row blocks everywhere); inputs come from the two
+regimes of ``helpers.compare.inputs``: ``realistic`` (sparse) and ``uniform`` (dense: the sparse
+path hands over to "gemm", or, forced to run, must equal it within rounding).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import helpers.cce.backward_sparse as sparse  # noqa: E402
+import helpers.cce.forward as forward  # noqa: E402
+from helpers.cce import cce_backward, cce_forward, linear_cross_entropy, resolve_options  # noqa: E402
+from helpers.cce.activity import marked_pairs  # noqa: E402
+from helpers.cce.kernels.configs import tier  # noqa: E402
+from helpers.compare.inputs import make_inputs  # noqa: E402
+from helpers.spec import reference_loss_and_grads, relative_error  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+N, V, D = 45, 700, 24  # 3 row blocks of the forward's 16, 44 tiles of 16 columns (the last partial)
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+EPS = 2.0**-12  # coarse enough that the realistic regime skips most pairs at this size
+
+
+@pytest.fixture(autouse=True)
+def small_shapes(monkeypatch):
+    """A pilot of 128 sorted positions, so that both forward launches (pilot, splits) run; and the
+    dense fallback at 90% of the pairs (at these sizes the realistic regime marks 30-60%)."""
+    monkeypatch.setattr(forward, "PILOT_COLUMNS", 128)
+    monkeypatch.setattr(sparse, "DENSE_FALLBACK", 0.9)
+
+
+def inputs(dtype, regime="realistic", n=N, v=V, d=D, ignore=(), seed=1):
+    E, C, x = make_inputs(n, v, d, torch.float32, "cpu", regime=regime, seed=seed)
+    x[list(ignore)] = -100
+    return E.to(dtype).to(DEVICE), C.to(dtype).to(DEVICE), x.to(DEVICE)
+
+
+def upstream(reduction, n=N):
+    if reduction == "none":
+        return torch.randn(n, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    return torch.tensor(1.7, device=DEVICE)
+
+
+def filtered_reference(E, C, x, go, eps, order, block_v, *, reduction="mean", softcap=None, z_loss=0.0):
+    """(dE, dC) in float64 with the sparse rule applied exactly: a row's G in a tile (of sorted
+    positions when ``order``) is dropped when its |G| mass there is below eps."""
+    n, v = E.shape[0], C.shape[0]
+    kept = x != -100
+    z = E.double() @ C.double().T
+    t = None
+    if softcap is not None:
+        t = torch.tanh(z / softcap)
+        z = softcap * t
+    lse = torch.logsumexp(z, dim=1)
+    G = torch.exp(z - lse[:, None]) * (1 + 2 * z_loss * lse)[:, None]
+    G[torch.arange(n)[kept], x[kept]] -= 1
+    if t is not None:
+        G = G * (1 - t * t)
+    G[~kept] = 0
+    order = order if order is not None else torch.arange(v)
+    tiles = -(-v // block_v)
+    Gs = torch.nn.functional.pad(G[:, order], (0, tiles * block_v - v)).view(n, tiles, block_v)
+    Gs = Gs * (Gs.abs().sum(-1, keepdim=True) >= eps)
+    G = torch.empty_like(G)
+    G[:, order] = Gs.view(n, -1)[:, :v]
+    n_kept = kept.sum()
+    g = go.double() if reduction == "none" else go.double().expand(n) / (n_kept if reduction == "mean" else 1)
+    G = G * torch.where(kept, g, 0.0)[:, None]
+    return G @ C.double(), G.T @ E.double()
+
+
+def run_sparse(E, C, x, go, *, eps=EPS, sort=False, reduction="mean", stats=None, **options):
+    """The sparse backward through cce_forward / cce_backward (so the test holds the bits)."""
+    dtype = E.dtype
+    o = resolve_options(dtype, filter_eps=eps, sort_vocab=sort, reduction=reduction, **options)
+    _, lse, activity = cce_forward(E, C, x, o, v_splits=3, emit_activity=True)
+    grad_rows = go.float().expand(E.shape[0]) if go.dim() == 0 else go.float()
+    if reduction == "mean":
+        grad_rows = grad_rows / (x != -100).sum().clamp(min=1)
+    dE, dC, _ = cce_backward(E, C, x, lse, grad_rows, o, stats=stats, backward_impl="sparse", activity=activity)
+    return dE, dC, activity
+
+
+CASES = {
+    "mean": dict(),
+    "sum_sorted": dict(reduction="sum", sort=True),
+    "none_ignored": dict(reduction="none", ignore=[0, 7, 44]),
+    "softcap_sorted": dict(softcap=15.0, sort=True, ignore=[5]),
+    "z_loss": dict(z_loss=1e-3, reduction="none"),
+    "everything_sorted": dict(z_loss=1e-3, softcap=15.0, reduction="none", ignore=[1, 30], sort=True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_the_filtered_float64_gradient(case, dtype):
+    opts = dict(CASES[case])
+    ignore, sort, reduction = opts.pop("ignore", ()), opts.pop("sort", False), opts.get("reduction", "mean")
+    E, C, x = inputs(dtype, ignore=ignore)
+    go = upstream(reduction)
+    stats = {}
+    dE, dC, act = run_sparse(E, C, x, go, sort=sort, stats=stats, **opts)
+    assert stats["fallback"] is None, stats["fallback"]
+    assert 0 < stats["kept_pairs"] <= stats["marked"] < stats["pairs"]
+    rdE, rdC = filtered_reference(E, C, x, go, EPS, act.order, act.block_v, **opts)
+    assert dE.dtype == dtype and dC.dtype == dtype
+    assert relative_error(dE, rdE) < TOL[dtype], relative_error(dE, rdE)
+    assert relative_error(dC, rdC) < TOL[dtype], relative_error(dC, rdC)
+    # Against the unfiltered spec, the gradient that was dropped: bounded by the mass each row lost.
+    spec = {k: v for k, v in opts.items() if k in ("softcap", "z_loss")}
+    _, sdE, sdC = reference_loss_and_grads(E, C, x, go, reduction=reduction, **spec)
+    assert relative_error(dE, sdE) < 0.05 and stats["skipped_mass_max"] < act.tiles * EPS
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_uniform_hands_over_to_gemm(dtype):
+    """A dense softmax: the bits mark every pair, "gemm" runs, and its result is the gemm's."""
+    E, C, x = inputs(dtype, regime="uniform")
+    go = upstream("mean")
+    stats = {}
+    dE, dC, _ = run_sparse(E, C, x, go, stats=stats)
+    assert stats["fallback"] and "mark" in stats["fallback"] and stats["density"] > 0.9
+    o = resolve_options(dtype, filter_eps=EPS)
+    _, lse = cce_forward(E, C, x, o, v_splits=3)
+    gE, gC, _ = cce_backward(E, C, x, lse, go.float().expand(N) / N, o, backward_impl="gemm")
+    assert torch.equal(dE, gE) and torch.equal(dC, gC)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_uniform_forced_sparse_equals_gemm(dtype, monkeypatch):
+    """Forced past the fallback on a dense softmax, the sparse kernels compute every pair and agree
+    with the "gemm" backward within rounding (nothing is below eps on this softmax)."""
+    monkeypatch.setattr(sparse, "DENSE_FALLBACK", 1.01)
+    E, C, x = inputs(dtype, regime="uniform", ignore=[4])
+    go = upstream("none")
+    stats = {}
+    dE, dC, _ = run_sparse(E, C, x, go, reduction="none", stats=stats)
+    assert stats["fallback"] is None and stats["kept_pairs"] == stats["pairs"]
+    o = resolve_options(dtype, filter_eps=EPS, reduction="none")
+    _, lse = cce_forward(E, C, x, o)
+    gE, gC, _ = cce_backward(E, C, x, lse, go.float(), o, backward_impl="gemm")
+    assert relative_error(dE, gE) < TOL[dtype] and relative_error(dC, gC) < TOL[dtype]
+    _, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
+    assert relative_error(dE, rdE) < TOL[dtype] and relative_error(dC, rdC) < TOL[dtype]
+
+
+@pytest.mark.parametrize("sort", [False, True])
+def test_forward_bits_never_miss_a_tile(sort):
+    """Every (row, tile) whose softmax mass reaches eps is marked, with the vocabulary splits, the
+    pilot and the seeds; and the bits do not change the loss."""
+    E, C, x = inputs(torch.float32, ignore=[9])
+    o = resolve_options(torch.float32, filter_eps=EPS, sort_vocab=sort, softcap=20.0)
+    loss, lse, act = cce_forward(E, C, x, o, v_splits=3, emit_activity=True)
+    loss0, lse0 = cce_forward(E, C, x, o, v_splits=3)
+    torch.testing.assert_close(lse, lse0, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=1e-5)
+    z = E.double() @ C.double().T
+    z = 20.0 * torch.tanh(z / 20.0)
+    S = torch.softmax(z, dim=1)
+    if act.order is not None:
+        S = S[:, act.order]
+    T, bv = act.tiles, act.block_v
+    mass = torch.nn.functional.pad(S, (0, T * bv - V)).view(N, T, bv).sum(-1)
+    tiles, rows = marked_pairs(act.bits, 0, T, 0, N)
+    marked = torch.zeros(N, T, dtype=torch.bool)
+    marked[rows, tiles] = True
+    assert not ((mass >= EPS) & ~marked).any()
+    assert marked.sum() < 2 * (mass >= EPS).sum()  # the bound is tight enough to skip most pairs
+    assert act.pilot == (128 if sort else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_blocks_do_not_change_a_bit(dtype, monkeypatch):
+    """Small Y (many row blocks) and small Gc (many tile ranges): the same bits as one of each, and
+    two runs give the same bits (deterministic)."""
+    E, C, x = inputs(dtype, ignore=[3])
+    go = upstream("none")
+    first = run_sparse(E, C, x, go, reduction="none", sort=True, stats=(s1 := {}))
+    again = run_sparse(E, C, x, go, reduction="none", sort=True)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    monkeypatch.setattr(sparse, "Y_LANES", 1)  # the floor: one row's packs
+    monkeypatch.setattr(sparse, "GC_BYTES", 1)  # the floor: the largest tile's packs
+    blocked = run_sparse(E, C, x, go, reduction="none", sort=True, stats=(s2 := {}))
+    assert s2["row_blocks"] > s1["row_blocks"] and s2["tile_ranges"] > s1["tile_ranges"]
+    assert torch.equal(first[0], blocked[0]) and torch.equal(first[1], blocked[1])
+
+
+def test_y_lives_in_dC_when_it_fits():
+    """At a vocabulary big enough for a few rows' packs, Y costs no memory of its own."""
+    E, C, x = inputs(torch.float16, v=8195, d=16, n=20)
+    go = upstream("mean", n=20)
+    stats = {}
+    dE, dC, act = run_sparse(E, C, x, go, sort=True, stats=stats)
+    assert stats["fallback"] is None and stats["y_in_dC"]
+    assert stats["extra_bytes"] == act.nbytes() + 4 * 2**20  # the bits, the order and Gc's 4 MiB floor
+    rdE, rdC = filtered_reference(E, C, x, go, EPS, act.order, act.block_v)
+    assert relative_error(dE, rdE) < TOL[torch.float16] and relative_error(dC, rdC) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("options, why", [
+    (dict(label_smoothing=0.1), "label smoothing"),
+    (dict(full_c=True), "FullC"),
+    (dict(filter_eps=None), "filter is off"),
+])
+def test_options_that_need_every_pair_run_gemm(options, why):
+    E, C, x = inputs(torch.float16)
+    go = upstream("mean")
+    stats = {}
+    E_, C_ = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
+    opts = dict(dict(filter_eps=EPS), **options)
+    linear_cross_entropy(E_, C_, x, backward_impl="sparse", stats=stats, **opts).backward(go)
+    assert why in stats["fallback"]
+    spec = {k: v for k, v in options.items() if k == "label_smoothing"}
+    _, rdE, rdC = reference_loss_and_grads(E, C, x, go, **spec)
+    tol = 0.02 if options.get("full_c") else TOL[torch.float16]  # FullC: dE filtered (per row block)
+    assert relative_error(E_.grad, rdE) < tol and relative_error(C_.grad, rdC) < TOL[torch.float16]
+
+
+def test_z_loss_beyond_the_forwards_margin_runs_gemm():
+    """The forward halved eps for z-loss's factor 1 + 2 zl lse; past 2 the bits may miss: "gemm"."""
+    E, C, x = inputs(torch.float32)
+    stats = {}
+    dE, dC, _ = run_sparse(E, C, x, upstream("mean"), z_loss=1.0, stats=stats)
+    assert "z-loss" in stats["fallback"]
+
+
+def test_all_ignored():
+    E, C, x = inputs(torch.float32, ignore=range(N))
+    E_, C_ = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
+    loss = linear_cross_entropy(E_, C_, x, backward_impl="sparse", filter_eps=EPS)
+    loss.backward()
+    assert torch.isnan(loss) and not E_.grad.any() and not C_.grad.any()
+
+
+def test_auto_eps_is_a_row_budget_over_the_tiles():
+    """ "auto" under "sparse": B / T per tile (2^-10 / T in fp16: at most 2^-10 of a row's mass);
+    fp32 "auto" stays off (and so runs "gemm")."""
+    block_v = tier("interpreter").sparse_for(torch.float16).BLOCK_V
+    assert sparse.sparse_auto_eps(torch.float16, V, block_v) == 2.0**-10 / 44
+    assert sparse.sparse_auto_eps(torch.bfloat16, 256_000, 128) == 2.0**-7 / 2000
+    assert sparse.sparse_auto_eps(torch.float32, V, block_v) is None
+    assert sparse.sparse_auto_eps(torch.float16, V, block_v, label_smoothing=0.1) is None
+    E, C, x = inputs(torch.float16)
+    stats = {}
+    E_, C_ = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
+    linear_cross_entropy(E_, C_, x, backward_impl="sparse", stats=stats, sort_vocab=True).backward()
+    assert stats["eps"] == 2.0**-10 / 44
+    assert stats["fallback"] is None or "mark" in stats["fallback"]
+    assert stats["fallback"] is not None or stats["skipped_mass_max"] <= 2.0**-10 * 1.01
+
+
+def test_through_autograd_twice_with_retained_graph():
+    """The backward fixes the bits up in place; a second backward through the graph sees the same."""
+    E, C, x = inputs(torch.float16, ignore=[2])
+    E_, C_ = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
+    loss = linear_cross_entropy(E_, C_, x, backward_impl="sparse", filter_eps=EPS, sort_vocab=True,
+                                reduction="sum")
+    loss.backward(retain_graph=True)
+    first = E_.grad.clone(), C_.grad.clone()
+    E_.grad = C_.grad = None
+    loss.backward()
+    assert torch.equal(first[0], E_.grad) and torch.equal(first[1], C_.grad)
+    dE, dC, act = run_sparse(E, C, x, torch.tensor(1.0), reduction="sum", sort=True)
+    assert torch.equal(dE, first[0]) and torch.equal(dC, first[1])
+
+
+def test_non_contiguous_inputs():
+    E, C, x = inputs(torch.float32, n=2 * N, d=2 * D)
+    E_view = E.T.contiguous().T[::2, 1::2]
+    C_view = C[:, ::2]
+    x_view = torch.stack([x[:N], x[N:]], dim=1)[:, 0]
+    go = upstream("mean")
+    dE, dC, act = run_sparse(E_view, C_view, x_view, go, sort=True)
+    rdE, rdC = filtered_reference(E_view, C_view, x_view, go, EPS, act.order, act.block_v)
+    assert relative_error(dE, rdE) < TOL[torch.float32] and relative_error(dC, rdC) < TOL[torch.float32]
