@@ -20,10 +20,10 @@ The work (kernels: ``helpers/cce/kernels/backward_sparse.py``):
 1. Fix-up of the bits (in place, the same on every call): ignored rows cleared, every kept row's
    target tile marked (G there holds -1; the forward's bits see only S).
 2. dE, row block by row block: the block's marked pairs gathered per tile into packs of BLOCK_N
-   rows; each pack's G (filter applied per row) times C_tile goes to Y, one fp32 row of D per pack
-   lane; then each row sums its Y rows in tile order and is written once: dE_i = w_i sum Y.
-   Y lives in dC's memory (dC is not written yet): V * D * itemsize / (4 D) lanes, V / 2 for
-   16-bit inputs, so no scratch; a row block is as many rows as fill it.
+   rows; each pack's G (filter applied per row) times C_tile goes to Y, one fp32 row of D per
+   marked pair; then each row sums its Y rows in tile order and is written once: dE_i = w_i sum Y.
+   Y lives in dC's memory (dC is not written yet): V * D * itemsize / (4 D) pairs, V / 2 for
+   16-bit inputs, so no scratch; a row block is as many rows as their pairs fill it.
 3. dC, tile range by tile range: every row's packs of those tiles, G again (times w_rel) into Gc,
    then each tile's dC rows = w_scale sum_packs Gc^T E[pack rows], written once.
 
@@ -64,7 +64,7 @@ SPARSE_ROW_BUDGET = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.flo
 # on all of them; the GPU run will tell).
 DENSE_FALLBACK = 0.25
 # Tests shrink these to force several row blocks and tile ranges.
-Y_LANES = None  # lanes of Y in dC's memory; None: all that fit
+Y_LANES = None  # rows of Y (marked pairs) in dC's memory; None: all that fit
 GC_BYTES = None  # Gc's bytes; None: max(LB / 40, 4 MiB, the largest tile's packs)
 
 
@@ -159,8 +159,8 @@ def _plan(E, C, x, lse, up, activity, o, cfg) -> dict:
     if density > DENSE_FALLBACK:
         plan["dense"] = f"the bits mark {density:.0%} of the pairs (> {DENSE_FALLBACK:.0%})"
         return plan
-    # Y must hold one row's packs (one per marked tile) at the least.
-    plan["row_lanes"] = max(1, int(per_row.max())) * cfg.BLOCK_N
+    # Y must hold one row's pairs at the least.
+    plan["row_lanes"] = max(1, int(per_row.max()))
     return plan
 
 
@@ -175,7 +175,7 @@ def _y_in(dC: torch.Tensor, lanes: int, D: int) -> torch.Tensor:
 def _packs(tiles: torch.Tensor, rows: torch.Tensor, t0: int, n_tiles: int, P: int):
     """Gather each tile's rows (pairs ordered by tile, then row) into packs of P:
     (pack_rows (packs, P) int32 with -1 in empty lanes, pack_tile (packs,) int32,
-    tile_packs (n_tiles + 1,) int64, lane of each pair (pairs,) int64)."""
+    tile_packs (n_tiles + 1,) int64, pack_slots (packs, P) int32: each lane's pair, -1 when empty)."""
     device = rows.device
     local = tiles - t0
     counts = torch.bincount(local, minlength=n_tiles)
@@ -188,9 +188,11 @@ def _packs(tiles: torch.Tensor, rows: torch.Tensor, t0: int, n_tiles: int, P: in
     n_packs = int(tile_packs[-1])
     pack_rows = torch.full((n_packs, P), -1, dtype=torch.int32, device=device)
     pack_rows[pack, position % P] = rows.to(torch.int32)
+    pack_slots = torch.full((n_packs, P), -1, dtype=torch.int32, device=device)
+    pack_slots[pack, position % P] = torch.arange(rows.numel(), dtype=torch.int32, device=device)
     pack_tile = torch.repeat_interleave(torch.arange(t0, t0 + n_tiles, dtype=torch.int32, device=device),
                                         per_tile)
-    return pack_rows, pack_tile, tile_packs, pack * P + position % P
+    return pack_rows, pack_tile, tile_packs, pack_slots
 
 
 def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict, stats: dict | None):
@@ -209,7 +211,8 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     gather = (E, C, x, lse, up.coef, lse, order if order is not None else lse)  # lse: no bias, no order
     strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0), up.coef.stride(0))
     options = (o.softcap if o.softcap is not None else 1.0, o.filter_eps)
-    unpack_bytes = max(8 * MiB, lb // 64)  # the bits of one block, one byte per pair while unpacked
+    # The bits of one block, one byte per (row, tile) while unpacked, ~3 such temporaries alive.
+    unpack_bytes = max(4 * MiB, lb // 128)
     counters = dict(launches=0, row_blocks=0, tile_ranges=0, pack_lanes=0, pack_lanes_dC=0)
     kept_pairs = torch.zeros((), dtype=torch.int64, device=device)
     kept_mass = torch.zeros(N, dtype=torch.float32, device=device) if counting else None
@@ -228,34 +231,30 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     block_r = 256 if device.type == "cuda" else 16
     n0 = 0
     while n0 < N:
-        # As many rows as their pairs fill ~2/3 of Y (the rest for the packs' empty lanes) and
-        # their unpacked bits fit unpack_bytes; halved until the packs fit.
+        # As many rows as their marked pairs fill Y (one row of Y per pair) and their unpacked
+        # bits fit unpack_bytes (a row's pairs always fit: Y holds the largest row's at least).
         before = ends[n0 - 1] if n0 else 0
-        n1 = min(bisect_right(ends, before + lanes * 2 // 3, lo=n0), n0 + max(1, unpack_bytes // T))
+        n1 = min(bisect_right(ends, before + lanes, lo=n0), n0 + max(1, unpack_bytes // T))
         n1 = max(n1, n0 + 1)
-        while True:
-            tiles, rows = marked_pairs(bits, 0, T, n0, n1)
-            pack_rows, pack_tile, _, slot = _packs(tiles, rows, 0, T, P)
-            if pack_rows.shape[0] * P <= lanes or n1 == n0 + 1:
-                break
-            n1 = n0 + max(1, (n1 - n0) // 2)
+        tiles, rows = marked_pairs(bits, 0, T, n0, n1)
+        if rows.numel() > lanes:  # cannot happen: the counts said otherwise
+            raise RuntimeError(f"sparse backward: {rows.numel()} Y rows needed, {lanes} available")
+        pack_rows, pack_tile, _, pack_slots = _packs(tiles, rows, 0, T, P)
         n_packs = pack_rows.shape[0]
-        if n_packs * P > lanes:  # cannot happen: one row's packs fit by construction
-            raise RuntimeError(f"sparse backward: {n_packs * P} Y lanes needed, {lanes} available")
         if n_packs:
-            stat_kept = torch.empty(n_packs * P, dtype=torch.int8, device=device) if counting else Y
-            stat_mass = torch.empty(n_packs * P, dtype=torch.float32, device=device) if counting else Y
+            stat_kept = torch.empty(rows.numel(), dtype=torch.int8, device=device) if counting else Y
+            stat_mass = torch.empty(rows.numel(), dtype=torch.float32, device=device) if counting else Y
             sparse_dE_pack_kernel[(n_packs,)](
-                *gather, pack_rows, pack_tile, Y, stat_kept, stat_mass,
+                *gather, pack_rows, pack_tile, pack_slots, Y, stat_kept, stat_mass,
                 V, D, *strides, Y.stride(0), *options, STATS=counting, **common)
             counters["launches"] += 1
             counters["pack_lanes"] += n_packs * P
             if counting:
                 kept_pairs += stat_kept.sum()
-                kept_mass.index_add_(0, rows, stat_mass[slot])
-        # Each row's slots in tile order (pairs are ordered by tile, then row: a stable sort by row).
-        by_row = torch.sort(rows, stable=True)
-        row_slots = slot[by_row.indices]
+                kept_mass.index_add_(0, rows, stat_mass)
+        # Each row's pairs (= its rows of Y) in tile order: pairs are ordered by tile, then row,
+        # so a stable sort by row keeps each row's in tile order.
+        row_slots = torch.sort(rows, stable=True).indices
         row_start = torch.zeros(n1 - n0 + 1, dtype=torch.int64, device=device)
         torch.cumsum(torch.bincount(rows - n0, minlength=n1 - n0), 0, out=row_start[1:])
         sparse_dE_reduce_kernel[(n1 - n0, triton.cdiv(D, block_r))](

@@ -55,7 +55,8 @@ def _signature(kernel_name, fn, dtype):
     pointers = {
         "E_ptr": dtype, "C_ptr": dtype, "x_ptr": "i64", "vocab_order_ptr": "i64",
         "skip_count_ptr": "i32", "G_ptr": dtype, "G_exact_ptr": dtype, "tile_kept_ptr": "i8",
-        "bits_ptr": "u8", "pack_rows_ptr": "i32", "pack_tile_ptr": "i32", "kept_ptr": "i8",
+        "bits_ptr": "u8", "pack_rows_ptr": "i32", "pack_tile_ptr": "i32", "pack_slots_ptr": "i32",
+        "kept_ptr": "i8",
         "row_start_ptr": "i64", "row_slots_ptr": "i64", "tile_packs_ptr": "i64", "Gc_ptr": dtype,
     }
     if kernel_name.startswith("sparse"):

@@ -13,7 +13,7 @@ G = 0 (the bits over-mark; what they let through is judged here, exactly).
 
 dE, per block of rows (host: ``helpers.cce.backward_sparse``), a segmented reduction:
 
-    sparse_dE_pack_kernel     Y[slot] = G_row C_tile         (one fp32 row of D per pack lane)
+    sparse_dE_pack_kernel     Y[pair] = G_row C_tile         (one fp32 row of D per marked pair)
     sparse_dE_reduce_kernel   dE_i = w_i sum_{slots of i} Y[slot], in tile order, rounded once
 
 dC, per range of tiles, with the packs of every row:
@@ -78,8 +78,9 @@ def sparse_dE_pack_kernel(
     E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,  # as ``gradient_tile``'s: coef (3, N) fp32 a, b, c
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
     pack_rows_ptr, pack_tile_ptr,  # (packs, BLOCK_N) int32 rows (-1: empty lane); (packs,) int32 tiles
-    Y_ptr,  # (packs * BLOCK_N, D) fp32: G_row C_tile of each lane
-    kept_ptr, mass_ptr,  # (packs * BLOCK_N,) int8 / fp32: filter's verdict, kept softmax mass (STATS)
+    pack_slots_ptr,  # (packs, BLOCK_N) int32: each lane's pair, its row of Y (-1: empty lane)
+    Y_ptr,  # (pairs, D) fp32: G_row C_tile of each marked pair
+    kept_ptr, mass_ptr,  # (pairs,) int8 / fp32: the filter's verdict, the kept softmax mass (STATS)
     V, D,
     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, stride_Y,
     softcap, eps,
@@ -97,10 +98,11 @@ def sparse_dE_pack_kernel(
         E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, pack_rows_ptr, pack_tile_ptr,
         pid, V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap, eps,
         BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, SORTED, DOT_PRECISION)
-    slots = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Y rows are pairs, not pack lanes: the empty lanes of half-full packs take no Y memory.
+    slots = tl.load(pack_slots_ptr + pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     if STATS:
-        tl.store(kept_ptr + slots, keep.to(tl.int8))
-        tl.store(mass_ptr + slots, tl.where(keep, s_mass, 0.0))
+        tl.store(kept_ptr + slots, keep.to(tl.int8), mask=row_mask)
+        tl.store(mass_ptr + slots, tl.where(keep, s_mass, 0.0), mask=row_mask)
     # Y = G C_tile, walking D. Unscaled G in the input dtype (as every backward's dE product).
     G_dt = G.to(E_ptr.dtype.element_ty)
     offs_d = tl.arange(0, BLOCK_D)
