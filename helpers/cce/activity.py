@@ -63,14 +63,17 @@ def count_tiles(bits: torch.Tensor, T: int) -> torch.Tensor:
     return counts.reshape(-1)[:T]
 
 
-def marked_pairs(bits: torch.Tensor, t0: int, t1: int, n0: int, n1: int) -> tuple[torch.Tensor, torch.Tensor]:
+def marked_pairs(bits: torch.Tensor, t0: int, t1: int, n0: int, n1: int,
+                 count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tiles, rows) int64 of the marked pairs with tile in [t0, t1) and row in [n0, n1), ordered by
-    tile, then row. Unpacks (t1 - t0) x (n1 - n0) bytes at a time."""
+    tile, then row. Unpacks (t1 - t0) x (n1 - n0) bytes at a time. ``count``: the number of pairs,
+    when the caller knows it (from ``popcount_rows`` / ``count_tiles``): no host sync then."""
     b0, b1 = t0 // 8, -(-t1 // 8)
     sub = bits[b0:b1, n0:n1]
     unpacked = (sub[:, None, :] >> _shifts(bits.device)[None, :, None]) & 1  # (bytes, 8, rows)
     unpacked = unpacked.reshape(-1, n1 - n0)[t0 - 8 * b0 : t1 - 8 * b0]
-    idx = unpacked.nonzero()  # row-major: by tile, then row
+    # Row-major: by tile, then row.
+    idx = unpacked.nonzero() if count is None else torch.nonzero_static(unpacked, size=count)
     return idx[:, 0] + t0, idx[:, 1] + n0
 
 

@@ -32,10 +32,11 @@ runs give the same bits. When the bits mark more than ``DENSE_FALLBACK`` of the 
 softmax: early training, the ``uniform`` regime) or an option needs every pair (label smoothing,
 FullC/FullE, no filter), the "gemm" backward runs instead and ``stats["fallback"]`` says why.
 
-Memory beyond dE and dC (LB): the bits (N * T / 8 bytes), Gc (max(LB / 40, 4 MiB, the largest tile's
-packs): ~30 MB at the Gemma-2-2B head, 33.5 MB at the Qwen3 head with N = 131,072, whose first tiles
-hold every row), the pack lists of one block (int32 per marked pair, a few MB) and O(N). At the
-Gemma head 1.03 LB, Qwen3 N = 16,384 1.04 LB, N = 131,072 1.10 LB (notes).
+Memory beyond dE and dC (LB): the bits (N * T / 8 bytes) and the order (V int64), Gc (max(LB / 20,
+4 MiB, the largest tile's packs): 61 MB at the Gemma-2-2B head; at the Qwen3 head with N = 131,072
+its first tiles hold every row, 33.6 MB each), the unpacked bits and pair lists of one block or
+range (<= 3 LB / 128 and LB / 64) and O(N): <= 1.09-1.10 LB at the Gemma head and the Qwen3 head up
+to N = 16,384, ~1.11 LB at N = 131,072 (docs/speed_v3_notes.md, section 5).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ SPARSE_ROW_BUDGET = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.flo
 DENSE_FALLBACK = 0.25
 # Tests shrink these to force several row blocks and tile ranges.
 Y_LANES = None  # rows of Y (marked pairs) in dC's memory; None: all that fit
-GC_BYTES = None  # Gc's bytes; None: max(LB / 40, 4 MiB, the largest tile's packs)
+GC_BYTES = None  # Gc's bytes; None: max(LB / 20, 4 MiB, the largest tile's packs)
 
 
 def sparse_auto_eps(dtype: torch.dtype, V: int, block_v: int, label_smoothing: float = 0.0) -> float | None:
@@ -172,26 +173,35 @@ def _y_in(dC: torch.Tensor, lanes: int, D: int) -> torch.Tensor:
     return flat[: lanes * D].view(lanes, D)
 
 
-def _packs(tiles: torch.Tensor, rows: torch.Tensor, t0: int, n_tiles: int, P: int):
+def _counts(index: torch.Tensor, size: int) -> torch.Tensor:
+    """bincount without its host sync (the size is known): (size,) int64."""
+    return torch.zeros(size, dtype=torch.int64, device=index.device).scatter_add_(
+        0, index, torch.ones_like(index))
+
+
+def _packs(tiles: torch.Tensor, rows: torch.Tensor, t0: int, n_tiles: int, P: int, n_packs: int | None = None):
     """Gather each tile's rows (pairs ordered by tile, then row) into packs of P:
     (pack_rows (packs, P) int32 with -1 in empty lanes, pack_tile (packs,) int32,
-    tile_packs (n_tiles + 1,) int64, pack_slots (packs, P) int32: each lane's pair, -1 when empty)."""
+    tile_packs (n_tiles + 1,) int64, pack_slots (packs, P) int32: each lane's pair, -1 when empty).
+    ``n_packs``: their number when the caller knows it (no host sync then)."""
     device = rows.device
     local = tiles - t0
-    counts = torch.bincount(local, minlength=n_tiles)
+    counts = _counts(local, n_tiles)
     per_tile = (counts + P - 1) // P
     tile_packs = torch.zeros(n_tiles + 1, dtype=torch.int64, device=device)
     torch.cumsum(per_tile, 0, out=tile_packs[1:])
     first_pair = torch.cumsum(counts, 0) - counts
     position = torch.arange(rows.numel(), device=device) - first_pair[local]
     pack = tile_packs[local] + position // P
-    n_packs = int(tile_packs[-1])
+    if n_packs is None:
+        n_packs = int(tile_packs[-1])  # the grid's size: one host sync
+    lane = position % P
     pack_rows = torch.full((n_packs, P), -1, dtype=torch.int32, device=device)
-    pack_rows[pack, position % P] = rows.to(torch.int32)
+    pack_rows[pack, lane] = rows.to(torch.int32)
     pack_slots = torch.full((n_packs, P), -1, dtype=torch.int32, device=device)
-    pack_slots[pack, position % P] = torch.arange(rows.numel(), dtype=torch.int32, device=device)
+    pack_slots[pack, lane] = torch.arange(rows.numel(), dtype=torch.int32, device=device)
     pack_tile = torch.repeat_interleave(torch.arange(t0, t0 + n_tiles, dtype=torch.int32, device=device),
-                                        per_tile)
+                                        per_tile, output_size=n_packs)
     return pack_rows, pack_tile, tile_packs, pack_slots
 
 
@@ -211,8 +221,10 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     gather = (E, C, x, lse, up.coef, lse, order if order is not None else lse)  # lse: no bias, no order
     strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0), up.coef.stride(0))
     options = (o.softcap if o.softcap is not None else 1.0, o.filter_eps)
-    # The bits of one block, one byte per (row, tile) while unpacked, ~3 such temporaries alive.
-    unpack_bytes = max(4 * MiB, lb // 128)
+    # The bits of one block, one byte per (row, tile) while unpacked, ~3 such temporaries alive;
+    # and its pair lists, ~70 bytes per marked pair (int64 tiles, rows, positions; packs).
+    unpack_bytes = max(MiB, lb // 128)
+    index_pairs = max(2**14, lb // 64 // 70)
     counters = dict(launches=0, row_blocks=0, tile_ranges=0, pack_lanes=0, pack_lanes_dC=0)
     kept_pairs = torch.zeros((), dtype=torch.int64, device=device)
     kept_mass = torch.zeros(N, dtype=torch.float32, device=device) if counting else None
@@ -234,11 +246,12 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         # As many rows as their marked pairs fill Y (one row of Y per pair) and their unpacked
         # bits fit unpack_bytes (a row's pairs always fit: Y holds the largest row's at least).
         before = ends[n0 - 1] if n0 else 0
-        n1 = min(bisect_right(ends, before + lanes, lo=n0), n0 + max(1, unpack_bytes // T))
+        n1 = min(bisect_right(ends, before + min(lanes, index_pairs), lo=n0), n0 + max(1, unpack_bytes // T))
         n1 = max(n1, n0 + 1)
-        tiles, rows = marked_pairs(bits, 0, T, n0, n1)
-        if rows.numel() > lanes:  # cannot happen: the counts said otherwise
-            raise RuntimeError(f"sparse backward: {rows.numel()} Y rows needed, {lanes} available")
+        pairs = ends[n1 - 1] - before
+        if pairs > lanes:  # cannot happen: Y holds the largest row's pairs
+            raise RuntimeError(f"sparse backward: {pairs} Y rows needed, {lanes} available")
+        tiles, rows = marked_pairs(bits, 0, T, n0, n1, count=pairs)
         pack_rows, pack_tile, _, pack_slots = _packs(tiles, rows, 0, T, P)
         n_packs = pack_rows.shape[0]
         if n_packs:
@@ -256,7 +269,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         # so a stable sort by row keeps each row's in tile order.
         row_slots = torch.sort(rows, stable=True).indices
         row_start = torch.zeros(n1 - n0 + 1, dtype=torch.int64, device=device)
-        torch.cumsum(torch.bincount(rows - n0, minlength=n1 - n0), 0, out=row_start[1:])
+        torch.cumsum(_counts(rows - n0, n1 - n0), 0, out=row_start[1:])
         sparse_dE_reduce_kernel[(n1 - n0, triton.cdiv(D, block_r))](
             Y, row_start, row_slots, up.w, dE, n0, D, Y.stride(0), dE.stride(0), dE.stride(1),
             BLOCK_R=block_r)
@@ -267,18 +280,25 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     # 3. dC, tile range by tile range: Gc for the range's packs, then each tile's rows, once.
     per_tile = count_tiles(bits, T)
     pack_bytes = ((per_tile + P - 1) // P) * (P * BV * E.element_size())
-    gc_bytes = GC_BYTES or max(lb // 40, 4 * MiB, int(pack_bytes.max()))
-    gc_bytes = max(gc_bytes, int(pack_bytes.max()))
+    gc_bytes = GC_BYTES or max(lb // 20, 4 * MiB)
+    gc_bytes = max(gc_bytes, int(pack_bytes.max()))  # a tile's packs go in one launch
     Gc = torch.empty(max(1, gc_bytes // E.element_size()), dtype=dtype, device=device)
     tile_ends = torch.cumsum(pack_bytes, 0).tolist()
+    pair_ends = torch.cumsum(per_tile, 0).tolist()
+    packs_per_tile = ((per_tile + P - 1) // P).tolist()
     t0 = 0
     while t0 < T:
-        before = tile_ends[t0 - 1] if t0 else 0
-        t1 = min(bisect_right(tile_ends, before + gc_bytes, lo=t0), t0 + max(1, unpack_bytes // N))
+        # As many tiles as their packs fill Gc, their pair lists fit index_pairs and their
+        # unpacked bits fit unpack_bytes.
+        t1 = min(bisect_right(tile_ends, (tile_ends[t0 - 1] if t0 else 0) + gc_bytes, lo=t0),
+                 bisect_right(pair_ends, (pair_ends[t0 - 1] if t0 else 0) + index_pairs, lo=t0),
+                 t0 + max(1, unpack_bytes // N))
         t1 = max(t1, t0 + 1)
-        tiles, rows = marked_pairs(bits, t0, t1, 0, N)
-        pack_rows, pack_tile, tile_packs, _ = _packs(tiles, rows, t0, t1 - t0, P)
-        n_packs = pack_rows.shape[0]
+        # Pair and pack counts are known here: no host sync, the host runs ahead of the GPU.
+        pairs = pair_ends[t1 - 1] - (pair_ends[t0 - 1] if t0 else 0)
+        n_packs = sum(packs_per_tile[t0:t1])
+        tiles, rows = marked_pairs(bits, t0, t1, 0, N, count=pairs)
+        pack_rows, pack_tile, tile_packs, _ = _packs(tiles, rows, t0, t1 - t0, P, n_packs=n_packs)
         if n_packs:
             sparse_g_kernel[(n_packs,)](
                 *gather, pack_rows, pack_tile, up.w_rel, Gc, V, D, *strides, *options, **common)
