@@ -73,7 +73,14 @@ def marked_pairs(bits: torch.Tensor, t0: int, t1: int, n0: int, n1: int,
     unpacked = (sub[:, None, :] >> _shifts(bits.device)[None, :, None]) & 1  # (bytes, 8, rows)
     unpacked = unpacked.reshape(-1, n1 - n0)[t0 - 8 * b0 : t1 - 8 * b0]
     # Row-major: by tile, then row.
-    idx = unpacked.nonzero() if count is None else torch.nonzero_static(unpacked, size=count)
+    idx = None
+    if count is not None and hasattr(torch, "nonzero_static"):
+        try:
+            idx = torch.nonzero_static(unpacked, size=count)
+        except (RuntimeError, NotImplementedError):  # a build without it on this device
+            idx = None
+    if idx is None:
+        idx = unpacked.nonzero()
     return idx[:, 0] + t0, idx[:, 1] + n0
 
 

@@ -74,9 +74,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, E, C, x, bias, options: CCEOptions, configs, backward_impl="gemm", stats=None):
         activity = None
         # The sparse backward needs the forward's activity bits, when its options can skip at all
-        # (a bias is not yet supported there: it runs "gemm").
-        if backward_impl == "sparse" and bias is None and options_need_every_pair(options) is None:
-            loss_rows, lse, activity = cce_forward(E, C, x, options, configs, bias=bias, emit_activity=True)
+        # and a backward will run (a bias is not yet supported there: it runs "gemm").
+        wants_bits = backward_impl == "sparse" and any(ctx.needs_input_grad[:2])
+        if wants_bits and bias is None and options_need_every_pair(options) is None:
+            loss_rows, lse, activity = cce_forward(E, C, x, options, configs, emit_activity=True)
         else:
             loss_rows, lse = cce_forward(E, C, x, options, configs, bias=bias)
         kept = x != options.ignore_index

@@ -284,3 +284,18 @@ def test_non_contiguous_inputs():
     dE, dC, act = run_sparse(E_view, C_view, x_view, go, sort=True)
     rdE, rdC = filtered_reference(E_view, C_view, x_view, go, EPS, act.order, act.block_v)
     assert relative_error(dE, rdE) < TOL[torch.float32] and relative_error(dC, rdC) < TOL[torch.float32]
+
+
+def test_no_bits_without_a_backward(monkeypatch):
+    """Inputs that need no gradient: the forward emits no bits (and the loss is the same)."""
+    import helpers.cce.api as api
+
+    asked = []
+    real = api.cce_forward
+    monkeypatch.setattr(api, "cce_forward", lambda *a, **k: asked.append(k.get("emit_activity", False)) or real(*a, **k))
+    E, C, x = inputs(torch.float32)
+    with_grad = linear_cross_entropy(E.clone().requires_grad_(True), C, x, backward_impl="sparse",
+                                     filter_eps=EPS)
+    plain = linear_cross_entropy(E, C, x, backward_impl="sparse", filter_eps=EPS)
+    assert asked == [True, False] and with_grad.grad_fn is not None
+    torch.testing.assert_close(plain, with_grad.detach())
