@@ -74,10 +74,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, E, C, x, bias, options: CCEOptions, configs, backward_impl="gemm", stats=None):
         activity = None
         # The sparse backward needs the forward's activity bits, when its options can skip at all
-        # and a backward will run (a bias is not yet supported there: it runs "gemm").
-        wants_bits = backward_impl == "sparse" and any(ctx.needs_input_grad[:2])
-        if wants_bits and bias is None and options_need_every_pair(options) is None:
-            loss_rows, lse, activity = cce_forward(E, C, x, options, configs, emit_activity=True)
+        # and a backward will run (E, C or the bias needs a gradient).
+        wants_bits = backward_impl == "sparse" and (any(ctx.needs_input_grad[:2])
+                                                    or (bias is not None and ctx.needs_input_grad[3]))
+        if wants_bits and options_need_every_pair(options) is None:
+            loss_rows, lse, activity = cce_forward(E, C, x, options, configs, bias=bias, emit_activity=True)
         else:
             loss_rows, lse = cce_forward(E, C, x, options, configs, bias=bias)
         kept = x != options.ignore_index
@@ -150,7 +151,7 @@ def linear_cross_entropy(
     zero kept tokens (with zero gradients), as torch gives. Gradients flow to whichever of E, C
     and bias require them; the others are not computed.
 
-    bias: (V,) added to every row's logits, its gradient computed by the "gemm" backward.
+    bias: (V,) added to every row's logits, its gradient computed by the "gemm" and "sparse" backwards.
     shift: a causal LM's shift, done on the targets: position t is scored against x[..., t + 1] and
         the last position of each sequence (the last index of x's last dimension) is ignored. No
         copy of E is made (E is flattened as a view when its leading dimensions are contiguous).
@@ -200,7 +201,8 @@ def linear_cross_entropy(
         label_smoothing=label_smoothing,
     )
     if bias is not None and bias.requires_grad and backward_impl == "atomic":
-        raise ValueError('a bias that requires grad needs backward_impl="gemm" or "sparse" (the "atomic" backward has no db)')
+        raise ValueError('a bias that requires grad needs backward_impl="gemm" or "sparse" '
+                         '(the "atomic" backward has no db)')
     reason = why_unavailable(E.device, E.dtype, softcap)
     if reason:
         raise RuntimeError(f"helpers.linear_cross_entropy cannot run here: {reason}")

@@ -25,7 +25,9 @@ The work (kernels: ``helpers/cce/kernels/backward_sparse.py``):
    Y lives in dC's memory (dC is not written yet): V * D * itemsize / (4 D) pairs, V / 2 for
    16-bit inputs, so no scratch; a row block is as many rows as their pairs fill it.
 3. dC, tile range by tile range: every row's packs of those tiles, G again (times w_rel) into Gc,
-   then each tile's dC rows = w_scale sum_packs Gc^T E[pack rows], written once.
+   then each tile's dC rows = w_scale sum_packs Gc^T E[pack rows], written once. With a bias on
+   the head, its gradient comes from the same Gc: db_tile = w_scale sum_packs Gc^T 1 (the bias also
+   enters the logits the forward's bits and G are made from).
 
 Deterministic: no atomics; every sum runs in an order fixed by the data (tile, then row), so two
 runs give the same bits. When the bits mark more than ``DENSE_FALLBACK`` of the pairs (a dense
@@ -89,11 +91,10 @@ def options_need_every_pair(o: CCEOptions) -> str | None:
     return None
 
 
-def why_dense(activity: Activity | None, o: CCEOptions, block_v: int, bias=None, lse_grad: bool = False) -> str | None:
+def why_dense(activity: Activity | None, o: CCEOptions, block_v: int,
+              lse_grad: bool = False) -> str | None:
     """Why the sparse backward cannot run from this forward's state (None when it can)."""
     reason = options_need_every_pair(o)
-    if reason is None and bias is not None:
-        reason = "a bias on the head (not yet supported by the sparse kernels)"
     if reason is None and lse_grad:
         reason = "a gradient flowing into the returned lse (not yet supported by the sparse kernels)"
     if reason is None and activity is None:
@@ -108,12 +109,12 @@ def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o:
                     bias=None, need: tuple[bool, bool, bool] = (True, True, False), lse_grad: bool = False):
     """(dE, dC, db) from the marked pairs, or from ``backward_gemm`` when the bits mark too much
     (``DENSE_FALLBACK``), the options need every pair, or the inputs need what the sparse kernels
-    do not do yet (a bias, a gradient into the lse: ``lse_grad``); arguments as ``cce_backward``'s
+    do not do yet (a gradient into the lse: ``lse_grad``); arguments as ``cce_backward``'s
     (``n_chunk`` and ``v_chunk`` reach only the fallback). The sparse kernels compute dE and dC
-    both and hand back those ``need`` asks for."""
+    both (and db with a bias) and hand back those ``need`` asks for."""
     dtype = E.dtype
     cfg = configs.sparse_for(dtype)
-    reason = why_dense(activity, o, cfg.BLOCK_V, bias, lse_grad)
+    reason = why_dense(activity, o, cfg.BLOCK_V, lse_grad)
     plan = None
     if reason is None:
         plan = _plan(E, C, x, lse, up, activity, o, cfg)
@@ -127,8 +128,8 @@ def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o:
         if stats is not None:
             stats.update(fallback=reason, density=plan["density"] if plan else None)
         return grads
-    dE, dC = _sparse(E, C, x, lse, up, activity, o, cfg, plan, stats)
-    return dE if need[0] else None, dC if need[1] else None, None
+    dE, dC, db = _sparse(E, C, x, lse, up, activity, o, cfg, plan, stats, bias)
+    return dE if need[0] else None, dC if need[1] else None, db if need[2] else None
 
 
 def _plan(E, C, x, lse, up, activity, o, cfg) -> dict:
@@ -205,7 +206,7 @@ def _packs(tiles: torch.Tensor, rows: torch.Tensor, t0: int, n_tiles: int, P: in
     return pack_rows, pack_tile, tile_packs, pack_slots
 
 
-def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict, stats: dict | None):
+def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict, stats: dict | None, bias):
     N, D = E.shape
     V = C.shape[0]
     dtype, device = E.dtype, E.device
@@ -214,11 +215,13 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     lb = (N + V) * D * E.element_size()
     dE = torch.empty(N, D, dtype=dtype, device=device)
     dC = torch.empty(V, D, dtype=dtype, device=device)
+    db = torch.empty(V, dtype=bias.dtype, device=device) if bias is not None else None
     counting = stats is not None
     common = dict(
         BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, HAS_SOFTCAP=o.softcap is not None,
-        HAS_BIAS=False, SORTED=order is not None, DOT_PRECISION=dot_precision(dtype), **cfg.launch)
-    gather = (E, C, x, lse, up.coef, lse, order if order is not None else lse)  # lse: no bias, no order
+        HAS_BIAS=bias is not None, SORTED=order is not None, DOT_PRECISION=dot_precision(dtype), **cfg.launch)
+    # lse stands in for the pointers of a bias or an order there is not.
+    gather = (E, C, x, lse, up.coef, bias if bias is not None else lse, order if order is not None else lse)
     strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0), up.coef.stride(0))
     options = (o.softcap if o.softcap is not None else 1.0, o.filter_eps)
     # The bits of one block, one byte per (row, tile) while unpacked, ~3 such temporaries alive;
@@ -277,7 +280,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         counters["row_blocks"] += 1
         n0 = n1
 
-    # 3. dC, tile range by tile range: Gc for the range's packs, then each tile's rows, once.
+    # 3. dC (and db), tile range by tile range: Gc for the range's packs, then each tile's rows, once.
     per_tile = count_tiles(bits, T)
     pack_bytes = ((per_tile + P - 1) // P) * (P * BV * E.element_size())
     gc_bytes = GC_BYTES or max(lb // 20, 4 * MiB)
@@ -306,8 +309,8 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
             counters["pack_lanes_dC"] += n_packs * P
         sparse_dC_kernel[(t1 - t0, triton.cdiv(D, cfg.BLOCK_D))](
             E, Gc, pack_rows, tile_packs, order if order is not None else tile_packs, up.w_scale, dC,
-            t0, V, D, E.stride(0), E.stride(1), dC.stride(0), dC.stride(1),
-            BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, SORTED=order is not None,
+            db if db is not None else dC, t0, V, D, E.stride(0), E.stride(1), dC.stride(0), dC.stride(1),
+            BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, SORTED=order is not None, NEED_DB=db is not None,
             DOT_PRECISION=dot_precision(dtype), **cfg.launch)
         counters["launches"] += 1
         counters["tile_ranges"] += 1
@@ -328,4 +331,4 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
             extra_bytes=activity.nbytes() + Gc.numel() * Gc.element_size()
             + (0 if Y.data_ptr() == dC.data_ptr() else Y.numel() * 4),
         )
-    return dE, dC
+    return dE, dC, db

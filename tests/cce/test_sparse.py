@@ -21,9 +21,10 @@ import helpers.cce.backward_sparse as sparse  # noqa: E402
 import helpers.cce.forward as forward  # noqa: E402
 from helpers.cce import cce_backward, cce_forward, linear_cross_entropy, resolve_options  # noqa: E402
 from helpers.cce.activity import marked_pairs  # noqa: E402
+from helpers.cce.gradients import vocabulary_order  # noqa: E402
 from helpers.cce.kernels.configs import tier  # noqa: E402
 from helpers.compare.inputs import make_inputs  # noqa: E402
-from helpers.spec import reference_loss_and_grads, relative_error  # noqa: E402
+from helpers.spec import reference_logits, reference_loss_and_grads, relative_error  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N, V, D = 45, 700, 24  # 3 row blocks of the forward's 16, 44 tiles of 16 columns (the last partial)
@@ -52,44 +53,55 @@ def upstream(reduction, n=N):
     return torch.tensor(1.7, device=DEVICE)
 
 
-def filtered_reference(E, C, x, go, eps, order, block_v, *, reduction="mean", softcap=None, z_loss=0.0):
-    """(dE, dC) in float64 with the sparse rule applied exactly: a row's G in a tile (of sorted
-    positions when ``order``) is dropped when its |G| mass there is below eps."""
+def filtered_reference(E, C, x, go, eps, order, block_v, *, reduction="mean", softcap=None, z_loss=0.0,
+                       bias=None, grad_lse=None):
+    """(dE, dC, db) in float64 with the sparse rule applied exactly. Row i's gradient with respect to
+    its logits is w_i G_i with G_i = a_i S - b_i [v = x_i] (times the soft cap's chain rule) and the
+    coefficients of ``helpers.cce.gradients.RowGradient``: g_i the loss's upstream gradient, h_i the
+    lse's (``grad_lse``), w = max(|g|, |h|), a = (g (1 + 2 zl lse) + h) / w, b = g / w. A row's G in a
+    tile (of sorted positions when ``order``) is dropped when its |G| mass there is below eps."""
     n, v = E.shape[0], C.shape[0]
     kept = x != -100
-    z = E.double() @ C.double().T
+    z = reference_logits(E, C, bias=bias)
     t = None
     if softcap is not None:
         t = torch.tanh(z / softcap)
         z = softcap * t
     lse = torch.logsumexp(z, dim=1)
-    G = torch.exp(z - lse[:, None]) * (1 + 2 * z_loss * lse)[:, None]
-    G[torch.arange(n)[kept], x[kept]] -= 1
+    n_kept = kept.sum()
+    g = go.double() if reduction == "none" else go.double().expand(n) / (n_kept if reduction == "mean" else 1)
+    g = torch.where(kept, g, 0.0)
+    h = grad_lse.double() if grad_lse is not None else torch.zeros(n, dtype=torch.float64)
+    w = torch.maximum(g.abs(), h.abs())
+    safe = torch.where(w > 0, w, 1.0)
+    G = torch.exp(z - lse[:, None]) * ((g * (1 + 2 * z_loss * lse) + h) / safe)[:, None]
+    G[torch.arange(n)[kept], x[kept]] -= (g / safe)[kept]
     if t is not None:
         G = G * (1 - t * t)
-    G[~kept] = 0
     order = order if order is not None else torch.arange(v)
     tiles = -(-v // block_v)
     Gs = torch.nn.functional.pad(G[:, order], (0, tiles * block_v - v)).view(n, tiles, block_v)
     Gs = Gs * (Gs.abs().sum(-1, keepdim=True) >= eps)
     G = torch.empty_like(G)
     G[:, order] = Gs.view(n, -1)[:, :v]
-    n_kept = kept.sum()
-    g = go.double() if reduction == "none" else go.double().expand(n) / (n_kept if reduction == "mean" else 1)
-    G = G * torch.where(kept, g, 0.0)[:, None]
-    return G @ C.double(), G.T @ E.double()
+    G = G * w[:, None]
+    return G @ C.double(), G.T @ E.double(), G.sum(0)
 
 
-def run_sparse(E, C, x, go, *, eps=EPS, sort=False, reduction="mean", stats=None, **options):
-    """The sparse backward through cce_forward / cce_backward (so the test holds the bits)."""
+def run_sparse(E, C, x, go, *, eps=EPS, sort=False, reduction="mean", stats=None, bias=None, grad_lse=None,
+               need=None, **options):
+    """(dE, dC, db, activity) from the sparse backward through cce_forward / cce_backward (so the
+    test holds the bits); ``need`` (dE, dC, db) defaults to every gradient there is."""
     dtype = E.dtype
     o = resolve_options(dtype, filter_eps=eps, sort_vocab=sort, reduction=reduction, **options)
-    _, lse, activity = cce_forward(E, C, x, o, v_splits=3, emit_activity=True)
+    _, lse, activity = cce_forward(E, C, x, o, v_splits=3, bias=bias, emit_activity=True)
     grad_rows = go.float().expand(E.shape[0]) if go.dim() == 0 else go.float()
     if reduction == "mean":
         grad_rows = grad_rows / (x != -100).sum().clamp(min=1)
-    dE, dC, _ = cce_backward(E, C, x, lse, grad_rows, o, stats=stats, backward_impl="sparse", activity=activity)
-    return dE, dC, activity
+    need = need or (True, True, bias is not None)
+    dE, dC, db = cce_backward(E, C, x, lse, grad_rows, o, stats=stats, backward_impl="sparse", activity=activity,
+                              bias=bias, grad_lse=grad_lse, need=need)
+    return dE, dC, db, activity
 
 
 CASES = {
@@ -99,7 +111,16 @@ CASES = {
     "softcap_sorted": dict(softcap=15.0, sort=True, ignore=[5]),
     "z_loss": dict(z_loss=1e-3, reduction="none"),
     "everything_sorted": dict(z_loss=1e-3, softcap=15.0, reduction="none", ignore=[1, 30], sort=True),
+    # A bias on the head: in the forward's bits (sorted: each position's own entry), G and db.
+    "bias": dict(bias=True, ignore=[6]),
+    "bias_everything_sorted": dict(bias=True, z_loss=1e-3, softcap=15.0, reduction="none", ignore=[1, 30],
+                                   sort=True),
 }
+
+
+def head_bias(dtype, v=V, seed=3):
+    """A bias (V,) of the size trained heads have (~0.5): it moves which tiles carry the mass."""
+    return (0.5 * torch.randn(v, generator=torch.Generator().manual_seed(seed))).to(dtype).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -108,18 +129,22 @@ def test_matches_the_filtered_float64_gradient(case, dtype):
     opts = dict(CASES[case])
     ignore, sort, reduction = opts.pop("ignore", ()), opts.pop("sort", False), opts.get("reduction", "mean")
     E, C, x = inputs(dtype, ignore=ignore)
+    bias = head_bias(dtype) if opts.pop("bias", False) else None
     go = upstream(reduction)
     stats = {}
-    dE, dC, act = run_sparse(E, C, x, go, sort=sort, stats=stats, **opts)
+    dE, dC, db, act = run_sparse(E, C, x, go, sort=sort, stats=stats, bias=bias, **opts)
     assert stats["fallback"] is None, stats["fallback"]
     assert 0 < stats["kept_pairs"] <= stats["marked"] < stats["pairs"]
-    rdE, rdC = filtered_reference(E, C, x, go, EPS, act.order, act.block_v, **opts)
+    rdE, rdC, rdb = filtered_reference(E, C, x, go, EPS, act.order, act.block_v, bias=bias, **opts)
     assert dE.dtype == dtype and dC.dtype == dtype
     assert relative_error(dE, rdE) < TOL[dtype], relative_error(dE, rdE)
     assert relative_error(dC, rdC) < TOL[dtype], relative_error(dC, rdC)
+    assert (db is None) == (bias is None)
+    if bias is not None:
+        assert db.dtype == dtype and relative_error(db, rdb) < TOL[dtype], relative_error(db, rdb)
     # Against the unfiltered spec, the gradient that was dropped: bounded by the mass each row lost.
     spec = {k: v for k, v in opts.items() if k in ("softcap", "z_loss")}
-    _, sdE, sdC = reference_loss_and_grads(E, C, x, go, reduction=reduction, **spec)
+    _, sdE, sdC = reference_loss_and_grads(E, C, x, go, reduction=reduction, bias=bias, **spec)
     assert relative_error(dE, sdE) < 0.05 and stats["skipped_mass_max"] < act.tiles * EPS
 
 
@@ -129,7 +154,7 @@ def test_uniform_hands_over_to_gemm(dtype):
     E, C, x = inputs(dtype, regime="uniform")
     go = upstream("mean")
     stats = {}
-    dE, dC, _ = run_sparse(E, C, x, go, stats=stats)
+    dE, dC, _, _ = run_sparse(E, C, x, go, stats=stats)
     assert stats["fallback"] and "mark" in stats["fallback"] and stats["density"] > 0.9
     o = resolve_options(dtype, filter_eps=EPS)
     _, lse = cce_forward(E, C, x, o, v_splits=3)
@@ -145,7 +170,7 @@ def test_uniform_forced_sparse_equals_gemm(dtype, monkeypatch):
     E, C, x = inputs(dtype, regime="uniform", ignore=[4])
     go = upstream("none")
     stats = {}
-    dE, dC, _ = run_sparse(E, C, x, go, reduction="none", stats=stats)
+    dE, dC, _, _ = run_sparse(E, C, x, go, reduction="none", stats=stats)
     assert stats["fallback"] is None and stats["kept_pairs"] == stats["pairs"]
     o = resolve_options(dtype, filter_eps=EPS, reduction="none")
     _, lse = cce_forward(E, C, x, o)
@@ -155,18 +180,20 @@ def test_uniform_forced_sparse_equals_gemm(dtype, monkeypatch):
     assert relative_error(dE, rdE) < TOL[dtype] and relative_error(dC, rdC) < TOL[dtype]
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("sort", [False, True])
-def test_forward_bits_never_miss_a_tile(sort):
+def test_forward_bits_never_miss_a_tile(sort, bias):
     """Every (row, tile) whose softmax mass reaches eps is marked, with the vocabulary splits, the
-    pilot and the seeds; and the bits do not change the loss."""
+    pilot and the seeds (and a bias, read at each sorted position's own row); and the bits do not
+    change the loss."""
     E, C, x = inputs(torch.float32, ignore=[9])
+    bias = head_bias(torch.float32) if bias else None
     o = resolve_options(torch.float32, filter_eps=EPS, sort_vocab=sort, softcap=20.0)
-    loss, lse, act = cce_forward(E, C, x, o, v_splits=3, emit_activity=True)
-    loss0, lse0 = cce_forward(E, C, x, o, v_splits=3)
+    loss, lse, act = cce_forward(E, C, x, o, v_splits=3, bias=bias, emit_activity=True)
+    loss0, lse0 = cce_forward(E, C, x, o, v_splits=3, bias=bias)
     torch.testing.assert_close(lse, lse0, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=1e-5)
-    z = E.double() @ C.double().T
-    z = 20.0 * torch.tanh(z / 20.0)
+    z = reference_logits(E, C, 20.0, bias=bias)
     S = torch.softmax(z, dim=1)
     if act.order is not None:
         S = S[:, act.order]
@@ -201,10 +228,10 @@ def test_y_lives_in_dC_when_it_fits():
     E, C, x = inputs(torch.float16, v=8195, d=16, n=20)
     go = upstream("mean", n=20)
     stats = {}
-    dE, dC, act = run_sparse(E, C, x, go, sort=True, stats=stats)
+    dE, dC, _, act = run_sparse(E, C, x, go, sort=True, stats=stats)
     assert stats["fallback"] is None and stats["y_in_dC"]
     assert stats["extra_bytes"] == act.nbytes() + 4 * 2**20  # the bits, the order and Gc's 4 MiB floor
-    rdE, rdC = filtered_reference(E, C, x, go, EPS, act.order, act.block_v)
+    rdE, rdC, _ = filtered_reference(E, C, x, go, EPS, act.order, act.block_v)
     assert relative_error(dE, rdE) < TOL[torch.float16] and relative_error(dC, rdC) < TOL[torch.float16]
 
 
@@ -231,8 +258,30 @@ def test_z_loss_beyond_the_forwards_margin_runs_gemm():
     """The forward halved eps for z-loss's factor 1 + 2 zl lse; past 2 the bits may miss: "gemm"."""
     E, C, x = inputs(torch.float32)
     stats = {}
-    dE, dC, _ = run_sparse(E, C, x, upstream("mean"), z_loss=1.0, stats=stats)
+    run_sparse(E, C, x, upstream("mean"), z_loss=1.0, stats=stats)
     assert "z-loss" in stats["fallback"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_trainer_inputs_through_autograd(dtype):
+    """(B, T, D) hidden states, the causal shift and a bias that requires grad, as ``helpers.hf``
+    calls it: api flattens and shifts before the backward, which computes dE, dC and db sparsely."""
+    B, T = 3, 15
+    E, C, x = inputs(dtype, n=B * T)
+    bias = head_bias(dtype)
+    Eg, Cg, bg = (t.clone().requires_grad_(True) for t in (E.reshape(B, T, D), C, bias))
+    stats = {}
+    linear_cross_entropy(Eg, Cg, x.reshape(B, T), bias=bg, shift=True, backward_impl="sparse", filter_eps=EPS,
+                         sort_vocab=True, stats=stats).backward()
+    assert stats["fallback"] is None, stats["fallback"]
+    shifted = torch.full((B, T), -100, dtype=x.dtype, device=DEVICE)
+    shifted[:, :-1] = x.reshape(B, T)[:, 1:]
+    order = vocabulary_order(E, C)
+    rdE, rdC, rdb = filtered_reference(E, C, shifted.reshape(-1), torch.tensor(1.0), EPS, order,
+                                       stats["block_v"], bias=bias)
+    assert Eg.grad.shape == (B, T, D) and bg.grad.dtype == dtype
+    for got, want in ((Eg.grad.reshape(-1, D), rdE), (Cg.grad, rdC), (bg.grad, rdb)):
+        assert relative_error(got, want) < TOL[dtype], relative_error(got, want)
 
 
 def test_all_ignored():
@@ -271,7 +320,7 @@ def test_through_autograd_twice_with_retained_graph():
     E_.grad = C_.grad = None
     loss.backward()
     assert torch.equal(first[0], E_.grad) and torch.equal(first[1], C_.grad)
-    dE, dC, act = run_sparse(E, C, x, torch.tensor(1.0), reduction="sum", sort=True)
+    dE, dC, _, _ = run_sparse(E, C, x, torch.tensor(1.0), reduction="sum", sort=True)
     assert torch.equal(dE, first[0]) and torch.equal(dC, first[1])
 
 
@@ -281,8 +330,8 @@ def test_non_contiguous_inputs():
     C_view = C[:, ::2]
     x_view = torch.stack([x[:N], x[N:]], dim=1)[:, 0]
     go = upstream("mean")
-    dE, dC, act = run_sparse(E_view, C_view, x_view, go, sort=True)
-    rdE, rdC = filtered_reference(E_view, C_view, x_view, go, EPS, act.order, act.block_v)
+    dE, dC, _, act = run_sparse(E_view, C_view, x_view, go, sort=True)
+    rdE, rdC, _ = filtered_reference(E_view, C_view, x_view, go, EPS, act.order, act.block_v)
     assert relative_error(dE, rdE) < TOL[torch.float32] and relative_error(dC, rdC) < TOL[torch.float32]
 
 

@@ -7,7 +7,7 @@ kernels compute only packs. Every kernel writes each output element once, in a f
 atomics, the results are bitwise repeatable.
 
 ``pack_gradient`` rebuilds a pack's (BLOCK_N, BLOCK_V) logit tile from the gathered rows of E and
-the tile's rows of C and forms G (``gradient_and_softmax_tile``: the G of every other backward),
+the tile's rows of C (plus the tile's bias) and forms G (``gradient_and_softmax_tile``: the G of every other backward),
 then applies the exact filter rule per row: a row whose |G| mass in the tile is below eps gets
 G = 0 (the bits over-mark; what they let through is judged here, exactly).
 
@@ -20,7 +20,8 @@ dC, per range of tiles, with the packs of every row:
 
     sparse_g_kernel           Gc[pack] = w_rel G             (BLOCK_N, BLOCK_V) in E's dtype
     sparse_dC_kernel          dC_tile = w_scale sum_packs Gc^T E[pack rows]   (fp32 accumulator,
-                              one program per (tile, D block) owns its dC rows: written once)
+                              one program per (tile, D block) owns its dC rows: written once),
+                              db_tile = w_scale sum_packs Gc^T 1 (with a bias: its gradient)
 
 G is computed twice per pack (once for dE, once for dC): four tile products instead of the
 "gemm" backward's three, on the marked pairs only. Why not once: dC needs every row of a tile
@@ -184,12 +185,14 @@ def sparse_dC_kernel(
     vocab_order_ptr,
     w_scale_ptr,  # (1,) fp32: max w
     dC_ptr,  # (V, D) in E's dtype
+    db_ptr,  # (V,) in the bias's dtype (NEED_DB only)
     tile0, V, D,
     stride_En, stride_Ed, stride_dCv, stride_dCd,
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SORTED: tl.constexpr,
+    NEED_DB: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -206,6 +209,7 @@ def sparse_dC_kernel(
     lanes = tl.arange(0, BLOCK_N)
     v = tl.arange(0, BLOCK_V)
     acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for p in range(p0, p1):  # every marked row of the tile, pack by pack, in one fixed order
         rows = tl.load(pack_rows_ptr + p * BLOCK_N + lanes)
         row_mask = rows >= 0
@@ -214,7 +218,14 @@ def sparse_dC_kernel(
         e = tl.load(E_ptr + rows[:, None] * stride_En + d[None, :] * stride_Ed,
                     mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
         acc = tl.dot(gT, e, acc, input_precision=DOT_PRECISION)
-    # A tile no row marked gets zeros: every row of dC is written here, once.
+        if NEED_DB:
+            # db_v = sum_i w_i G_{i, v}: the same operand as dC's, summed over the rows instead of
+            # multiplied by E (empty lanes hold zeros).
+            db_acc += tl.sum(gT.to(tl.float32), axis=1)
+    # A tile no row marked gets zeros: every row of dC (and entry of db) is written here, once.
     w_scale = tl.load(w_scale_ptr)
     tl.store(dC_ptr + cols[:, None] * stride_dCv + d[None, :] * stride_dCd,
              (acc * w_scale).to(dC_ptr.dtype.element_ty), mask=col_mask[:, None] & d_mask[None, :])
+    if NEED_DB:
+        if tl.program_id(1) == 0:  # every D block summed the same db; the first writes it
+            tl.store(db_ptr + cols, (db_acc * w_scale).to(db_ptr.dtype.element_ty), mask=col_mask)
