@@ -3,10 +3,18 @@
 ``Activity`` holds one bit per (row, tile of ``block_v`` vocabulary positions), packed 8 tiles to a
 byte as ``bits`` (ceil(T / 8), N) uint8 (byte-major, so a byte of 128 rows is one coalesced store),
 the vocabulary order the forward walked (tiles are tiles of sorted positions when there is one), and
-the eps the bits were computed for. A bit is 1 whenever the pair's softmax mass may be >= eps (see
-``helpers/cce/kernels/lse_forward.py``: the forward compares against a lower bound of the row's sum,
-so the bits over-mark and never miss). The backward decides from the bits alone which work to skip,
-and applies the exact rule to what it computes.
+the eps the bits were computed for. A bit is 1 whenever the pair's softmax mass may be >= eps /
+coef_max (see ``helpers/cce/kernels/lse_forward.py``: the forward compares against a lower bound of
+the row's sum, so the bits over-mark and never miss). The backward decides from the bits alone which
+work to skip, and applies the exact rule to what it computes.
+
+Why eps / coef_max. The filter judges G = a S - b [v = x] (``helpers.cce.gradients.RowGradient``):
+outside the target's tile a row's |G| mass is |a| times its softmax mass (times the soft cap's
+1 - t^2 <= 1), so bits made at eps / coef_max miss no tile the rule keeps while |a| <= coef_max. With
+g the loss's upstream gradient and h the lse's, a = (g (1 + 2 zl lse) + h) / max(|g|, |h|), so
+|a| <= |1 + 2 zl lse| + [h != 0]. The forward knows neither lse nor h yet: ``coef_bound`` assumes
+|1 + 2 zl lse| <= 2 under z-loss (1 without) and adds 1 when the lse is returned to the caller (a
+gradient may flow into it); the backward checks every row's |a| against it and runs "gemm" past it.
 
 Memory: N * ceil(V / block_v / 8) bytes: 2.0 MB at the Gemma-2-2B head (N = 8,192, V = 256,000,
 128-column tiles), 19.5 MB at the Qwen3 head with N = 131,072 (0.034 LB), plus the order (V int64).
@@ -28,8 +36,9 @@ class Activity:
     block_v: int  # vocabulary positions per tile
     vocab: int  # V
     order: torch.Tensor | None  # (V,) int64: C's row at each sorted position; None: unsorted
-    eps: float  # the filter's threshold the bits were computed for (before any z-loss margin)
+    eps: float  # the filter's threshold the bits were computed for (before the coef_max margin)
     pilot: int = 0  # vocabulary positions walked first, in one split, to seed the others (sorted)
+    coef_max: float = 1.0  # the largest |a| the bits hold for: they compared S's mass with eps / coef_max
 
     @property
     def tiles(self) -> int:
@@ -37,6 +46,12 @@ class Activity:
 
     def nbytes(self) -> int:
         return self.bits.numel() + (self.order.numel() * self.order.element_size() if self.order is not None else 0)
+
+
+def coef_bound(z_loss: float, lse_grad: bool) -> float:
+    """The |a| the forward's bits are made for (module doc): 1, plus 1 under z-loss, plus 1 when a
+    gradient may flow into the lse."""
+    return 1.0 + (1.0 if z_loss else 0.0) + (1.0 if lse_grad else 0.0)
 
 
 _SHIFTS = {}
@@ -48,29 +63,38 @@ def _shifts(device) -> torch.Tensor:
     return _SHIFTS[device]
 
 
-def popcount_rows(bits: torch.Tensor) -> torch.Tensor:
-    """(N,) int64: marked tiles of each row, by SWAR popcount of the bytes (no N x T temporary)."""
+# ``live`` below: (N,) bool or None, the rows whose bits count (the others carry no gradient in this
+# backward: their bits stay as the forward left them, for a later backward through the same graph).
+
+
+def popcount_rows(bits: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    """(N,) int64: marked tiles of each row (0 where not ``live``), by SWAR popcount of the bytes
+    (no N x T temporary)."""
     b = bits
     b = b - ((b >> 1) & 0x55)
     b = (b & 0x33) + ((b >> 2) & 0x33)
     b = (b + (b >> 4)) & 0x0F
-    return b.sum(dim=0, dtype=torch.int64)
+    counts = b.sum(dim=0, dtype=torch.int64)
+    return counts if live is None else counts * live
 
 
-def count_tiles(bits: torch.Tensor, T: int) -> torch.Tensor:
-    """(T,) int64: marked rows of each tile."""
-    counts = torch.stack([((bits >> k) & 1).sum(dim=1, dtype=torch.int64) for k in range(8)], dim=1)
+def count_tiles(bits: torch.Tensor, T: int, live: torch.Tensor | None = None) -> torch.Tensor:
+    """(T,) int64: marked ``live`` rows of each tile."""
+    mask = 1 if live is None else live.to(torch.uint8)
+    counts = torch.stack([(((bits >> k) & 1) * mask).sum(dim=1, dtype=torch.int64) for k in range(8)], dim=1)
     return counts.reshape(-1)[:T]
 
 
-def marked_pairs(bits: torch.Tensor, t0: int, t1: int, n0: int, n1: int,
-                 count: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tiles, rows) int64 of the marked pairs with tile in [t0, t1) and row in [n0, n1), ordered by
-    tile, then row. Unpacks (t1 - t0) x (n1 - n0) bytes at a time. ``count``: the number of pairs,
-    when the caller knows it (from ``popcount_rows`` / ``count_tiles``): no host sync then."""
+def marked_pairs(bits: torch.Tensor, t0: int, t1: int, n0: int, n1: int, count: int | None = None,
+                 live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tiles, rows) int64 of the marked pairs with tile in [t0, t1) and a ``live`` row in [n0, n1),
+    ordered by tile, then row. Unpacks (t1 - t0) x (n1 - n0) bytes at a time. ``count``: the number
+    of pairs, when the caller knows it (from ``popcount_rows`` / ``count_tiles``): no host sync then."""
     b0, b1 = t0 // 8, -(-t1 // 8)
     sub = bits[b0:b1, n0:n1]
     unpacked = (sub[:, None, :] >> _shifts(bits.device)[None, :, None]) & 1  # (bytes, 8, rows)
+    if live is not None:
+        unpacked &= live[None, None, n0:n1].to(torch.uint8)
     unpacked = unpacked.reshape(-1, n1 - n0)[t0 - 8 * b0 : t1 - 8 * b0]
     # Row-major: by tile, then row.
     idx = None

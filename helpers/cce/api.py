@@ -41,8 +41,12 @@ The "sparse" backward (``backward_impl="sparse"``, opt-in) makes the filter save
 also writes one activity bit per (row, vocabulary tile) (``helpers.cce.activity``), and the backward
 rebuilds and multiplies only the marked pairs, per row (``helpers/cce/backward_sparse.py``). Its
 "auto" eps bounds what a row loses: B / T for T tiles per row, B = 2^-7 (bf16), 2^-10 (fp16). With
-``sort_vocab`` the forward walks the sorted vocabulary. When the bits mark most pairs (a dense
-softmax) it runs "gemm".
+``sort_vocab`` the forward walks the sorted vocabulary. It computes what "gemm" computes (a bias and
+db, per-row upstream gradients, a gradient into the returned lse, only the gradients asked for),
+with each row's G filtered on its own. When the bits mark most pairs (a dense softmax), or the
+options need every pair (label smoothing, FullC/FullE, no filter), it runs "gemm" and
+``stats["fallback"]`` says why. With ``return_lse`` its forward marks tiles at a lower threshold
+(eps / 2, eps / 3 with z-loss), since a gradient into the lse adds to G's softmax term.
 
 What it does not do: vocabulary parallelism (C sharded across GPUs), and the paper's lock-free
 bf16 atomics (fp32 scratch instead: ~0.06-0.2 LB, for the naive path's accuracy).
@@ -71,14 +75,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     recomputes the logits (it saves only lse) and computes only the gradients autograd asks for."""
 
     @staticmethod
-    def forward(ctx, E, C, x, bias, options: CCEOptions, configs, backward_impl="gemm", stats=None):
+    def forward(ctx, E, C, x, bias, options: CCEOptions, configs, backward_impl="gemm", stats=None,
+                lse_grad=False):
         activity = None
         # The sparse backward needs the forward's activity bits, when its options can skip at all
         # and a backward will run (E, C or the bias needs a gradient).
         wants_bits = backward_impl == "sparse" and (any(ctx.needs_input_grad[:2])
                                                     or (bias is not None and ctx.needs_input_grad[3]))
         if wants_bits and options_need_every_pair(options) is None:
-            loss_rows, lse, activity = cce_forward(E, C, x, options, configs, bias=bias, emit_activity=True)
+            loss_rows, lse, activity = cce_forward(E, C, x, options, configs, bias=bias, emit_activity=True,
+                                                   lse_grad=lse_grad)
         else:
             loss_rows, lse = cce_forward(E, C, x, options, configs, bias=bias)
         kept = x != options.ignore_index
@@ -103,7 +109,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         o = ctx.options
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         if not any(need) or (grad_loss is None and grad_lse is None):
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None
         N = x.shape[0]
         if grad_loss is None:
             grad_rows = torch.zeros(N, dtype=torch.float32, device=E.device)
@@ -117,7 +123,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         dE, dC, db = cce_backward(E, C, x, lse, grad_rows, o, ctx.configs, stats=ctx.stats,
                                   backward_impl=ctx.backward_impl, grad_lse=grad_lse, bias=bias, need=need,
                                   activity=ctx.activity)
-        return dE, dC, None, db, None, None, None, None
+        return dE, dC, None, db, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -214,7 +220,7 @@ def linear_cross_entropy(
         shifted[..., :-1] = x[..., 1:]
         x = shifted
     loss, lse = LinearCrossEntropyFunction.apply(E.reshape(-1, E.shape[-1]), C, x.reshape(-1), bias, options,
-                                                 configs, backward_impl, stats)
+                                                 configs, backward_impl, stats, return_lse)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, lse.reshape(lead)) if return_lse else loss

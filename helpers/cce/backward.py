@@ -72,8 +72,7 @@ def cce_backward(
     configs = resolve_configs(configs, E.device)
     up = RowGradient.of(grad_rows, grad_lse, x != o.ignore_index, lse, o)
     if backward_impl == "sparse":
-        return backward_sparse(E, C, x, lse, up, activity, o, configs, n_chunk, v_chunk, stats, bias, need,
-                               lse_grad=grad_lse is not None)
+        return backward_sparse(E, C, x, lse, up, activity, o, configs, n_chunk, v_chunk, stats, bias, need)
     order = vocabulary_order(E, C) if o.sort_vocab else None
     if backward_impl == "gemm":
         return backward_gemm(E, C, x, lse, up, order, o, configs.backward_gemm_for(E.dtype), n_chunk, v_chunk,

@@ -17,8 +17,11 @@ given, per tile. ``stats`` reports the softmax mass each row lost.
 
 The work (kernels: ``helpers/cce/kernels/backward_sparse.py``):
 
-1. Fix-up of the bits (in place, the same on every call): ignored rows cleared, every kept row's
-   target tile marked (G there holds -1; the forward's bits see only S).
+1. Each row's G = a S - b [v = x] and weight w come from ``RowGradient`` (per-row upstream
+   gradients, z-loss, a gradient into the returned lse), the same G as "gemm"'s. Fix-up of the bits
+   (in place, the same on every call): every kept row's target tile marked (G there holds -b; the
+   forward's bits see only S). Rows with w = 0 are skipped (their bits left as they are), and every
+   row's |a| is checked against the bound the forward's bits were made for (``helpers.cce.activity``).
 2. dE, row block by row block: the block's marked pairs gathered per tile into packs of BLOCK_N
    rows; each pack's G (filter applied per row) times C_tile goes to Y, one fp32 row of D per
    marked pair; then each row sums its Y rows in tile order and is written once: dE_i = w_i sum Y.
@@ -30,9 +33,12 @@ The work (kernels: ``helpers/cce/kernels/backward_sparse.py``):
    enters the logits the forward's bits and G are made from).
 
 Deterministic: no atomics; every sum runs in an order fixed by the data (tile, then row), so two
-runs give the same bits. When the bits mark more than ``DENSE_FALLBACK`` of the pairs (a dense
-softmax: early training, the ``uniform`` regime) or an option needs every pair (label smoothing,
-FullC/FullE, no filter), the "gemm" backward runs instead and ``stats["fallback"]`` says why.
+runs give the same bits. The "gemm" backward runs instead, and ``stats["fallback"]`` says why, when
+the bits mark more than ``DENSE_FALLBACK`` of the pairs (a dense softmax: early training, the
+``uniform`` regime), an option needs every pair (label smoothing, FullC/FullE, no filter), the
+forward made no bits (or made them for other tiles or another eps), or a row's |a| exceeds the
+bound its bits were made for (a z-loss factor 1 + 2 zl lse > 2, or a gradient into an lse the
+forward was not told would be returned).
 
 Memory beyond dE and dC (LB): the bits (N * T / 8 bytes) and the order (V int64), Gc (max(LB / 20,
 4 MiB, the largest tile's packs): 61 MB at the Gemma-2-2B head; at the Qwen3 head with N = 131,072
@@ -62,7 +68,7 @@ from helpers.cce.options import CCEOptions, dot_precision
 
 # "auto" filter for this backward: at most this much of a row's |G| mass is dropped (eps = B / T).
 SPARSE_ROW_BUDGET = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: None}
-# Marked share of the (kept row, tile) pairs above which the "gemm" backward is faster (a guess
+# Marked share of the (row, tile) pairs of the rows with a gradient above which the "gemm" backward is faster (a guess
 # from the kernels' arithmetic: 4 products on the marked pairs at ~60% of cuBLAS's rate against 3
 # on all of them; the GPU run will tell).
 DENSE_FALLBACK = 0.25
@@ -91,12 +97,9 @@ def options_need_every_pair(o: CCEOptions) -> str | None:
     return None
 
 
-def why_dense(activity: Activity | None, o: CCEOptions, block_v: int,
-              lse_grad: bool = False) -> str | None:
+def why_dense(activity: Activity | None, o: CCEOptions, block_v: int) -> str | None:
     """Why the sparse backward cannot run from this forward's state (None when it can)."""
     reason = options_need_every_pair(o)
-    if reason is None and lse_grad:
-        reason = "a gradient flowing into the returned lse (not yet supported by the sparse kernels)"
     if reason is None and activity is None:
         reason = "the forward emitted no activity bits"
     if reason is None and (activity.block_v != block_v or activity.eps != o.filter_eps):
@@ -106,15 +109,15 @@ def why_dense(activity: Activity | None, o: CCEOptions, block_v: int,
 
 def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o: CCEOptions,
                     configs: CCEConfigs, n_chunk: int | None, v_chunk: int | None, stats: dict | None,
-                    bias=None, need: tuple[bool, bool, bool] = (True, True, False), lse_grad: bool = False):
+                    bias=None, need: tuple[bool, bool, bool] = (True, True, False)):
     """(dE, dC, db) from the marked pairs, or from ``backward_gemm`` when the bits mark too much
-    (``DENSE_FALLBACK``), the options need every pair, or the inputs need what the sparse kernels
-    do not do yet (a gradient into the lse: ``lse_grad``); arguments as ``cce_backward``'s
+    (``DENSE_FALLBACK``), the options need every pair, or a row's softmax coefficient exceeds what
+    the forward's bits were made for (``Activity.coef_max``); arguments as ``cce_backward``'s
     (``n_chunk`` and ``v_chunk`` reach only the fallback). The sparse kernels compute dE and dC
     both (and db with a bias) and hand back those ``need`` asks for."""
     dtype = E.dtype
     cfg = configs.sparse_for(dtype)
-    reason = why_dense(activity, o, cfg.BLOCK_V, lse_grad)
+    reason = why_dense(activity, o, cfg.BLOCK_V)
     plan = None
     if reason is None:
         plan = _plan(E, C, x, lse, up, activity, o, cfg)
@@ -134,18 +137,22 @@ def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o:
 
 def _plan(E, C, x, lse, up, activity, o, cfg) -> dict:
     """Fix the bits up (step 1 of the module doc) and decide: {"dense": reason} or the counts."""
-    N = E.shape[0]
     bits = activity.bits
     T, BV = activity.tiles, activity.block_v
-    # Only what x decides (ignored rows, target tiles): the fix-up is the same on every call, so a
-    # second backward through the same graph (retain_graph) finds the bits as it needs them.
+    # Rows with no gradient at all (w = 0: ignored, or an upstream gradient of 0, and none through
+    # the lse) are skipped, not cleared: a later backward through the same graph (retain_graph) may
+    # give them one.
+    live = up.w > 0
+    # G = a S - b [v = x]: outside the target's tile a row's |G| mass is |a| times its softmax mass,
+    # and the bits were made for |a| <= coef_max (``helpers.cce.activity``); past it, every pair.
+    a_max = float(torch.where(live, up.coef[0].abs(), 0.0).max()) if live.numel() else 0.0
+    if a_max > activity.coef_max:
+        return {"dense": f"a row's softmax coefficient |a| = {a_max:.3g} (z-loss's 1 + 2 zl lse, plus a "
+                         f"gradient into the lse) exceeds the {activity.coef_max:g} the forward's bits "
+                         "were made for", "density": None}
+    # Each kept row's target tile holds -b there, which the forward's bits (made from S) do not see.
+    # Only what x decides: the fix-up is the same on every call.
     kept = x != o.ignore_index
-    if o.z_loss:
-        # The forward's bits assumed |1 + 2 zl lse| <= 2 (it halved eps); past that, every pair.
-        factor = (1 + 2 * o.z_loss * lse).abs()
-        if bool(((factor > 2) & kept).any()):
-            return {"dense": "z-loss factor |1 + 2 zl lse| > 2 in some row", "density": None}
-    bits[:, ~kept] = 0
     rows = kept.nonzero()[:, 0]
     target = x[rows].long()
     if activity.order is not None:
@@ -153,11 +160,13 @@ def _plan(E, C, x, lse, up, activity, o, cfg) -> dict:
         position[activity.order] = torch.arange(activity.order.numel(), device=E.device)
         target = position[target]
     set_bits(bits, target // BV, rows)
-    per_row = popcount_rows(bits)
-    n_kept = int(kept.sum())
+    all_live = bool(live.all())
+    live = None if all_live else live
+    per_row = popcount_rows(bits, live)
+    n_live = E.shape[0] if all_live else int(live.sum())
     marked = int(per_row.sum())
-    density = marked / max(1, n_kept * T)
-    plan = {"per_row": per_row, "kept_rows": n_kept, "marked": marked, "density": density, "kept": kept}
+    density = marked / max(1, n_live * T)
+    plan = {"per_row": per_row, "live": live, "live_rows": n_live, "marked": marked, "density": density}
     if density > DENSE_FALLBACK:
         plan["dense"] = f"the bits mark {density:.0%} of the pairs (> {DENSE_FALLBACK:.0%})"
         return plan
@@ -254,7 +263,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         pairs = ends[n1 - 1] - before
         if pairs > lanes:  # cannot happen: Y holds the largest row's pairs
             raise RuntimeError(f"sparse backward: {pairs} Y rows needed, {lanes} available")
-        tiles, rows = marked_pairs(bits, 0, T, n0, n1, count=pairs)
+        tiles, rows = marked_pairs(bits, 0, T, n0, n1, count=pairs, live=plan["live"])
         pack_rows, pack_tile, _, pack_slots = _packs(tiles, rows, 0, T, P)
         n_packs = pack_rows.shape[0]
         if n_packs:
@@ -281,7 +290,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         n0 = n1
 
     # 3. dC (and db), tile range by tile range: Gc for the range's packs, then each tile's rows, once.
-    per_tile = count_tiles(bits, T)
+    per_tile = count_tiles(bits, T, plan["live"])
     pack_bytes = ((per_tile + P - 1) // P) * (P * BV * E.element_size())
     gc_bytes = GC_BYTES or max(lb // 20, 4 * MiB)
     gc_bytes = max(gc_bytes, int(pack_bytes.max()))  # a tile's packs go in one launch
@@ -300,7 +309,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         # Pair and pack counts are known here: no host sync, the host runs ahead of the GPU.
         pairs = pair_ends[t1 - 1] - (pair_ends[t0 - 1] if t0 else 0)
         n_packs = sum(packs_per_tile[t0:t1])
-        tiles, rows = marked_pairs(bits, t0, t1, 0, N, count=pairs)
+        tiles, rows = marked_pairs(bits, t0, t1, 0, N, count=pairs, live=plan["live"])
         pack_rows, pack_tile, tile_packs, _ = _packs(tiles, rows, t0, t1 - t0, P, n_packs=n_packs)
         if n_packs:
             sparse_g_kernel[(n_packs,)](
@@ -317,9 +326,10 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         t0 = t1
 
     if counting:
-        pairs = plan["kept_rows"] * T
+        pairs = plan["live_rows"] * T
         kept = int(kept_pairs)
-        lost = (1.0 - kept_mass).clamp_(min=0.0)[plan["kept"]]
+        lost = (1.0 - kept_mass).clamp_(min=0.0)
+        lost = lost if plan["live"] is None else lost[plan["live"]]
         stats.update(
             counters, fallback=None, density=plan["density"], pairs=pairs, marked=plan["marked"],
             kept_pairs=kept, tiles=pairs, skipped=pairs - kept,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from helpers.cce.activity import Activity
+from helpers.cce.activity import Activity, coef_bound
 from helpers.cce.device import device_info
 from helpers.cce.gradients import vocabulary_order
 from helpers.cce.kernels.configs import CCEConfigs
@@ -42,10 +42,13 @@ def cce_forward(
     v_splits: int | None = None,
     bias: torch.Tensor | None = None,
     emit_activity: bool = False,
+    lse_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Activity]:
     """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32), from Algorithms 1 and 2; with
     ``emit_activity``, a third element: the ``Activity`` the "sparse" backward needs (the options
     must have a filter: ``options.filter_eps``; ``options.sort_vocab`` walks the sorted vocabulary).
+    ``lse_grad``: a gradient may flow into the lse (it is returned to the caller), so the bits are
+    made for a larger softmax coefficient (``helpers.cce.activity.coef_bound``).
 
     ``v_splits``: vocabulary splits of the LSE grid; None picks enough to fill the device.
     ``bias``: the head's bias (V,), added to every row's logits; None for none.
@@ -97,7 +100,7 @@ def cce_forward(
         activity = None
     else:
         lse_split, logit_sum_split, activity = _lse_with_activity(
-            E, C, bias, x, target_logit, o, configs, fwd, n_blocks, v_splits, softcap, launch)
+            E, C, bias, x, target_logit, o, configs, fwd, n_blocks, v_splits, softcap, launch, lse_grad)
     lse = torch.logsumexp(lse_split, dim=0) if lse_split.shape[0] > 1 else lse_split[0]
 
     loss = lse - (1.0 - o.label_smoothing) * target_logit
@@ -110,7 +113,7 @@ def cce_forward(
 
 
 def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, fwd, n_blocks, v_splits, softcap,
-                       launch):
+                       launch, lse_grad):
     """Algorithm 2 with activity bits: (lse_split, logit_sum_split, Activity); the module doc says
     how the bits' lower bound is kept tight (target seed; pilot launch when sorted)."""
     if o.filter_eps is None:
@@ -125,9 +128,11 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, fwd,
     T = triton.cdiv(V, bits_v)
     bits = torch.empty(triton.cdiv(T, 8), N, dtype=torch.uint8, device=device)
     order = vocabulary_order(E, C) if o.sort_vocab else None
-    # The bits' threshold: eps, a hair lower for the rounding of the seeds, and halved under z-loss,
-    # whose factor 1 + 2 zl lse on S the forward cannot know (the backward checks it is <= 2).
-    eps = o.filter_eps * (0.5 if o.z_loss else 1.0) * (1 - 1e-3)
+    # The bits' threshold: eps, a hair lower for the rounding of the seeds, over the largest
+    # coefficient of S in G the backward may meet (z-loss's 1 + 2 zl lse, a gradient into the lse),
+    # which the forward cannot know (the backward checks every row's against coef_max).
+    coef_max = coef_bound(o.z_loss, lse_grad)
+    eps = o.filter_eps / coef_max * (1 - 1e-3)
     kept = x != o.ignore_index
     # The target logit is one term of the row's sum (minus a margin for the two kernels' rounding).
     seed_max = torch.where(kept, target_logit - 1e-3 * (1 + target_logit.abs()), float("-inf"))
@@ -158,7 +163,7 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, fwd,
             E, C, bias_arg, lse_split[1 if pilot else 0:], logit_sum_split[1 if pilot else 0:], bits,
             seed_add, seed_max, order_arg,
             *common, pilot, blocks_per_split, *strides, softcap, eps, **flags)
-    return lse_split, logit_sum_split, Activity(bits, bits_v, V, order, o.filter_eps, pilot)
+    return lse_split, logit_sum_split, Activity(bits, bits_v, V, order, o.filter_eps, pilot, coef_max)
 
 
 def _multiprocessors(device: torch.device) -> int:

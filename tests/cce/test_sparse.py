@@ -24,7 +24,7 @@ from helpers.cce.activity import marked_pairs  # noqa: E402
 from helpers.cce.gradients import vocabulary_order  # noqa: E402
 from helpers.cce.kernels.configs import tier  # noqa: E402
 from helpers.compare.inputs import make_inputs  # noqa: E402
-from helpers.spec import reference_logits, reference_loss_and_grads, relative_error  # noqa: E402
+from helpers.spec import reference_logits, reference_loss, reference_loss_and_grads, relative_error  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N, V, D = 45, 700, 24  # 3 row blocks of the forward's 16, 44 tiles of 16 columns (the last partial)
@@ -88,13 +88,33 @@ def filtered_reference(E, C, x, go, eps, order, block_v, *, reduction="mean", so
     return G @ C.double(), G.T @ E.double(), G.sum(0)
 
 
+def spec_gradients(E, C, x, go, *, reduction="mean", bias=None, grad_lse=None, **options):
+    """(dE, dC, db) of sum(go * loss) + sum(grad_lse * lse) in float64 by autograd through
+    ``helpers.spec.reference_loss`` (no filter): the unfiltered spec, lse's gradient included."""
+    E64, C64 = (t.detach().double().requires_grad_(True) for t in (E, C))
+    b64 = bias.detach().double().requires_grad_(True) if bias is not None else None
+    loss = reference_loss(E64, C64, x, reduction=reduction, bias=b64, **options)
+    total = (loss * go.double()).sum()
+    if grad_lse is not None:
+        lse = torch.logsumexp(reference_logits(E64, C64, options.get("softcap"), bias=b64), dim=1)
+        total = total + (lse * grad_lse.double()).sum()
+    total.backward()
+    return E64.grad, C64.grad, b64.grad if b64 is not None else None
+
+
+def lse_gradient(n=N, seed=4):
+    """A gradient flowing into the returned lse, of either sign and the size of a mean's 1 / N."""
+    return (torch.randn(n, generator=torch.Generator().manual_seed(seed)) / n).to(DEVICE)
+
+
 def run_sparse(E, C, x, go, *, eps=EPS, sort=False, reduction="mean", stats=None, bias=None, grad_lse=None,
                need=None, **options):
     """(dE, dC, db, activity) from the sparse backward through cce_forward / cce_backward (so the
     test holds the bits); ``need`` (dE, dC, db) defaults to every gradient there is."""
     dtype = E.dtype
     o = resolve_options(dtype, filter_eps=eps, sort_vocab=sort, reduction=reduction, **options)
-    _, lse, activity = cce_forward(E, C, x, o, v_splits=3, bias=bias, emit_activity=True)
+    _, lse, activity = cce_forward(E, C, x, o, v_splits=3, bias=bias, emit_activity=True,
+                                   lse_grad=grad_lse is not None)
     grad_rows = go.float().expand(E.shape[0]) if go.dim() == 0 else go.float()
     if reduction == "mean":
         grad_rows = grad_rows / (x != -100).sum().clamp(min=1)
@@ -115,6 +135,11 @@ CASES = {
     "bias": dict(bias=True, ignore=[6]),
     "bias_everything_sorted": dict(bias=True, z_loss=1e-3, softcap=15.0, reduction="none", ignore=[1, 30],
                                    sort=True),
+    # A gradient into the returned lse: G's softmax coefficient a = (g (1 + 2 zl lse) + h) / w, and
+    # ignored rows get G = (h / |h|) S, with no target term.
+    "lse_grad": dict(grad_lse=True, ignore=[6]),
+    "lse_grad_everything_sorted": dict(grad_lse=True, bias=True, z_loss=1e-3, softcap=15.0, reduction="none",
+                                       ignore=[1, 30], sort=True),
 }
 
 
@@ -130,22 +155,37 @@ def test_matches_the_filtered_float64_gradient(case, dtype):
     ignore, sort, reduction = opts.pop("ignore", ()), opts.pop("sort", False), opts.get("reduction", "mean")
     E, C, x = inputs(dtype, ignore=ignore)
     bias = head_bias(dtype) if opts.pop("bias", False) else None
+    grad_lse = lse_gradient() if opts.pop("grad_lse", False) else None
     go = upstream(reduction)
     stats = {}
-    dE, dC, db, act = run_sparse(E, C, x, go, sort=sort, stats=stats, bias=bias, **opts)
+    dE, dC, db, act = run_sparse(E, C, x, go, sort=sort, stats=stats, bias=bias, grad_lse=grad_lse, **opts)
     assert stats["fallback"] is None, stats["fallback"]
     assert 0 < stats["kept_pairs"] <= stats["marked"] < stats["pairs"]
-    rdE, rdC, rdb = filtered_reference(E, C, x, go, EPS, act.order, act.block_v, bias=bias, **opts)
+    rdE, rdC, rdb = filtered_reference(E, C, x, go, EPS, act.order, act.block_v, bias=bias, grad_lse=grad_lse,
+                                       **opts)
     assert dE.dtype == dtype and dC.dtype == dtype
     assert relative_error(dE, rdE) < TOL[dtype], relative_error(dE, rdE)
     assert relative_error(dC, rdC) < TOL[dtype], relative_error(dC, rdC)
     assert (db is None) == (bias is None)
     if bias is not None:
         assert db.dtype == dtype and relative_error(db, rdb) < TOL[dtype], relative_error(db, rdb)
-    # Against the unfiltered spec, the gradient that was dropped: bounded by the mass each row lost.
-    spec = {k: v for k, v in opts.items() if k in ("softcap", "z_loss")}
-    _, sdE, sdC = reference_loss_and_grads(E, C, x, go, reduction=reduction, bias=bias, **spec)
-    assert relative_error(dE, sdE) < 0.05 and stats["skipped_mass_max"] < act.tiles * EPS
+    # Against the unfiltered spec, the gradient that was dropped: bounded by the mass each row lost
+    # (its |G| mass: T eps at most; its softmax mass too while |a| >= 1, i.e. with no gradient into
+    # the lse, where g and h of opposite signs can make a row's |a| small).
+    sdE, sdC, _ = spec_gradients(E, C, x, go, bias=bias, grad_lse=grad_lse, **opts)
+    assert relative_error(dE, sdE) < 0.05
+    assert grad_lse is not None or stats["skipped_mass_max"] < act.tiles * EPS
+
+
+def test_the_filtered_reference_at_eps_0_is_the_spec():
+    """The reference's coefficients (RowGradient's a, b, w, written out again in float64) against
+    autograd through the spec, every option at once: with nothing filtered the two must agree."""
+    E, C, x = inputs(torch.float32, ignore=[1, 30])
+    bias, grad_lse, go = head_bias(torch.float32), lse_gradient(), upstream("none")
+    opts = dict(reduction="none", softcap=15.0, z_loss=1e-3, bias=bias, grad_lse=grad_lse)
+    got = filtered_reference(E, C, x, go, 0.0, None, 16, **opts)
+    for g, want in zip(got, spec_gradients(E, C, x, go, **opts)):
+        assert relative_error(g, want) < 1e-12
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -282,6 +322,69 @@ def test_trainer_inputs_through_autograd(dtype):
     assert Eg.grad.shape == (B, T, D) and bg.grad.dtype == dtype
     for got, want in ((Eg.grad.reshape(-1, D), rdE), (Cg.grad, rdC), (bg.grad, rdb)):
         assert relative_error(got, want) < TOL[dtype], relative_error(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_loss_on_the_returned_lse(dtype):
+    """return_lse=True and a caller's z-loss on it, 1e-2 mean(lse^2): every row's lse gets
+    h = 2e-2 lse / N (ignored rows too), which the sparse backward folds into G's coefficient a."""
+    E, C, x = inputs(dtype, ignore=[2, 40])
+    Eg, Cg = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
+    stats = {}
+    loss, lse = linear_cross_entropy(Eg, Cg, x, return_lse=True, backward_impl="sparse", filter_eps=EPS,
+                                     sort_vocab=True, stats=stats)
+    (loss + 1e-2 * (lse**2).mean()).backward()
+    assert stats["fallback"] is None, stats["fallback"]
+    h = 2e-2 * lse.detach() / N  # autograd's gradient into the lse, in fp32 as the backward gets it
+    rdE, rdC, _ = filtered_reference(E, C, x, torch.tensor(1.0), EPS, vocabulary_order(E, C), stats["block_v"],
+                                     grad_lse=h)
+    assert relative_error(Eg.grad, rdE) < TOL[dtype] and relative_error(Cg.grad, rdC) < TOL[dtype]
+
+
+def test_only_the_lse_gets_a_gradient():
+    """The loss unused: G = S in every row, ignored rows included, with no target term."""
+    E, C, x = inputs(torch.float32, ignore=[2])
+    bias = head_bias(torch.float32)
+    Eg, Cg, bg = (t.clone().requires_grad_(True) for t in (E, C, bias))
+    stats = {}
+    _, lse = linear_cross_entropy(Eg, Cg, x, bias=bg, return_lse=True, backward_impl="sparse", filter_eps=EPS,
+                                  stats=stats)
+    lse.sum().backward()
+    assert stats["fallback"] is None, stats["fallback"]
+    rdE, rdC, rdb = filtered_reference(E, C, x, torch.tensor(0.0), EPS, None, stats["block_v"], bias=bias,
+                                       grad_lse=torch.ones(N))
+    for got, want in ((Eg.grad, rdE), (Cg.grad, rdC), (bg.grad, rdb)):
+        assert relative_error(got, want) < TOL[torch.float32], relative_error(got, want)
+
+
+def test_a_coefficient_past_the_forwards_bound_runs_gemm():
+    """Bits made without a gradient into the lse in mind (|a| <= 1), then one of the loss's sign:
+    |a| reaches 2, the bits may miss tiles, so "gemm" runs, and its result is gemm's to the bit."""
+    E, C, x = inputs(torch.float32)
+    o = resolve_options(torch.float32, filter_eps=EPS, reduction="sum")
+    _, lse, act = cce_forward(E, C, x, o, emit_activity=True)
+    g, h = torch.ones(N), torch.full((N,), 0.5)
+    stats = {}
+    got = cce_backward(E, C, x, lse, g, o, stats=stats, backward_impl="sparse", activity=act, grad_lse=h)
+    assert "exceeds the 1 the forward's bits were made for" in stats["fallback"]
+    want = cce_backward(E, C, x, lse, g, o, backward_impl="gemm", grad_lse=h)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_rows_without_a_gradient_keep_their_bits():
+    """A first backward in which half the rows have no gradient skips them without clearing their
+    bits: a second through the same graph, with every row's, still gets every row right."""
+    E, C, x = inputs(torch.float32, ignore=[3])
+    Eg, Cg = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
+    stats = {}
+    loss = linear_cross_entropy(Eg, Cg, x, reduction="none", backward_impl="sparse", filter_eps=EPS, stats=stats)
+    half = upstream("none") * (torch.arange(N, device=DEVICE) % 2 == 0)
+    for go in (half, upstream("none")):
+        Eg.grad = Cg.grad = None
+        loss.backward(go, retain_graph=True)
+        assert stats["fallback"] is None, stats["fallback"]
+        rdE, rdC, _ = filtered_reference(E, C, x, go, EPS, None, stats["block_v"], reduction="none")
+        assert relative_error(Eg.grad, rdE) < TOL[torch.float32] and relative_error(Cg.grad, rdC) < 2e-5
 
 
 def test_all_ignored():
