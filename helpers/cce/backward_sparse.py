@@ -8,7 +8,7 @@ and before any logit is rebuilt: from the forward's activity bits (``helpers.cce
 
 The filter's rule, as everywhere: a row's gradient in a tile is dropped when its |G| mass there is
 below eps. A row has T = ceil(V / BLOCK_V) tiles, so at most T * eps of its |G| mass (out of
-sum |G| <= 2, more with z-loss) is dropped. For this backward "auto" picks eps = B / T with B one
+sum |G| <= 2, more with z-loss or a gradient into the lse) is dropped. For this backward "auto" picks eps = B / T with B one
 machine epsilon of the dtype (``SPARSE_ROW_BUDGET``: 2^-7 bf16, 2^-10 fp16): at most B of each row's
 gradient mass is dropped, and a flat softmax (every tile ~1/T) keeps every tile. The "gemm"
 backward's eps = 2^-12 per tile, applied per row, dropped up to 2% of a row's mass at V = 256,000
@@ -26,11 +26,15 @@ The work (kernels: ``helpers/cce/kernels/backward_sparse.py``):
    rows; each pack's G (filter applied per row) times C_tile goes to Y, one fp32 row of D per
    marked pair; then each row sums its Y rows in tile order and is written once: dE_i = w_i sum Y.
    Y lives in dC's memory (dC is not written yet): V * D * itemsize / (4 D) pairs, V / 2 for
-   16-bit inputs, so no scratch; a row block is as many rows as their pairs fill it.
+   16-bit inputs, so no scratch; a row block is as many rows as their pairs fill it. (When C needs
+   no gradient there is no dC: Y gets its own max(LB / 20, 4 MiB), or all the pairs if fewer.)
 3. dC, tile range by tile range: every row's packs of those tiles, G again (times w_rel) into Gc,
    then each tile's dC rows = w_scale sum_packs Gc^T E[pack rows], written once. With a bias on
    the head, its gradient comes from the same Gc: db_tile = w_scale sum_packs Gc^T 1 (the bias also
    enters the logits the forward's bits and G are made from).
+
+Only the gradients asked for (``need``): no dE pass when E needs none; no dC pass when neither C nor
+the bias does, and for db alone the pass forms Gc and sums it, with no product with E.
 
 Deterministic: no atomics; every sum runs in an order fixed by the data (tile, then row), so two
 runs give the same bits. The "gemm" backward runs instead, and ``stats["fallback"]`` says why, when
@@ -68,8 +72,8 @@ from helpers.cce.options import CCEOptions, dot_precision
 
 # "auto" filter for this backward: at most this much of a row's |G| mass is dropped (eps = B / T).
 SPARSE_ROW_BUDGET = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: None}
-# Marked share of the (row, tile) pairs of the rows with a gradient above which the "gemm" backward is faster (a guess
-# from the kernels' arithmetic: 4 products on the marked pairs at ~60% of cuBLAS's rate against 3
+# Marked share of the (row, tile) pairs (of the rows with a gradient) above which the "gemm"
+# backward is faster (a guess from the kernels' arithmetic: 4 products on the marked pairs at ~60% of cuBLAS's rate against 3
 # on all of them; the GPU run will tell).
 DENSE_FALLBACK = 0.25
 # Tests shrink these to force several row blocks and tile ranges.
@@ -113,8 +117,11 @@ def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o:
     """(dE, dC, db) from the marked pairs, or from ``backward_gemm`` when the bits mark too much
     (``DENSE_FALLBACK``), the options need every pair, or a row's softmax coefficient exceeds what
     the forward's bits were made for (``Activity.coef_max``); arguments as ``cce_backward``'s
-    (``n_chunk`` and ``v_chunk`` reach only the fallback). The sparse kernels compute dE and dC
-    both (and db with a bias) and hand back those ``need`` asks for."""
+    (``n_chunk`` and ``v_chunk`` reach only the fallback). A gradient ``need`` (dE, dC, db) does
+    not ask for is not computed: no dE pass without dE, dC's pass without its products for db
+    alone, none for neither."""
+    if not any(need):
+        return None, None, None
     dtype = E.dtype
     cfg = configs.sparse_for(dtype)
     reason = why_dense(activity, o, cfg.BLOCK_V)
@@ -131,8 +138,7 @@ def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o:
         if stats is not None:
             stats.update(fallback=reason, density=plan["density"] if plan else None)
         return grads
-    dE, dC, db = _sparse(E, C, x, lse, up, activity, o, cfg, plan, stats, bias)
-    return dE if need[0] else None, dC if need[1] else None, db if need[2] else None
+    return _sparse(E, C, x, lse, up, activity, o, cfg, plan, stats, bias, need)
 
 
 def _plan(E, C, x, lse, up, activity, o, cfg) -> dict:
@@ -215,16 +221,18 @@ def _packs(tiles: torch.Tensor, rows: torch.Tensor, t0: int, n_tiles: int, P: in
     return pack_rows, pack_tile, tile_packs, pack_slots
 
 
-def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict, stats: dict | None, bias):
+def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict, stats: dict | None, bias,
+            need: tuple[bool, bool, bool]):
     N, D = E.shape
     V = C.shape[0]
     dtype, device = E.dtype, E.device
     bits, order = activity.bits, activity.order
     T, P, BV = activity.tiles, cfg.BLOCK_N, activity.block_v
     lb = (N + V) * D * E.element_size()
-    dE = torch.empty(N, D, dtype=dtype, device=device)
-    dC = torch.empty(V, D, dtype=dtype, device=device)
-    db = torch.empty(V, dtype=bias.dtype, device=device) if bias is not None else None
+    need_dE, need_dC, need_db = need[0], need[1], need[2] and bias is not None
+    dE = torch.empty(N, D, dtype=dtype, device=device) if need_dE else None
+    dC = torch.empty(V, D, dtype=dtype, device=device) if need_dC else None
+    db = torch.empty(V, dtype=bias.dtype, device=device) if need_db else None
     counting = stats is not None
     common = dict(
         BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, HAS_SOFTCAP=o.softcap is not None,
@@ -240,105 +248,121 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     counters = dict(launches=0, row_blocks=0, tile_ranges=0, pack_lanes=0, pack_lanes_dC=0)
     kept_pairs = torch.zeros((), dtype=torch.int64, device=device)
     kept_mass = torch.zeros(N, dtype=torch.float32, device=device) if counting else None
+    Y = Gc = None
 
-    # 2. dE, row block by row block; Y over dC's memory (its own buffer only when dC cannot hold
-    # one row's packs: tiny vocabularies).
-    lanes = V * D * E.element_size() // (4 * D)
-    if lanes >= plan["row_lanes"]:
-        Y = _y_in(dC, lanes, D)
-    else:
-        lanes = 4 * plan["row_lanes"]
-        Y = torch.empty(lanes, D, dtype=torch.float32, device=device)
-    if Y_LANES:  # tests: as few lanes as one row needs
-        lanes = min(lanes, max(Y_LANES, plan["row_lanes"]))
-    ends = torch.cumsum(plan["per_row"], 0).tolist()  # marked pairs up to each row (one sync)
-    block_r = 256 if device.type == "cuda" else 16
-    n0 = 0
-    while n0 < N:
-        # As many rows as their marked pairs fill Y (one row of Y per pair) and their unpacked
-        # bits fit unpack_bytes (a row's pairs always fit: Y holds the largest row's at least).
-        before = ends[n0 - 1] if n0 else 0
-        n1 = min(bisect_right(ends, before + min(lanes, index_pairs), lo=n0), n0 + max(1, unpack_bytes // T))
-        n1 = max(n1, n0 + 1)
-        pairs = ends[n1 - 1] - before
-        if pairs > lanes:  # cannot happen: Y holds the largest row's pairs
-            raise RuntimeError(f"sparse backward: {pairs} Y rows needed, {lanes} available")
-        tiles, rows = marked_pairs(bits, 0, T, n0, n1, count=pairs, live=plan["live"])
-        pack_rows, pack_tile, _, pack_slots = _packs(tiles, rows, 0, T, P)
-        n_packs = pack_rows.shape[0]
-        if n_packs:
-            stat_kept = torch.empty(rows.numel(), dtype=torch.int8, device=device) if counting else Y
-            stat_mass = torch.empty(rows.numel(), dtype=torch.float32, device=device) if counting else Y
-            sparse_dE_pack_kernel[(n_packs,)](
-                *gather, pack_rows, pack_tile, pack_slots, Y, stat_kept, stat_mass,
-                V, D, *strides, Y.stride(0), *options, STATS=counting, **common)
+    # 2. dE, row block by row block; Y over dC's memory (its own buffer only when dC is not wanted or
+    # cannot hold one row's pairs: tiny vocabularies; then at most what dC's pass gets for Gc).
+    if need_dE:
+        lanes = V * D * E.element_size() // (4 * D)
+        if need_dC and lanes >= plan["row_lanes"]:
+            Y = _y_in(dC, lanes, D)
+        else:
+            lanes = max(4 * plan["row_lanes"], min(plan["marked"], max(lb // 20, 4 * MiB) // (4 * D)))
+            Y = torch.empty(lanes, D, dtype=torch.float32, device=device)
+        if Y_LANES:  # tests: as few lanes as one row needs
+            lanes = min(lanes, max(Y_LANES, plan["row_lanes"]))
+        ends = torch.cumsum(plan["per_row"], 0).tolist()  # marked pairs up to each row (one sync)
+        block_r = 256 if device.type == "cuda" else 16
+        n0 = 0
+        while n0 < N:
+            # As many rows as their marked pairs fill Y (one row of Y per pair) and their unpacked
+            # bits fit unpack_bytes (a row's pairs always fit: Y holds the largest row's at least).
+            before = ends[n0 - 1] if n0 else 0
+            n1 = min(bisect_right(ends, before + min(lanes, index_pairs), lo=n0), n0 + max(1, unpack_bytes // T))
+            n1 = max(n1, n0 + 1)
+            pairs = ends[n1 - 1] - before
+            if pairs > lanes:  # cannot happen: Y holds the largest row's pairs
+                raise RuntimeError(f"sparse backward: {pairs} Y rows needed, {lanes} available")
+            tiles, rows = marked_pairs(bits, 0, T, n0, n1, count=pairs, live=plan["live"])
+            pack_rows, pack_tile, _, pack_slots = _packs(tiles, rows, 0, T, P)
+            n_packs = pack_rows.shape[0]
+            if n_packs:
+                stat_kept = torch.empty(rows.numel(), dtype=torch.int8, device=device) if counting else Y
+                stat_mass = torch.empty(rows.numel(), dtype=torch.float32, device=device) if counting else Y
+                sparse_dE_pack_kernel[(n_packs,)](
+                    *gather, pack_rows, pack_tile, pack_slots, Y, stat_kept, stat_mass,
+                    V, D, *strides, Y.stride(0), *options, STATS=counting, **common)
+                counters["launches"] += 1
+                counters["pack_lanes"] += n_packs * P
+                if counting:
+                    kept_pairs += stat_kept.sum()
+                    kept_mass.index_add_(0, rows, stat_mass)
+            # Each row's pairs (= its rows of Y) in tile order: pairs are ordered by tile, then row,
+            # so a stable sort by row keeps each row's in tile order.
+            row_slots = torch.sort(rows, stable=True).indices
+            row_start = torch.zeros(n1 - n0 + 1, dtype=torch.int64, device=device)
+            torch.cumsum(_counts(rows - n0, n1 - n0), 0, out=row_start[1:])
+            sparse_dE_reduce_kernel[(n1 - n0, triton.cdiv(D, block_r))](
+                Y, row_start, row_slots, up.w, dE, n0, D, Y.stride(0), dE.stride(0), dE.stride(1),
+                BLOCK_R=block_r)
             counters["launches"] += 1
-            counters["pack_lanes"] += n_packs * P
-            if counting:
-                kept_pairs += stat_kept.sum()
-                kept_mass.index_add_(0, rows, stat_mass)
-        # Each row's pairs (= its rows of Y) in tile order: pairs are ordered by tile, then row,
-        # so a stable sort by row keeps each row's in tile order.
-        row_slots = torch.sort(rows, stable=True).indices
-        row_start = torch.zeros(n1 - n0 + 1, dtype=torch.int64, device=device)
-        torch.cumsum(_counts(rows - n0, n1 - n0), 0, out=row_start[1:])
-        sparse_dE_reduce_kernel[(n1 - n0, triton.cdiv(D, block_r))](
-            Y, row_start, row_slots, up.w, dE, n0, D, Y.stride(0), dE.stride(0), dE.stride(1),
-            BLOCK_R=block_r)
-        counters["launches"] += 1
-        counters["row_blocks"] += 1
-        n0 = n1
+            counters["row_blocks"] += 1
+            n0 = n1
 
-    # 3. dC (and db), tile range by tile range: Gc for the range's packs, then each tile's rows, once.
-    per_tile = count_tiles(bits, T, plan["live"])
-    pack_bytes = ((per_tile + P - 1) // P) * (P * BV * E.element_size())
-    gc_bytes = GC_BYTES or max(lb // 20, 4 * MiB)
-    gc_bytes = max(gc_bytes, int(pack_bytes.max()))  # a tile's packs go in one launch
-    Gc = torch.empty(max(1, gc_bytes // E.element_size()), dtype=dtype, device=device)
-    tile_ends = torch.cumsum(pack_bytes, 0).tolist()
-    pair_ends = torch.cumsum(per_tile, 0).tolist()
-    packs_per_tile = ((per_tile + P - 1) // P).tolist()
-    t0 = 0
-    while t0 < T:
-        # As many tiles as their packs fill Gc, their pair lists fit index_pairs and their
-        # unpacked bits fit unpack_bytes.
-        t1 = min(bisect_right(tile_ends, (tile_ends[t0 - 1] if t0 else 0) + gc_bytes, lo=t0),
-                 bisect_right(pair_ends, (pair_ends[t0 - 1] if t0 else 0) + index_pairs, lo=t0),
-                 t0 + max(1, unpack_bytes // N))
-        t1 = max(t1, t0 + 1)
-        # Pair and pack counts are known here: no host sync, the host runs ahead of the GPU.
-        pairs = pair_ends[t1 - 1] - (pair_ends[t0 - 1] if t0 else 0)
-        n_packs = sum(packs_per_tile[t0:t1])
-        tiles, rows = marked_pairs(bits, t0, t1, 0, N, count=pairs, live=plan["live"])
-        pack_rows, pack_tile, tile_packs, _ = _packs(tiles, rows, t0, t1 - t0, P, n_packs=n_packs)
-        if n_packs:
-            sparse_g_kernel[(n_packs,)](
-                *gather, pack_rows, pack_tile, up.w_rel, Gc, V, D, *strides, *options, **common)
+    # 3. dC and db, tile range by tile range: Gc for the range's packs, then each tile's rows, once.
+    # The filter's counts come from here when there was no dE pass.
+    if need_dC or need_db:
+        count_here = counting and not need_dE
+        per_tile = count_tiles(bits, T, plan["live"])
+        pack_bytes = ((per_tile + P - 1) // P) * (P * BV * E.element_size())
+        gc_bytes = GC_BYTES or max(lb // 20, 4 * MiB)
+        gc_bytes = max(gc_bytes, int(pack_bytes.max()))  # a tile's packs go in one launch
+        Gc = torch.empty(max(1, gc_bytes // E.element_size()), dtype=dtype, device=device)
+        tile_ends = torch.cumsum(pack_bytes, 0).tolist()
+        pair_ends = torch.cumsum(per_tile, 0).tolist()
+        packs_per_tile = ((per_tile + P - 1) // P).tolist()
+        d_blocks = triton.cdiv(D, cfg.BLOCK_D) if need_dC else 1
+        dC_arg = dC if need_dC else Gc  # a pointer never written without NEED_DC
+        t0 = 0
+        while t0 < T:
+            # As many tiles as their packs fill Gc, their pair lists fit index_pairs and their
+            # unpacked bits fit unpack_bytes.
+            t1 = min(bisect_right(tile_ends, (tile_ends[t0 - 1] if t0 else 0) + gc_bytes, lo=t0),
+                     bisect_right(pair_ends, (pair_ends[t0 - 1] if t0 else 0) + index_pairs, lo=t0),
+                     t0 + max(1, unpack_bytes // N))
+            t1 = max(t1, t0 + 1)
+            # Pair and pack counts are known here: no host sync, the host runs ahead of the GPU.
+            pairs = pair_ends[t1 - 1] - (pair_ends[t0 - 1] if t0 else 0)
+            n_packs = sum(packs_per_tile[t0:t1])
+            tiles, rows = marked_pairs(bits, t0, t1, 0, N, count=pairs, live=plan["live"])
+            pack_rows, pack_tile, tile_packs, pack_slots = _packs(tiles, rows, t0, t1 - t0, P, n_packs=n_packs)
+            if n_packs:
+                stat_kept = torch.empty(pairs, dtype=torch.int8, device=device) if count_here else Gc
+                stat_mass = torch.empty(pairs, dtype=torch.float32, device=device) if count_here else Gc
+                sparse_g_kernel[(n_packs,)](
+                    *gather, pack_rows, pack_tile, pack_slots, up.w_rel, Gc, stat_kept, stat_mass,
+                    V, D, *strides, *options, STATS=count_here, **common)
+                counters["launches"] += 1
+                counters["pack_lanes_dC"] += n_packs * P
+                if count_here:
+                    kept_pairs += stat_kept.sum()
+                    kept_mass.index_add_(0, rows, stat_mass)
+            sparse_dC_kernel[(t1 - t0, d_blocks)](
+                E, Gc, pack_rows, tile_packs, order if order is not None else tile_packs, up.w_scale, dC_arg,
+                db if need_db else Gc, t0, V, D, E.stride(0), E.stride(1), dC_arg.stride(0),
+                dC_arg.stride(-1), BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, SORTED=order is not None,
+                NEED_DC=need_dC, NEED_DB=need_db, DOT_PRECISION=dot_precision(dtype), **cfg.launch)
             counters["launches"] += 1
-            counters["pack_lanes_dC"] += n_packs * P
-        sparse_dC_kernel[(t1 - t0, triton.cdiv(D, cfg.BLOCK_D))](
-            E, Gc, pack_rows, tile_packs, order if order is not None else tile_packs, up.w_scale, dC,
-            db if db is not None else dC, t0, V, D, E.stride(0), E.stride(1), dC.stride(0), dC.stride(1),
-            BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, SORTED=order is not None, NEED_DB=db is not None,
-            DOT_PRECISION=dot_precision(dtype), **cfg.launch)
-        counters["launches"] += 1
-        counters["tile_ranges"] += 1
-        t0 = t1
+            counters["tile_ranges"] += 1
+            t0 = t1
 
     if counting:
         pairs = plan["live_rows"] * T
         kept = int(kept_pairs)
         lost = (1.0 - kept_mass).clamp_(min=0.0)
         lost = lost if plan["live"] is None else lost[plan["live"]]
+        y_in_dC = Y is not None and dC is not None and Y.data_ptr() == dC.data_ptr()
+        # Tile products made: per pack lane the logits and G C (dE's pass), the logits and G^T E
+        # (dC's; db needs no product), against "gemm"'s logits and a product per wanted gradient.
+        products = 2 * counters["pack_lanes"] + (1 + need_dC) * counters["pack_lanes_dC"]
         stats.update(
             counters, fallback=None, density=plan["density"], pairs=pairs, marked=plan["marked"],
             kept_pairs=kept, tiles=pairs, skipped=pairs - kept,
-            # Tile products done (2 per pack lane in each pass) against the "gemm" backward's 3 on N x T.
-            work_fraction=2 * (counters["pack_lanes"] + counters["pack_lanes_dC"]) / (3 * N * T),
+            work_fraction=products / ((1 + need_dE + need_dC) * N * T),
             skipped_mass_max=float(lost.max()) if lost.numel() else 0.0,
             skipped_mass_mean=float(lost.mean()) if lost.numel() else 0.0,
-            eps=o.filter_eps, block_v=BV, pack_rows=P, y_in_dC=Y.data_ptr() == dC.data_ptr(),
-            extra_bytes=activity.nbytes() + Gc.numel() * Gc.element_size()
-            + (0 if Y.data_ptr() == dC.data_ptr() else Y.numel() * 4),
+            eps=o.filter_eps, block_v=BV, pack_rows=P, y_in_dC=y_in_dC,
+            extra_bytes=activity.nbytes() + (Gc.numel() * Gc.element_size() if Gc is not None else 0)
+            + (Y.numel() * 4 if Y is not None and not y_in_dC else 0),
         )
     return dE, dC, db

@@ -41,10 +41,10 @@ KERNEL_FLAGS = {
     ("sparse_dE_pack", "all"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SORTED=True, STATS=True),
     ("sparse_dE_pack", "none"): dict(HAS_SOFTCAP=False, HAS_BIAS=False, SORTED=False, STATS=False),
     ("sparse_dE_reduce", "all"): dict(),
-    ("sparse_g", "all"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SORTED=True),
-    ("sparse_g", "none"): dict(HAS_SOFTCAP=False, HAS_BIAS=False, SORTED=False),
-    ("sparse_dC", "all"): dict(SORTED=True),
-    ("sparse_dC", "none"): dict(SORTED=False),
+    ("sparse_g", "all"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SORTED=True, STATS=True),
+    ("sparse_g", "none"): dict(HAS_SOFTCAP=False, HAS_BIAS=False, SORTED=False, STATS=False),
+    ("sparse_dC", "all"): dict(SORTED=True, NEED_DC=True, NEED_DB=True),
+    ("sparse_dC", "none"): dict(SORTED=False, NEED_DC=False, NEED_DB=False),
 }
 SPARSE_KERNELS = ("sparse_dE_pack", "sparse_dE_reduce", "sparse_g", "sparse_dC")
 DTYPE_NAMES = {2: ("fp16", "bf16"), 4: ("fp32",)}

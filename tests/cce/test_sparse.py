@@ -387,6 +387,44 @@ def test_rows_without_a_gradient_keep_their_bits():
         assert relative_error(Eg.grad, rdE) < TOL[torch.float32] and relative_error(Cg.grad, rdC) < 2e-5
 
 
+NEEDS = {  # (dE, dC, db): which of E, C and the bias require a gradient
+    "E": (True, False, False),
+    "C": (False, True, False),
+    "bias": (False, False, True),
+    "E_bias": (True, False, True),
+    "C_bias": (False, True, True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("which", NEEDS)
+def test_only_the_gradients_asked_for(which, dtype):
+    """A frozen C (or E, or bias) gets no gradient and no pass of its own: no dE pass without dE
+    (row_blocks 0), no dC pass without dC or db (tile_ranges 0), dC's pass without its products for
+    db alone. What is computed matches the filtered float64 reference, and the filter keeps the pairs
+    the full backward keeps."""
+    need = NEEDS[which]
+    E, C, x = inputs(dtype, ignore=[4])
+    bias = head_bias(dtype)
+    leaves = [t.clone().requires_grad_(n) for t, n in zip((E, C, bias), need)]
+    stats, full = {}, {}
+    loss = linear_cross_entropy(*leaves[:2], x, bias=leaves[2], reduction="sum", backward_impl="sparse",
+                                filter_eps=EPS, sort_vocab=True, stats=stats)
+    loss.backward()
+    assert stats["fallback"] is None, stats["fallback"]
+    assert (stats["row_blocks"] > 0) == need[0] and (stats["tile_ranges"] > 0) == (need[1] or need[2])
+    # The full backward (its forward splits the vocabulary otherwise, so its bits over-mark other
+    # pairs): the filter keeps the same ones.
+    act = run_sparse(E, C, x, torch.tensor(1.0), reduction="sum", sort=True, bias=bias, stats=full)[3]
+    assert stats["kept_pairs"] == full["kept_pairs"]
+    refs = filtered_reference(E, C, x, torch.tensor(1.0), EPS, act.order, stats["block_v"], reduction="sum",
+                              bias=bias)
+    for leaf, wanted, ref in zip(leaves, need, refs):
+        assert (leaf.grad is not None) == wanted
+        if wanted:
+            assert relative_error(leaf.grad, ref) < TOL[dtype], relative_error(leaf.grad, ref)
+
+
 def test_all_ignored():
     E, C, x = inputs(torch.float32, ignore=range(N))
     E_, C_ = E.clone().requires_grad_(True), C.clone().requires_grad_(True)

@@ -150,8 +150,10 @@ def sparse_g_kernel(
     E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,  # as ``gradient_tile``'s: coef (3, N) fp32 a, b, c
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
     pack_rows_ptr, pack_tile_ptr,
+    pack_slots_ptr,  # (packs, BLOCK_N) int32: each lane's pair (-1: empty lane) (STATS only)
     w_rel_ptr,  # (N,) fp32: w / w_scale
     Gc_ptr,  # (packs, BLOCK_N, BLOCK_V) in E's dtype: w_rel G of each pack
+    kept_ptr, mass_ptr,  # (pairs,) int8 / fp32: the filter's verdict, the kept softmax mass (STATS)
     V, D,
     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
     softcap, eps,
@@ -161,6 +163,7 @@ def sparse_g_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SORTED: tl.constexpr,
+    STATS: tl.constexpr,  # the filter's counts, when the dE pass (which makes them) does not run
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -168,6 +171,10 @@ def sparse_g_kernel(
         E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, pack_rows_ptr, pack_tile_ptr,
         pid, V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap, eps,
         BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, SORTED, DOT_PRECISION)
+    if STATS:
+        slots = tl.load(pack_slots_ptr + pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        tl.store(kept_ptr + slots, keep.to(tl.int8), mask=row_mask)
+        tl.store(mass_ptr + slots, tl.where(keep, s_mass, 0.0), mask=row_mask)
     # dC's operand carries w relative to its maximum (w_rel <= 1: no fp16 underflow of w S).
     w_rel = tl.load(w_rel_ptr + rows, mask=row_mask, other=0.0)
     lanes = tl.arange(0, BLOCK_N)
@@ -184,7 +191,7 @@ def sparse_dC_kernel(
     tile_packs_ptr,  # (tiles + 1,) int64: tile t's packs are [tile_packs[t], tile_packs[t + 1])
     vocab_order_ptr,
     w_scale_ptr,  # (1,) fp32: max w
-    dC_ptr,  # (V, D) in E's dtype
+    dC_ptr,  # (V, D) in E's dtype (NEED_DC only)
     db_ptr,  # (V,) in the bias's dtype (NEED_DB only)
     tile0, V, D,
     stride_En, stride_Ed, stride_dCv, stride_dCd,
@@ -192,6 +199,7 @@ def sparse_dC_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SORTED: tl.constexpr,
+    NEED_DC: tl.constexpr,  # False: db only, one program per tile, E never read
     NEED_DB: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -211,21 +219,23 @@ def sparse_dC_kernel(
     acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
     for p in range(p0, p1):  # every marked row of the tile, pack by pack, in one fixed order
-        rows = tl.load(pack_rows_ptr + p * BLOCK_N + lanes)
-        row_mask = rows >= 0
-        rows = tl.where(row_mask, rows, 0).to(tl.int64)
         gT = tl.load(Gc_ptr + p * BLOCK_N * BLOCK_V + lanes[None, :] * BLOCK_V + v[:, None])  # (BLOCK_V, BLOCK_N)
-        e = tl.load(E_ptr + rows[:, None] * stride_En + d[None, :] * stride_Ed,
-                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-        acc = tl.dot(gT, e, acc, input_precision=DOT_PRECISION)
+        if NEED_DC:
+            rows = tl.load(pack_rows_ptr + p * BLOCK_N + lanes)
+            row_mask = rows >= 0
+            rows = tl.where(row_mask, rows, 0).to(tl.int64)
+            e = tl.load(E_ptr + rows[:, None] * stride_En + d[None, :] * stride_Ed,
+                        mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+            acc = tl.dot(gT, e, acc, input_precision=DOT_PRECISION)
         if NEED_DB:
             # db_v = sum_i w_i G_{i, v}: the same operand as dC's, summed over the rows instead of
             # multiplied by E (empty lanes hold zeros).
             db_acc += tl.sum(gT.to(tl.float32), axis=1)
     # A tile no row marked gets zeros: every row of dC (and entry of db) is written here, once.
     w_scale = tl.load(w_scale_ptr)
-    tl.store(dC_ptr + cols[:, None] * stride_dCv + d[None, :] * stride_dCd,
-             (acc * w_scale).to(dC_ptr.dtype.element_ty), mask=col_mask[:, None] & d_mask[None, :])
+    if NEED_DC:
+        tl.store(dC_ptr + cols[:, None] * stride_dCv + d[None, :] * stride_dCd,
+                 (acc * w_scale).to(dC_ptr.dtype.element_ty), mask=col_mask[:, None] & d_mask[None, :])
     if NEED_DB:
         if tl.program_id(1) == 0:  # every D block summed the same db; the first writes it
             tl.store(db_ptr + cols, (db_acc * w_scale).to(db_ptr.dtype.element_ty), mask=col_mask)
