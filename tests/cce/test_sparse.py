@@ -489,3 +489,20 @@ def test_no_bits_without_a_backward(monkeypatch):
     plain = linear_cross_entropy(E, C, x, backward_impl="sparse", filter_eps=EPS)
     assert asked == [True, False] and with_grad.grad_fn is not None
     torch.testing.assert_close(plain, with_grad.detach())
+
+
+def test_the_counts_of_marked_pairs_agree_with_the_unpacked_bits_in_any_slicing(monkeypatch):
+    import helpers.cce.activity as activity
+
+    g = torch.Generator().manual_seed(0)
+    T, N = 21, 37
+    bits = torch.randint(0, 256, ((T + 7) // 8, N), dtype=torch.uint8, generator=g)
+    bits[-1] &= (1 << (T % 8)) - 1  # no marks past the last tile
+    live = torch.rand(N, generator=g) < 0.7
+    unpacked = torch.stack([(bits[t // 8] >> (t % 8)) & 1 for t in range(T)]).to(torch.int64)  # (T, N)
+    for rows in (5, 8192):  # slices that split the rows, and one that holds them all
+        monkeypatch.setattr(activity, "COUNT_ROWS", rows)
+        assert torch.equal(activity.popcount_rows(bits), unpacked.sum(0))
+        assert torch.equal(activity.popcount_rows(bits, live), unpacked.sum(0) * live)
+        assert torch.equal(activity.count_tiles(bits, T), unpacked.sum(1))
+        assert torch.equal(activity.count_tiles(bits, T, live), (unpacked * live).sum(1))
