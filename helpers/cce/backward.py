@@ -54,7 +54,7 @@ def cce_backward(
     (``cce_forward(..., emit_activity=True)``), which "sparse" needs (without them it runs "gemm";
     it fixes them up in place: call it with bits it may change). "sparse" fills ``stats`` with
     its own counts: "fallback" (None, or why "gemm" ran), "density" (marked share of the pairs),
-    "pairs", "marked", "kept_pairs", "skipped_mass_max" / "_mean" (softmax mass a row lost),
+    "pairs", "marked", "kept_pairs", "skipped_mass_max" / "_mean" (|G| mass a row lost, the quantity the rule bounds),
     "work_fraction" (tile products against "gemm"'s), "extra_bytes"; "tiles" and "skipped" count
     (row, tile) pairs there.
     n_chunk, v_chunk: "gemm": rows per dE accumulator and vocabulary columns per G chunk; "atomic":

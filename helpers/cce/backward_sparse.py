@@ -247,7 +247,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     index_pairs = max(2**14, lb // 64 // 70)
     counters = dict(launches=0, row_blocks=0, tile_ranges=0, pack_lanes=0, pack_lanes_dC=0)
     kept_pairs = torch.zeros((), dtype=torch.int64, device=device)
-    kept_mass = torch.zeros(N, dtype=torch.float32, device=device) if counting else None
+    accounted = torch.zeros(N, dtype=torch.float32, device=device) if counting else None
     Y = Gc = None
 
     # 2. dE, row block by row block; Y over dC's memory (its own buffer only when dC is not wanted or
@@ -286,7 +286,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
                 counters["pack_lanes"] += n_packs * P
                 if counting:
                     kept_pairs += stat_kept.sum()
-                    kept_mass.index_add_(0, rows, stat_mass)
+                    accounted.index_add_(0, rows, stat_mass)
             # Each row's pairs (= its rows of Y) in tile order: pairs are ordered by tile, then row,
             # so a stable sort by row keeps each row's in tile order.
             row_slots = torch.sort(rows, stable=True).indices
@@ -336,7 +336,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
                 counters["pack_lanes_dC"] += n_packs * P
                 if count_here:
                     kept_pairs += stat_kept.sum()
-                    kept_mass.index_add_(0, rows, stat_mass)
+                    accounted.index_add_(0, rows, stat_mass)
             sparse_dC_kernel[(t1 - t0, d_blocks)](
                 E, Gc, pack_rows, tile_packs, order if order is not None else tile_packs, up.w_scale, dC_arg,
                 db if need_db else Gc, t0, V, D, E.stride(0), E.stride(1), dC_arg.stride(0),
@@ -349,7 +349,8 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     if counting:
         pairs = plan["live_rows"] * T
         kept = int(kept_pairs)
-        lost = (1.0 - kept_mass).clamp_(min=0.0)
+        # |G| mass each row lost, the rule's quantity (``pack_gradient``): |a| - what its pairs accounted for.
+        lost = (up.coef[0].abs() - accounted).clamp_(min=0.0)
         lost = lost if plan["live"] is None else lost[plan["live"]]
         y_in_dC = Y is not None and dC is not None and Y.data_ptr() == dC.data_ptr()
         # Tile products made: per pack lane the logits and G C (dE's pass), the logits and G^T E

@@ -16,7 +16,7 @@ past --budget-s; the required ones run anyway):
    (dE, dC included; / LB = (N + V) D 2 bytes) for "gemm" and "sparse" x uniform, realistic x the
    Gemma head (N=8,192) and the Qwen3 head (N=16,384, 1,024, 131,072), with the sparse
    backward's counts: marked share of (row, tile) pairs, tile products against "gemm"'s, the
-   largest softmax mass a row lost, row blocks, and why it ran "gemm" when it did;
+   largest |G| mass a row lost, row blocks, and why it ran "gemm" when it did;
 3. a compact table, with each time's ratio to torch.compile's as measured on this H200 on
    2026-11-30 (docs/PERFORMANCE.md; not re-measured here).
 

@@ -51,8 +51,12 @@ def pack_gradient(
     SORTED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """(G, rows, row_mask, keep, softmax mass per row, cols, col_mask) of pack ``pack``: G is
-    (BLOCK_N, BLOCK_V) fp32, zero in rows the filter drops (keep = 0), empty lanes and padding."""
+    """(G, rows, row_mask, keep, accounted, cols, col_mask) of pack ``pack``: G is (BLOCK_N,
+    BLOCK_V) fp32, zero in rows the filter drops (keep = 0), empty lanes and padding; ``accounted``
+    is each row's |a| x (softmax mass in the tile) less the |G| mass the filter dropped there, so
+    that |a| minus a row's sum of it over its marked tiles is the |G| mass the row lost (exact
+    without a soft cap, an upper bound with one): what the filter's rule bounds. The softmax mass
+    alone would not do: a row that predicts its target surely has |G| ~ 0 but S ~ 1 there."""
     lanes = tl.arange(0, BLOCK_N)
     rows = tl.load(pack_rows_ptr + pack.to(tl.int64) * BLOCK_N + lanes)
     row_mask = rows >= 0
@@ -69,9 +73,12 @@ def pack_gradient(
                                      stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
                                      softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION)
     # [Gradient filter, per row] the rule of every backward, decided for each row on its own.
-    keep = tl.sum(tl.abs(G), axis=1) >= eps
+    g_mass = tl.sum(tl.abs(G), axis=1)
+    keep = g_mass >= eps
     G = tl.where(keep[:, None], G, 0.0)
-    return G, rows, row_mask, keep, tl.sum(S, axis=1), cols, col_mask
+    a = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
+    accounted = tl.abs(a) * tl.sum(S, axis=1) - tl.where(keep, 0.0, g_mass)
+    return G, rows, row_mask, keep, accounted, cols, col_mask
 
 
 @triton.jit
@@ -81,7 +88,7 @@ def sparse_dE_pack_kernel(
     pack_rows_ptr, pack_tile_ptr,  # (packs, BLOCK_N) int32 rows (-1: empty lane); (packs,) int32 tiles
     pack_slots_ptr,  # (packs, BLOCK_N) int32: each lane's pair, its row of Y (-1: empty lane)
     Y_ptr,  # (pairs, D) fp32: G_row C_tile of each marked pair
-    kept_ptr, mass_ptr,  # (pairs,) int8 / fp32: the filter's verdict, the kept softmax mass (STATS)
+    kept_ptr, mass_ptr,  # (pairs,) int8 / fp32: the filter's verdict, ``pack_gradient``'s accounted (STATS)
     V, D,
     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, stride_Y,
     softcap, eps,
@@ -95,7 +102,7 @@ def sparse_dE_pack_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    G, rows, row_mask, keep, s_mass, cols, col_mask = pack_gradient(
+    G, rows, row_mask, keep, accounted, cols, col_mask = pack_gradient(
         E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, pack_rows_ptr, pack_tile_ptr,
         pid, V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap, eps,
         BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, SORTED, DOT_PRECISION)
@@ -103,7 +110,7 @@ def sparse_dE_pack_kernel(
     slots = tl.load(pack_slots_ptr + pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     if STATS:
         tl.store(kept_ptr + slots, keep.to(tl.int8), mask=row_mask)
-        tl.store(mass_ptr + slots, tl.where(keep, s_mass, 0.0), mask=row_mask)
+        tl.store(mass_ptr + slots, accounted, mask=row_mask)
     # Y = G C_tile, walking D. Unscaled G in the input dtype (as every backward's dE product).
     G_dt = G.to(E_ptr.dtype.element_ty)
     offs_d = tl.arange(0, BLOCK_D)
@@ -153,7 +160,7 @@ def sparse_g_kernel(
     pack_slots_ptr,  # (packs, BLOCK_N) int32: each lane's pair (-1: empty lane) (STATS only)
     w_rel_ptr,  # (N,) fp32: w / w_scale
     Gc_ptr,  # (packs, BLOCK_N, BLOCK_V) in E's dtype: w_rel G of each pack
-    kept_ptr, mass_ptr,  # (pairs,) int8 / fp32: the filter's verdict, the kept softmax mass (STATS)
+    kept_ptr, mass_ptr,  # (pairs,) int8 / fp32: the filter's verdict, ``pack_gradient``'s accounted (STATS)
     V, D,
     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
     softcap, eps,
@@ -167,14 +174,14 @@ def sparse_g_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    G, rows, row_mask, keep, s_mass, cols, col_mask = pack_gradient(
+    G, rows, row_mask, keep, accounted, cols, col_mask = pack_gradient(
         E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, pack_rows_ptr, pack_tile_ptr,
         pid, V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap, eps,
         BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, SORTED, DOT_PRECISION)
     if STATS:
         slots = tl.load(pack_slots_ptr + pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
         tl.store(kept_ptr + slots, keep.to(tl.int8), mask=row_mask)
-        tl.store(mass_ptr + slots, tl.where(keep, s_mass, 0.0), mask=row_mask)
+        tl.store(mass_ptr + slots, accounted, mask=row_mask)
     # dC's operand carries w relative to its maximum (w_rel <= 1: no fp16 underflow of w S).
     w_rel = tl.load(w_rel_ptr + rows, mask=row_mask, other=0.0)
     lanes = tl.arange(0, BLOCK_N)
