@@ -19,8 +19,8 @@ gradient may flow into it); the backward checks every row's |a| against it and r
 Memory: N * ceil(V / block_v / 8) bytes: 2.0 MB at the Gemma-2-2B head (N = 8,192, V = 256,000,
 128-column tiles), 19.5 MB at the Qwen3 head with N = 131,072 (0.034 LB), plus the order (V int64).
 
-This module also holds the host-side bit arithmetic both sides share: counts per row and per tile,
-and the list of marked pairs of a block of rows and tiles.
+This module also holds the host-side bit arithmetic both sides share: marked tiles per row, and the
+fix-up that marks a pair; the list of marked pairs is built on the device (``helpers.cce.pair_index``).
 """
 
 from __future__ import annotations
@@ -54,15 +54,6 @@ def coef_bound(z_loss: float, lse_grad: bool) -> float:
     return 1.0 + (1.0 if z_loss else 0.0) + (1.0 if lse_grad else 0.0)
 
 
-_SHIFTS = {}
-
-
-def _shifts(device) -> torch.Tensor:
-    if device not in _SHIFTS:
-        _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
-    return _SHIFTS[device]
-
-
 # ``live`` below: (N,) bool or None, the rows whose bits count (the others carry no gradient in this
 # backward: their bits stay as the forward left them, for a later backward through the same graph).
 
@@ -85,40 +76,6 @@ def popcount_rows(bits: torch.Tensor, live: torch.Tensor | None = None) -> torch
         b = (b + (b >> 4)) & 0x0F
         torch.sum(b, dim=0, dtype=torch.int64, out=counts[n0:n0 + COUNT_ROWS])
     return counts if live is None else counts * live
-
-
-def count_tiles(bits: torch.Tensor, T: int, live: torch.Tensor | None = None) -> torch.Tensor:
-    """(T,) int64: marked ``live`` rows of each tile."""
-    counts = torch.zeros(bits.shape[0], 8, dtype=torch.int64, device=bits.device)
-    for n0 in range(0, bits.shape[1], COUNT_ROWS):
-        b = bits[:, n0:n0 + COUNT_ROWS]
-        mask = 1 if live is None else live[n0:n0 + COUNT_ROWS].to(torch.uint8)
-        for k in range(8):
-            counts[:, k] += (((b >> k) & 1) * mask).sum(dim=1, dtype=torch.int64)
-    return counts.reshape(-1)[:T]
-
-
-def marked_pairs(bits: torch.Tensor, t0: int, t1: int, n0: int, n1: int, count: int | None = None,
-                 live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tiles, rows) int64 of the marked pairs with tile in [t0, t1) and a ``live`` row in [n0, n1),
-    ordered by tile, then row. Unpacks (t1 - t0) x (n1 - n0) bytes at a time. ``count``: the number
-    of pairs, when the caller knows it (from ``popcount_rows`` / ``count_tiles``): no host sync then."""
-    b0, b1 = t0 // 8, -(-t1 // 8)
-    sub = bits[b0:b1, n0:n1]
-    unpacked = (sub[:, None, :] >> _shifts(bits.device)[None, :, None]) & 1  # (bytes, 8, rows)
-    if live is not None:
-        unpacked &= live[None, None, n0:n1].to(torch.uint8)
-    unpacked = unpacked.reshape(-1, n1 - n0)[t0 - 8 * b0 : t1 - 8 * b0]
-    # Row-major: by tile, then row.
-    idx = None
-    if count is not None and hasattr(torch, "nonzero_static"):
-        try:
-            idx = torch.nonzero_static(unpacked, size=count)
-        except (RuntimeError, NotImplementedError):  # a build without it on this device
-            idx = None
-    if idx is None:
-        idx = unpacked.nonzero()
-    return idx[:, 0] + t0, idx[:, 1] + n0
 
 
 def set_bits(bits: torch.Tensor, tiles: torch.Tensor, rows: torch.Tensor) -> None:

@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 
 from helpers.cce.backward import cce_backward
-from helpers.cce.backward_sparse import options_need_every_pair, sparse_auto_eps
+from helpers.cce.backward_sparse import options_need_every_pair, sparse_auto_eps, too_small
 from helpers.cce.forward import cce_forward
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import (
@@ -82,7 +82,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # and a backward will run (E, C or the bias needs a gradient).
         wants_bits = backward_impl == "sparse" and (any(ctx.needs_input_grad[:2])
                                                     or (bias is not None and ctx.needs_input_grad[3]))
-        if wants_bits and options_need_every_pair(options) is None:
+        block_v = resolve_configs(configs, E.device).sparse_for(E.dtype).BLOCK_V
+        if (wants_bits and options_need_every_pair(options) is None
+                and too_small(E.shape[0], C.shape[0], block_v) is None):
             loss_rows, lse, activity = cce_forward(E, C, x, options, configs, bias=bias, emit_activity=True,
                                                    lse_grad=lse_grad)
         else:

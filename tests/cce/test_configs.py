@@ -43,10 +43,15 @@ KERNEL_FLAGS = {
     ("sparse_dE_reduce", "all"): dict(),
     ("sparse_g", "all"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SORTED=True, STATS=True),
     ("sparse_g", "none"): dict(HAS_SOFTCAP=False, HAS_BIAS=False, SORTED=False, STATS=False),
-    ("sparse_dC", "all"): dict(SORTED=True, NEED_DC=True, NEED_DB=True),
-    ("sparse_dC", "none"): dict(SORTED=False, NEED_DC=False, NEED_DB=False),
+    ("sparse_dC", "all"): dict(SORTED=True, NEED_DC=True, NEED_DB=True, PARTIAL=True),
+    ("sparse_dC", "none"): dict(SORTED=False, NEED_DC=False, NEED_DB=False, PARTIAL=False),
+    ("sparse_dC_finish", "all"): dict(SORTED=True, NEED_DC=True, NEED_DB=True),
+    # Its pair index (helpers/cce/kernels/pair_index.py).
+    ("count_pairs", "all"): dict(HAS_LIVE=True, POPCOUNT=True),
+    ("write_pairs", "all"): dict(HAS_LIVE=True, SLOTS=True),
 }
-SPARSE_KERNELS = ("sparse_dE_pack", "sparse_dE_reduce", "sparse_g", "sparse_dC")
+SPARSE_KERNELS = ("sparse_dE_pack", "sparse_dE_reduce", "sparse_g", "sparse_dC", "sparse_dC_finish")
+INDEX_KERNELS = ("count_pairs", "write_pairs")
 DTYPE_NAMES = {2: ("fp16", "bf16"), 4: ("fp32",)}
 
 
@@ -55,13 +60,14 @@ def _signature(kernel_name, fn, dtype):
     pointers = {
         "E_ptr": dtype, "C_ptr": dtype, "x_ptr": "i64", "vocab_order_ptr": "i64",
         "skip_count_ptr": "i32", "G_ptr": dtype, "G_exact_ptr": dtype, "tile_kept_ptr": "i8",
-        "bits_ptr": "u8", "pack_rows_ptr": "i32", "pack_tile_ptr": "i32", "pack_slots_ptr": "i32",
-        "kept_ptr": "i8",
-        "row_start_ptr": "i64", "row_slots_ptr": "i64", "tile_packs_ptr": "i64", "Gc_ptr": dtype,
+        "bits_ptr": "u8", "live_ptr": "u8", "seg_start_ptr": "i32", "cnt_ptr": "i32", "popcount_ptr": "i32",
+        "off_ptr": "i64", "rank_ptr": "i32", "row_slot_ptr": "i64", "seg_slot_base_ptr": "i64",
+        "pair_row_ptr": "i32", "pair_slot_ptr": "i32", "pack_off_ptr": "i64", "pair_off_ptr": "i64",
+        "pair_cnt_ptr": "i32", "kept_ptr": "i32", "Gc_ptr": dtype,
     }
     if kernel_name.startswith("sparse"):
         # The outputs themselves, not fp32 scratch; the bias in the inputs' dtype.
-        pointers.update(dE_ptr=dtype, dC_ptr=dtype, bias_ptr=dtype)
+        pointers.update(dE_ptr=dtype, dC_ptr=dtype, bias_ptr=dtype, Y_ptr="fp32" if dtype == "fp32" else "fp16")
     floats = {"softcap", "z_loss", "label_smoothing", "eps"}
     sig = {}
     for param in fn.params:
@@ -87,11 +93,14 @@ def compile_ours(request):
     from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
     from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
     from helpers.cce.kernels.lse_forward import lse_forward_kernel
+    from helpers.cce.kernels.pair_index import count_pairs_kernel, write_pairs_kernel
 
     kernels = {"lse_forward": lse_forward_kernel, "backward": backward_atomic_kernel,
                "indexed_dot": indexed_dot_kernel, "backward_gemm": gradient_chunk_kernel,
                "sparse_dE_pack": S.sparse_dE_pack_kernel, "sparse_dE_reduce": S.sparse_dE_reduce_kernel,
-               "sparse_g": S.sparse_g_kernel, "sparse_dC": S.sparse_dC_kernel}
+               "sparse_g": S.sparse_g_kernel, "sparse_dC": S.sparse_dC_kernel,
+               "sparse_dC_finish": S.sparse_dC_finish_kernel,
+               "count_pairs": count_pairs_kernel, "write_pairs": write_pairs_kernel}
     tier = K.tier(request["tier"])
     size = 4 if request["dtype"] == "fp32" else 2
     fn = kernels[request["kernel"]]
@@ -101,6 +110,14 @@ def compile_ours(request):
     elif request["kernel"] == "sparse_dE_reduce":
         cfg = tier.sparse[size]
         constexprs = {"BLOCK_R": 256}  # the host's choice on a GPU
+    elif request["kernel"] in INDEX_KERNELS:
+        from helpers.cce.pair_index import SEGMENT_ROWS
+
+        cfg = tier.sparse[size]
+        constexprs = {"ROWS": SEGMENT_ROWS}
+    elif request["kernel"] == "sparse_dC_finish":
+        cfg = tier.sparse[size]
+        constexprs = cfg.tiles("BLOCK_V", "BLOCK_D")
     elif request["kernel"] in SPARSE_KERNELS:
         cfg = tier.sparse[size]
         constexprs = cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D")
@@ -253,8 +270,8 @@ def test_hopper_backward_keeps_no_accumulator_in_registers_as_operand(compiled, 
 def test_turing_configs_fit_64_kb(compiled):
     turing = [r for k, r in compiled.items() if k.startswith("turing-64k") and "-sm" not in k]
     # (fp16, fp32) x [3 kernels x (all flags, none) + indexed_dot + the forward's bits variant
-    # + the sparse backward's 4 kernels: 3 x (all, none) + the reduce]
-    assert len(turing) == 2 * (3 * 2 + 1 + 1 + 3 * 2 + 1)
+    # + the sparse backward's kernels: 3 x (all, none) + the reduce + dC's finish + 2 index kernels]
+    assert len(turing) == 2 * (3 * 2 + 1 + 1 + 3 * 2 + 1 + 1 + 2)
     for r in turing:
         assert r["shared"] <= 65536, (
             f"Triton {compiled['triton']}: {_key(r)} needs {r['shared']:,} B > 65,536 B (T4, sm_75)"

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 import helpers.cce.backward_sparse as sparse  # noqa: E402
 import helpers.cce.forward as forward  # noqa: E402
 from helpers.cce import cce_backward, cce_forward, linear_cross_entropy, resolve_options  # noqa: E402
-from helpers.cce.activity import marked_pairs  # noqa: E402
+import helpers.cce.pair_index as pair_index  # noqa: E402
 from helpers.cce.gradients import vocabulary_order  # noqa: E402
 from helpers.cce.kernels.configs import tier  # noqa: E402
 from helpers.compare.inputs import make_inputs  # noqa: E402
@@ -35,16 +35,23 @@ EPS = 2.0**-12  # coarse enough that the realistic regime skips most pairs at th
 
 @pytest.fixture(autouse=True)
 def small_shapes(monkeypatch):
-    """A pilot of 128 sorted positions, so that both forward launches (pilot, splits) run; and the
-    dense fallback at 90% of the pairs (at these sizes the realistic regime marks 30-60%)."""
+    """A pilot of 128 sorted positions, so that both forward launches (pilot, splits) run; the
+    dense fallback at 90% of the pairs (at these sizes the realistic regime marks 30-60%); and no
+    size too small for the sparse path."""
     monkeypatch.setattr(forward, "PILOT_COLUMNS", 128)
     monkeypatch.setattr(sparse, "DENSE_FALLBACK", 0.9)
+    monkeypatch.setattr(sparse, "SPARSE_MIN_PAIRS", 0)
 
 
 def inputs(dtype, regime="realistic", n=N, v=V, d=D, ignore=(), seed=1):
     E, C, x = make_inputs(n, v, d, torch.float32, "cpu", regime=regime, seed=seed)
     x[list(ignore)] = -100
     return E.to(dtype).to(DEVICE), C.to(dtype).to(DEVICE), x.to(DEVICE)
+
+
+def unpack(bits, T):
+    """(T, N) int64: the bits one per (tile, row)."""
+    return torch.stack([(bits[t // 8] >> (t % 8)) & 1 for t in range(T)]).to(torch.int64)
 
 
 def upstream(reduction, n=N):
@@ -239,9 +246,7 @@ def test_forward_bits_never_miss_a_tile(sort, bias):
         S = S[:, act.order]
     T, bv = act.tiles, act.block_v
     mass = torch.nn.functional.pad(S, (0, T * bv - V)).view(N, T, bv).sum(-1)
-    tiles, rows = marked_pairs(act.bits, 0, T, 0, N)
-    marked = torch.zeros(N, T, dtype=torch.bool)
-    marked[rows, tiles] = True
+    marked = unpack(act.bits, T).T.bool()  # (N, T)
     assert not ((mass >= EPS) & ~marked).any()
     assert marked.sum() < 2 * (mass >= EPS).sum()  # the bound is tight enough to skip most pairs
     assert act.pilot == (128 if sort else 0)
@@ -258,9 +263,50 @@ def test_blocks_do_not_change_a_bit(dtype, monkeypatch):
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     monkeypatch.setattr(sparse, "Y_LANES", 1)  # the floor: one row's packs
     monkeypatch.setattr(sparse, "GC_BYTES", 1)  # the floor: the largest tile's packs
+    monkeypatch.setattr(sparse, "INDEX_BYTES", 1)  # the floor: one row block, one byte of tiles
+    monkeypatch.setattr(pair_index, "SEGMENT_ROWS", 4)  # several segments per row block
     blocked = run_sparse(E, C, x, go, reduction="none", sort=True, stats=(s2 := {}))
     assert s2["row_blocks"] > s1["row_blocks"] and s2["tile_ranges"] > s1["tile_ranges"]
+    assert s2["index_batches"] > s1["index_batches"]
     assert torch.equal(first[0], blocked[0]) and torch.equal(first[1], blocked[1])
+
+
+@pytest.mark.parametrize("which", ["dC_db", "db_only"])
+def test_split_tiles_match_the_reference_and_repeat(which, monkeypatch):
+    """Tiles whose packs are split over programs (as the Qwen3 head's at N = 131,072, where every
+    row marks the first tiles), summed in a second pass: the filtered float64 gradient within
+    rounding, the same bits on a second run, and db from the same sums."""
+    monkeypatch.setattr(sparse, "DC_PROGRAMS", 4096)
+    monkeypatch.setattr(sparse, "GC_BYTES", 1)  # a range per tile: few programs each
+    E, C, x = inputs(torch.float32, ignore=[3])
+    bias = head_bias(torch.float32)
+    go = upstream("none")
+    need = (True, True, True) if which == "dC_db" else (False, False, True)
+    first = run_sparse(E, C, x, go, reduction="none", sort=True, bias=bias, need=need, stats=(stats := {}))
+    again = run_sparse(E, C, x, go, reduction="none", sort=True, bias=bias, need=need)
+    assert stats["split_ranges"] > 0, stats
+    for a, b in zip(first[:3], again[:3]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    rdE, rdC, rdb = filtered_reference(E, C, x, go, EPS, first[3].order, first[3].block_v, reduction="none",
+                                       bias=bias)
+    assert relative_error(first[2], rdb) < TOL[torch.float32]
+    if which == "dC_db":
+        assert relative_error(first[1], rdC) < TOL[torch.float32]
+        assert relative_error(first[0], rdE) < TOL[torch.float32]
+
+
+def test_too_small_a_problem_runs_gemm_without_bits(monkeypatch):
+    """Below SPARSE_MIN_PAIRS the index costs more than it saves: no bits in the forward, "gemm"."""
+    monkeypatch.setattr(sparse, "SPARSE_MIN_PAIRS", N * 1000)
+    E, C, x = inputs(torch.float32)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+    stats = {}
+    loss = linear_cross_entropy(E, C, x, backward_impl="sparse", filter_eps=EPS, stats=stats)
+    loss.backward()
+    assert "pairs, fewer than" in stats["fallback"], stats
+    ref = reference_loss_and_grads(E.detach(), C.detach(), x)
+    assert relative_error(E.grad, ref[1]) < 1e-3 and relative_error(C.grad, ref[2]) < 1e-3
 
 
 def test_y_lives_in_dC_when_it_fits():
@@ -491,21 +537,61 @@ def test_no_bits_without_a_backward(monkeypatch):
     torch.testing.assert_close(plain, with_grad.detach())
 
 
-def test_the_counts_of_marked_pairs_agree_with_the_unpacked_bits_in_any_slicing(monkeypatch):
+def random_bits(T, N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 256, ((T + 7) // 8, N), dtype=torch.uint8, generator=g)
+    bits[-1] &= (1 << (T % 8)) - 1 if T % 8 else 255  # no marks past the last tile
+    live = torch.rand(N, generator=g) < 0.7
+    return bits, live
+
+
+@pytest.mark.parametrize("rows", [1, 4, 128], ids=lambda r: f"segments_of_{r}")
+def test_the_pair_index_lists_every_marked_pair_by_group_tile_row(rows, monkeypatch):
+    """``pair_index.build`` against the unpacked bits: positions, counts, rows, the dE pass's
+    row-major slots and the packs, for row blocks of odd sizes and a range of bytes."""
+    monkeypatch.setattr(pair_index, "SEGMENT_ROWS", rows)
+    T, N, P = 21, 37, 3
+    bits, live = random_bits(T, N)
+    marked = unpack(bits, T) * live  # (T, N)
+    row_slot = torch.zeros(N + 1, dtype=torch.int64)
+    torch.cumsum(marked.sum(0), 0, out=row_slot[1:])
+    live8 = live.to(torch.uint8)
+    blocks = [(0, 10), (10, 11), (11, 30), (30, 37)]
+    seg_start, seg_group = pair_index.segments(blocks)
+    index = pair_index.build(bits, live8, seg_start, seg_group, 0, bits.shape[0], int(marked.sum()), P,
+                             row_slot=row_slot, group_slot0=[int(row_slot[n0]) for n0, _ in blocks])
+    pos = packs = 0
+    for g, (n0, n1) in enumerate(blocks):
+        for t in range(index.tiles):
+            rows_t = [r for r in range(n0, n1) if t < T and marked[t, r]]
+            assert int(index.pair_off[g, t]) == pos and int(index.pair_cnt[g, t]) == len(rows_t)
+            assert int(index.pack_off[g * index.tiles + t]) == packs
+            assert index.pair_row[pos:pos + len(rows_t)].tolist() == rows_t
+            # Slot: the row's first, from its block's first row, plus its marked tiles before t.
+            want = [int(row_slot[r] - row_slot[n0] + marked[:t, r].sum()) for r in rows_t]
+            assert index.pair_slot[pos:pos + len(rows_t)].tolist() == want
+            pos += len(rows_t)
+            packs += -(-len(rows_t) // P)
+    assert int(index.pack_off[-1]) == packs
+    # The dC pass's: every row in one group, bytes [1, 3) (tiles 8..23, those past T empty).
+    cnt, seg_start, seg_group = pair_index.tile_counts(bits, live8, N)
+    assert torch.equal(cnt.sum(0)[:T].long(), marked.sum(1))
+    index = pair_index.build(bits, live8, seg_start, seg_group, 1, 2, int(marked[8:].sum()), P,
+                             cnt=cnt[:, 8:24])
+    want = [r for t in range(8, T) for r in range(N) if marked[t, r]]
+    assert index.tile0 == 8 and index.pair_row.tolist() == want
+
+
+def test_the_popcount_of_rows_agrees_with_the_unpacked_bits_in_any_slicing(monkeypatch):
     import helpers.cce.activity as activity
 
-    g = torch.Generator().manual_seed(0)
     T, N = 21, 37
-    bits = torch.randint(0, 256, ((T + 7) // 8, N), dtype=torch.uint8, generator=g)
-    bits[-1] &= (1 << (T % 8)) - 1  # no marks past the last tile
-    live = torch.rand(N, generator=g) < 0.7
-    unpacked = torch.stack([(bits[t // 8] >> (t % 8)) & 1 for t in range(T)]).to(torch.int64)  # (T, N)
+    bits, live = random_bits(T, N)
+    marked = unpack(bits, T)
     for rows in (5, 8192):  # slices that split the rows, and one that holds them all
         monkeypatch.setattr(activity, "COUNT_ROWS", rows)
-        assert torch.equal(activity.popcount_rows(bits), unpacked.sum(0))
-        assert torch.equal(activity.popcount_rows(bits, live), unpacked.sum(0) * live)
-        assert torch.equal(activity.count_tiles(bits, T), unpacked.sum(1))
-        assert torch.equal(activity.count_tiles(bits, T, live), (unpacked * live).sum(1))
+        assert torch.equal(activity.popcount_rows(bits), marked.sum(0))
+        assert torch.equal(activity.popcount_rows(bits, live), marked.sum(0) * live)
 
 
 @pytest.mark.parametrize("sort", [False, True], ids=["unsorted", "sorted"])
