@@ -20,6 +20,15 @@ past --budget-s; the required ones run anyway):
 3. a compact table, with each time's ratio to torch.compile's as measured on this H200 on
    2026-11-30 (docs/PERFORMANCE.md; not re-measured here).
 
+``--sections checks`` runs two checks: the sparse backward gives the same bits on a second run (bf16,
+realistic: the Gemma head, and the Qwen3 head with N = 131,072, where dC's split tiles run); and
+fp16 at the T4's configurations (tier "turing-64k") against this GPU's own, time and accuracy, at
+the Qwen3 head with N = 16,384, realistic.
+
+``--sections profile`` instead splits one "sparse" backward per realistic shape into host and GPU
+time: the wall time of the backward (synchronized), the host's time until ``backward()`` returns,
+and the GPU time of every kernel it launched (``torch.profiler``), summed by kernel name.
+
 Pass rules (status FAIL): "sparse" (auto eps) dE and dC <= 1.5x the naive path's error; "sparse" on
 the uniform regime must have run "gemm" and agree with "gemm" (default options) within half the
 naive path's error. Times and memory are
@@ -54,6 +63,18 @@ VARIANTS = {
     "sparse": dict(backward_impl="sparse", sort_vocab=True),
     "sparse eps=2^-12": dict(backward_impl="sparse", sort_vocab=True, filter_eps=2.0**-12),
 }
+
+
+def with_sparse(device, dtype, **tiles):
+    """Options for the sparse backward with other tiles for its kernels (the tier's otherwise)."""
+    from dataclasses import replace
+
+    from helpers.cce.kernels.configs import select_configs
+
+    tier = select_configs(torch.device(device))
+    size = 4 if dtype.itemsize >= 4 else 2
+    sparse = {**tier.sparse, size: replace(tier.sparse[size], **tiles)}
+    return dict(VARIANTS["sparse"], configs=replace(tier, sparse=sparse))
 
 
 def inputs(N, V, D, dtype, regime, device):
@@ -117,7 +138,7 @@ def check_accuracy(shape, N, V, D, regime, dtype, device, chunk, variants):
 
 def _sparse_counts(stats: dict) -> dict:
     keys = ("fallback", "density", "work_fraction", "skipped_mass_max", "skipped_mass_mean", "row_blocks",
-            "tile_ranges", "eps", "extra_bytes")
+            "tile_ranges", "index_batches", "launches", "eps", "extra_bytes")
     return {k: stats[k] for k in keys if k in stats}
 
 
@@ -184,11 +205,90 @@ def measure(shape, N, V, D, regime, variant, dtype, device, tiny):
     return rec
 
 
+def profile_backward(shape, N, V, D, regime, dtype, device, variant="sparse", tiles=None):
+    """Host and GPU time of one backward (module doc, ``--sections profile``); ``tiles``: other
+    tiles for the sparse kernels (``with_sparse``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    E, C, x = inputs(N, V, D, dtype, regime, device)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+    options = with_sparse(device, dtype, **tiles) if tiles else VARIANTS[variant]
+    if tiles:
+        variant += " " + ",".join(f"{k}={v}" for k, v in tiles.items())
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(2):  # compile, warm up
+        linear_cross_entropy(E, C, x, **options).backward()
+        E.grad = C.grad = None
+    sync()
+    walls, hosts = [], []
+    for _ in range(3):
+        loss = linear_cross_entropy(E, C, x, **options)
+        sync()
+        start = time.perf_counter()
+        loss.backward()
+        hosts.append(1e3 * (time.perf_counter() - start))
+        sync()
+        walls.append(1e3 * (time.perf_counter() - start))
+        E.grad = C.grad = None
+    loss = linear_cross_entropy(E, C, x, **options)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        loss.backward()
+        sync()
+    kernels = []
+    for event in prof.key_averages():
+        ms = getattr(event, "device_time_total", 0.0) / 1e3 if cuda else 0.0
+        if ms > 0 and not event.key.startswith(("aten::", "autograd", "cuda", "Memcpy", "Memset")):
+            kernels.append((event.key[:60], round(ms, 3), event.count))
+    kernels.sort(key=lambda k: -k[1])
+    return dict(case=f"profile/{shape}/N={N}/{regime}/{variant}", bwd_wall_ms=round(statistics.median(walls), 2),
+                bwd_host_ms=round(statistics.median(hosts), 2),
+                gpu_kernel_ms=round(sum(k[1] for k in kernels), 2), kernel_launches=sum(k[2] for k in kernels),
+                top_kernels=kernels[:12], status="ok")
+
+
+def repeats_bitwise(shape, N, V, D, regime, dtype, device):
+    """Two sparse forward+backward passes: the same dE and dC to the bit."""
+    E, C, x = inputs(N, V, D, dtype, regime, device)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+    grads, stats = [], {}
+    for _ in range(2):
+        linear_cross_entropy(E, C, x, stats=stats, **VARIANTS["sparse"]).backward()
+        grads.append((E.grad, C.grad))
+        E.grad = C.grad = None
+    same = all(torch.equal(a, b) for a, b in zip(*grads))
+    return dict(case=f"repeat/{shape}/N={N}/{regime}/sparse", bitwise_equal=same, fallback=stats.get("fallback"),
+                split_ranges=stats.get("split_ranges"), status="ok" if same and not stats.get("fallback") else "FAIL")
+
+
+def turing_configs(shape, N, V, D, regime, device, tiny):
+    """fp16 at the T4 tier's configurations against this GPU's tier: time of "gemm" and "sparse"."""
+    records = []
+    for tier in (None, "turing-64k"):
+        for variant in ("gemm", "sparse"):
+            VARIANTS[f"{variant} @{tier}"] = dict(VARIANTS[variant], configs=tier)
+            rec = measure(shape, N, V, D, regime, f"{variant} @{tier}", torch.float16, device, tiny)
+            rec["tier"] = tier or "this GPU's"
+            records.append(rec)
+    by = {(r["tier"], r["variant"].split()[0]): r["fwd_bwd_ms"] for r in records}
+    for r in records:
+        r["over_own_tier"] = round(r["fwd_bwd_ms"] / by[("this GPU's", r["variant"].split()[0])], 3)
+    return records
+
+
 def main():
-    args, cuda, device, scale = script_setup(__doc__, "speed_v3.json", 240.0)
+    args, cuda, device, scale = script_setup(
+        __doc__, "speed_v3.json", 240.0,
+        lambda p: p.add_argument("--sections", nargs="+", default=["accuracy", "time"],
+                                 choices=["accuracy", "time", "profile", "checks"]))
     dtype = torch.bfloat16 if cuda else torch.float16  # the interpreter cannot do bf16
     if args.tiny:
         sparse_backward.DENSE_FALLBACK = 0.95  # tiny shapes mark most pairs: run the kernels anyway
+        sparse_backward.SPARSE_MIN_PAIRS = 0  # and are far too small to pay for them
     gemma = (scale(256_000, 600), scale(2304, 36))
     qwen = (scale(151_936, 400), scale(1024, 24))
     n = {k: scale(k, lo) for k, lo in ((1024, 24), (8192, 40), (16_384, 48), (131_072, 64))}
@@ -196,7 +296,29 @@ def main():
         n[131_072] = 64  # the interpreter's minutes: N / 256 would be 512 rows
     chunk = 64 if args.tiny else 4096
     c = Checker(args.budget_s, device)
-
+    if "checks" in args.sections:
+        c.run("repeat", repeats_bitwise, "gemma2", n[8192], *gemma, "realistic", dtype, device, required=True)
+        c.run("repeat", repeats_bitwise, "qwen3", n[131_072], *qwen, "realistic", dtype, device)
+        c.run("turing", turing_configs, "qwen3", n[16_384], *qwen, "realistic", device, args.tiny)
+        c.run("accuracy/qwen3/realistic/fp16", check_accuracy, "qwen3", n[16_384], *qwen, "realistic",
+              torch.float16, device, chunk, ["gemm", "sparse"])
+        finish(c, args.out, cuda)
+        return
+    if "profile" in args.sections:
+        c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "realistic", dtype, device, required=True)
+        for N in (16_384, 131_072, 1024):
+            c.run("profile", profile_backward, "qwen3", n[N], *qwen, "realistic", dtype, device)
+        small = dict(BLOCK_N=16) if args.tiny else dict(BLOCK_N=32)
+        c.run("profile", profile_backward, "qwen3", n[16_384], *qwen, "realistic", dtype, device, tiles=small)
+        c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "realistic", dtype, device, tiles=small)
+        c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "uniform", dtype, device)
+        for r in c.records:
+            print(f"{r['case']}: backward {r.get('bwd_wall_ms')} ms wall, host {r.get('bwd_host_ms')} ms, "
+                  f"GPU kernels {r.get('gpu_kernel_ms')} ms in {r.get('kernel_launches')} launches")
+            for name, ms, count in r.get("top_kernels", []):
+                print(f"    {ms:9.3f} ms  x{count:<5d} {name}")
+        finish(c, args.out, cuda)
+        return
     # 1. Accuracy at the Gemma head, realistic (required), then uniform and the Qwen3 head.
     c.run("accuracy/gemma2/realistic", check_accuracy, "gemma2", n[8192], *gemma, "realistic", dtype,
           device, chunk, ["gemm", "gemm+sort", "sparse", "sparse eps=2^-12"], required=True)
