@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["cce_check.py", "tune.py"])
+@pytest.mark.parametrize("script", ["cce_check.py", "tune.py", "speed_v3.py"])
 def test_gpu_script_runs_tiny_on_cpu(script, tmp_path):
     out = tmp_path / "result.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}

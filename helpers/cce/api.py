@@ -37,6 +37,17 @@ Vocabulary sort (paper section 4.3): ``sort_vocab=True`` orders the vocabulary b
 (``helpers.cce.gradients.vocabulary_order``), so large softmax entries share tiles and more tiles
 pass the filter. Off by default: it only pays when the filter has something to skip.
 
+The "sparse" backward (``backward_impl="sparse"``, opt-in) makes the filter save time: the forward
+also writes one activity bit per (row, vocabulary tile) (``helpers.cce.activity``), and the backward
+rebuilds and multiplies only the marked pairs, per row (``helpers/cce/backward_sparse.py``). Its
+"auto" eps bounds what a row loses: B / T for T tiles per row, B = 2^-7 (bf16), 2^-10 (fp16). With
+``sort_vocab`` the forward walks the sorted vocabulary. It computes what "gemm" computes (a bias and
+db, per-row upstream gradients, a gradient into the returned lse, only the gradients asked for),
+with each row's G filtered on its own. When the bits mark most pairs (a dense softmax), or the
+options need every pair (label smoothing, FullC/FullE, no filter), it runs "gemm" and
+``stats["fallback"]`` says why. With ``return_lse`` its forward marks tiles at a lower threshold
+(eps / 2, eps / 3 with z-loss), since a gradient into the lse adds to G's softmax term.
+
 What it does not do: vocabulary parallelism (C sharded across GPUs), and the paper's lock-free
 bf16 atomics (fp32 scratch instead: ~0.06-0.2 LB, for the naive path's accuracy).
 """
@@ -46,9 +57,16 @@ from __future__ import annotations
 import torch
 
 from helpers.cce.backward import cce_backward
+from helpers.cce.backward_sparse import options_need_every_pair, sparse_auto_eps, too_small
 from helpers.cce.forward import cce_forward
 from helpers.cce.kernels.configs import CCEConfigs
-from helpers.cce.options import CCEOptions, check_backward_impl, resolve_options, why_unavailable
+from helpers.cce.options import (
+    CCEOptions,
+    check_backward_impl,
+    resolve_configs,
+    resolve_options,
+    why_unavailable,
+)
 from helpers.spec import validate_inputs
 
 
@@ -57,8 +75,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     recomputes the logits (it saves only lse) and computes only the gradients autograd asks for."""
 
     @staticmethod
-    def forward(ctx, E, C, x, bias, options: CCEOptions, configs, backward_impl="gemm", stats=None):
-        loss_rows, lse = cce_forward(E, C, x, options, configs, bias=bias)
+    def forward(ctx, E, C, x, bias, options: CCEOptions, configs, backward_impl="gemm", stats=None,
+                lse_grad=False):
+        activity = None
+        # The sparse backward needs the forward's activity bits, when its options can skip at all
+        # and a backward will run (E, C or the bias needs a gradient).
+        wants_bits = backward_impl == "sparse" and (any(ctx.needs_input_grad[:2])
+                                                    or (bias is not None and ctx.needs_input_grad[3]))
+        block_v = resolve_configs(configs, E.device).sparse_for(E.dtype).BLOCK_V
+        if (wants_bits and options_need_every_pair(options) is None
+                and too_small(E.shape[0], C.shape[0], block_v) is None):
+            loss_rows, lse, activity = cce_forward(E, C, x, options, configs, bias=bias, emit_activity=True,
+                                                   lse_grad=lse_grad)
+        else:
+            loss_rows, lse = cce_forward(E, C, x, options, configs, bias=bias)
         kept = x != options.ignore_index
         n_kept = kept.sum()
         if options.reduction == "none":
@@ -69,6 +99,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             loss = loss_rows.sum() / n_kept  # 0 / 0 = NaN when every token is ignored, as torch
         ctx.save_for_backward(E, C, x, lse, n_kept, bias)
         ctx.options, ctx.configs, ctx.backward_impl, ctx.stats = options, configs, backward_impl, stats
+        ctx.activity = activity
         ctx.set_materialize_grads(False)  # an output nobody uses gets None, not a tensor of zeros
         ctx.mark_non_differentiable(n_kept)
         return loss, lse
@@ -80,7 +111,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         o = ctx.options
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         if not any(need) or (grad_loss is None and grad_lse is None):
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None
         N = x.shape[0]
         if grad_loss is None:
             grad_rows = torch.zeros(N, dtype=torch.float32, device=E.device)
@@ -92,8 +123,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # All ignored: torch's gradients are 0, not NaN, so divide by at least 1.
             grad_rows = (grad_loss.to(torch.float32) / n_kept.clamp(min=1)).expand(N)
         dE, dC, db = cce_backward(E, C, x, lse, grad_rows, o, ctx.configs, stats=ctx.stats,
-                                  backward_impl=ctx.backward_impl, grad_lse=grad_lse, bias=bias, need=need)
-        return dE, dC, None, db, None, None, None, None
+                                  backward_impl=ctx.backward_impl, grad_lse=grad_lse, bias=bias, need=need,
+                                  activity=ctx.activity)
+        return dE, dC, None, db, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -127,7 +159,7 @@ def linear_cross_entropy(
     zero kept tokens (with zero gradients), as torch gives. Gradients flow to whichever of E, C
     and bias require them; the others are not computed.
 
-    bias: (V,) added to every row's logits, its gradient computed by the "gemm" backward.
+    bias: (V,) added to every row's logits, its gradient computed by the "gemm" and "sparse" backwards.
     shift: a causal LM's shift, done on the targets: position t is scored against x[..., t + 1] and
         the last position of each sequence (the last index of x's last dimension) is ignored. No
         copy of E is made (E is flattened as a view when its leading dimensions are contiguous).
@@ -145,8 +177,11 @@ def linear_cross_entropy(
     configs: a ``CCEConfigs`` or tier name from ``helpers.cce.kernels.configs``; None picks by the
         device's shared memory per block.
     backward_impl: "gemm" (the default: G per vocabulary chunk in scratch, its two products in
-        cuBLAS) or "atomic" (fp32 atomics in one kernel, slower; no bias gradient);
-        ``helpers.cce.backward``. fp32 "gemm" products follow torch's fp32 matmul setting
+        cuBLAS), "atomic" (fp32 atomics in one kernel, slower; no bias gradient) or "sparse"
+        (opt-in: the forward marks the (row, tile) pairs that may carry gradient, the backward
+        computes only those, deterministically; "auto" filter eps = B / T per tile, B = 2^-7 for
+        bf16, 2^-10 for fp16: at most B of a row's |G| mass dropped; "gemm" when most pairs are
+        marked); ``helpers.cce.backward``. fp32 "gemm" products follow torch's fp32 matmul setting
         (default: no TF32).
     stats: a dict the backward fills with what its gradient filter did: "tiles" (logit tiles
         rebuilt), "skipped" (tiles whose gradient the filter dropped), "launches"; see
@@ -156,6 +191,10 @@ def linear_cross_entropy(
                     leading_dims=True)
     if not isinstance(shift, bool) or not isinstance(return_lse, bool):
         raise ValueError(f"shift and return_lse must be True or False, got {shift!r} and {return_lse!r}")
+    check_backward_impl(backward_impl)
+    if backward_impl == "sparse" and isinstance(filter_eps, str) and filter_eps == "auto":
+        block_v = resolve_configs(configs, E.device).sparse_for(E.dtype).BLOCK_V
+        filter_eps = sparse_auto_eps(E.dtype, C.shape[0], block_v, label_smoothing)
     options = resolve_options(
         E.dtype,
         filter_eps=filter_eps,
@@ -169,9 +208,9 @@ def linear_cross_entropy(
         z_loss=z_loss,
         label_smoothing=label_smoothing,
     )
-    check_backward_impl(backward_impl)
-    if bias is not None and bias.requires_grad and backward_impl != "gemm":
-        raise ValueError('a bias that requires grad needs backward_impl="gemm" (the "atomic" backward has no db)')
+    if bias is not None and bias.requires_grad and backward_impl == "atomic":
+        raise ValueError('a bias that requires grad needs backward_impl="gemm" or "sparse" '
+                         '(the "atomic" backward has no db)')
     reason = why_unavailable(E.device, E.dtype, softcap)
     if reason:
         raise RuntimeError(f"helpers.linear_cross_entropy cannot run here: {reason}")
@@ -183,7 +222,7 @@ def linear_cross_entropy(
         shifted[..., :-1] = x[..., 1:]
         x = shifted
     loss, lse = LinearCrossEntropyFunction.apply(E.reshape(-1, E.shape[-1]), C, x.reshape(-1), bias, options,
-                                                 configs, backward_impl, stats)
+                                                 configs, backward_impl, stats, return_lse)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, lse.reshape(lead)) if return_lse else loss

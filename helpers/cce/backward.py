@@ -5,17 +5,22 @@ For a kept row i the gradient of its loss with respect to a logit is
     G_{i, v} = S_{i, v} (1 + 2 zl lse_i) - (1 - ls) [v = x_i] - ls / V,   S = softmax(z),
 
 times d cap(a) / da = 1 - (z / softcap)^2 under the soft cap; dE = g G C and dC = G^T (g E), g the
-upstream gradient of each row. Two implementations compute it, chosen by ``backward_impl``:
-"gemm" (``helpers.cce.backward_gemm``, the default) and "atomic" (``helpers.cce.backward_atomic``).
-Both form G in the same code (``gradient_tile``), filter it by the same rule and accumulate in fp32.
+upstream gradient of each row. Three implementations compute it, chosen by ``backward_impl``:
+"gemm" (``helpers.cce.backward_gemm``, the default), "atomic" (``helpers.cce.backward_atomic``) and
+"sparse" (``helpers.cce.backward_sparse``, opt-in: only the (row, tile) pairs the forward's activity
+bits mark, "gemm" when they mark too many). All form G in the same code (``gradient_tile``), filter
+it by the same rule (a row's |G| mass in a tile below eps: "gemm" and "atomic" drop a tile when every
+row of their row block is below, "sparse" each row on its own) and accumulate in fp32.
 """
 
 from __future__ import annotations
 
 import torch
 
+from helpers.cce.activity import Activity
 from helpers.cce.backward_atomic import backward_atomic
 from helpers.cce.backward_gemm import backward_gemm
+from helpers.cce.backward_sparse import backward_sparse
 from helpers.cce.gradients import RowGradient, vocabulary_order
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import CCEOptions, check_backward_impl, resolve_configs
@@ -37,14 +42,21 @@ def cce_backward(
     grad_lse: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     need: tuple[bool, bool, bool] = (True, True, False),
+    activity: Activity | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dE (N, D), dC (V, D), db (V,)) in the inputs' dtypes; None for a gradient that ``need``
     (dE, dC, db) does not ask for, which is then not computed.
 
     grad_rows: (N,) fp32, the upstream gradient of each row's loss (0 at ignored rows is implied).
     grad_lse: (N,) fp32 or None, the gradient flowing into the returned lse (``return_lse``).
-    bias: the head's bias (V,), or None. backward_impl: "gemm" or "atomic" (module doc); only
-    "gemm" computes db.
+    bias: the head's bias (V,), or None. backward_impl: "gemm", "atomic" or "sparse" (module doc);
+    "atomic" computes no db. activity: the forward's activity bits
+    (``cce_forward(..., emit_activity=True)``), which "sparse" needs (without them it runs "gemm";
+    it fixes them up in place: call it with bits it may change). "sparse" fills ``stats`` with
+    its own counts: "fallback" (None, or why "gemm" ran), "density" (marked share of the pairs),
+    "pairs", "marked", "kept_pairs", "skipped_mass_max" / "_mean" (|G| mass a row lost, the quantity the rule bounds),
+    "work_fraction" (tile products against "gemm"'s), "extra_bytes"; "tiles" and "skipped" count
+    (row, tile) pairs there.
     n_chunk, v_chunk: "gemm": rows per dE accumulator and vocabulary columns per G chunk; "atomic":
     rows of dE's and of dC's fp32 scratch (fp16/bf16 only). None: ``gemm_chunks`` or
     ``atomic_chunks``.
@@ -54,11 +66,13 @@ def cce_backward(
     the launches whose every tile the filter skipped (their GEMMs multiply zeros).
     """
     check_backward_impl(backward_impl)
-    if need[2] and backward_impl != "gemm":
-        raise ValueError('the bias\'s gradient is computed by backward_impl="gemm" only, got "atomic"')
+    if need[2] and backward_impl == "atomic":
+        raise ValueError('the bias\'s gradient is not computed by backward_impl="atomic"')
     o = options
     configs = resolve_configs(configs, E.device)
     up = RowGradient.of(grad_rows, grad_lse, x != o.ignore_index, lse, o)
+    if backward_impl == "sparse":
+        return backward_sparse(E, C, x, lse, up, activity, o, configs, n_chunk, v_chunk, stats, bias, need)
     order = vocabulary_order(E, C) if o.sort_vocab else None
     if backward_impl == "gemm":
         return backward_gemm(E, C, x, lse, up, order, o, configs.backward_gemm_for(E.dtype), n_chunk, v_chunk,

@@ -4,6 +4,15 @@
 on a (N / BLOCK_N, SPLITS) grid gives each row's log-sum-exp over one split of the vocabulary, the
 splits merged with a logsumexp here (SPLITS fills the GPU when N alone would not; its buffer is
 SPLITS * N * 4 bytes). What the backward needs from the forward is the lse: N * 4 bytes.
+
+For the "sparse" backward (``emit_activity``) the LSE kernel also writes activity bits
+(``helpers.cce.activity``): per row and vocabulary tile, whether the tile's softmax mass may reach
+eps, judged against a lower bound of the row's final sum. Two things keep that bound close to the
+final sum, so that the bits mark little more than the exact rule would (docs/speed_v3_notes.md):
+the target logit seeds every split (exp(z_x) is one term of the sum; Algorithm 1 runs first), and,
+with the vocabulary sorted, a pilot launch walks the first ``PILOT_COLUMNS`` sorted positions (the
+frequent tokens, most of the mass) in one split whose lse then seeds every other split. Without
+the pilot each split's running sum starts from nothing and its first tiles are always marked.
 """
 
 from __future__ import annotations
@@ -11,11 +20,17 @@ from __future__ import annotations
 import torch
 import triton
 
+from helpers.cce.activity import Activity, coef_bound
 from helpers.cce.device import device_info
+from helpers.cce.gradients import vocabulary_order
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
 from helpers.cce.kernels.lse_forward import lse_forward_kernel
 from helpers.cce.options import CCEOptions, dot_precision, resolve_configs
+
+
+# Sorted vocabulary positions the pilot launch walks first (rounded to whole bytes of bits).
+PILOT_COLUMNS = 1024
 
 
 def cce_forward(
@@ -26,8 +41,14 @@ def cce_forward(
     configs: CCEConfigs | str | None = None,
     v_splits: int | None = None,
     bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32), from Algorithms 1 and 2.
+    emit_activity: bool = False,
+    lse_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Activity]:
+    """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32), from Algorithms 1 and 2; with
+    ``emit_activity``, a third element: the ``Activity`` the "sparse" backward needs (the options
+    must have a filter: ``options.filter_eps``; ``options.sort_vocab`` walks the sorted vocabulary).
+    ``lse_grad``: a gradient may flow into the lse (it is returned to the caller), so the bits are
+    made for a larger softmax coefficient (``helpers.cce.activity.coef_bound``).
 
     ``v_splits``: vocabulary splits of the LSE grid; None picks enough to fill the device.
     ``bias``: the head's bias (V,), added to every row's logits; None for none.
@@ -35,7 +56,8 @@ def cce_forward(
     N, D = E.shape
     V = C.shape[0]
     o = options
-    fwd, _, dot_cfg = resolve_configs(configs, E.device).for_dtype(E.dtype)
+    configs = resolve_configs(configs, E.device)
+    fwd, _, dot_cfg = configs.for_dtype(E.dtype)
     softcap = o.softcap if o.softcap is not None else 1.0
 
     # Algorithm 1: z_{i, x_i}, (N,).
@@ -52,34 +74,96 @@ def cce_forward(
 
     # Algorithm 2: lse over vocabulary splits, (SPLITS, N), then merged.
     n_blocks = triton.cdiv(N, fwd.BLOCK_N)
-    v_blocks = triton.cdiv(V, fwd.BLOCK_V)
     if v_splits is None:
         programs_wanted = 4 * _multiprocessors(E.device)
         v_splits = triton.cdiv(programs_wanted, n_blocks)
-    blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
-    v_splits = triton.cdiv(v_blocks, blocks_per_split)
-    lse_split = torch.empty(v_splits, N, dtype=torch.float32, device=E.device)
     smoothing = o.label_smoothing > 0
-    logit_sum_split = torch.empty_like(lse_split) if smoothing else lse_split
-    lse_forward_kernel[(n_blocks, v_splits)](
-        E, C, bias if bias is not None else lse_split, lse_split, logit_sum_split,
-        N, V, D, blocks_per_split,
-        E.stride(0), E.stride(1), C.stride(0), C.stride(1),
-        softcap,
-        HAS_SOFTCAP=o.softcap is not None,
-        HAS_BIAS=bias is not None,
-        SUM_LOGITS=smoothing,
+    launch = dict(
+        HAS_SOFTCAP=o.softcap is not None, HAS_BIAS=bias is not None, SUM_LOGITS=smoothing,
         DOT_PRECISION=dot_precision(E.dtype),
         **fwd.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D"), **fwd.launch,
     )
-    lse = torch.logsumexp(lse_split, dim=0) if v_splits > 1 else lse_split[0]
+    if not emit_activity:
+        v_blocks = triton.cdiv(V, fwd.BLOCK_V)
+        blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
+        v_splits = triton.cdiv(v_blocks, blocks_per_split)
+        lse_split = torch.empty(v_splits, N, dtype=torch.float32, device=E.device)
+        logit_sum_split = torch.empty_like(lse_split) if smoothing else lse_split
+        lse_forward_kernel[(n_blocks, v_splits)](
+            E, C, bias if bias is not None else lse_split, lse_split, logit_sum_split,
+            lse_split, lse_split, lse_split, lse_split,  # no bits, seeds or order
+            N, V, D, 0, blocks_per_split,
+            E.stride(0), E.stride(1), C.stride(0), C.stride(1),
+            softcap, 0.0,
+            **launch,
+        )
+        activity = None
+    else:
+        lse_split, logit_sum_split, activity = _lse_with_activity(
+            E, C, bias, x, target_logit, o, configs, fwd, n_blocks, v_splits, softcap, launch, lse_grad)
+    lse = torch.logsumexp(lse_split, dim=0) if lse_split.shape[0] > 1 else lse_split[0]
 
     loss = lse - (1.0 - o.label_smoothing) * target_logit
     if smoothing:
         loss = loss - (o.label_smoothing / V) * logit_sum_split.sum(dim=0)
     if o.z_loss:
         loss = loss + o.z_loss * lse * lse
-    return torch.where(x != o.ignore_index, loss, 0.0), lse
+    loss = torch.where(x != o.ignore_index, loss, 0.0)
+    return (loss, lse) if activity is None else (loss, lse, activity)
+
+
+def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, fwd, n_blocks, v_splits, softcap,
+                       launch, lse_grad):
+    """Algorithm 2 with activity bits: (lse_split, logit_sum_split, Activity); the module doc says
+    how the bits' lower bound is kept tight (target seed; pilot launch when sorted)."""
+    if o.filter_eps is None:
+        raise ValueError("activity bits need a gradient filter (options.filter_eps)")
+    N, V = E.shape[0], C.shape[0]
+    device = E.device
+    bits_v = configs.sparse_for(E.dtype).BLOCK_V
+    sub = fwd.BLOCK_V // bits_v
+    if fwd.BLOCK_V % bits_v or sub not in (1, 2, 4, 8):
+        raise ValueError(f"the sparse tiles ({bits_v}) must divide the forward's ({fwd.BLOCK_V}) 1-8 times")
+    byte_blocks = 8 // sub  # forward tiles per byte of bits: splits start on whole bytes
+    T = triton.cdiv(V, bits_v)
+    bits = torch.empty(triton.cdiv(T, 8), N, dtype=torch.uint8, device=device)
+    order = vocabulary_order(E, C) if o.sort_vocab else None
+    # The bits' threshold: eps, a hair lower for the rounding of the seeds, over the largest
+    # coefficient of S in G the backward may meet (z-loss's 1 + 2 zl lse, a gradient into the lse),
+    # which the forward cannot know (the backward checks every row's against coef_max).
+    coef_max = coef_bound(o.z_loss, lse_grad)
+    eps = o.filter_eps / coef_max * (1 - 1e-3)
+    kept = x != o.ignore_index
+    # The target logit is one term of the row's sum (minus a margin for the two kernels' rounding).
+    seed_max = torch.where(kept, target_logit - 1e-3 * (1 + target_logit.abs()), float("-inf"))
+    seed_add = torch.full_like(seed_max, float("-inf"))
+    pilot = 0
+    if order is not None:
+        align = fwd.BLOCK_V * byte_blocks
+        pilot = min(V, triton.cdiv(PILOT_COLUMNS, align) * align)
+    v_blocks = triton.cdiv(V - pilot, fwd.BLOCK_V)
+    blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks))) if v_blocks else byte_blocks
+    blocks_per_split = triton.cdiv(blocks_per_split, byte_blocks) * byte_blocks
+    splits = triton.cdiv(v_blocks, blocks_per_split) if v_blocks else 0
+    lse_split = torch.empty((1 if pilot else 0) + splits, N, dtype=torch.float32, device=device)
+    logit_sum_split = torch.empty_like(lse_split) if o.label_smoothing > 0 else lse_split
+    common = (N, V, E.shape[1])
+    strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1))
+    flags = dict(launch, EMIT_BITS=True, SORTED=order is not None, SUB=sub)
+    order_arg = order if order is not None else seed_max
+    bias_arg = bias if bias is not None else seed_max
+    if pilot:
+        # The pilot: the first sorted positions in one split, seeded by the target only.
+        lse_forward_kernel[(n_blocks, 1)](
+            E, C, bias_arg, lse_split[0], logit_sum_split[0], bits, seed_add, seed_max, order_arg,
+            *common, 0, triton.cdiv(pilot, fwd.BLOCK_V), *strides, softcap, eps, **flags)
+        seed_add = lse_split[0]
+    if splits:
+        lse_forward_kernel[(n_blocks, splits)](
+            E, C, bias_arg, lse_split[1 if pilot else 0:], logit_sum_split[1 if pilot else 0:], bits,
+            seed_add, seed_max, order_arg,
+            *common, pilot, blocks_per_split, *strides, softcap, eps, **flags)
+    return lse_split, logit_sum_split, Activity(bits, bits_v, V, order, o.filter_eps, pilot, coef_max)
 
 
 def _multiprocessors(device: torch.device) -> int:

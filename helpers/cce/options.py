@@ -20,9 +20,10 @@ from helpers.cce.kernels.logits import logit_tile
 from helpers.spec import SUPPORTED_DTYPES
 
 ACCUMULATIONS = ("fp32", "kahan")
-# The two backward implementations, by the one name each has everywhere: "gemm" (the default: G
-# written per vocabulary chunk, its products in cuBLAS) and "atomic" (one kernel, fp32 atomics).
-BACKWARD_IMPLS = ("gemm", "atomic")
+# The backward implementations, by the one name each has everywhere: "gemm" (the default: G
+# written per vocabulary chunk, its products in cuBLAS), "atomic" (one kernel, fp32 atomics) and
+# "sparse" (opt-in: only the (row, tile) pairs the forward marked; "gemm" when it marks too many).
+BACKWARD_IMPLS = ("gemm", "atomic", "sparse")
 
 # The paper's eps = 2^-12 for bf16 is 2^-5 of bf16's machine epsilon (2^-7): an entry that small
 # moves a sum of O(1) gradients by less than its own rounding. The same ratio for fp16 (eps 2^-10).

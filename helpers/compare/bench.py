@@ -99,12 +99,29 @@ def bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, 
         rec.tflops = 6 * N * V * D / (full.median_ms * 1e-3) / 1e12
         if rate:
             rec.fraction_of_matmul_peak = rec.tflops / rate
+        rec.note = backward_note(method, E, C, x)
     except Exception as error:  # noqa: BLE001
         rec.status = "oom" if is_out_of_memory(error) else "error"
         rec.note = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
     E = C = x = forward = forward_backward = None
     release_memory(device)
     return rec
+
+
+def backward_note(method: str, E, C, x) -> str:
+    """What a backward that can take another path did (a benchmark of a path that silently fell
+    back would mislead): for ours, the backward that ran, the pairs it marked and its work."""
+    if not get_method(method).counts_skips:
+        return ""
+    stats = {}
+    loss = get_method(method)(E, C, x, stats=stats)
+    torch.autograd.grad(loss, (E, C))
+    if "fallback" not in stats:
+        return ""
+    if stats["fallback"]:
+        return f"ran the gemm backward: {stats['fallback']}"
+    return (f"sparse: marked {stats['density']:.1%} of the pairs, {stats['work_fraction']:.1%} of gemm's tile "
+            f"products, at most {stats['skipped_mass_max']:.1e} of a row's |G| mass dropped")
 
 
 def run_bench(
@@ -176,7 +193,7 @@ def bench_table(records: list[BenchRecord]) -> str:
     for r in records:
         spread = f"{r.fwd_bwd_ms:.1f} ({r.fwd_bwd_p10_ms:.1f}-{r.fwd_bwd_p90_ms:.1f})" if r.fwd_bwd_ms else ""
         status = r.status if r.status != "ok" else ("ok" if r.gate == "pass" else f"ok, gate {r.gate}")
-        if r.note and r.status != "ok":
+        if r.note:
             status += f": {r.note[:80]}"
         lines.append(
             f"| {r.shape} | {r.regime} | {r.dtype} | {r.N} | {r.method} | {f(r.peak_mb, ',.0f')} | "

@@ -423,7 +423,8 @@ register(
 
 
 # ---------------------------------------------------------------------------------------------
-# ours: this package's Triton Cut Cross-Entropy (helpers.cce), and its preset with the filter off.
+# ours: this package's Triton Cut Cross-Entropy (helpers.cce); its presets with the filter off and
+# with the sparse backward.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -460,6 +461,20 @@ register(
         availability=_ours_reason,
         kind="ours",
         preset_of="ours",
+    )
+)
+register(
+    Method(
+        name="ours_sparse",
+        label="ours (sparse backward)",
+        summary='ours with backward_impl="sparse": the forward marks the (row, tile) pairs that may carry '
+        "gradient, the backward computes only those (a row loses at most 2^-7 of its gradient mass in "
+        "bf16); it runs the default backward when the softmax is too flat to skip.",
+        implementation=_ours(backward_impl="sparse", sort_vocab=True),
+        availability=_ours_reason,
+        kind="ours",
+        preset_of="ours",
+        counts_skips=True,
     )
 )
 

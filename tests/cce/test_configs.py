@@ -25,8 +25,11 @@ import pytest
 
 KERNEL_FLAGS = {
     # (kernel, variant) -> the constexpr flags compiled: every flag on, and every flag off.
-    ("lse_forward", "all"): dict(HAS_SOFTCAP=True, SUM_LOGITS=True),
-    ("lse_forward", "none"): dict(HAS_SOFTCAP=False, SUM_LOGITS=False),
+    ("lse_forward", "all"): dict(HAS_SOFTCAP=True, SUM_LOGITS=True, EMIT_BITS=False, SORTED=False, SUB=1),
+    ("lse_forward", "none"): dict(HAS_SOFTCAP=False, SUM_LOGITS=False, EMIT_BITS=False, SORTED=False, SUB=1),
+    # The forward of backward_impl="sparse": activity bits, sorted walk (SUB from the tier's tiles).
+    ("lse_forward", "bits"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SUM_LOGITS=False, EMIT_BITS=True,
+                                  SORTED=True),
     ("backward", "all"): dict(HAS_SOFTCAP=True, FILTER=True, FULL_E=True, FULL_C=True, SORTED=True,
                               DC_LOCAL=True, COUNT_SKIPS=True),
     ("backward", "none"): dict(HAS_SOFTCAP=False, FILTER=False, FULL_E=False, FULL_C=False,
@@ -34,7 +37,21 @@ KERNEL_FLAGS = {
     ("indexed_dot", "all"): dict(HAS_SOFTCAP=True),
     ("backward_gemm", "all"): dict(HAS_SOFTCAP=True, FILTER=True, SPLIT_G=True, SORTED=True),
     ("backward_gemm", "none"): dict(HAS_SOFTCAP=False, FILTER=False, SPLIT_G=False, SORTED=False),
+    # backward_impl="sparse" (helpers/cce/kernels/backward_sparse.py).
+    ("sparse_dE_pack", "all"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SORTED=True, STATS=True),
+    ("sparse_dE_pack", "none"): dict(HAS_SOFTCAP=False, HAS_BIAS=False, SORTED=False, STATS=False),
+    ("sparse_dE_reduce", "all"): dict(),
+    ("sparse_g", "all"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SORTED=True, STATS=True),
+    ("sparse_g", "none"): dict(HAS_SOFTCAP=False, HAS_BIAS=False, SORTED=False, STATS=False),
+    ("sparse_dC", "all"): dict(SORTED=True, NEED_DC=True, NEED_DB=True, PARTIAL=True),
+    ("sparse_dC", "none"): dict(SORTED=False, NEED_DC=False, NEED_DB=False, PARTIAL=False),
+    ("sparse_dC_finish", "all"): dict(SORTED=True, NEED_DC=True, NEED_DB=True),
+    # Its pair index (helpers/cce/kernels/pair_index.py).
+    ("count_pairs", "all"): dict(HAS_LIVE=True, POPCOUNT=True),
+    ("write_pairs", "all"): dict(HAS_LIVE=True, SLOTS=True),
 }
+SPARSE_KERNELS = ("sparse_dE_pack", "sparse_dE_reduce", "sparse_g", "sparse_dC", "sparse_dC_finish")
+INDEX_KERNELS = ("count_pairs", "write_pairs")
 DTYPE_NAMES = {2: ("fp16", "bf16"), 4: ("fp32",)}
 
 
@@ -43,7 +60,14 @@ def _signature(kernel_name, fn, dtype):
     pointers = {
         "E_ptr": dtype, "C_ptr": dtype, "x_ptr": "i64", "vocab_order_ptr": "i64",
         "skip_count_ptr": "i32", "G_ptr": dtype, "G_exact_ptr": dtype, "tile_kept_ptr": "i8",
+        "bits_ptr": "u8", "live_ptr": "u8", "seg_start_ptr": "i32", "cnt_ptr": "i32", "popcount_ptr": "i32",
+        "off_ptr": "i64", "rank_ptr": "i32", "row_slot_ptr": "i64", "seg_slot_base_ptr": "i64",
+        "pair_row_ptr": "i32", "pair_slot_ptr": "i32", "pack_off_ptr": "i64", "pair_off_ptr": "i64",
+        "pair_cnt_ptr": "i32", "kept_ptr": "i32", "Gc_ptr": dtype,
     }
+    if kernel_name.startswith("sparse"):
+        # The outputs themselves, not fp32 scratch; the bias in the inputs' dtype.
+        pointers.update(dE_ptr=dtype, dC_ptr=dtype, bias_ptr=dtype, Y_ptr="fp32" if dtype == "fp32" else "fp16")
     floats = {"softcap", "z_loss", "label_smoothing", "eps"}
     sig = {}
     for param in fn.params:
@@ -63,20 +87,41 @@ def compile_ours(request):
     """Runs in the subprocess: compile one kernel for one target, return its shared memory."""
     import triton
 
+    from helpers.cce.kernels import backward_sparse as S
     from helpers.cce.kernels import configs as K
     from helpers.cce.kernels.backward_atomic import backward_atomic_kernel
     from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
     from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
     from helpers.cce.kernels.lse_forward import lse_forward_kernel
+    from helpers.cce.kernels.pair_index import count_pairs_kernel, write_pairs_kernel
 
     kernels = {"lse_forward": lse_forward_kernel, "backward": backward_atomic_kernel,
-               "indexed_dot": indexed_dot_kernel, "backward_gemm": gradient_chunk_kernel}
+               "indexed_dot": indexed_dot_kernel, "backward_gemm": gradient_chunk_kernel,
+               "sparse_dE_pack": S.sparse_dE_pack_kernel, "sparse_dE_reduce": S.sparse_dE_reduce_kernel,
+               "sparse_g": S.sparse_g_kernel, "sparse_dC": S.sparse_dC_kernel,
+               "sparse_dC_finish": S.sparse_dC_finish_kernel,
+               "count_pairs": count_pairs_kernel, "write_pairs": write_pairs_kernel}
     tier = K.tier(request["tier"])
     size = 4 if request["dtype"] == "fp32" else 2
     fn = kernels[request["kernel"]]
     if request["kernel"] == "indexed_dot":
         cfg = tier.indexed_dot
         constexprs = cfg.tiles("BLOCK_N", "BLOCK_D")
+    elif request["kernel"] == "sparse_dE_reduce":
+        cfg = tier.sparse[size]
+        constexprs = {"BLOCK_R": 256}  # the host's choice on a GPU
+    elif request["kernel"] in INDEX_KERNELS:
+        from helpers.cce.pair_index import SEGMENT_ROWS
+
+        cfg = tier.sparse[size]
+        constexprs = {"ROWS": SEGMENT_ROWS}
+    elif request["kernel"] == "sparse_dC_finish":
+        cfg = tier.sparse[size]
+        constexprs = cfg.tiles("BLOCK_V", "BLOCK_D")
+    elif request["kernel"] in SPARSE_KERNELS:
+        cfg = tier.sparse[size]
+        constexprs = cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D")
+        constexprs["DOT_PRECISION"] = "ieee" if size == 4 else "tf32"
     else:
         table = {"lse_forward": tier.forward, "backward": tier.backward,
                  "backward_gemm": tier.backward_gemm}[request["kernel"]]
@@ -86,6 +131,8 @@ def compile_ours(request):
         if request["kernel"] in ("backward", "backward_gemm"):
             constexprs["GROUP_N"] = cfg.GROUP_N
     constexprs.update(KERNEL_FLAGS[(request["kernel"], request["variant"])])
+    if constexprs.get("EMIT_BITS"):
+        constexprs["SUB"] = cfg.BLOCK_V // tier.sparse[size].BLOCK_V
     major, minor = request.get("target") or tier.target_capability
     compiled = triton.compile(
         triton.compiler.ASTSource(fn=fn, signature=_signature(request["kernel"], fn, request["dtype"]),
@@ -158,7 +205,7 @@ def all_requests():
     for tier in TIERS:
         if tier.target_capability != (9, 0):
             for dtype in ("fp16", "bf16"):
-                for kernel in ("backward", "backward_gemm"):
+                for kernel in ("backward", "backward_gemm", "sparse_dE_pack"):
                     requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant="none",
                                          target=[9, 0]))
     requests.append(dict(tier="apple", dtype="fp16", kernel="apple_backward", variant="default"))
@@ -201,7 +248,7 @@ def test_config_fits_its_tier(compiled, request_):
 
 
 def _hopper_backward_requests():
-    return [r for r in _our_requests() if r["kernel"] in ("backward", "backward_gemm")
+    return [r for r in _our_requests() if r["kernel"] in ("backward", "backward_gemm", "sparse_dE_pack")
             and r["dtype"] != "fp32"
             and (r.get("target") == [9, 0] or r["tier"] == "hopper-227k")]
 
@@ -222,7 +269,9 @@ def test_hopper_backward_keeps_no_accumulator_in_registers_as_operand(compiled, 
 @pytest.mark.slow  # compiles kernels for sm_75/sm_80/sm_90 (a minute on a cold cache)
 def test_turing_configs_fit_64_kb(compiled):
     turing = [r for k, r in compiled.items() if k.startswith("turing-64k") and "-sm" not in k]
-    assert len(turing) == 14  # 3 kernels x (fp16, fp32) x (all flags, none) + indexed_dot x 2
+    # (fp16, fp32) x [3 kernels x (all flags, none) + indexed_dot + the forward's bits variant
+    # + the sparse backward's kernels: 3 x (all, none) + the reduce + dC's finish + 2 index kernels]
+    assert len(turing) == 2 * (3 * 2 + 1 + 1 + 3 * 2 + 1 + 1 + 2)
     for r in turing:
         assert r["shared"] <= 65536, (
             f"Triton {compiled['triton']}: {_key(r)} needs {r['shared']:,} B > 65,536 B (T4, sm_75)"

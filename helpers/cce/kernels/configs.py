@@ -53,6 +53,10 @@ class CCEConfigs:
     # product, so the forward's tiles fit it; its products run in cuBLAS, which picks its own.
     backward_gemm: dict[int, LaunchConfig] = field(default_factory=dict)
     indexed_dot: LaunchConfig = LaunchConfig(64, 1, 128, 4, 1)
+    # The "sparse" backward's kernels (backward_sparse.py): BLOCK_N = rows per pack (the active rows
+    # of one vocabulary tile, gathered), BLOCK_V = the tile's width, which is also the width of the
+    # forward's activity bits (a divisor of the forward's BLOCK_V, 1-8 bits per forward tile).
+    sparse: dict[int, LaunchConfig] = field(default_factory=dict)
 
     def for_dtype(self, dtype) -> tuple[LaunchConfig, LaunchConfig, LaunchConfig]:
         """(forward, backward, indexed_dot) for inputs of ``dtype``."""
@@ -63,6 +67,10 @@ class CCEConfigs:
         """The G kernel of the "gemm" backward (``backward_impl="gemm"``) for inputs of ``dtype``."""
         return self.backward_gemm[4 if dtype.itemsize >= 4 else 2]
 
+    def sparse_for(self, dtype) -> LaunchConfig:
+        """The "sparse" backward's kernels (``backward_impl="sparse"``) for inputs of ``dtype``."""
+        return self.sparse[4 if dtype.itemsize >= 4 else 2]
+
 
 _L = LaunchConfig
 
@@ -72,6 +80,8 @@ INTERPRETER = CCEConfigs(
     backward={2: _L(16, 32, 16, 1, 1, GROUP_N=2), 4: _L(16, 32, 16, 1, 1, GROUP_N=2)},
     backward_gemm={2: _L(16, 32, 16, 1, 1, GROUP_N=2), 4: _L(16, 32, 16, 1, 1, GROUP_N=2)},
     indexed_dot=_L(16, 1, 16, 1, 1),
+    # 16-column bits: two per forward tile, so the interpreter runs the sub-tile path.
+    sparse={2: _L(16, 16, 16, 1, 1), 4: _L(16, 16, 16, 1, 1)},
 )
 
 TIERS: tuple[CCEConfigs, ...] = (
@@ -82,24 +92,30 @@ TIERS: tuple[CCEConfigs, ...] = (
         forward={2: _L(128, 128, 32, 8, 3), 4: _L(64, 64, 32, 4, 2)},
         backward={2: _L(64, 64, 32, 4, 2), 4: _L(64, 64, 16, 4, 2)},
         backward_gemm={2: _L(128, 64, 32, 4, 3), 4: _L(64, 64, 32, 4, 2)},
+        # Not tuned (no GPU run yet): 64-column tiles, two bits per forward tile.
+        sparse={2: _L(64, 64, 32, 4, 2), 4: _L(32, 64, 32, 4, 2)},
     ),
     CCEConfigs(
         "ampere-99k", 99 * 1024, (8, 6),
         forward={2: _L(128, 128, 32, 4, 3), 4: _L(64, 64, 32, 4, 3)},
         backward={2: _L(128, 128, 32, 8, 2), 4: _L(64, 64, 32, 4, 2)},
         backward_gemm={2: _L(128, 128, 32, 4, 3), 4: _L(64, 64, 32, 4, 3)},
+        sparse={2: _L(64, 128, 32, 4, 2), 4: _L(64, 64, 32, 4, 2)},
     ),
     CCEConfigs(
         "ampere-163k", 163 * 1024, (8, 0),
         forward={2: _L(128, 256, 64, 8, 3), 4: _L(128, 64, 32, 8, 3)},
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
         backward_gemm={2: _L(128, 256, 64, 8, 3), 4: _L(128, 64, 32, 8, 3)},
+        sparse={2: _L(64, 128, 64, 4, 3), 4: _L(64, 64, 32, 4, 3)},
     ),
     CCEConfigs(
         "hopper-227k", 227 * 1024, (9, 0),
         forward={2: _L(128, 256, 64, 8, 3), 4: _L(128, 64, 32, 8, 3)},
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
         backward_gemm={2: _L(128, 256, 64, 8, 4), 4: _L(128, 64, 32, 8, 3)},
+        # Not tuned (no GPU run yet): packs of 64 rows x 128 columns, two bits per forward tile.
+        sparse={2: _L(64, 128, 64, 4, 3), 4: _L(64, 64, 32, 4, 3)},
     ),
 )
 

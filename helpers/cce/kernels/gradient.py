@@ -1,4 +1,4 @@
-"""The gradient of the loss with respect to a logit tile, shared by both backward kernels.
+"""The gradient of the loss with respect to a logit tile, shared by every backward kernel.
 
 ``gradient_tile`` rebuilds a (BLOCK_N, BLOCK_V) logit tile (``logit_tile``, plus the bias) and forms
 
@@ -8,8 +8,9 @@ times 1 - (z / softcap)^2 under the soft cap. The row coefficients come from the
 (``helpers.cce.gradients.RowGradient``): for the loss alone a = 1 + 2 zl lse, b = 1 - ls, c = ls,
 each divided by the row's weight w (its upstream gradient, applied after the products); a gradient
 flowing into the returned lse adds to a; ignored rows and padding have a = b = c = 0. The "atomic" kernel
-(``backward_atomic.py``) and the "gemm" backward's G kernel (``backward_gemm.py``) call this one
-function, so the two compute the same G to the bit. ``grouped_tile`` orders their programs as Triton
+(``backward_atomic.py``), the "gemm" backward's G kernel (``backward_gemm.py``) and the "sparse"
+backward's kernels (``backward_sparse.py``, through ``gradient_and_softmax_tile``, which also returns
+S) call this one function, so all compute the same G to the bit. ``grouped_tile`` orders their programs as Triton
 tutorial 03 does. Reference: autograd through ``helpers.spec.reference_loss``.
 """
 
@@ -51,7 +52,33 @@ def gradient_tile(
     DOT_PRECISION: tl.constexpr,
 ):
     """G = dloss_i / dz_{i, v} / w_i for the tile, (BLOCK_N, BLOCK_V) fp32; 0 at ignored rows and
-    padding. Shared by both backward kernels, so the two compute the same G."""
+    padding. Shared by every backward kernel (this file's callers and ``backward_sparse.py``'s,
+    through ``gradient_and_softmax_tile``), so all compute the same G."""
+    G, S = gradient_and_softmax_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols,
+                                     row_mask, col_mask, V, D,
+                                     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
+                                     softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION)
+    return G
+
+
+@triton.jit
+def gradient_and_softmax_tile(
+    E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,
+    rows, cols,
+    row_mask, col_mask,
+    V, D,
+    stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
+    softcap,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """(G, S): ``gradient_tile``'s G and the softmax S = exp(z - lse) it was formed from, both
+    (BLOCK_N, BLOCK_V) fp32 and 0 in padding columns (the "sparse" backward reports the softmax
+    mass it skipped). A caller that drops S compiles to ``gradient_tile``'s code."""
     # The logit tile, recomputed on chip (Algorithm 3, line 3).
     z = logit_tile(E_ptr, C_ptr, rows, cols, row_mask, col_mask, D,
                    stride_En, stride_Ed, stride_Cv, stride_Cd,
@@ -74,4 +101,4 @@ def gradient_tile(
     if HAS_SOFTCAP:
         G = G * (1.0 - t * t)
     # Padding columns contribute nothing, and must not keep a tile from being skipped.
-    return tl.where(col_mask[None, :], G, 0.0)
+    return tl.where(col_mask[None, :], G, 0.0), tl.where(col_mask[None, :], S, 0.0)

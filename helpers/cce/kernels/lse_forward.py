@@ -11,6 +11,21 @@ logits. The splits exist only to give the GPU enough programs when N is small (N
 programs would leave most SMs idle); the host merges them with a logsumexp over SPLITS.
 With a bias, z = E C^T + b. With label smoothing the kernel also sums the logits of each row (the smoothing term needs
 sum_v z_{i, v}). Reference: ``torch.logsumexp(reference_logits(E, C, softcap), dim=1)``.
+
+Activity bits (EMIT_BITS, for the "sparse" backward, ``helpers/cce/backward_sparse.py``). For
+every row and every sub-tile of BLOCK_V / SUB columns the kernel writes one bit: whether the
+sub-tile's softmax mass may reach eps. It cannot know the final sum yet, so it compares against a
+lower bound of it, in the running scale m':
+
+    bit = sum_sub exp(z - m') >= eps * max(s' + exp(seed_add - m'), exp(seed_max - m'))
+
+s' (the running sum, this tile included), seed_add (the lse of columns another launch has summed:
+disjoint from this split's, so the two add) and seed_max (the target logit: one term of the sum)
+are each at most the final sum, so a bit is never 0 for a sub-tile whose mass is >= eps: the bits
+over-mark, never miss. The backward computes only the marked (row, sub-tile) pairs and applies the
+exact rule there. Bits are packed 8 sub-tiles to a byte, (ceil(T / 8), N) uint8, byte-major, so
+the host aligns splits to whole bytes; SORTED walks the vocabulary in ``vocab_order`` (positions,
+so that the bits describe sorted tiles).
 """
 
 import triton
@@ -26,13 +41,17 @@ def lse_forward_kernel(
     bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     lse_split_ptr,  # (SPLITS, N) fp32: the lse of each row over one vocabulary split
     logit_sum_split_ptr,  # (SPLITS, N) fp32: sum_v z_{i, v} over the split (SUM_LOGITS only)
+    bits_ptr,  # (ceil(T / 8), N) uint8: activity bits of sub-tiles of BLOCK_V / SUB (EMIT_BITS only)
+    seed_add_ptr, seed_max_ptr,  # (N,) fp32 lower bounds of each row's lse, -inf for none (EMIT_BITS)
+    vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
     # sizes
     N, V, D,
+    v_start,  # first vocabulary position of split 0 (the columns before it belong to another launch)
     blocks_per_split,  # vocabulary blocks of BLOCK_V per split
     # strides
     stride_En, stride_Ed, stride_Cv, stride_Cd,
     # options
-    softcap,
+    softcap, eps,
     # meta-parameters
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -41,6 +60,9 @@ def lse_forward_kernel(
     HAS_BIAS: tl.constexpr,
     SUM_LOGITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EMIT_BITS: tl.constexpr = False,
+    SORTED: tl.constexpr = False,
+    SUB: tl.constexpr = 1,  # bits per BLOCK_V tile: 1, 2, 4 or 8
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -51,18 +73,28 @@ def lse_forward_kernel(
     m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if EMIT_BITS:
+        seed_add = tl.load(seed_add_ptr + rows, mask=row_mask, other=float("-inf"))
+        seed_max = tl.load(seed_max_ptr + rows, mask=row_mask, other=float("-inf"))
+        byte = tl.zeros((BLOCK_N,), dtype=tl.int32)
+        SUB_V: tl.constexpr = BLOCK_V // SUB
+        sub_of_col = tl.arange(0, BLOCK_V) // SUB_V  # (BLOCK_V,): the sub-tile of each column
 
-    v_begin = split * blocks_per_split * BLOCK_V
+    v_begin = v_start + split * blocks_per_split * BLOCK_V
     v_end = tl.minimum(V, v_begin + blocks_per_split * BLOCK_V)
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_mask = cols < V
+        if SORTED:
+            c_rows = tl.load(vocab_order_ptr + cols, mask=col_mask, other=0).to(tl.int64)
+        else:
+            c_rows = cols
         # 1. The logit tile, recomputed on chip: (BLOCK_N, BLOCK_V) fp32.
-        z = logit_tile(E_ptr, C_ptr, rows, cols, row_mask, col_mask, D,
+        z = logit_tile(E_ptr, C_ptr, rows, c_rows, row_mask, col_mask, D,
                        stride_En, stride_Ed, stride_Cv, stride_Cd,
                        BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION)
         if HAS_BIAS:
-            z = add_bias(z, bias_ptr, cols, col_mask)
+            z = add_bias(z, bias_ptr, c_rows, col_mask)  # C's rows: the bias follows the sort
         if HAS_SOFTCAP:
             z = softcap * tanh(z / softcap)
         if SUM_LOGITS:
@@ -71,10 +103,23 @@ def lse_forward_kernel(
         # holds at least one real column (v0 < V), so m' is finite after the first tile.
         z = tl.where(col_mask[None, :], z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+        p = tl.exp(z - m_new[:, None])
+        s = s * tl.exp(m - m_new) + tl.sum(p, axis=1)
         m = m_new
+        if EMIT_BITS:
+            # 3. [Activity bits] each sub-tile's mass against a lower bound of the final sum.
+            bound = tl.maximum(s + tl.exp(seed_add - m_new), tl.exp(seed_max - m_new))
+            threshold = eps * bound  # (BLOCK_N,); inf when a seed dwarfs this tile: bit 0, rightly
+            first = v0 // SUB_V  # global index of this tile's first sub-tile
+            bits = tl.zeros((BLOCK_N,), dtype=tl.int32)
+            for j in tl.static_range(SUB):
+                mass = tl.sum(tl.where((sub_of_col == j)[None, :], p, 0.0), axis=1)
+                bits = bits | tl.where(mass >= threshold, 1 << ((first + j) % 8), 0)
+            # A byte holds 8 sub-tiles; the split starts on a byte, so its first tile starts one.
+            byte = tl.where(first % 8 == 0, bits, byte | bits)
+            tl.store(bits_ptr + (first // 8) * N + rows, byte.to(tl.uint8), mask=row_mask)
 
-    # 3. lse = m + log s; a split with no columns gives -inf, which the host's logsumexp ignores.
+    # 4. lse = m + log s; a split with no columns gives -inf, which the host's logsumexp ignores.
     out = split.to(tl.int64) * N + rows
     tl.store(lse_split_ptr + out, m + tl.log(s), mask=row_mask)
     if SUM_LOGITS:

@@ -1,0 +1,438 @@
+"""The "sparse" backward (opt-in, ``backward_impl="sparse"``): only the marked (row, tile) pairs.
+
+Why. On a trained model's softmax most of a row's vocabulary carries no gradient worth its
+arithmetic, but the rows do not agree on which: in our ``realistic`` regime at the Gemma-2-2B
+vocabulary, sorted, ~1-10% of (row, 128-column tile) pairs matter while ~25-60% of (128-row block,
+tile) pairs hold at least one that does (docs/speed_v3_notes.md). So skipping is decided per row,
+and before any logit is rebuilt: from the forward's activity bits (``helpers.cce.activity``).
+
+The filter's rule, as everywhere: a row's gradient in a tile is dropped when its |G| mass there is
+below eps. A row has T = ceil(V / BLOCK_V) tiles, so at most T * eps of its |G| mass (out of
+sum |G| <= 2, more with z-loss or a gradient into the lse) is dropped. For this backward "auto" picks eps = B / T with B one
+machine epsilon of the dtype (``SPARSE_ROW_BUDGET``: 2^-7 bf16, 2^-10 fp16): at most B of each row's
+gradient mass is dropped, and a flat softmax (every tile ~1/T) keeps every tile. The "gemm"
+backward's eps = 2^-12 per tile, applied per row, dropped up to 2% of a row's mass at V = 256,000
+and put dE 5-9x the naive bf16 path's error (notes); a number passed as ``filter_eps`` is used as
+given, per tile. ``stats`` reports the softmax mass each row lost.
+
+The work (kernels: ``helpers/cce/kernels/backward_sparse.py``; the pair lists:
+``helpers.cce.pair_index``, built on the GPU, so the backward's one host sync is in its plan):
+
+1. Each row's G = a S - b [v = x] and weight w come from ``RowGradient`` (per-row upstream
+   gradients, z-loss, a gradient into the returned lse), the same G as "gemm"'s. Fix-up of the bits
+   (in place, the same on every call): every kept row's target tile marked (G there holds -b; the
+   forward's bits see only S). Rows with w = 0 are skipped (their bits left as they are), and every
+   row's |a| is checked against the bound the forward's bits were made for (``helpers.cce.activity``).
+   The plan counts the marked pairs per row and per tile (the sync) and decides.
+2. dE, row block by row block: the block's marked pairs listed per tile, packs of BLOCK_N of them;
+   each pack's G (filter applied per row) times C_tile goes to Y, one row of D per marked pair
+   (fp16 for 16-bit inputs, ``y_dtype``), a row's pairs in consecutive rows of Y in tile order;
+   then each row sums its Y rows in fp32 and is written once: dE_i = w_i sum Y. Y lives in dC's
+   memory (dC is not written yet): V pairs, so no scratch; a row block is as many rows as their
+   pairs fill it, and the pair lists of many blocks are built at once (``INDEX_BYTES``). (When C
+   needs no gradient there is no dC: Y gets its own max(LB / 20, 4 MiB), or all the pairs if fewer.)
+3. dC, tile range by tile range: every row's packs of those tiles, G again (times w_rel) into Gc,
+   then each tile's dC rows = w_scale sum_packs Gc^T E[pack rows], written once. A range with too
+   few (tile, D block) programs to fill the GPU (the tiles every row marks) splits each tile's packs
+   over programs, whose fp32 sums a second kernel adds in split order. With a bias on the head, its
+   gradient comes from the same Gc: db_tile = w_scale sum_packs Gc^T 1 (the bias also enters the
+   logits the forward's bits and G are made from).
+
+Only the gradients asked for (``need``): no dE pass when E needs none; no dC pass when neither C nor
+the bias does, and for db alone the pass forms Gc and sums it, with no product with E.
+
+Deterministic: no atomics on the gradients; every sum runs in an order fixed by the data (tile,
+then row; splits in order), so two runs give the same bits (checked on an H200 at the Gemma-2-2B
+head and at the Qwen3 head with N = 131,072). The "gemm" backward runs instead, and
+``stats["fallback"]`` says why, when the problem is too small to pay for the index
+(``SPARSE_MIN_PAIRS``), the bits mark more than ``DENSE_FALLBACK`` of the pairs (a dense softmax:
+early training, the ``uniform`` regime), an option needs every pair (label smoothing, FullC/FullE,
+no filter), the forward made no bits (or made them for other tiles or another eps), or a row's |a|
+exceeds the bound its bits were made for (a z-loss factor 1 + 2 zl lse > 2, or a gradient into an
+lse the forward was not told would be returned).
+
+Memory beyond dE and dC (LB): the bits (N * T / 8 bytes) and the order (V int64); Gc (max(LB / 20,
+4 MiB, the largest tile's packs): at the Qwen3 head with N = 131,072 its first tiles hold every
+row, 33.6 MB each); the pair index of the blocks or tiles in flight (max(LB / 32, 4 MiB)); the split
+tiles' fp32 sums (max(LB / 64, 4 MiB), when a range splits); the per-(segment, tile) counts of the
+dC pass and O(N). Measured on an H200 (bf16, realistic): 1.06 LB at the Gemma-2-2B head, 1.11 /
+1.13 / 1.15 LB at the Qwen3 head with N = 16,384 / 65,536 / 131,072.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from itertools import accumulate
+
+import torch
+import triton
+
+from helpers.cce import pair_index
+from helpers.cce.activity import Activity, popcount_rows, set_bits
+from helpers.cce.backward_gemm import backward_gemm
+from helpers.cce.gradients import MiB, RowGradient
+from helpers.cce.kernels.backward_sparse import (
+    sparse_dC_finish_kernel,
+    sparse_dC_kernel,
+    sparse_dE_pack_kernel,
+    sparse_dE_reduce_kernel,
+    sparse_g_kernel,
+)
+from helpers.cce.kernels.configs import CCEConfigs
+from helpers.cce.options import CCEOptions, dot_precision
+
+# "auto" filter for this backward: at most this much of a row's |G| mass is dropped (eps = B / T).
+SPARSE_ROW_BUDGET = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: None}
+# Marked share of the (row, tile) pairs (of the rows with a gradient) above which "gemm" is run. On
+# an H200: at 9-11% marked (bf16, realistic; tile products 14-17% of gemm's) the sparse backward
+# took 0.5-0.6x gemm's time; at 21% (fp16 with the T4's 64-column tiles, 36% of the products) 1.7x.
+DENSE_FALLBACK = 0.15
+# Fewer (row, tile) pairs than this run "gemm" (``too_small``): between N = 1,024 (sparse 1.7x slower
+# than "gemm" on an H200) and 16,384 (1.25x faster) at the Qwen3 head's 1,187 tiles.
+SPARSE_MIN_PAIRS = 2**23
+# Tests shrink these to force several row blocks and tile ranges.
+Y_LANES = None  # rows of Y (marked pairs) in dC's memory; None: all that fit
+GC_BYTES = None  # Gc's bytes; None: max(LB / 20, 4 MiB, the largest tile's packs)
+INDEX_BYTES = None  # the pair index's bytes (``pair_index``); None: max(LB / 32, 4 MiB)
+# dC programs worth having in flight: a range with fewer (tiles x D blocks) splits its tiles' packs
+# (``sparse_dC_kernel``'s PARTIAL); None: 4 per SM on a GPU, no splits on the CPU. Their fp32 sums
+# take at most max(LB / 64, 4 MiB).
+DC_PROGRAMS = None
+
+
+def sparse_auto_eps(dtype: torch.dtype, V: int, block_v: int, label_smoothing: float = 0.0) -> float | None:
+    """The "auto" filter threshold of the sparse backward: B / T, T = ceil(V / block_v) tiles per row;
+    None (off) for fp32 and with label smoothing, as "auto" is for the other backwards."""
+    budget = SPARSE_ROW_BUDGET[dtype]
+    if budget is None or label_smoothing:
+        return None
+    return budget / triton.cdiv(V, block_v)
+
+
+def options_need_every_pair(o: CCEOptions) -> str | None:
+    """Why these options leave nothing for the sparse backward to skip (None: they do not)."""
+    if o.filter_eps is None:
+        return "the filter is off (fp32 'auto', filter_eps=None or label smoothing)"
+    if o.full_c or o.full_e:
+        return "FullC / FullE keep one gradient exact: every pair"
+    if o.label_smoothing:
+        return "label smoothing puts -ls/V in every entry"
+    return None
+
+
+def too_small(N: int, V: int, block_v: int) -> str | None:
+    """Why a problem is too small for the sparse backward (None when it is not): its plan, index and
+    launches took 7.7 ms of host time at the Qwen3 head with N = 1,024 on an H200, where the whole
+    "gemm" backward takes 3.0 ms; at N = 16,384 its forward+backward was 1.25x faster than "gemm"'s."""
+    pairs = N * triton.cdiv(V, block_v)
+    if pairs < SPARSE_MIN_PAIRS:
+        return f"N x tiles = {pairs:,} (row, tile) pairs, fewer than the {SPARSE_MIN_PAIRS:,} that pay for the sparse index"
+    return None
+
+
+def why_dense(activity: Activity | None, o: CCEOptions, block_v: int, N: int, V: int) -> str | None:
+    """Why the sparse backward cannot run from this forward's state (None when it can)."""
+    reason = options_need_every_pair(o) or too_small(N, V, block_v)
+    if reason is None and activity is None:
+        reason = "the forward emitted no activity bits"
+    if reason is None and (activity.block_v != block_v or activity.eps != o.filter_eps):
+        reason = "the forward's bits were made for other tiles or another eps"
+    return reason
+
+
+def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o: CCEOptions,
+                    configs: CCEConfigs, n_chunk: int | None, v_chunk: int | None, stats: dict | None,
+                    bias=None, need: tuple[bool, bool, bool] = (True, True, False)):
+    """(dE, dC, db) from the marked pairs, or from ``backward_gemm`` when the bits mark too much
+    (``DENSE_FALLBACK``), the options need every pair, or a row's softmax coefficient exceeds what
+    the forward's bits were made for (``Activity.coef_max``); arguments as ``cce_backward``'s
+    (``n_chunk`` and ``v_chunk`` reach only the fallback). A gradient ``need`` (dE, dC, db) does
+    not ask for is not computed: no dE pass without dE, dC's pass without its products for db
+    alone, none for neither."""
+    if not any(need):
+        return None, None, None
+    dtype = E.dtype
+    cfg = configs.sparse_for(dtype)
+    reason = why_dense(activity, o, cfg.BLOCK_V, E.shape[0], C.shape[0])
+    plan = None
+    if reason is None:
+        plan = _plan(E, C, x, lse, up, activity, o, cfg, need)
+        reason = plan.get("dense")
+    if reason is not None:
+        # Unsorted: the sort serves the filter, and this eps (a row's budget over its tiles) skips
+        # next to nothing of a dense softmax; sorted, "gemm" gathers C's rows, +4 ms at the Gemma head.
+        grads = backward_gemm(E, C, x, lse, up, None, o, configs.backward_gemm_for(dtype),
+                              n_chunk, v_chunk, stats, bias, need)
+        if stats is not None:
+            stats.update(fallback=reason, density=plan["density"] if plan else None)
+        return grads
+    return _sparse(E, C, x, lse, up, activity, o, cfg, plan, stats, bias, need)
+
+
+def _plan(E, C, x, lse, up, activity, o, cfg, need) -> dict:
+    """Fix the bits up (step 1 of the module doc), count the marked pairs per row and per tile, and
+    decide: {"dense": reason} or the counts. The backward's one host sync is here."""
+    bits = activity.bits
+    T, BV = activity.tiles, activity.block_v
+    N = E.shape[0]
+    # Rows with no gradient at all (w = 0: ignored, or an upstream gradient of 0, and none through
+    # the lse) are skipped, not cleared: a later backward through the same graph (retain_graph) may
+    # give them one.
+    live = up.w > 0
+    # G = a S - b [v = x]: outside the target's tile a row's |G| mass is |a| times its softmax mass,
+    # and the bits were made for |a| <= coef_max (``helpers.cce.activity``); past it, every pair.
+    a_max, n_live = torch.stack([torch.where(live, up.coef[0].abs(), 0.0).max() if N else E.new_zeros((), dtype=torch.float32),
+                                 live.sum().float()]).tolist()
+    if a_max > activity.coef_max:
+        return {"dense": f"a row's softmax coefficient |a| = {a_max:.3g} (z-loss's 1 + 2 zl lse, plus a "
+                         f"gradient into the lse) exceeds the {activity.coef_max:g} the forward's bits "
+                         "were made for", "density": None}
+    # Each kept row's target tile holds -b there, which the forward's bits (made from S) do not see.
+    # Only what x decides: the fix-up is the same on every call.
+    kept = x != o.ignore_index
+    rows = kept.nonzero()[:, 0]
+    target = x[rows].long()
+    if activity.order is not None:
+        position = torch.empty_like(activity.order)
+        position[activity.order] = torch.arange(activity.order.numel(), device=E.device)
+        target = position[target]
+    set_bits(bits, target // BV, rows)
+    n_live = int(n_live)
+    live = None if n_live == N else live
+    live_u8 = None if live is None else live.to(torch.uint8)
+    per_row = popcount_rows(bits, live)
+    # Row r's pairs are slots [row_slot[r], row_slot[r + 1]) of the dE pass, counted from row 0.
+    row_slot = torch.zeros(N + 1, dtype=torch.int64, device=E.device)
+    torch.cumsum(per_row, 0, out=row_slot[1:])
+    tile_cnt = None
+    counts = [row_slot[1:]]
+    if need[1] or need[2]:
+        tile_cnt, seg_start, seg_group = pair_index.tile_counts(bits, live_u8, N)
+        counts.append(tile_cnt.sum(0, dtype=torch.int64)[:T])
+    counts = torch.cat(counts).tolist()  # the sync
+    ends, per_tile = counts[:N], counts[N:]
+    marked = ends[-1] if N else 0
+    density = marked / max(1, n_live * T)
+    plan = {"live": live_u8, "row_slot": row_slot, "ends": ends, "live_rows": n_live, "marked": marked,
+            "density": density}
+    if density > DENSE_FALLBACK:
+        plan["dense"] = f"the bits mark {density:.0%} of the pairs (> {DENSE_FALLBACK:.0%})"
+        return plan
+    if tile_cnt is not None:
+        plan.update(tile_cnt=tile_cnt, per_tile=per_tile, seg_start=seg_start, seg_group=seg_group)
+    # Y must hold one row's pairs at the least.
+    plan["row_lanes"] = max(1, max(b - a for a, b in zip([0] + ends[:-1], ends)) if N else 1)
+    return plan
+
+
+def y_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Y's element: fp16 for 16-bit inputs, fp32 for fp32. A partial product G_row C_tile is at most
+    2 max|C| (far inside fp16's range for a classifier's weights) and is rounded once to 2^-11, four
+    times finer than the bf16 dE it sums into; fp16 halves Y's traffic (written once, read once:
+    ~4.5 ms of 13 at the Gemma-2-2B head on an H200) and doubles the pairs dC's memory holds."""
+    return torch.float32 if dtype == torch.float32 else torch.float16
+
+
+def _y_in(dC: torch.Tensor, lanes: int, D: int, dtype: torch.dtype) -> torch.Tensor:
+    """(lanes, D) of ``dtype`` laid over dC's memory (dC is written only after the last use of Y)."""
+    flat = dC.view(-1)
+    if flat.dtype != dtype:
+        ratio = dtype.itemsize // flat.element_size()
+        flat = flat[: flat.numel() // ratio * ratio].view(dtype)
+    return flat[: lanes * D].view(lanes, D)
+
+
+def _row_blocks(ends: list[int], lanes: int) -> list[tuple[int, int]]:
+    """Consecutive rows whose marked pairs fill at most ``lanes`` rows of Y (a row's pairs always
+    fit: Y holds the largest row's at least)."""
+    blocks, n0, N = [], 0, len(ends)
+    while n0 < N:
+        before = ends[n0 - 1] if n0 else 0
+        n1 = max(n0 + 1, bisect_right(ends, before + lanes, lo=n0))
+        blocks.append((n0, n1))
+        n0 = n1
+    return blocks
+
+
+def _batches(items: list, cost, budget: int) -> list[list]:
+    """Consecutive items whose costs sum to at most ``budget`` (one item at the least)."""
+    batches, batch, spent = [], [], 0
+    for item in items:
+        c = cost(item)
+        if batch and spent + c > budget:
+            batches.append(batch)
+            batch, spent = [], 0
+        batch.append(item)
+        spent += c
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict, stats: dict | None, bias,
+            need: tuple[bool, bool, bool]):
+    N, D = E.shape
+    V = C.shape[0]
+    dtype, device = E.dtype, E.device
+    bits, order = activity.bits, activity.order
+    T, P, BV = activity.tiles, cfg.BLOCK_N, activity.block_v
+    T8 = bits.shape[0]
+    lb = (N + V) * D * E.element_size()
+    need_dE, need_dC, need_db = need[0], need[1], need[2] and bias is not None
+    dE = torch.empty(N, D, dtype=dtype, device=device) if need_dE else None
+    dC = torch.empty(V, D, dtype=dtype, device=device) if need_dC else None
+    db = torch.empty(V, dtype=bias.dtype, device=device) if need_db else None
+    counting = stats is not None
+    common = dict(
+        BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, HAS_SOFTCAP=o.softcap is not None,
+        HAS_BIAS=bias is not None, SORTED=order is not None, DOT_PRECISION=dot_precision(dtype), **cfg.launch)
+    # lse stands in for the pointers of a bias or an order there is not.
+    gather = (E, C, x, lse, up.coef, bias if bias is not None else lse, order if order is not None else lse)
+    strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0), up.coef.stride(0))
+    options = (o.softcap if o.softcap is not None else 1.0, o.filter_eps)
+    # The pair index of the rows or tiles in flight (``pair_index.index_bytes``).
+    index_budget = INDEX_BYTES or max(4 * MiB, lb // 32)
+    counters = dict(launches=0, row_blocks=0, tile_ranges=0, split_ranges=0, index_batches=0, pack_lanes=0,
+                    pack_lanes_dC=0)
+    kept_pairs = torch.zeros(1, dtype=torch.int32, device=device)
+    accounted = torch.zeros(N, dtype=torch.float32, device=device) if counting else lse
+    live, ends = plan["live"], plan["ends"]
+    dE_packs = torch.zeros((), dtype=torch.int64, device=device)
+    Y = Gc = None
+
+    # 2. dE, row block by row block; Y over dC's memory (its own buffer only when dC is not wanted or
+    # cannot hold one row's pairs: tiny vocabularies; then at most what dC's pass gets for Gc).
+    if need_dE:
+        ydt = y_dtype(dtype)
+        lanes = V * D * E.element_size() // (ydt.itemsize * D)
+        if need_dC and lanes >= plan["row_lanes"]:
+            Y = _y_in(dC, lanes, D, ydt)
+        else:
+            lanes = max(4 * plan["row_lanes"], min(plan["marked"], max(lb // 20, 4 * MiB) // (ydt.itemsize * D)))
+            Y = torch.empty(lanes, D, dtype=ydt, device=device)
+        if Y_LANES:  # tests: as few lanes as one row needs
+            lanes = min(lanes, max(Y_LANES, plan["row_lanes"]))
+        blocks = _row_blocks(ends, lanes)
+
+        def block_pairs(block):
+            return ends[block[1] - 1] - (ends[block[0] - 1] if block[0] else 0)
+
+        block_r = 256 if device.type == "cuda" else 16
+        # The pairs of many row blocks listed at once: no host work per block but two launches.
+        for batch in _batches(blocks, lambda b: pair_index.index_bytes(block_pairs(b), b[1] - b[0], T8, True),
+                              index_budget):
+            seg_start, seg_group = pair_index.segments(batch)
+            slot0 = [ends[n0 - 1] if n0 else 0 for n0, _ in batch]
+            index = pair_index.build(bits, live, seg_start, seg_group, 0, T8, sum(map(block_pairs, batch)), P,
+                                     row_slot=plan["row_slot"], group_slot0=slot0)
+            counters["index_batches"] += 1
+            if counting:
+                dE_packs += index.pack_off[-1]
+            for g, (n0, n1) in enumerate(batch):
+                pairs = block_pairs((n0, n1))
+                if pairs:
+                    # At most one partial pack per tile: a bound, the surplus programs return at once.
+                    bound = triton.cdiv(pairs, P) + min(T, pairs)
+                    sparse_dE_pack_kernel[(bound,)](
+                        *gather, index.pack_off, index.pair_off, index.pair_cnt, index.pair_row,
+                        index.pair_slot, Y, kept_pairs, accounted, g, index.tiles, index.search_steps,
+                        V, D, *strides, Y.stride(0), *options, STATS=counting, **common)
+                    counters["launches"] += 1
+                sparse_dE_reduce_kernel[(n1 - n0, triton.cdiv(D, block_r))](
+                    Y, plan["row_slot"], up.w, dE, n0, slot0[g], D, Y.stride(0), dE.stride(0), dE.stride(1),
+                    BLOCK_R=block_r)
+                counters["launches"] += 1
+                counters["row_blocks"] += 1
+            del index
+
+    # 3. dC and db, tile range by tile range: Gc for the range's packs, then each tile's rows, once.
+    # The filter's counts come from here when there was no dE pass.
+    if need_dC or need_db:
+        count_here = counting and not need_dE
+        per_tile = plan["per_tile"]
+        packs_per_tile = [-(-c // P) for c in per_tile]
+        pack_bytes = [k * P * BV * E.element_size() for k in packs_per_tile]
+        gc_bytes = GC_BYTES or max(lb // 20, 4 * MiB)
+        gc_bytes = max(gc_bytes, max(pack_bytes))  # a tile's packs go in one launch
+        Gc = torch.empty(max(1, gc_bytes // E.element_size()), dtype=dtype, device=device)
+        tile_ends = list(accumulate(pack_bytes))
+        d_blocks = triton.cdiv(D, cfg.BLOCK_D) if need_dC else 1
+        dC_arg = dC if need_dC else Gc  # a pointer never written without NEED_DC
+        programs = DC_PROGRAMS if DC_PROGRAMS is not None else (
+            4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0)
+        split_bytes = max(lb // 64, 4 * MiB)
+        tile_sums = BV * (D if need_dC else 1) * 4  # one split of one tile
+        partial = partial_db = None
+        per_byte = [sum(per_tile[8 * b: 8 * b + 8]) for b in range(T8)]
+        byte_cost = [pair_index.index_bytes(c, N, 1, False) for c in per_byte]
+        for batch in _batches(list(range(T8)), lambda b: byte_cost[b], index_budget):
+            b0, b1 = batch[0], batch[-1] + 1
+            index = pair_index.build(bits, live, plan["seg_start"], plan["seg_group"], b0, b1 - b0,
+                                     sum(per_byte[b0:b1]), P, cnt=plan["tile_cnt"][:, 8 * b0: 8 * b1])
+            counters["index_batches"] += 1
+            ts0, ts1 = 8 * b0, min(8 * b1, T)
+            t0 = ts0
+            while t0 < ts1:
+                # As many tiles as their packs fill Gc.
+                before = tile_ends[t0 - 1] if t0 else 0
+                t1 = max(t0 + 1, min(bisect_right(tile_ends, before + gc_bytes, lo=t0), ts1))
+                pack0 = sum(packs_per_tile[ts0:t0])
+                n_packs = sum(packs_per_tile[t0:t1])
+                if n_packs:
+                    sparse_g_kernel[(n_packs,)](
+                        *gather, index.pack_off, index.pair_off, index.pair_cnt, index.pair_row, up.w_rel, Gc,
+                        kept_pairs, accounted, pack0, ts0, index.tiles, index.search_steps,
+                        V, D, *strides, *options, STATS=count_here, **common)
+                    counters["launches"] += 1
+                    counters["pack_lanes_dC"] += n_packs * P
+                # Few programs (a range of tiles every row marks): split their packs, sum in a second pass.
+                splits = 1
+                if (t1 - t0) * d_blocks < programs:
+                    splits = min(triton.cdiv(programs, (t1 - t0) * d_blocks), max(1, max(packs_per_tile[t0:t1])),
+                                 max(1, split_bytes // ((t1 - t0) * tile_sums)), 64)
+                if splits > 1 and partial is None:
+                    partial = torch.empty(split_bytes // 4, dtype=torch.float32, device=device)
+                    partial_db = torch.empty(split_bytes // 4, dtype=torch.float32, device=device) if need_db else partial
+                vocab = order if order is not None else index.pack_off
+                sparse_dC_kernel[(t1 - t0, d_blocks, splits)](
+                    E, Gc, index.pack_off, index.pair_off, index.pair_cnt, index.pair_row, vocab, up.w_scale,
+                    dC_arg, db if need_db else Gc, partial if splits > 1 else Gc, partial_db if splits > 1 else Gc,
+                    pack0, ts0, t0 - ts0, splits, V, D, E.stride(0), E.stride(1), dC_arg.stride(0), dC_arg.stride(-1),
+                    BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, SORTED=order is not None,
+                    NEED_DC=need_dC, NEED_DB=need_db, PARTIAL=splits > 1, DOT_PRECISION=dot_precision(dtype),
+                    **cfg.launch)
+                counters["launches"] += 1
+                if splits > 1:
+                    sparse_dC_finish_kernel[(t1 - t0, d_blocks)](
+                        partial, partial_db, vocab, up.w_scale, dC_arg, db if need_db else Gc, ts0, t0 - ts0, splits,
+                        V, D, dC_arg.stride(0), dC_arg.stride(-1), BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D,
+                        SORTED=order is not None, NEED_DC=need_dC, NEED_DB=need_db)
+                    counters["launches"] += 1
+                    counters["split_ranges"] += 1
+                counters["tile_ranges"] += 1
+                t0 = t1
+            del index
+
+    if counting:
+        pairs = plan["live_rows"] * T
+        kept = int(kept_pairs)
+        # |G| mass each row lost, the rule's quantity (``pack_gradient``): |a| - what its pairs accounted for.
+        lost = (up.coef[0].abs() - accounted).clamp_(min=0.0)
+        lost = lost if live is None else lost[live.bool()]
+        y_in_dC = Y is not None and dC is not None and Y.data_ptr() == dC.data_ptr()
+        counters["pack_lanes"] = int(dE_packs) * P
+        # Tile products made: per pack lane the logits and G C (dE's pass), the logits and G^T E
+        # (dC's; db needs no product), against "gemm"'s logits and a product per wanted gradient.
+        products = 2 * counters["pack_lanes"] + (1 + need_dC) * counters["pack_lanes_dC"]
+        stats.update(
+            counters, fallback=None, density=plan["density"], pairs=pairs, marked=plan["marked"],
+            kept_pairs=kept, tiles=pairs, skipped=pairs - kept,
+            work_fraction=products / ((1 + need_dE + need_dC) * N * T),
+            skipped_mass_max=float(lost.max()) if lost.numel() else 0.0,
+            skipped_mass_mean=float(lost.mean()) if lost.numel() else 0.0,
+            eps=o.filter_eps, block_v=BV, pack_rows=P, y_in_dC=y_in_dC,
+            extra_bytes=activity.nbytes() + (Gc.numel() * Gc.element_size() if Gc is not None else 0)
+            + (split_bytes * (1 + need_db) if counters["split_ranges"] else 0)
+            + (Y.numel() * Y.element_size() if Y is not None and not y_in_dC else 0),
+        )
+    return dE, dC, db

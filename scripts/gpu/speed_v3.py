@@ -1,0 +1,358 @@
+"""GPU check of the "sparse" backward against "gemm": accuracy, time, memory, work skipped.
+
+    python scripts/gpu/speed_v3.py [--out results.json] [--budget-s 240] [--tiny]
+
+Written for an H200 (bf16; torch 2.11, triton 3.6). In order of priority (later cases are skipped
+past --budget-s; the required ones run anyway):
+
+1. accuracy, bf16, at the Gemma-2-2B head (N=8,192, V=256,000, D=2,304) in the ``realistic``
+   regime: dE and dC relative L2 errors against float64 (``reference_loss_and_grads``, 4,096 rows
+   at a time) and their ratio to the naive bf16 path's (logits in bf16, upcast, F.cross_entropy),
+   for "gemm" (default options), "gemm" with the sort, "sparse" (sort, "auto" eps = 2^-7 / T) and
+   "sparse" with the "gemm" backward's eps (2^-12 per tile: the row rule's cost at that eps);
+   then the ``uniform`` regime (where "sparse" must hand over to "gemm") and the Qwen3 head
+   (N=16,384, V=151,936, D=1,024), realistic;
+2. time (median forward and forward+backward, CUDA events) and peak memory above the inputs
+   (dE, dC included; / LB = (N + V) D 2 bytes) for "gemm" and "sparse" x uniform, realistic x the
+   Gemma head (N=8,192) and the Qwen3 head (N=16,384, 1,024, 131,072), with the sparse
+   backward's counts: marked share of (row, tile) pairs, tile products against "gemm"'s, the
+   largest |G| mass a row lost, row blocks, and why it ran "gemm" when it did;
+3. a compact table, with each time's ratio to torch.compile's as measured on this H200 on
+   2026-11-30 (docs/PERFORMANCE.md; not re-measured here).
+
+``--sections checks`` runs two checks: the sparse backward gives the same bits on a second run (bf16,
+realistic: the Gemma head, and the Qwen3 head with N = 131,072, where dC's split tiles run); and
+fp16 at the T4's configurations (tier "turing-64k") against this GPU's own, time and accuracy, at
+the Qwen3 head with N = 16,384, realistic.
+
+``--sections profile`` instead splits one "sparse" backward per realistic shape into host and GPU
+time: the wall time of the backward (synchronized), the host's time until ``backward()`` returns,
+and the GPU time of every kernel it launched (``torch.profiler``), summed by kernel name.
+
+Pass rules (status FAIL): "sparse" (auto eps) dE and dC <= 1.5x the naive path's error; "sparse" on
+the uniform regime must have run "gemm" and agree with "gemm" (default options) within half the
+naive path's error. Times and memory are
+reported, not judged. ``--tiny`` shrinks every shape (and lets the sparse kernels run where the
+fallback would take over) so the script can be checked on a CPU under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from _common import Checker, finish, script_setup
+
+import helpers.cce.backward_sparse as sparse_backward
+from helpers.cce import linear_cross_entropy, why_unavailable
+from helpers.compare.inputs import make_inputs
+from helpers.spec import reference_loss_and_grads, relative_error
+
+# torch.compile's forward+backward on this H200, bf16 (docs/PERFORMANCE.md, 2026-11-30).
+TORCH_COMPILE_MS = {
+    ("gemma2", 8192, "uniform"): 49.1, ("gemma2", 8192, "realistic"): 48.4,
+    ("qwen3", 1024, "uniform"): 2.7, ("qwen3", 1024, "realistic"): 2.5,
+    ("qwen3", 16384, "uniform"): 31.5, ("qwen3", 16384, "realistic"): 31.3,
+    ("qwen3", 131072, "uniform"): 261.0, ("qwen3", 131072, "realistic"): 260.3,
+}
+VARIANTS = {
+    "gemm": dict(backward_impl="gemm"),
+    "gemm+sort": dict(backward_impl="gemm", sort_vocab=True),
+    "sparse": dict(backward_impl="sparse", sort_vocab=True),
+    "sparse eps=2^-12": dict(backward_impl="sparse", sort_vocab=True, filter_eps=2.0**-12),
+}
+
+
+def with_sparse(device, dtype, **tiles):
+    """Options for the sparse backward with other tiles for its kernels (the tier's otherwise)."""
+    from dataclasses import replace
+
+    from helpers.cce.kernels.configs import select_configs
+
+    tier = select_configs(torch.device(device))
+    size = 4 if dtype.itemsize >= 4 else 2
+    sparse = {**tier.sparse, size: replace(tier.sparse[size], **tiles)}
+    return dict(VARIANTS["sparse"], configs=replace(tier, sparse=sparse))
+
+
+def inputs(N, V, D, dtype, regime, device):
+    return make_inputs(N, V, D, dtype, device, regime=regime, seed=0)
+
+
+def naive_grads(E, C, x):
+    E_ = E.detach().clone().requires_grad_(True)
+    C_ = C.detach().clone().requires_grad_(True)
+    F.cross_entropy((E_ @ C_.T).float(), x).backward()
+    return E_.grad, C_.grad
+
+
+def ours(E, C, x, stats=None, **options):
+    E_ = E.detach().clone().requires_grad_(True)
+    C_ = C.detach().clone().requires_grad_(True)
+    loss = linear_cross_entropy(E_, C_, x, stats=stats, **options)
+    loss.backward()
+    return loss.detach(), E_.grad, C_.grad
+
+
+def check_accuracy(shape, N, V, D, regime, dtype, device, chunk, variants):
+    """Every variant against float64 and against the naive path's error, one reference per call."""
+    reason = why_unavailable(device, dtype)
+    if reason:
+        return [dict(case=f"accuracy/{shape}/{regime}", status="skipped", reason=reason)]
+    E, C, x = inputs(N, V, D, dtype, regime, device)
+    rloss, rdE, rdC = reference_loss_and_grads(E, C, x, chunk_rows=chunk)
+    nE, nC = naive_grads(E, C, x)
+    naive = relative_error(nE, rdE), relative_error(nC, rdC)
+    del nE, nC
+    records, results = [], {}
+    for name in variants:
+        stats = {}
+        loss, dE, dC = ours(E, C, x, stats=stats, **VARIANTS[name])
+        rec = dict(case=f"accuracy/{shape}/N={N}/{regime}/{name}", N=N, V=V, D=D,
+                   loss_err=relative_error(loss, rloss), dE_err=relative_error(dE, rdE),
+                   dC_err=relative_error(dC, rdC), naive_dE_err=naive[0], naive_dC_err=naive[1])
+        rec["dE_ratio"], rec["dC_ratio"] = rec["dE_err"] / naive[0], rec["dC_err"] / naive[1]
+        rec.update(_sparse_counts(stats))
+        problems = []
+        if name == "sparse" and not (rec["dE_ratio"] <= 1.5 and rec["dC_ratio"] <= 1.5):
+            problems.append("sparse (auto eps) beyond 1.5x the naive path's error")
+        if name == "sparse" and regime == "uniform" and "gemm" in results:
+            # It must have run "gemm" (with the sort and its own eps, so not to the bit): the two
+            # agree far inside the rounding both carry.
+            gap = max(relative_error(dE, results["gemm"][0]) / naive[0],
+                      relative_error(dC, results["gemm"][1]) / naive[1])
+            rec["gap_to_gemm_over_naive"] = gap
+            if rec.get("fallback") is None or not gap <= 0.5:
+                problems.append("did not hand over to gemm, or differs from it beyond rounding")
+        rec["status"] = "FAIL" if problems else "ok"
+        if problems:
+            rec["problems"] = "; ".join(problems)
+        if name == "gemm":
+            results["gemm"] = (dE, dC)
+        records.append(rec)
+        del loss, dE, dC
+    return records
+
+
+def _sparse_counts(stats: dict) -> dict:
+    keys = ("fallback", "density", "work_fraction", "skipped_mass_max", "skipped_mass_mean", "row_blocks",
+            "tile_ranges", "index_batches", "launches", "eps", "extra_bytes")
+    return {k: stats[k] for k in keys if k in stats}
+
+
+def measure(shape, N, V, D, regime, variant, dtype, device, tiny):
+    """Median forward and forward+backward ms, peak memory above the inputs, the sparse counts."""
+    E, C, x = inputs(N, V, D, dtype, regime, device)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+    options = VARIANTS[variant]
+    cuda = device == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def forward():
+        return linear_cross_entropy(E, C, x, **options)
+
+    def step():
+        forward().backward()
+        E.grad = C.grad = None
+
+    stats = {}
+    linear_cross_entropy(E, C, x, stats=stats, **options).backward()  # compile, warm up, count
+    E.grad = C.grad = None
+    peak = None
+    if cuda:
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        sync()
+        peak = torch.cuda.max_memory_allocated() - before
+    times = {}
+    for name, fn in (("fwd", lambda: forward().detach()), ("fwd_bwd", step)):
+        start = time.perf_counter()
+        fn()
+        sync()
+        first = time.perf_counter() - start
+        reps = 1 if tiny else max(3, min(15, int(1.0 / max(first, 1e-4))))
+        samples = []
+        for _ in range(reps):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                sync()
+                samples.append(a.elapsed_time(b))
+            else:
+                start = time.perf_counter()
+                fn()
+                samples.append(1e3 * (time.perf_counter() - start))
+        times[name] = statistics.median(samples)
+    lb = (N + V) * D * dtype.itemsize
+    rec = dict(case=f"time/{shape}/N={N}/{regime}/{variant}", shape=shape, N=N, V=V, D=D, regime=regime,
+               variant=variant, fwd_ms=round(times["fwd"], 2), fwd_bwd_ms=round(times["fwd_bwd"], 2),
+               peak_mb=round(peak / 1e6, 1) if peak is not None else None, lb_mb=round(lb / 1e6, 1),
+               peak_over_lb=round(peak / lb, 3) if peak is not None else None, status="ok")
+    ref = TORCH_COMPILE_MS.get((shape, N, regime))
+    if ref and cuda:
+        rec["vs_torch_compile"] = round(times["fwd_bwd"] / ref, 3)
+    rec.update(_sparse_counts(stats))
+    return rec
+
+
+def profile_backward(shape, N, V, D, regime, dtype, device, variant="sparse", tiles=None):
+    """Host and GPU time of one backward (module doc, ``--sections profile``); ``tiles``: other
+    tiles for the sparse kernels (``with_sparse``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    E, C, x = inputs(N, V, D, dtype, regime, device)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+    options = with_sparse(device, dtype, **tiles) if tiles else VARIANTS[variant]
+    if tiles:
+        variant += " " + ",".join(f"{k}={v}" for k, v in tiles.items())
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(2):  # compile, warm up
+        linear_cross_entropy(E, C, x, **options).backward()
+        E.grad = C.grad = None
+    sync()
+    walls, hosts = [], []
+    for _ in range(3):
+        loss = linear_cross_entropy(E, C, x, **options)
+        sync()
+        start = time.perf_counter()
+        loss.backward()
+        hosts.append(1e3 * (time.perf_counter() - start))
+        sync()
+        walls.append(1e3 * (time.perf_counter() - start))
+        E.grad = C.grad = None
+    loss = linear_cross_entropy(E, C, x, **options)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        loss.backward()
+        sync()
+    kernels = []
+    for event in prof.key_averages():
+        ms = getattr(event, "device_time_total", 0.0) / 1e3 if cuda else 0.0
+        if ms > 0 and not event.key.startswith(("aten::", "autograd", "cuda", "Memcpy", "Memset")):
+            kernels.append((event.key[:60], round(ms, 3), event.count))
+    kernels.sort(key=lambda k: -k[1])
+    return dict(case=f"profile/{shape}/N={N}/{regime}/{variant}", bwd_wall_ms=round(statistics.median(walls), 2),
+                bwd_host_ms=round(statistics.median(hosts), 2),
+                gpu_kernel_ms=round(sum(k[1] for k in kernels), 2), kernel_launches=sum(k[2] for k in kernels),
+                top_kernels=kernels[:12], status="ok")
+
+
+def repeats_bitwise(shape, N, V, D, regime, dtype, device):
+    """Two sparse forward+backward passes: the same dE and dC to the bit."""
+    E, C, x = inputs(N, V, D, dtype, regime, device)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+    grads, stats = [], {}
+    for _ in range(2):
+        linear_cross_entropy(E, C, x, stats=stats, **VARIANTS["sparse"]).backward()
+        grads.append((E.grad, C.grad))
+        E.grad = C.grad = None
+    same = all(torch.equal(a, b) for a, b in zip(*grads))
+    return dict(case=f"repeat/{shape}/N={N}/{regime}/sparse", bitwise_equal=same, fallback=stats.get("fallback"),
+                split_ranges=stats.get("split_ranges"), status="ok" if same and not stats.get("fallback") else "FAIL")
+
+
+def turing_configs(shape, N, V, D, regime, device, tiny):
+    """fp16 at the T4 tier's configurations against this GPU's tier: time of "gemm" and "sparse"."""
+    records = []
+    for tier in (None, "turing-64k"):
+        for variant in ("gemm", "sparse"):
+            VARIANTS[f"{variant} @{tier}"] = dict(VARIANTS[variant], configs=tier)
+            rec = measure(shape, N, V, D, regime, f"{variant} @{tier}", torch.float16, device, tiny)
+            rec["tier"] = tier or "this GPU's"
+            records.append(rec)
+    by = {(r["tier"], r["variant"].split()[0]): r["fwd_bwd_ms"] for r in records}
+    for r in records:
+        r["over_own_tier"] = round(r["fwd_bwd_ms"] / by[("this GPU's", r["variant"].split()[0])], 3)
+    return records
+
+
+def main():
+    args, cuda, device, scale = script_setup(
+        __doc__, "speed_v3.json", 240.0,
+        lambda p: p.add_argument("--sections", nargs="+", default=["accuracy", "time"],
+                                 choices=["accuracy", "time", "profile", "checks"]))
+    dtype = torch.bfloat16 if cuda else torch.float16  # the interpreter cannot do bf16
+    if args.tiny:
+        sparse_backward.DENSE_FALLBACK = 0.95  # tiny shapes mark most pairs: run the kernels anyway
+        sparse_backward.SPARSE_MIN_PAIRS = 0  # and are far too small to pay for them
+    gemma = (scale(256_000, 600), scale(2304, 36))
+    qwen = (scale(151_936, 400), scale(1024, 24))
+    n = {k: scale(k, lo) for k, lo in ((1024, 24), (8192, 40), (16_384, 48), (131_072, 64))}
+    if args.tiny:
+        n[131_072] = 64  # the interpreter's minutes: N / 256 would be 512 rows
+    chunk = 64 if args.tiny else 4096
+    c = Checker(args.budget_s, device)
+    if "checks" in args.sections:
+        c.run("repeat", repeats_bitwise, "gemma2", n[8192], *gemma, "realistic", dtype, device, required=True)
+        c.run("repeat", repeats_bitwise, "qwen3", n[131_072], *qwen, "realistic", dtype, device)
+        c.run("turing", turing_configs, "qwen3", n[16_384], *qwen, "realistic", device, args.tiny)
+        c.run("accuracy/qwen3/realistic/fp16", check_accuracy, "qwen3", n[16_384], *qwen, "realistic",
+              torch.float16, device, chunk, ["gemm", "sparse"])
+        finish(c, args.out, cuda)
+        return
+    if "profile" in args.sections:
+        c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "realistic", dtype, device, required=True)
+        for N in (16_384, 131_072, 1024):
+            c.run("profile", profile_backward, "qwen3", n[N], *qwen, "realistic", dtype, device)
+        small = dict(BLOCK_N=16) if args.tiny else dict(BLOCK_N=32)
+        c.run("profile", profile_backward, "qwen3", n[16_384], *qwen, "realistic", dtype, device, tiles=small)
+        c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "realistic", dtype, device, tiles=small)
+        c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "uniform", dtype, device)
+        for r in c.records:
+            print(f"{r['case']}: backward {r.get('bwd_wall_ms')} ms wall, host {r.get('bwd_host_ms')} ms, "
+                  f"GPU kernels {r.get('gpu_kernel_ms')} ms in {r.get('kernel_launches')} launches")
+            for name, ms, count in r.get("top_kernels", []):
+                print(f"    {ms:9.3f} ms  x{count:<5d} {name}")
+        finish(c, args.out, cuda)
+        return
+    # 1. Accuracy at the Gemma head, realistic (required), then uniform and the Qwen3 head.
+    c.run("accuracy/gemma2/realistic", check_accuracy, "gemma2", n[8192], *gemma, "realistic", dtype,
+          device, chunk, ["gemm", "gemm+sort", "sparse", "sparse eps=2^-12"], required=True)
+    # 2. Time and memory: the Gemma head first (required), then the Qwen3 head by N.
+    for regime in ("realistic", "uniform"):
+        for variant in ("gemm", "sparse"):
+            c.run("time", measure, "gemma2", n[8192], *gemma, regime, variant, dtype, device, args.tiny,
+                  required=True)
+    c.run("accuracy/gemma2/uniform", check_accuracy, "gemma2", n[8192], *gemma, "uniform", dtype,
+          device, chunk, ["gemm", "sparse"])
+    for N in (16_384, 1024, 131_072):
+        for regime in ("realistic", "uniform"):
+            for variant in ("gemm", "sparse"):
+                c.run("time", measure, "qwen3", n[N], *qwen, regime, variant, dtype, device, args.tiny)
+    c.run("accuracy/qwen3/realistic", check_accuracy, "qwen3", n[16_384], *qwen, "realistic", dtype,
+          device, chunk, ["gemm", "sparse"])
+
+    # 3. The table.
+    print("\n" + "=" * 124)
+    print(f"{'case':44s} {'status':6s} {'fwd':>7s} {'fwd+bwd':>8s} {'/tc':>5s} {'/LB':>6s} {'marked':>6s}"
+          f" {'work':>5s} {'lost':>7s} {'dE/nv':>6s} {'dC/nv':>6s}  fallback")
+    for r in c.records:
+        def f(key, fmt):
+            width = int(fmt.split(".")[0])
+            return format(r[key], fmt) if isinstance(r.get(key), (int, float)) else "-".rjust(width)
+        fallback = (r.get("fallback") or "")[:28]
+        print(f"{r['case'][:44]:44s} {r.get('status', '?')[:6]:6s} {f('fwd_ms', '7.2f')} {f('fwd_bwd_ms', '8.2f')}"
+              f" {f('vs_torch_compile', '5.2f')} {f('peak_over_lb', '6.3f')} {f('density', '6.3f')}"
+              f" {f('work_fraction', '5.3f')} {f('skipped_mass_max', '7.1e')} {f('dE_ratio', '6.2f')}"
+              f" {f('dC_ratio', '6.2f')}  {fallback}")
+        if r.get("problems") or r.get("error"):
+            print(f"    -> {r.get('problems') or r.get('error')}")
+    finish(c, args.out, cuda)
+
+
+if __name__ == "__main__":
+    main()
