@@ -20,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["cce_check.py", "tune.py", "speed_v3.py"])
+@pytest.mark.parametrize("script", ["cce_check.py", "tune.py", "speed_v3.py",
+                                    "speed_v3.py --sections trained checks"])
 def test_gpu_script_runs_tiny_on_cpu(script, tmp_path):
     out = tmp_path / "result.json"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("OUT", None)
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / script), "--tiny", "--out", str(out)],
+    name, *options = script.split()
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / name), *options, "--tiny", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())

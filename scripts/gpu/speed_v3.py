@@ -20,12 +20,20 @@ past --budget-s; the required ones run anyway):
 3. a compact table, with each time's ratio to torch.compile's as measured on this H200 on
    2026-11-30 (docs/PERFORMANCE.md; not re-measured here).
 
+``--sections`` (default ``accuracy time``: items 1-2) runs the sections named, in that order;
+``trained``, ``checks`` and ``profile`` are these.
+
+``--sections trained`` trains notebook 03's pretraining model (V = 32,768, D = 256) on the Python
+standard library for 600 steps with our loss, then measures on N = 65,536 of its validation
+positions what this script measures on the generated regimes (accuracy, time, marked pairs, the
+fallback), beside torch.compile, Liger and Apple CCE: a softmax none of our generators made.
+
 ``--sections checks`` runs two checks: the sparse backward gives the same bits on a second run (bf16,
 realistic: the Gemma head, and the Qwen3 head with N = 131,072, where dC's split tiles run); and
 fp16 at the T4's configurations (tier "turing-64k") against this GPU's own, time and accuracy, at
 the Qwen3 head with N = 16,384, realistic.
 
-``--sections profile`` instead splits one "sparse" backward per realistic shape into host and GPU
+``--sections profile`` splits one "sparse" backward per realistic shape into host and GPU
 time: the wall time of the backward (synchronized), the host's time until ``backward()`` returns,
 and the GPU time of every kernel it launched (``torch.profiler``), summed by kernel name.
 
@@ -38,6 +46,7 @@ fallback would take over) so the script can be checked on a CPU under the Triton
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -77,8 +86,73 @@ def with_sparse(device, dtype, **tiles):
     return dict(VARIANTS["sparse"], configs=replace(tier, sparse=sparse))
 
 
+# regime "trained": (E, C, x) of a model trained here (``train_model``), set before its cases run.
+TRAINED = {}
+
+
 def inputs(N, V, D, dtype, regime, device):
+    if regime == "trained":
+        return TRAINED["inputs"]
     return make_inputs(N, V, D, dtype, device, regime=regime, seed=0)
+
+
+def train_model(N, dtype, device, tiny):
+    """A softmax no generator of ours made: notebook 03's pretraining model (a context-MLP language
+    model, V = 32,768, D = 256) trained on the Python standard library for a few hundred steps with
+    our loss, then (E, C, x) of N validation positions in ``dtype``. Returns the facts of the run."""
+    from helpers.lab.corpus import build_corpus
+    from helpers.lab.training import CorpusLMTask, context_windows
+
+    start = time.time()
+    corpus = build_corpus(512 if tiny else 32768, max_files=40 if tiny else None)
+    task = CorpusLMTask(corpus, D=16 if tiny else 256, context=8, d_embed=8 if tiny else 64,
+                        d_hidden=32 if tiny else 1024, batch=64 if tiny else 4096)
+    torch.manual_seed(0)
+    model = task.make_model().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    g = torch.Generator().manual_seed(0)
+    steps = 4 if tiny else 600
+    for _ in range(steps):
+        contexts, y = task.sample(g)
+        E = model.hidden(contexts.to(device)).to(dtype)
+        loss = linear_cross_entropy(E, model.C.to(dtype), y.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    ids = corpus.val_ids
+    if ids.numel() < N + task.context:
+        ids = torch.cat([ids, corpus.train_ids])
+    contexts, x = context_windows(ids, torch.arange(task.context, task.context + N), task.context)
+    with torch.no_grad():
+        E = model.hidden(contexts.to(device)).to(dtype).contiguous()
+        C = model.C.detach().to(dtype).contiguous()
+    x = x.to(device)
+    with torch.no_grad():
+        val_loss = float(linear_cross_entropy(E, C, x))
+    TRAINED["inputs"] = (E, C, x)
+    return dict(case="trained/model", V=task.V, D=task.D, N=N, steps=steps, batch=task.batch,
+                final_train_loss=round(float(loss), 3), val_loss=round(val_loss, 3),
+                log_V=round(math.log(task.V), 3), seconds_to_train=round(time.time() - start, 1), status="ok")
+
+
+def time_method(name, E, C, x, tiny):
+    """fwd+bwd ms of a registry method (a peer) on given inputs, CUDA events, median."""
+    from helpers.compare.measure import latency
+    from helpers.compare.methods import get_method
+
+    method = get_method(name)
+    reason = method.why_unavailable(E.device, E.dtype)
+    if reason:
+        return dict(case=f"time/trained/{name}", status="skipped", reason=reason)
+    E_ = E.detach().clone().requires_grad_(True)
+    C_ = C.detach().clone().requires_grad_(True)
+
+    def step():
+        torch.autograd.grad(method(E_, C_, x), (E_, C_))
+
+    stats = latency(step, warmup=1 if tiny else 3, repeats=1 if tiny else 7, device=E.device)
+    return dict(case=f"time/trained/N={E.shape[0]}/{name}", method=name, fwd_bwd_ms=round(stats.median_ms, 2),
+                status="ok")
 
 
 def naive_grads(E, C, x):
@@ -284,7 +358,7 @@ def main():
     args, cuda, device, scale = script_setup(
         __doc__, "speed_v3.json", 240.0,
         lambda p: p.add_argument("--sections", nargs="+", default=["accuracy", "time"],
-                                 choices=["accuracy", "time", "profile", "checks"]))
+                                 choices=["accuracy", "time", "profile", "checks", "trained"]))
     dtype = torch.bfloat16 if cuda else torch.float16  # the interpreter cannot do bf16
     if args.tiny:
         sparse_backward.DENSE_FALLBACK = 0.95  # tiny shapes mark most pairs: run the kernels anyway
@@ -296,47 +370,60 @@ def main():
         n[131_072] = 64  # the interpreter's minutes: N / 256 would be 512 rows
     chunk = 64 if args.tiny else 4096
     c = Checker(args.budget_s, device)
-    if "checks" in args.sections:
-        c.run("repeat", repeats_bitwise, "gemma2", n[8192], *gemma, "realistic", dtype, device, required=True)
-        c.run("repeat", repeats_bitwise, "qwen3", n[131_072], *qwen, "realistic", dtype, device)
-        c.run("turing", turing_configs, "qwen3", n[16_384], *qwen, "realistic", device, args.tiny)
-        c.run("accuracy/qwen3/realistic/fp16", check_accuracy, "qwen3", n[16_384], *qwen, "realistic",
-              torch.float16, device, chunk, ["gemm", "sparse"])
-        finish(c, args.out, cuda)
-        return
-    if "profile" in args.sections:
-        c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "realistic", dtype, device, required=True)
-        for N in (16_384, 131_072, 1024):
-            c.run("profile", profile_backward, "qwen3", n[N], *qwen, "realistic", dtype, device)
-        small = dict(BLOCK_N=16) if args.tiny else dict(BLOCK_N=32)
-        c.run("profile", profile_backward, "qwen3", n[16_384], *qwen, "realistic", dtype, device, tiles=small)
-        c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "realistic", dtype, device, tiles=small)
-        c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "uniform", dtype, device)
-        for r in c.records:
-            print(f"{r['case']}: backward {r.get('bwd_wall_ms')} ms wall, host {r.get('bwd_host_ms')} ms, "
-                  f"GPU kernels {r.get('gpu_kernel_ms')} ms in {r.get('kernel_launches')} launches")
-            for name, ms, count in r.get("top_kernels", []):
-                print(f"    {ms:9.3f} ms  x{count:<5d} {name}")
-        finish(c, args.out, cuda)
-        return
-    # 1. Accuracy at the Gemma head, realistic (required), then uniform and the Qwen3 head.
-    c.run("accuracy/gemma2/realistic", check_accuracy, "gemma2", n[8192], *gemma, "realistic", dtype,
-          device, chunk, ["gemm", "gemm+sort", "sparse", "sparse eps=2^-12"], required=True)
-    # 2. Time and memory: the Gemma head first (required), then the Qwen3 head by N.
-    for regime in ("realistic", "uniform"):
-        for variant in ("gemm", "sparse"):
-            c.run("time", measure, "gemma2", n[8192], *gemma, regime, variant, dtype, device, args.tiny,
-                  required=True)
-    c.run("accuracy/gemma2/uniform", check_accuracy, "gemma2", n[8192], *gemma, "uniform", dtype,
-          device, chunk, ["gemm", "sparse"])
-    for N in (16_384, 1024, 131_072):
-        for regime in ("realistic", "uniform"):
-            for variant in ("gemm", "sparse"):
-                c.run("time", measure, "qwen3", n[N], *qwen, regime, variant, dtype, device, args.tiny)
-    c.run("accuracy/qwen3/realistic", check_accuracy, "qwen3", n[16_384], *qwen, "realistic", dtype,
-          device, chunk, ["gemm", "sparse"])
+    # The sections in the order asked (each skips its optional cases past --budget-s).
+    for section in args.sections:
+        if section == "accuracy":
+            # Accuracy at the Gemma head, realistic (required), then uniform and the Qwen3 head.
+            c.run("accuracy/gemma2/realistic", check_accuracy, "gemma2", n[8192], *gemma, "realistic", dtype,
+                  device, chunk, ["gemm", "gemm+sort", "sparse", "sparse eps=2^-12"], required=True)
+            c.run("accuracy/gemma2/uniform", check_accuracy, "gemma2", n[8192], *gemma, "uniform", dtype,
+                  device, chunk, ["gemm", "sparse"])
+            c.run("accuracy/qwen3/realistic", check_accuracy, "qwen3", n[16_384], *qwen, "realistic", dtype,
+                  device, chunk, ["gemm", "sparse"])
+        elif section == "time":
+            # Time and memory: the Gemma head first (required), then the Qwen3 head by N.
+            for regime in ("realistic", "uniform"):
+                for variant in ("gemm", "sparse"):
+                    c.run("time", measure, "gemma2", n[8192], *gemma, regime, variant, dtype, device, args.tiny,
+                          required=True)
+            for N in (16_384, 1024, 131_072):
+                for regime in ("realistic", "uniform"):
+                    for variant in ("gemm", "sparse"):
+                        c.run("time", measure, "qwen3", n[N], *qwen, regime, variant, dtype, device, args.tiny)
+        elif section == "trained":
+            N = 256 if args.tiny else 65_536
+            trained = c.run("trained", train_model, N, dtype, device, args.tiny, required=True)
+            if trained:
+                V, D = trained["V"], trained["D"]
+                c.run("accuracy/trained", check_accuracy, "trained", N, V, D, "trained", dtype, device, chunk,
+                      ["gemm", "sparse", "sparse eps=2^-12"], required=True)
+                for variant in ("gemm", "sparse"):
+                    c.run("time", measure, "trained", N, V, D, "trained", variant, dtype, device, args.tiny,
+                          required=True)
+                for name in ("torch_compile", "liger", "apple_cce"):
+                    c.run("time", time_method, name, *TRAINED["inputs"], args.tiny)
+        elif section == "checks":
+            c.run("repeat", repeats_bitwise, "gemma2", n[8192], *gemma, "realistic", dtype, device, required=True)
+            c.run("repeat", repeats_bitwise, "qwen3", n[131_072], *qwen, "realistic", dtype, device)
+            c.run("turing", turing_configs, "qwen3", n[16_384], *qwen, "realistic", device, args.tiny)
+            c.run("accuracy/qwen3/realistic/fp16", check_accuracy, "qwen3", n[16_384], *qwen, "realistic",
+                  torch.float16, device, chunk, ["gemm", "sparse"])
+        elif section == "profile":
+            c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "realistic", dtype, device, required=True)
+            for N in (16_384, 131_072, 1024):
+                c.run("profile", profile_backward, "qwen3", n[N], *qwen, "realistic", dtype, device)
+            small = dict(BLOCK_N=16) if args.tiny else dict(BLOCK_N=32)
+            c.run("profile", profile_backward, "qwen3", n[16_384], *qwen, "realistic", dtype, device, tiles=small)
+            c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "realistic", dtype, device, tiles=small)
+            c.run("profile", profile_backward, "gemma2", n[8192], *gemma, "uniform", dtype, device)
+            for r in c.records:
+                if r["case"].startswith("profile/"):
+                    print(f"{r['case']}: backward {r.get('bwd_wall_ms')} ms wall, host {r.get('bwd_host_ms')} ms, "
+                          f"GPU kernels {r.get('gpu_kernel_ms')} ms in {r.get('kernel_launches')} launches")
+                    for name, ms, count in r.get("top_kernels", []):
+                        print(f"    {ms:9.3f} ms  x{count:<5d} {name}")
 
-    # 3. The table.
+    # The table.
     print("\n" + "=" * 124)
     print(f"{'case':44s} {'status':6s} {'fwd':>7s} {'fwd+bwd':>8s} {'/tc':>5s} {'/LB':>6s} {'marked':>6s}"
           f" {'work':>5s} {'lost':>7s} {'dE/nv':>6s} {'dC/nv':>6s}  fallback")
