@@ -78,7 +78,8 @@ def popcount_rows(bits: torch.Tensor, live: torch.Tensor | None = None) -> torch
     return counts if live is None else counts * live
 
 
-def set_bits(bits: torch.Tensor, tiles: torch.Tensor, rows: torch.Tensor) -> None:
-    """Mark (tiles[k], rows[k]) for every k (at most one pair per row)."""
-    byte = bits[tiles // 8, rows]
-    bits[tiles // 8, rows] = byte | (1 << (tiles % 8)).to(torch.uint8)
+def set_bits(bits: torch.Tensor, tiles: torch.Tensor, mark: torch.Tensor) -> None:
+    """Mark tile tiles[r] of every row r where ``mark`` ((N,) bool) holds; no host sync."""
+    rows = torch.arange(tiles.numel(), device=bits.device)
+    byte = tiles // 8
+    bits[byte, rows] = bits[byte, rows] | ((1 << (tiles % 8)) * mark).to(torch.uint8)

@@ -61,9 +61,7 @@ dC pass and O(N). Measured on an H200 (bf16, realistic): 1.06 LB at the Gemma-2-
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from itertools import accumulate
-
+import numpy as np
 import torch
 import triton
 
@@ -171,57 +169,59 @@ def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o:
 
 def _plan(E, C, x, lse, up, activity, o, cfg, need) -> dict:
     """Fix the bits up (step 1 of the module doc), count the marked pairs per row and per tile, and
-    decide: {"dense": reason} or the counts. The backward's one host sync is here."""
+    decide: {"dense": reason} or the counts. The backward's one host sync is here: until it, the
+    GPU has nothing else to do, so its host work is kept to one transfer, read as numpy arrays
+    (a Python list of N = 131,072 counts, and a loop over it, cost ~9 ms)."""
     bits = activity.bits
     T, BV = activity.tiles, activity.block_v
     N = E.shape[0]
+    device = E.device
     # Rows with no gradient at all (w = 0: ignored, or an upstream gradient of 0, and none through
     # the lse) are skipped, not cleared: a later backward through the same graph (retain_graph) may
     # give them one.
     live = up.w > 0
+    live_u8 = live.to(torch.uint8)
+    # Each kept row's target tile holds -b there, which the forward's bits (made from S) do not see.
+    # Only what x decides: the fix-up is the same on every call.
+    kept = x != o.ignore_index
+    target = torch.where(kept, x, 0).long()
+    if activity.order is not None:
+        position = torch.empty_like(activity.order)
+        position[activity.order] = torch.arange(activity.order.numel(), device=device)
+        target = position[target]
+    set_bits(bits, target // BV, kept)
+    per_row = popcount_rows(bits, live)
+    # Row r's pairs are slots [row_slot[r], row_slot[r + 1]) of the dE pass, counted from row 0.
+    row_slot = torch.zeros(N + 1, dtype=torch.int64, device=device)
+    torch.cumsum(per_row, 0, out=row_slot[1:])
     # G = a S - b [v = x]: outside the target's tile a row's |G| mass is |a| times its softmax mass,
     # and the bits were made for |a| <= coef_max (``helpers.cce.activity``); past it, every pair.
-    a_max, n_live = torch.stack([torch.where(live, up.coef[0].abs(), 0.0).max() if N else E.new_zeros((), dtype=torch.float32),
-                                 live.sum().float()]).tolist()
+    a_max = torch.where(live, up.coef[0].abs(), 0.0).amax() if N else torch.zeros((), device=device)
+    head = [a_max.double(), live.sum().double(), per_row.max().double() if N else a_max.double() * 0]
+    counts = [torch.stack(head), row_slot[1:].double()]
+    tile_cnt = None
+    if need[1] or need[2]:
+        tile_cnt, seg_start, seg_group = pair_index.tile_counts(bits, live_u8, N)
+        counts.append(tile_cnt.sum(0, dtype=torch.int64)[:T].double())
+    counts = torch.cat(counts).cpu().numpy()  # the sync (float64: every count is exact)
+    a_max, n_live, row_lanes = float(counts[0]), int(counts[1]), int(counts[2])
     if a_max > activity.coef_max:
         return {"dense": f"a row's softmax coefficient |a| = {a_max:.3g} (z-loss's 1 + 2 zl lse, plus a "
                          f"gradient into the lse) exceeds the {activity.coef_max:g} the forward's bits "
                          "were made for", "density": None}
-    # Each kept row's target tile holds -b there, which the forward's bits (made from S) do not see.
-    # Only what x decides: the fix-up is the same on every call.
-    kept = x != o.ignore_index
-    rows = kept.nonzero()[:, 0]
-    target = x[rows].long()
-    if activity.order is not None:
-        position = torch.empty_like(activity.order)
-        position[activity.order] = torch.arange(activity.order.numel(), device=E.device)
-        target = position[target]
-    set_bits(bits, target // BV, rows)
-    n_live = int(n_live)
-    live = None if n_live == N else live
-    live_u8 = None if live is None else live.to(torch.uint8)
-    per_row = popcount_rows(bits, live)
-    # Row r's pairs are slots [row_slot[r], row_slot[r + 1]) of the dE pass, counted from row 0.
-    row_slot = torch.zeros(N + 1, dtype=torch.int64, device=E.device)
-    torch.cumsum(per_row, 0, out=row_slot[1:])
-    tile_cnt = None
-    counts = [row_slot[1:]]
-    if need[1] or need[2]:
-        tile_cnt, seg_start, seg_group = pair_index.tile_counts(bits, live_u8, N)
-        counts.append(tile_cnt.sum(0, dtype=torch.int64)[:T])
-    counts = torch.cat(counts).tolist()  # the sync
-    ends, per_tile = counts[:N], counts[N:]
-    marked = ends[-1] if N else 0
+    ends = counts[3:3 + N].astype(np.int64)
+    marked = int(ends[-1]) if N else 0
     density = marked / max(1, n_live * T)
-    plan = {"live": live_u8, "row_slot": row_slot, "ends": ends, "live_rows": n_live, "marked": marked,
-            "density": density}
+    plan = {"live": live_u8 if n_live < N else None, "row_slot": row_slot, "ends": ends, "live_rows": n_live,
+            "marked": marked, "density": density}
     if density > DENSE_FALLBACK:
         plan["dense"] = f"the bits mark {density:.0%} of the pairs (> {DENSE_FALLBACK:.0%})"
         return plan
     if tile_cnt is not None:
-        plan.update(tile_cnt=tile_cnt, per_tile=per_tile, seg_start=seg_start, seg_group=seg_group)
+        plan.update(tile_cnt=tile_cnt, per_tile=counts[3 + N:].astype(np.int64), seg_start=seg_start,
+                    seg_group=seg_group)
     # Y must hold one row's pairs at the least.
-    plan["row_lanes"] = max(1, max(b - a for a, b in zip([0] + ends[:-1], ends)) if N else 1)
+    plan["row_lanes"] = max(1, row_lanes)
     return plan
 
 
@@ -242,13 +242,13 @@ def _y_in(dC: torch.Tensor, lanes: int, D: int, dtype: torch.dtype) -> torch.Ten
     return flat[: lanes * D].view(lanes, D)
 
 
-def _row_blocks(ends: list[int], lanes: int) -> list[tuple[int, int]]:
+def _row_blocks(ends: np.ndarray, lanes: int) -> list[tuple[int, int]]:
     """Consecutive rows whose marked pairs fill at most ``lanes`` rows of Y (a row's pairs always
-    fit: Y holds the largest row's at least)."""
+    fit: Y holds the largest row's at least); ``ends``: marked pairs up to each row, inclusive."""
     blocks, n0, N = [], 0, len(ends)
     while n0 < N:
-        before = ends[n0 - 1] if n0 else 0
-        n1 = max(n0 + 1, bisect_right(ends, before + lanes, lo=n0))
+        before = int(ends[n0 - 1]) if n0 else 0
+        n1 = max(n0 + 1, int(np.searchsorted(ends, before + lanes, side="right")))
         blocks.append((n0, n1))
         n0 = n1
     return blocks
@@ -315,14 +315,14 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         blocks = _row_blocks(ends, lanes)
 
         def block_pairs(block):
-            return ends[block[1] - 1] - (ends[block[0] - 1] if block[0] else 0)
+            return int(ends[block[1] - 1]) - (int(ends[block[0] - 1]) if block[0] else 0)
 
         block_r = 256 if device.type == "cuda" else 16
         # The pairs of many row blocks listed at once: no host work per block but two launches.
         for batch in _batches(blocks, lambda b: pair_index.index_bytes(block_pairs(b), b[1] - b[0], T8, True),
                               index_budget):
             seg_start, seg_group = pair_index.segments(batch)
-            slot0 = [ends[n0 - 1] if n0 else 0 for n0, _ in batch]
+            slot0 = [int(ends[n0 - 1]) if n0 else 0 for n0, _ in batch]
             index = pair_index.build(bits, live, seg_start, seg_group, 0, T8, sum(map(block_pairs, batch)), P,
                                      row_slot=plan["row_slot"], group_slot0=slot0)
             counters["index_batches"] += 1
@@ -349,13 +349,14 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     # The filter's counts come from here when there was no dE pass.
     if need_dC or need_db:
         count_here = counting and not need_dE
-        per_tile = plan["per_tile"]
-        packs_per_tile = [-(-c // P) for c in per_tile]
-        pack_bytes = [k * P * BV * E.element_size() for k in packs_per_tile]
+        per_tile = plan["per_tile"]  # (T,) int64
+        packs_per_tile = (per_tile + P - 1) // P
+        pack_bytes = packs_per_tile * (P * BV * E.element_size())
+        pack_start = np.concatenate([[0], np.cumsum(packs_per_tile)])  # first pack of each tile
         gc_bytes = GC_BYTES or max(lb // 20, 4 * MiB)
-        gc_bytes = max(gc_bytes, max(pack_bytes))  # a tile's packs go in one launch
+        gc_bytes = max(gc_bytes, int(pack_bytes.max()))  # a tile's packs go in one launch
         Gc = torch.empty(max(1, gc_bytes // E.element_size()), dtype=dtype, device=device)
-        tile_ends = list(accumulate(pack_bytes))
+        tile_ends = np.cumsum(pack_bytes)
         d_blocks = triton.cdiv(D, cfg.BLOCK_D) if need_dC else 1
         dC_arg = dC if need_dC else Gc  # a pointer never written without NEED_DC
         programs = DC_PROGRAMS if DC_PROGRAMS is not None else (
@@ -363,21 +364,21 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         split_bytes = max(lb // 64, 4 * MiB)
         tile_sums = BV * (D if need_dC else 1) * 4  # one split of one tile
         partial = partial_db = None
-        per_byte = [sum(per_tile[8 * b: 8 * b + 8]) for b in range(T8)]
-        byte_cost = [pair_index.index_bytes(c, N, 1, False) for c in per_byte]
+        per_byte = np.pad(per_tile, (0, 8 * T8 - T)).reshape(T8, 8).sum(1)
+        byte_cost = [pair_index.index_bytes(int(c), N, 1, False) for c in per_byte]
         for batch in _batches(list(range(T8)), lambda b: byte_cost[b], index_budget):
             b0, b1 = batch[0], batch[-1] + 1
             index = pair_index.build(bits, live, plan["seg_start"], plan["seg_group"], b0, b1 - b0,
-                                     sum(per_byte[b0:b1]), P, cnt=plan["tile_cnt"][:, 8 * b0: 8 * b1])
+                                     int(per_byte[b0:b1].sum()), P, cnt=plan["tile_cnt"][:, 8 * b0: 8 * b1])
             counters["index_batches"] += 1
             ts0, ts1 = 8 * b0, min(8 * b1, T)
             t0 = ts0
             while t0 < ts1:
                 # As many tiles as their packs fill Gc.
-                before = tile_ends[t0 - 1] if t0 else 0
-                t1 = max(t0 + 1, min(bisect_right(tile_ends, before + gc_bytes, lo=t0), ts1))
-                pack0 = sum(packs_per_tile[ts0:t0])
-                n_packs = sum(packs_per_tile[t0:t1])
+                before = int(tile_ends[t0 - 1]) if t0 else 0
+                t1 = max(t0 + 1, min(int(np.searchsorted(tile_ends, before + gc_bytes, side="right")), ts1))
+                pack0 = int(pack_start[t0] - pack_start[ts0])
+                n_packs = int(pack_start[t1] - pack_start[t0])
                 if n_packs:
                     sparse_g_kernel[(n_packs,)](
                         *gather, index.pack_off, index.pair_off, index.pair_cnt, index.pair_row, up.w_rel, Gc,
@@ -388,7 +389,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
                 # Few programs (a range of tiles every row marks): split their packs, sum in a second pass.
                 splits = 1
                 if (t1 - t0) * d_blocks < programs:
-                    splits = min(triton.cdiv(programs, (t1 - t0) * d_blocks), max(1, max(packs_per_tile[t0:t1])),
+                    splits = min(triton.cdiv(programs, (t1 - t0) * d_blocks), max(1, int(packs_per_tile[t0:t1].max())),
                                  max(1, split_bytes // ((t1 - t0) * tile_sums)), 64)
                 if splits > 1 and partial is None:
                     partial = torch.empty(split_bytes // 4, dtype=torch.float32, device=device)
