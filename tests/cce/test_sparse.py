@@ -252,7 +252,7 @@ def test_forward_bits_never_miss_a_tile(sort, bias):
     assert act.pilot == (128 if sort else 0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16], ids=str)  # fp32 takes the same paths (CI's minutes)
 def test_blocks_do_not_change_a_bit(dtype, monkeypatch):
     """Small Y (many row blocks) and small Gc (many tile ranges): the same bits as one of each, and
     two runs give the same bits (deterministic)."""
@@ -442,7 +442,7 @@ NEEDS = {  # (dE, dC, db): which of E, C and the bias require a gradient
 }
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16], ids=str)  # fp32 takes the same paths (CI's minutes)
 @pytest.mark.parametrize("which", NEEDS)
 def test_only_the_gradients_asked_for(which, dtype):
     """A frozen C (or E, or bias) gets no gradient and no pass of its own: no dE pass without dE
