@@ -295,6 +295,23 @@ def test_split_tiles_match_the_reference_and_repeat(which, monkeypatch):
         assert relative_error(first[0], rdE) < TOL[torch.float32]
 
 
+def test_bits_past_the_last_tile_are_ignored():
+    """The last byte of bits holds 8 tiles; those past the vocabulary (T = 44 here: 4 of them) must
+    not be listed as pairs, whatever the bits there say (a filter_eps of 0 marks every bit)."""
+    E, C, x = inputs(torch.float32)
+    go = upstream("mean")
+    o = resolve_options(torch.float32, filter_eps=EPS)
+    _, lse, act = cce_forward(E, C, x, o, v_splits=3, emit_activity=True)
+    assert act.tiles % 8
+    act.bits[-1] |= 0xFF << (act.tiles % 8) & 0xFF
+    grad_rows = go.float().expand(N) / (x != -100).sum()
+    stats = {}
+    dE, dC, _ = cce_backward(E, C, x, lse, grad_rows, o, stats=stats, backward_impl="sparse", activity=act)
+    assert stats["fallback"] is None
+    rdE, rdC, _ = filtered_reference(E, C, x, go, EPS, act.order, act.block_v)
+    assert relative_error(dE, rdE) < TOL[torch.float32] and relative_error(dC, rdC) < TOL[torch.float32]
+
+
 def test_too_small_a_problem_runs_gemm_without_bits(monkeypatch):
     """Below SPARSE_MIN_PAIRS the index costs more than it saves: no bits in the forward, "gemm"."""
     monkeypatch.setattr(sparse, "SPARSE_MIN_PAIRS", N * 1000)
