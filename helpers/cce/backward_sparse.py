@@ -190,7 +190,7 @@ def _plan(E, C, x, lse, up, activity, o, cfg, need) -> dict:
         position[activity.order] = torch.arange(activity.order.numel(), device=device)
         target = position[target]
     set_bits(bits, target // BV, kept)
-    if T % 8:  # the last byte's bits past the last tile stay clear (a filter_eps of 0 would mark them)
+    if T % 8:  # the last byte's bits past the last tile: clear, or the pair lists outgrow their counts
         bits[-1] &= (1 << (T % 8)) - 1
     per_row = popcount_rows(bits, live)
     # Row r's pairs are slots [row_slot[r], row_slot[r + 1]) of the dE pass, counted from row 0.

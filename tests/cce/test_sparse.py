@@ -297,7 +297,8 @@ def test_split_tiles_match_the_reference_and_repeat(which, monkeypatch):
 
 def test_bits_past_the_last_tile_are_ignored():
     """The last byte of bits holds 8 tiles; those past the vocabulary (T = 44 here: 4 of them) must
-    not be listed as pairs, whatever the bits there say (a filter_eps of 0 marks every bit)."""
+    not be listed as pairs, whatever the bits there say. The forward leaves them clear (a threshold
+    that underflowed to 0 would not); before the fix, set, they made the dC pass write past its list."""
     E, C, x = inputs(torch.float32)
     go = upstream("mean")
     o = resolve_options(torch.float32, filter_eps=EPS)
