@@ -36,3 +36,22 @@ def test_a_method_that_fails_the_gate_is_not_timed(temporary_method):
     timed = run_bench(["too_steep"], ["tiny"], dtypes=(torch.float32,), Ns=[64], warmup=0, repeats=1,
                       time_failed=True, device="cpu", progress=False)
     assert timed[0].status == "ok" and timed[0].gate == "fail (timed anyway)"
+
+
+def test_bench_says_which_backward_ran(monkeypatch):
+    """A method whose backward can take another path says which it took: the sparse preset at the
+    tiny shape runs "gemm" (too few pairs), and with that rule lifted it runs sparse and counts."""
+    import helpers.cce.backward_sparse as sparse
+    from helpers.compare.bench import backward_note
+    from helpers.compare.inputs import make_inputs
+
+    fell_back = run_bench(["ours_sparse"], ["tiny"], ["realistic"], (torch.float16,), Ns=[64], warmup=0, repeats=1,
+                          device="cpu", progress=False)[0]
+    assert fell_back.status == "ok" and fell_back.note.startswith("ran the gemm backward: N x tiles")
+    assert "| ours_sparse |" in bench_table([fell_back])
+    monkeypatch.setattr(sparse, "SPARSE_MIN_PAIRS", 0)
+    monkeypatch.setattr(sparse, "DENSE_FALLBACK", 1.0)
+    E, C, x = make_inputs(48, 700, 24, torch.float16, "cpu", regime="realistic", seed=0)
+    note = backward_note("ours_sparse", E.requires_grad_(True), C.requires_grad_(True), x)
+    assert note.startswith("sparse: marked"), note
+    assert backward_note("ours", E, C, x) == ""  # a method with one backward has nothing to say
