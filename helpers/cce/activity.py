@@ -58,10 +58,10 @@ def coef_bound(z_loss: float, lse_grad: bool) -> float:
 # backward: their bits stay as the forward left them, for a later backward through the same graph).
 
 
-# Rows at a time in the counts below: torch sums a uint8 tensor into int64 by casting it whole
+# Rows at a time in ``popcount_rows``: torch sums a uint8 tensor into int64 by casting it whole
 # first, 8 bytes per byte of bits (156 MB at the Qwen3 head with N = 131,072, measured as 0.27 LB
-# of peak on the H200 when the dC pass counted its tiles); in slices of this many rows the cast
-# is at most ~10 MB.
+# of peak on the H200 by an earlier count over the whole bits); in slices of this many rows the
+# cast is at most ~10 MB.
 COUNT_ROWS = 8192
 
 

@@ -66,14 +66,14 @@ def index_bytes(pairs: int, rows: int, byte_count: int, slots: bool) -> int:
 
 
 def count(bits: torch.Tensor, live: torch.Tensor | None, seg_start: torch.Tensor, byte0: int, byte_count: int,
-          popcount_rows: tuple[int, int] | None = None):
+          popcount_of: tuple[int, int] | None = None):
     """(cnt (S, 8 byte_count) int32: marked live rows per (segment, tile), popcount (byte_count, rows)
-    int32 of each row's marked tiles per byte for ``popcount_rows`` = (row0, rows), or None)."""
+    int32 of each row's marked tiles per byte for the rows ``popcount_of`` = (row0, rows), or None)."""
     S = seg_start.numel() - 1
     cnt = torch.empty(S, 8 * byte_count, dtype=torch.int32, device=bits.device)
     row0, pc = 0, None
-    if popcount_rows is not None:
-        row0, rows = popcount_rows
+    if popcount_of is not None:
+        row0, rows = popcount_of
         pc = torch.empty(byte_count, rows, dtype=torch.int32, device=bits.device)
     count_pairs_kernel[(byte_count, S)](
         bits, live if live is not None else bits, seg_start, cnt, pc if pc is not None else cnt,
