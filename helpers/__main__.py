@@ -97,11 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     gate.set_defaults(func=_gate)
 
     from helpers.compare.bench import SHAPES
+    from helpers.compare.inputs import REGIMES
 
     bench = sub.add_parser("bench", help="time and measure methods side by side (gate first)")
     bench.add_argument("--methods", nargs="+", default=["torch_compile", "liger", "apple_cce", "ours"])
     bench.add_argument("--shapes", nargs="+", default=["gemma2-2b"], choices=sorted(SHAPES))
-    bench.add_argument("--regimes", nargs="+", default=["uniform"], choices=["uniform", "realistic"])
+    bench.add_argument("--regimes", nargs="+", default=["uniform"], choices=REGIMES)
     bench.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["float32", "float16", "bfloat16"])
     bench.add_argument("--N", nargs="+", type=int, help="token counts (default: each shape's list)")
     bench.add_argument("--output", help="append results here as JSON Lines")

@@ -205,7 +205,7 @@ import helpers
 from helpers.compare.gate import SLACK
 from helpers.compare.methods import METHODS, get_method
 from helpers.lab import training
-from helpers.lab.corpus import load_or_build_corpus, summary_lines
+from helpers.compare.corpus import load_or_build_corpus, summary_lines
 from helpers.lab.plots import (
     mark_smoke,
     plot_filter_skipped,

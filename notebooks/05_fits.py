@@ -182,7 +182,7 @@ from helpers.cce.device import T4_MEMORY_BYTES
 from helpers.compare import measure
 from helpers.compare.units import format_bytes
 from helpers.lab import fits
-from helpers.lab.corpus import load_or_build_corpus
+from helpers.compare.corpus import load_or_build_corpus
 from helpers.lab.plots import mark_smoke
 from helpers.lab.profiles import SMOKE_NOTE, get_profile
 from helpers.lab.training import write_json

@@ -11,7 +11,8 @@ For each named shape, input regime (``helpers.compare.inputs``), dtype and metho
 The correctness gate runs first, on small shapes, for the same methods and dtypes; a method that
 fails it is not timed (``time_failed=True`` times it anyway and marks it, so a peer's speed can be
 reported beside its accuracy problem). Results are appended to a JSON Lines file as they come, so
-a run that dies keeps what it measured.
+a run that dies keeps what it measured; the ``.meta.json`` beside it holds the device, the gate and,
+for the "trained" regime, the facts of each model trained for it (``helpers.compare.trained``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from helpers.compare.inputs import make_inputs
+from helpers.compare.inputs import REGIMES, make_inputs
 from helpers.compare.gate import gate_cases, run_gate
 from helpers.compare.measure import is_out_of_memory, latency, peak_memory, release_memory
 from helpers.compare.methods import get_method
@@ -144,13 +145,21 @@ def run_bench(
     for s in shapes:
         if s not in SHAPES:
             raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {s!r}")
+    for r in regimes:
+        if r not in REGIMES:
+            raise ValueError(f"regime must be one of {REGIMES}, got {r!r}")
     gate_shapes = GATE_SHAPES_GPU if device.type == "cuda" else GATE_SHAPES_CPU
     report = run_gate(methods, tuple(dtypes), gate_cases(gate_shapes), device=device, raise_on_failure=False)
     store = Path(output) if output else None
+    header = {"device": device_info(device).as_dict(), "torch": torch.__version__, "gate": report.summary()}
+
+    def write_header():
+        if store:
+            store.with_suffix(".meta.json").write_text(json.dumps(header, indent=1, default=str))
+
     if store:
         store.parent.mkdir(parents=True, exist_ok=True)
-        header = {"device": device_info(device).as_dict(), "torch": torch.__version__, "gate": report.summary()}
-        store.with_suffix(".meta.json").write_text(json.dumps(header, indent=1, default=str))
+        write_header()
     work = [
         (s, r, dt, N)
         for s in shapes
@@ -179,6 +188,14 @@ def run_bench(
                 with store.open("a") as f:
                     f.write(json.dumps(asdict(rec)) + "\n")
             bar.update(1)
+        if regime == "trained" and shape not in header.get("trained_models", {}):
+            from helpers.compare.trained import describe
+
+            try:
+                header.setdefault("trained_models", {})[shape] = describe(V, D, device)
+            except Exception as error:  # noqa: BLE001  (its points already say why they failed)
+                header.setdefault("trained_models", {})[shape] = f"{type(error).__name__}: {error}"[:300]
+            write_header()
     bar.close()
     return records
 

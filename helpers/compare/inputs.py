@@ -1,4 +1,4 @@
-"""Inputs for measurement: the two regimes every speed claim is made in.
+"""Inputs for measurement: the regimes every speed claim is made in.
 
 ``uniform``: E and C random normal, C scaled by 2/sqrt(D), targets uniform. The softmax is dense
 (every logit within a few nats of every other), so a gradient filter finds nothing to skip: the
@@ -17,6 +17,10 @@ term in the rest. Targets are sampled from softmax(z), so the mean loss is that 
 knows its data: 1-3 nats at the defaults. Scattered (unstructured) significant entries would leave
 no block skippable (docs/PERFORMANCE.md measures both kinds).
 
+``trained``: the softmax of a language model trained on the Python standard library at this V and
+D (``helpers.compare.trained``; trained on first use, once per process): no generator of ours made
+it, so it checks that what the two above show holds for a softmax nobody shaped.
+
 ``ignore_targets`` marks targets as ignored the one way every caller does it: none, some (every
 7th token) or all.
 """
@@ -27,7 +31,7 @@ import math
 
 import torch
 
-REGIMES = ("uniform", "realistic")
+REGIMES = ("uniform", "realistic", "trained")
 IGNORE = ("none", "some", "all")
 
 
@@ -44,11 +48,17 @@ def make_inputs(
     requires_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """E (N, D), C (V, D) in ``dtype`` and targets x (N,) int64, all on ``device``; with
-    ``requires_grad`` E and C are leaves that require grad (a measured loss step's inputs)."""
+    ``requires_grad`` E and C are leaves that require grad (a measured loss step's inputs).
+    ``sigma`` and ``alpha`` shape the realistic regime only."""
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
     if D < 2 and regime == "realistic":
         raise ValueError(f"D must be at least 2 for the realistic regime, got {D}")
+    if regime == "trained":
+        from helpers.compare.trained import trained_inputs
+
+        E, C, x = trained_inputs(N, V, D, dtype, device, seed=seed)
+        return E.requires_grad_(requires_grad), C.requires_grad_(requires_grad), x
     g = torch.Generator(device=device).manual_seed(seed)
     kw = dict(device=device, generator=g)
     if regime == "uniform":

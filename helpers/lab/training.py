@@ -11,7 +11,7 @@ pieces:
   method that cannot run says why (``why_unavailable``); none is skipped or swapped silently.
 - Two tasks. ``FineTuneTask``: the article's fine-tuning A/B, the last layer and lm_head trained
   on fixed synthetic features (nearly convex: arms drift apart by error more than by chaos).
-  ``CorpusLMTask``: a small language model trained from scratch on ``helpers.lab.corpus``.
+  ``CorpusLMTask``: a small language model trained from scratch on ``helpers.compare.corpus``.
 - ``train``: the one training loop. Seeded (same seed, same losses, bit for bit on a CPU), mixed
   precision with fp32 master weights, and it records what the rare-token diagnostic needs.
 - Diagnostics: frequency bins, per-bin means, and the comparison of each arm with ``exact``, paired
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from helpers.cce import resolve_options
 from helpers.compare.gate import SLACK
 from helpers.compare.methods import get_method
+from helpers.compare.trained import ContextMLPLM, context_windows
 from helpers.spec import reference_loss_and_grads
 
 # ---------------------------------------------------------------------------------------------
@@ -75,28 +75,6 @@ class LastLayerAndHead(nn.Module):
 
     def hidden(self, h: torch.Tensor) -> torch.Tensor:  # (N, d_features) -> (N, D)
         return self.norm(self.last(h))
-
-
-class ContextMLPLM(nn.Module):
-    """Bengio-style language model: token t from the ``context`` tokens before it.
-
-    E = LayerNorm(W_out gelu(W_mix [emb(x_{t-k}); ...; emb(x_{t-1})])),  (N, D)
-    logits = E C^T,  (N, V).  The classifier C is not tied to the input embeddings, so how far a
-    row of C moves is the loss's doing alone.
-    """
-
-    def __init__(self, V: int, D: int, context: int, d_embed: int, d_hidden: int):
-        super().__init__()
-        self.embed = nn.Embedding(V, d_embed)
-        self.mix = nn.Linear(context * d_embed, d_hidden)
-        self.out = nn.Linear(d_hidden, D)
-        self.norm = nn.LayerNorm(D)
-        # std 1/sqrt(D) on unit-variance E: initial logits ~N(0, 1), loss starts near log V
-        self.C = nn.Parameter(torch.randn(V, D) / math.sqrt(D))
-
-    def hidden(self, contexts: torch.Tensor) -> torch.Tensor:  # (N, k) token ids -> (N, D)
-        h = self.embed(contexts).flatten(1)
-        return self.norm(self.out(F.gelu(self.mix(h))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,9 +126,9 @@ class FineTuneTask:
 
 @dataclass
 class CorpusLMTask:
-    """Next-token prediction on a ``helpers.lab.corpus.Corpus`` with ``ContextMLPLM``."""
+    """Next-token prediction on a ``helpers.compare.corpus.Corpus`` with ``ContextMLPLM``."""
 
-    corpus: object  # helpers.lab.corpus.Corpus
+    corpus: object  # helpers.compare.corpus.Corpus
     D: int
     context: int
     d_embed: int
@@ -174,12 +152,6 @@ class CorpusLMTask:
         """(contexts (M, k), targets (M,)): every position of the validation split."""
         ids = self.corpus.val_ids
         return context_windows(ids, torch.arange(self.context, ids.numel()), self.context)
-
-
-def context_windows(ids: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """contexts (N, k) = ids[p-k .. p-1] and targets (N,) = ids[p] for each position p >= k."""
-    offsets = torch.arange(-k, 0)
-    return ids[positions[:, None] + offsets], ids[positions]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,10 +23,12 @@ past --budget-s; the required ones run anyway):
 ``--sections`` (default ``accuracy time``: items 1-2) runs the sections named, in that order;
 ``trained``, ``checks`` and ``profile`` are these.
 
-``--sections trained`` trains notebook 03's pretraining model (V = 32,768, D = 256) on the Python
-standard library for 600 steps with our loss, then measures on N = 65,536 of its validation
-positions what this script measures on the generated regimes (accuracy, time, marked pairs, the
-fallback), beside torch.compile, Liger and Apple CCE: a softmax none of our generators made.
+``--sections trained`` takes the "trained" regime (``helpers.compare.trained``: notebook 03's
+pretraining model trained on the Python standard library for 600 steps) at notebook 03's size
+(V = 32,768, D = 256), then measures on N = 65,536 of its positions what this script measures on
+the generated regimes (accuracy, time, marked pairs, the fallback), beside torch.compile, Liger and
+Apple CCE: a softmax none of our generators made. ``python -m helpers bench --regimes trained``
+measures it at the bench's shapes.
 
 ``--sections checks`` runs two checks: the sparse backward gives the same bits on a second run (bf16,
 realistic: the Gemma head, and the Qwen3 head with N = 131,072, where dC's split tiles run); and
@@ -46,7 +48,6 @@ fallback would take over) so the script can be checked on a CPU under the Triton
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 
@@ -97,42 +98,19 @@ def inputs(N, V, D, dtype, regime, device):
 
 
 def train_model(N, dtype, device, tiny):
-    """A softmax no generator of ours made: notebook 03's pretraining model (a context-MLP language
-    model, V = 32,768, D = 256) trained on the Python standard library for a few hundred steps with
-    our loss, then (E, C, x) of N validation positions in ``dtype``. Returns the facts of the run."""
-    from helpers.lab.corpus import build_corpus
-    from helpers.lab.training import CorpusLMTask, context_windows
+    """A softmax no generator of ours made: the "trained" regime (``helpers.compare.trained``) at
+    notebook 03's pretraining size (V = 32,768, D = 256), then (E, C, x) of N positions in ``dtype``.
+    Returns the facts of the model's training."""
+    from helpers.compare.trained import describe, trained_inputs
 
-    start = time.time()
-    corpus = build_corpus(512 if tiny else 32768, max_files=40 if tiny else None)
-    task = CorpusLMTask(corpus, D=16 if tiny else 256, context=8, d_embed=8 if tiny else 64,
-                        d_hidden=32 if tiny else 1024, batch=64 if tiny else 4096)
-    torch.manual_seed(0)
-    model = task.make_model().to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
-    g = torch.Generator().manual_seed(0)
-    steps = 4 if tiny else 600
-    for _ in range(steps):
-        contexts, y = task.sample(g)
-        E = model.hidden(contexts.to(device)).to(dtype)
-        loss = linear_cross_entropy(E, model.C.to(dtype), y.to(device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    ids = corpus.val_ids
-    if ids.numel() < N + task.context:
-        ids = torch.cat([ids, corpus.train_ids])
-    contexts, x = context_windows(ids, torch.arange(task.context, task.context + N), task.context)
-    with torch.no_grad():
-        E = model.hidden(contexts.to(device)).to(dtype).contiguous()
-        C = model.C.detach().to(dtype).contiguous()
-    x = x.to(device)
+    V, D = (512, 16) if tiny else (32_768, 256)
+    facts = describe(V, D, device)
+    E, C, x = trained_inputs(N, V, D, dtype, device)
     with torch.no_grad():
         val_loss = float(linear_cross_entropy(E, C, x))
     TRAINED["inputs"] = (E, C, x)
-    return dict(case="trained/model", V=task.V, D=task.D, N=N, steps=steps, batch=task.batch,
-                final_train_loss=round(float(loss), 3), val_loss=round(val_loss, 3),
-                log_V=round(math.log(task.V), 3), seconds_to_train=round(time.time() - start, 1), status="ok")
+    return dict(case="trained/model", N=N, val_loss=round(val_loss, 3), status="ok",
+                **{k: v for k, v in facts.items() if k != "recipe"}, steps=facts["recipe"]["steps"])
 
 
 def time_method(name, E, C, x, tiny):

@@ -231,6 +231,21 @@ def test_uniform_forced_sparse_equals_gemm(dtype, monkeypatch):
     assert relative_error(dE, rdE) < TOL[dtype] and relative_error(dC, rdC) < TOL[dtype]
 
 
+def test_a_trained_models_softmax_forced_sparse_matches_the_filtered_float64_gradient(monkeypatch):
+    """The "trained" regime (``helpers.compare.trained``): a softmax no generator of ours shaped. At
+    these sizes its bits mark most pairs, so it would run "gemm"; forced past the fallback, the
+    sparse kernels match the filtered float64 gradient on it, sorted, with an ignored row."""
+    monkeypatch.setattr(sparse, "DENSE_FALLBACK", 1.01)
+    E, C, x = inputs(torch.float16, regime="trained", ignore=[3])
+    go = upstream("mean")
+    stats = {}
+    dE, dC, _, act = run_sparse(E, C, x, go, sort=True, stats=stats)
+    assert stats["fallback"] is None and 0 < stats["kept_pairs"] <= stats["marked"]
+    rdE, rdC, _ = filtered_reference(E, C, x, go, EPS, act.order, act.block_v)
+    assert relative_error(dE, rdE) < TOL[torch.float16], relative_error(dE, rdE)
+    assert relative_error(dC, rdC) < TOL[torch.float16], relative_error(dC, rdC)
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("sort", [False, True])
 def test_forward_bits_never_miss_a_tile(sort, bias):

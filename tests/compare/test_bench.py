@@ -11,18 +11,29 @@ from helpers.compare.sweep import lower_bound_bytes
 
 def test_bench_measures_gated_methods_and_writes_as_it_goes(tmp_path):
     out = tmp_path / "bench.jsonl"
-    records = run_bench(["naive", "chunked", "apple_cce"], ["tiny"], ["uniform", "realistic"], (torch.float32,),
+    regimes = ["uniform", "realistic", "trained"]
+    records = run_bench(["naive", "chunked", "apple_cce"], ["tiny"], regimes, (torch.float32,),
                         Ns=[64], output=out, warmup=0, repeats=2, device="cpu", progress=False)
     by = {(r.method, r.regime): r for r in records}
     assert by[("apple_cce", "uniform")].status == "unavailable" and "CUDA GPU" in by[("apple_cce", "uniform")].note
-    for regime in ("uniform", "realistic"):
+    for regime in regimes:
         r = by[("chunked", regime)]
         assert r.status == "ok" and r.gate == "pass" and r.fwd_bwd_ms > 0 and r.peak_mb > 0
         assert r.lower_bound_mb == lower_bound_bytes(64, 1031, 40, torch.float32) / 1e6
         assert r.peak_over_lb >= 1.0  # the step's own gradients are part of its peak
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(lines) == len(records) == 6
+    assert len(lines) == len(records) == 9
     assert "| tiny | realistic | float32 | 64 | chunked |" in bench_table(records)
+    # the trained regime's model is described beside the results: what was timed on
+    model = json.loads(out.with_suffix(".meta.json").read_text())["trained_models"]["tiny"]
+    assert (model["V"], model["D"]) == (1031, 40) and model["final_train_loss"] < model["first_loss"]
+
+
+def test_an_unknown_regime_is_refused_before_anything_runs():
+    import pytest
+
+    with pytest.raises(ValueError, match="regime must be one of"):
+        run_bench(["naive"], ["tiny"], ["peaked"], device="cpu", progress=False)
 
 
 def test_a_method_that_fails_the_gate_is_not_timed(temporary_method):

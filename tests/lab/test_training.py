@@ -10,7 +10,7 @@ import torch
 
 from helpers.compare.methods import Method, exact_loss, get_method
 from helpers.lab import training
-from helpers.lab.corpus import build_corpus
+from helpers.compare.corpus import build_corpus
 
 
 @pytest.fixture(autouse=True)

@@ -1,11 +1,11 @@
-"""helpers.lab.corpus: the offline corpus and word tokenizer behind the pretraining A/B (notebook 03)."""
+"""helpers.compare.corpus: the offline corpus and word tokenizer behind the pretraining A/B (notebook 03)."""
 
 from collections import Counter
 
 import pytest
 import torch
 
-from helpers.lab.corpus import (
+from helpers.compare.corpus import (
     UNK,
     UNK_ID,
     Vocabulary,
