@@ -81,10 +81,12 @@ from helpers.cce.options import CCEOptions, dot_precision
 
 # "auto" filter for this backward: at most this much of a row's |G| mass is dropped (eps = B / T).
 SPARSE_ROW_BUDGET = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: None}
-# Marked share of the (row, tile) pairs (of the rows with a gradient) above which "gemm" is run. On
-# an H200: at 9-11% marked (bf16, realistic; tile products 14-17% of gemm's) the sparse backward
-# took 0.5-0.6x gemm's time; at 21% (fp16 with the T4's 64-column tiles, 36% of the products) 1.7x.
-DENSE_FALLBACK = 0.15
+# Marked share of the (row, tile) pairs (of the rows with a gradient) above which "gemm" is run;
+# None: the tier's (``CCEConfigs.dense_fallback``: 0.25 on Hopper, 0.15 elsewhere). On an H200:
+# at 9-11% marked (bf16, realistic; tile products 14-17% of gemm's) the sparse backward took
+# 0.5-0.6x gemm's time; at 21-27% (a trained model's softmax, 128-column tiles) 0.77-1.02x; at 21%
+# with the T4's 64-column tiles (fp16, 36% of the products) 1.7x. Tests set a number.
+DENSE_FALLBACK = None
 # Fewer (row, tile) pairs than this run "gemm" (``too_small``): between N = 1,024 (sparse 1.7x slower
 # than "gemm" on an H200) and 16,384 (1.25x faster) at the Qwen3 head's 1,187 tiles.
 SPARSE_MIN_PAIRS = 2**23
@@ -154,7 +156,8 @@ def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o:
     reason = why_dense(activity, o, cfg.BLOCK_V, E.shape[0], C.shape[0])
     plan = None
     if reason is None:
-        plan = _plan(E, C, x, lse, up, activity, o, cfg, need)
+        limit = DENSE_FALLBACK if DENSE_FALLBACK is not None else configs.dense_fallback
+        plan = _plan(E, C, x, lse, up, activity, o, cfg, need, limit)
         reason = plan.get("dense")
     if reason is not None:
         # Unsorted: the sort serves the filter, and this eps (a row's budget over its tiles) skips
@@ -167,9 +170,10 @@ def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o:
     return _sparse(E, C, x, lse, up, activity, o, cfg, plan, stats, bias, need)
 
 
-def _plan(E, C, x, lse, up, activity, o, cfg, need) -> dict:
+def _plan(E, C, x, lse, up, activity, o, cfg, need, dense_fallback: float) -> dict:
     """Fix the bits up (step 1 of the module doc), count the marked pairs per row and per tile, and
-    decide: {"dense": reason} or the counts. The backward's one host sync is here: until it, the
+    decide: {"dense": reason} (more than ``dense_fallback`` of the pairs marked, or a coefficient
+    past the bits' bound) or the counts. The backward's one host sync is here: until it, the
     GPU has nothing else to do, so its host work is kept to one transfer, read as numpy arrays
     (a Python list of N = 131,072 counts, and a loop over it, cost ~9 ms)."""
     bits = activity.bits
@@ -216,8 +220,8 @@ def _plan(E, C, x, lse, up, activity, o, cfg, need) -> dict:
     density = marked / max(1, n_live * T)
     plan = {"live": live_u8 if n_live < N else None, "row_slot": row_slot, "ends": ends, "live_rows": n_live,
             "marked": marked, "density": density}
-    if density > DENSE_FALLBACK:
-        plan["dense"] = f"the bits mark {density:.0%} of the pairs (> {DENSE_FALLBACK:.0%})"
+    if density > dense_fallback:
+        plan["dense"] = f"the bits mark {density:.0%} of the pairs (> {dense_fallback:.0%})"
         return plan
     if tile_cnt is not None:
         plan.update(tile_cnt=tile_cnt, per_tile=counts[3 + N:].astype(np.int64), seg_start=seg_start,

@@ -23,12 +23,12 @@ past --budget-s; the required ones run anyway):
 ``--sections`` (default ``accuracy time``: items 1-2) runs the sections named, in that order;
 ``trained``, ``checks`` and ``profile`` are these.
 
-``--sections trained`` takes the "trained" regime (``helpers.compare.trained``: notebook 03's
-pretraining model trained on the Python standard library for 600 steps) at notebook 03's size
-(V = 32,768, D = 256), then measures on N = 65,536 of its positions what this script measures on
-the generated regimes (accuracy, time, marked pairs, the fallback), beside torch.compile, Liger and
-Apple CCE: a softmax none of our generators made. ``python -m helpers bench --regimes trained``
-measures it at the bench's shapes.
+``--sections trained`` measures the "trained" regime (``helpers.compare.trained``: notebook 03's
+language model trained on the Python standard library at the shape's V and D) as it measures the
+generated ones, at the Gemma-2-2B head and the Qwen3 head (N = 16,384 and 131,072), with one more
+variant: the sparse backward forced past its density fallback ("sparse, no fallback"), to see
+whether the rule sends "gemm" the cases it should. The peers on this regime: ``python -m helpers
+bench --regimes trained``.
 
 ``--sections checks`` runs two checks: the sparse backward gives the same bits on a second run (bf16,
 realistic: the Gemma head, and the Qwen3 head with N = 131,072, where dC's split tiles run); and
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,8 @@ VARIANTS = {
     "gemm+sort": dict(backward_impl="gemm", sort_vocab=True),
     "sparse": dict(backward_impl="sparse", sort_vocab=True),
     "sparse eps=2^-12": dict(backward_impl="sparse", sort_vocab=True, filter_eps=2.0**-12),
+    # forced past the density fallback: what the sparse kernels cost where the rule sends "gemm"
+    "sparse, no fallback": dict(backward_impl="sparse", sort_vocab=True, dense_fallback=1.01),
 }
 
 
@@ -87,50 +90,30 @@ def with_sparse(device, dtype, **tiles):
     return dict(VARIANTS["sparse"], configs=replace(tier, sparse=sparse))
 
 
-# regime "trained": (E, C, x) of a model trained here (``train_model``), set before its cases run.
-TRAINED = {}
-
-
 def inputs(N, V, D, dtype, regime, device):
-    if regime == "trained":
-        return TRAINED["inputs"]
     return make_inputs(N, V, D, dtype, device, regime=regime, seed=0)
 
 
-def train_model(N, dtype, device, tiny):
-    """A softmax no generator of ours made: the "trained" regime (``helpers.compare.trained``) at
-    notebook 03's pretraining size (V = 32,768, D = 256), then (E, C, x) of N positions in ``dtype``.
-    Returns the facts of the model's training."""
-    from helpers.compare.trained import describe, trained_inputs
+@contextmanager
+def script_options(options: dict):
+    """The variant's options for ``linear_cross_entropy``, with this script's own popped and applied
+    for the call: ``dense_fallback`` (the sparse backward's ``DENSE_FALLBACK``)."""
+    options = dict(options)
+    saved = sparse_backward.DENSE_FALLBACK
+    sparse_backward.DENSE_FALLBACK = options.pop("dense_fallback", saved)
+    try:
+        yield options
+    finally:
+        sparse_backward.DENSE_FALLBACK = saved
 
-    V, D = (512, 16) if tiny else (32_768, 256)
+
+def describe_trained(shape, V, D, device):
+    """The facts of the "trained" regime's model at this shape (trained on first use)."""
+    from helpers.compare.trained import describe
+
     facts = describe(V, D, device)
-    E, C, x = trained_inputs(N, V, D, dtype, device)
-    with torch.no_grad():
-        val_loss = float(linear_cross_entropy(E, C, x))
-    TRAINED["inputs"] = (E, C, x)
-    return dict(case="trained/model", N=N, val_loss=round(val_loss, 3), status="ok",
-                **{k: v for k, v in facts.items() if k != "recipe"}, steps=facts["recipe"]["steps"])
-
-
-def time_method(name, E, C, x, tiny):
-    """fwd+bwd ms of a registry method (a peer) on given inputs, CUDA events, median."""
-    from helpers.compare.measure import latency
-    from helpers.compare.methods import get_method
-
-    method = get_method(name)
-    reason = method.why_unavailable(E.device, E.dtype)
-    if reason:
-        return dict(case=f"time/trained/{name}", status="skipped", reason=reason)
-    E_ = E.detach().clone().requires_grad_(True)
-    C_ = C.detach().clone().requires_grad_(True)
-
-    def step():
-        torch.autograd.grad(method(E_, C_, x), (E_, C_))
-
-    stats = latency(step, warmup=1 if tiny else 3, repeats=1 if tiny else 7, device=E.device)
-    return dict(case=f"time/trained/N={E.shape[0]}/{name}", method=name, fwd_bwd_ms=round(stats.median_ms, 2),
-                status="ok")
+    return dict(case=f"trained/{shape}/model", status="ok", steps=facts["recipe"]["steps"],
+                **{k: v for k, v in facts.items() if k != "recipe"})
 
 
 def naive_grads(E, C, x):
@@ -143,8 +126,9 @@ def naive_grads(E, C, x):
 def ours(E, C, x, stats=None, **options):
     E_ = E.detach().clone().requires_grad_(True)
     C_ = C.detach().clone().requires_grad_(True)
-    loss = linear_cross_entropy(E_, C_, x, stats=stats, **options)
-    loss.backward()
+    with script_options(options) as options:
+        loss = linear_cross_entropy(E_, C_, x, stats=stats, **options)
+        loss.backward()
     return loss.detach(), E_.grad, C_.grad
 
 
@@ -199,8 +183,11 @@ def measure(shape, N, V, D, regime, variant, dtype, device, tiny):
     E, C, x = inputs(N, V, D, dtype, regime, device)
     E.requires_grad_(True)
     C.requires_grad_(True)
-    options = VARIANTS[variant]
-    cuda = device == "cuda"
+    with script_options(VARIANTS[variant]) as options:
+        return _measure(shape, N, V, D, regime, variant, dtype, E, C, x, options, device == "cuda", tiny)
+
+
+def _measure(shape, N, V, D, regime, variant, dtype, E, C, x, options, cuda, tiny):
 
     def sync():
         if cuda:
@@ -369,20 +356,18 @@ def main():
                     for variant in ("gemm", "sparse"):
                         c.run("time", measure, "qwen3", n[N], *qwen, regime, variant, dtype, device, args.tiny)
         elif section == "trained":
-            N = 256 if args.tiny else 65_536
-            trained = c.run("trained", train_model, N, dtype, device, args.tiny, required=True)
-            if trained:
-                V, D = trained["V"], trained["D"]
-                c.run("accuracy/trained", check_accuracy, "trained", N, V, D, "trained", dtype, device, chunk,
-                      ["gemm", "sparse", "sparse eps=2^-12"], required=True)
-                # "gemm" at the sparse path's eps too: what its fallback runs (the eps it keeps).
-                VARIANTS["gemm at the sparse eps"] = dict(
-                    backward_impl="gemm", filter_eps=sparse_backward.sparse_auto_eps(dtype, V, 128))
-                for variant in ("gemm", "sparse", "gemm at the sparse eps"):
-                    c.run("time", measure, "trained", N, V, D, "trained", variant, dtype, device, args.tiny,
-                          required=True)
-                for name in ("torch_compile", "liger", "apple_cce"):
-                    c.run("time", time_method, name, *TRAINED["inputs"], args.tiny)
+            # The "trained" regime at the bench's shapes: what its bits mark, whether the sparse
+            # kernels would pay at that density (forced past the fallback), and their accuracy.
+            shapes = [("gemma2", n[8192], gemma), ("qwen3", n[16_384], qwen), ("qwen3", n[131_072], qwen)]
+            for shape, N, (V, D) in shapes[:1] if args.tiny else shapes:  # tiny: the interpreter's minutes
+                first = shape == "gemma2"
+                c.run("trained", describe_trained, shape, V, D, device, required=first)
+                if N <= 16_384:  # the naive path's fp32 logits at N = 131,072 would be 80 GB
+                    c.run(f"accuracy/{shape}/trained", check_accuracy, shape, N, V, D, "trained", dtype, device,
+                          chunk, ["gemm", "sparse", "sparse, no fallback"], required=first)
+                for variant in ("gemm", "sparse", "sparse, no fallback"):
+                    c.run("time", measure, shape, N, V, D, "trained", variant, dtype, device, args.tiny,
+                          required=first)
         elif section == "checks":
             c.run("repeat", repeats_bitwise, "gemma2", n[8192], *gemma, "realistic", dtype, device, required=True)
             c.run("repeat", repeats_bitwise, "qwen3", n[131_072], *qwen, "realistic", dtype, device)

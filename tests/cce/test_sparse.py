@@ -213,6 +213,23 @@ def test_uniform_hands_over_to_gemm(dtype):
     assert torch.equal(dE, gE) and torch.equal(dC, gC)
 
 
+@pytest.mark.parametrize("limit, runs_sparse", [(0.01, False), (0.99, True)])
+def test_the_tiers_density_limit_decides_when_none_is_set(limit, runs_sparse, monkeypatch):
+    """With no ``DENSE_FALLBACK`` set, the tier's ``dense_fallback`` decides (Hopper's is not the T4's)."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(sparse, "DENSE_FALLBACK", None)
+    E, C, x = inputs(torch.float16)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+    stats = {}
+    configs = replace(tier("interpreter"), dense_fallback=limit)
+    linear_cross_entropy(E, C, x, backward_impl="sparse", filter_eps=EPS, configs=configs, stats=stats).backward()
+    assert (stats["fallback"] is None) == runs_sparse, stats["fallback"]
+    if not runs_sparse:
+        assert stats["fallback"].endswith("(> 1%)")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_uniform_forced_sparse_equals_gemm(dtype, monkeypatch):
     """Forced past the fallback on a dense softmax, the sparse kernels compute every pair and agree
