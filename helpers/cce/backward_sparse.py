@@ -51,12 +51,17 @@ no filter), the forward made no bits (or made them for other tiles or another ep
 exceeds the bound its bits were made for (a z-loss factor 1 + 2 zl lse > 2, or a gradient into an
 lse the forward was not told would be returned).
 
-Memory beyond dE and dC (LB): the bits (N * T / 8 bytes) and the order (V int64); Gc (max(LB / 20,
-4 MiB, the largest tile's packs): at the Qwen3 head with N = 131,072 its first tiles hold every
-row, 33.6 MB each); the pair index of the blocks or tiles in flight (max(LB / 32, 4 MiB)); the split
-tiles' fp32 sums (max(LB / 64, 4 MiB), when a range splits); the per-(segment, tile) counts of the
-dC pass and O(N). Measured on an H200 (bf16, realistic): 1.06 LB at the Gemma-2-2B head, 1.11 /
-1.13 / 1.15 LB at the Qwen3 head with N = 16,384 / 65,536 / 131,072.
+Memory beyond dE and dC (LB): the bits (N * T / 8 bytes) and the order (V int64); Gc (``GC_BYTES``,
+max(LB / 20, 4 MiB), fewer when all the packs take less; a tile with more packs than Gc holds, as
+the first tiles at the Qwen3 head with N = 131,072, where every row marks them: 33.6 MB each, comes
+in windows of Gc, each split of its sum going on from where the last window left it); the pair
+index of the blocks or tiles in flight (``INDEX_BYTES``, max(LB / 32, 4 MiB)); the split tiles'
+fp32 sums (max(LB / 64, 4 MiB), when a range splits); the per-(segment, tile) counts of the dC pass
+and O(N). Measured on an H200 (bf16, realistic): 1.06 LB at the Gemma-2-2B head, 1.11 / 1.13 / 1.15
+LB at the Qwen3 head with N = 16,384 / 65,536 / 131,072. Smaller budgets (Gc LB / 64, index LB /
+48, split sums LB / 96) measured 1.03 / 1.07 / 1.10 / 1.12 LB, but 1.5x the time at N = 16,384 and
+1.26x at 131,072: each tile range costs launches, and the host's launches already bound the time
+there (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ DENSE_FALLBACK = None
 SPARSE_MIN_PAIRS = 2**23
 # Tests shrink these to force several row blocks and tile ranges.
 Y_LANES = None  # rows of Y (marked pairs) in dC's memory; None: all that fit
-GC_BYTES = None  # Gc's bytes; None: max(LB / 20, 4 MiB, the largest tile's packs)
+GC_BYTES = None  # Gc's bytes; None: max(LB / 20, 4 MiB) (a tile of more packs: in windows)
 INDEX_BYTES = None  # the pair index's bytes (``pair_index``); None: max(LB / 32, 4 MiB)
 # dC programs worth having in flight: a range with fewer (tiles x D blocks) splits its tiles' packs
 # (``sparse_dC_kernel``'s PARTIAL); None: 4 per SM on a GPU, no splits on the CPU. Their fp32 sums
@@ -298,13 +303,14 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     options = (o.softcap if o.softcap is not None else 1.0, o.filter_eps)
     # The pair index of the rows or tiles in flight (``pair_index.index_bytes``).
     index_budget = INDEX_BYTES or max(4 * MiB, lb // 32)
-    counters = dict(launches=0, row_blocks=0, tile_ranges=0, split_ranges=0, index_batches=0, pack_lanes=0,
-                    pack_lanes_dC=0)
+    counters = dict(launches=0, row_blocks=0, tile_ranges=0, split_ranges=0, gc_windows=0, index_batches=0,
+                    pack_lanes=0, pack_lanes_dC=0)
     kept_pairs = torch.zeros(1, dtype=torch.int32, device=device)
     accounted = torch.zeros(N, dtype=torch.float32, device=device) if counting else lse
     live, ends = plan["live"], plan["ends"]
     dE_packs = torch.zeros((), dtype=torch.int64, device=device)
     Y = Gc = None
+    sums = {}  # the dC pass's split sums (``partial_sums``)
 
     # 2. dE, row block by row block; Y over dC's memory (its own buffer only when dC is not wanted or
     # cannot hold one row's pairs: tiny vocabularies; then at most what dC's pass gets for Gc).
@@ -357,65 +363,98 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         count_here = counting and not need_dE
         per_tile = plan["per_tile"]  # (T,) int64
         packs_per_tile = (per_tile + P - 1) // P
-        pack_bytes = packs_per_tile * (P * BV * E.element_size())
         pack_start = np.concatenate([[0], np.cumsum(packs_per_tile)])  # first pack of each tile
-        gc_bytes = GC_BYTES or max(lb // 20, 4 * MiB)
-        gc_bytes = max(gc_bytes, int(pack_bytes.max()))  # a tile's packs go in one launch
-        Gc = torch.empty(max(1, gc_bytes // E.element_size()), dtype=dtype, device=device)
-        tile_ends = np.cumsum(pack_bytes)
+        pack_bytes = P * BV * E.element_size()
+        # Gc holds this many packs; a tile with more comes in windows of them (``_dC_windows``).
+        gc_packs = max(1, (GC_BYTES or max(lb // 20, 4 * MiB)) // pack_bytes)
+        Gc = torch.empty(max(1, min(gc_packs, int(pack_start[-1]))) * P * BV, dtype=dtype, device=device)
         d_blocks = triton.cdiv(D, cfg.BLOCK_D) if need_dC else 1
         dC_arg = dC if need_dC else Gc  # a pointer never written without NEED_DC
         programs = DC_PROGRAMS if DC_PROGRAMS is not None else (
             4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0)
         split_bytes = max(lb // 64, 4 * MiB)
         tile_sums = BV * (D if need_dC else 1) * 4  # one split of one tile
-        partial = partial_db = None
+
+        def partial_sums(splits, tiles=1):
+            """The splits' fp32 sums ("dC", and "db" with a bias), allocated on first use."""
+            n = max(split_bytes, splits * tiles * tile_sums) // 4
+            if not sums or sums["dC"].numel() < n:
+                sums["dC"] = torch.empty(n, dtype=torch.float32, device=device)
+                sums["db"] = torch.empty(n, dtype=torch.float32, device=device) if need_db else sums["dC"]
+            return sums["dC"], sums["db"]
+
         per_byte = np.pad(per_tile, (0, 8 * T8 - T)).reshape(T8, 8).sum(1)
         byte_cost = [pair_index.index_bytes(int(c), N, 1, False) for c in per_byte]
+        vocab_args = dict(BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, SORTED=order is not None, NEED_DC=need_dC,
+                          NEED_DB=need_db, DOT_PRECISION=dot_precision(dtype), **cfg.launch)
         for batch in _batches(list(range(T8)), lambda b: byte_cost[b], index_budget):
             b0, b1 = batch[0], batch[-1] + 1
             index = pair_index.build(bits, live, plan["seg_start"], plan["seg_group"], b0, b1 - b0,
                                      int(per_byte[b0:b1].sum()), P, cnt=plan["tile_cnt"][:, 8 * b0: 8 * b1])
             counters["index_batches"] += 1
             ts0, ts1 = 8 * b0, min(8 * b1, T)
+            vocab = order if order is not None else index.pack_off
+            pointers = (E, Gc, index.pack_off, index.pair_off, index.pair_cnt, index.pair_row, vocab, up.w_scale,
+                        dC_arg, db if need_db else Gc)
+            strides_dC = (V, D, E.stride(0), E.stride(1), dC_arg.stride(0), dC_arg.stride(-1))
+
+            def fill_gc(pack0, n_packs):
+                sparse_g_kernel[(n_packs,)](
+                    *gather, index.pack_off, index.pair_off, index.pair_cnt, index.pair_row, up.w_rel, Gc,
+                    kept_pairs, accounted, pack0, ts0, index.tiles, index.search_steps,
+                    V, D, *strides, *options, STATS=count_here, **common)
+                counters["launches"] += 1
+                counters["pack_lanes_dC"] += n_packs * P
+
+            def finish(t0, t1, splits):
+                partial, partial_db = partial_sums(splits, t1 - t0)
+                sparse_dC_finish_kernel[(t1 - t0, d_blocks)](
+                    partial, partial_db, vocab, up.w_scale, dC_arg, db if need_db else Gc, ts0, t0 - ts0, splits,
+                    V, D, dC_arg.stride(0), dC_arg.stride(-1), BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D,
+                    SORTED=order is not None, NEED_DC=need_dC, NEED_DB=need_db)
+                counters["launches"] += 1
+                counters["split_ranges"] += 1
+
             t0 = ts0
             while t0 < ts1:
+                first = int(pack_start[t0] - pack_start[ts0])  # the range's first pack, in the index
+                if packs_per_tile[t0] > gc_packs:
+                    # A tile whose packs overflow Gc: window by window, each split going on from its
+                    # sum so far, then the splits added in order (deterministic, as in one piece).
+                    splits = max(1, min(triton.cdiv(programs, d_blocks), gc_packs,
+                                        max(1, split_bytes // tile_sums), 64))
+                    partial, partial_db = partial_sums(splits)
+                    n_tile = int(packs_per_tile[t0])
+                    for k, w0 in enumerate(range(first, first + n_tile, gc_packs)):
+                        w1 = min(first + n_tile, w0 + gc_packs)
+                        fill_gc(w0, w1 - w0)
+                        sparse_dC_kernel[(1, d_blocks, splits)](
+                            *pointers, partial, partial_db, w0, ts0, t0 - ts0, splits, w0, w1, *strides_dC,
+                            PARTIAL=True, ACCUMULATE=k > 0, **vocab_args)
+                        counters["launches"] += 1
+                        counters["gc_windows"] += 1
+                    finish(t0, t0 + 1, splits)
+                    counters["tile_ranges"] += 1
+                    t0 += 1
+                    continue
                 # As many tiles as their packs fill Gc.
-                before = int(tile_ends[t0 - 1]) if t0 else 0
-                t1 = max(t0 + 1, min(int(np.searchsorted(tile_ends, before + gc_bytes, side="right")), ts1))
-                pack0 = int(pack_start[t0] - pack_start[ts0])
+                t1 = max(t0 + 1, min(int(np.searchsorted(pack_start, pack_start[t0] + gc_packs, side="right")) - 1,
+                                     ts1))
                 n_packs = int(pack_start[t1] - pack_start[t0])
                 if n_packs:
-                    sparse_g_kernel[(n_packs,)](
-                        *gather, index.pack_off, index.pair_off, index.pair_cnt, index.pair_row, up.w_rel, Gc,
-                        kept_pairs, accounted, pack0, ts0, index.tiles, index.search_steps,
-                        V, D, *strides, *options, STATS=count_here, **common)
-                    counters["launches"] += 1
-                    counters["pack_lanes_dC"] += n_packs * P
+                    fill_gc(first, n_packs)
                 # Few programs (a range of tiles every row marks): split their packs, sum in a second pass.
                 splits = 1
                 if (t1 - t0) * d_blocks < programs:
                     splits = min(triton.cdiv(programs, (t1 - t0) * d_blocks), max(1, int(packs_per_tile[t0:t1].max())),
                                  max(1, split_bytes // ((t1 - t0) * tile_sums)), 64)
-                if splits > 1 and partial is None:
-                    partial = torch.empty(split_bytes // 4, dtype=torch.float32, device=device)
-                    partial_db = torch.empty(split_bytes // 4, dtype=torch.float32, device=device) if need_db else partial
-                vocab = order if order is not None else index.pack_off
+                partial, partial_db = partial_sums(splits, t1 - t0) if splits > 1 else (Gc, Gc)
                 sparse_dC_kernel[(t1 - t0, d_blocks, splits)](
-                    E, Gc, index.pack_off, index.pair_off, index.pair_cnt, index.pair_row, vocab, up.w_scale,
-                    dC_arg, db if need_db else Gc, partial if splits > 1 else Gc, partial_db if splits > 1 else Gc,
-                    pack0, ts0, t0 - ts0, splits, V, D, E.stride(0), E.stride(1), dC_arg.stride(0), dC_arg.stride(-1),
-                    BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, SORTED=order is not None,
-                    NEED_DC=need_dC, NEED_DB=need_db, PARTIAL=splits > 1, DOT_PRECISION=dot_precision(dtype),
-                    **cfg.launch)
+                    *pointers, partial, partial_db, first, ts0, t0 - ts0, splits, 0, 2**31 - 1, *strides_dC,
+                    PARTIAL=splits > 1, ACCUMULATE=False, **vocab_args)
                 counters["launches"] += 1
                 if splits > 1:
-                    sparse_dC_finish_kernel[(t1 - t0, d_blocks)](
-                        partial, partial_db, vocab, up.w_scale, dC_arg, db if need_db else Gc, ts0, t0 - ts0, splits,
-                        V, D, dC_arg.stride(0), dC_arg.stride(-1), BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D,
-                        SORTED=order is not None, NEED_DC=need_dC, NEED_DB=need_db)
-                    counters["launches"] += 1
-                    counters["split_ranges"] += 1
+                    finish(t0, t1, splits)
                 counters["tile_ranges"] += 1
                 t0 = t1
             del index
@@ -439,7 +478,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
             skipped_mass_mean=float(lost.mean()) if lost.numel() else 0.0,
             eps=o.filter_eps, block_v=BV, pack_rows=P, y_in_dC=y_in_dC,
             extra_bytes=activity.nbytes() + (Gc.numel() * Gc.element_size() if Gc is not None else 0)
-            + (split_bytes * (1 + need_db) if counters["split_ranges"] else 0)
+            + sum(t.numel() * 4 for name, t in sums.items() if name == "dC" or need_db)
             + (Y.numel() * Y.element_size() if Y is not None and not y_in_dC else 0),
         )
     return dE, dC, db

@@ -43,8 +43,8 @@ KERNEL_FLAGS = {
     ("sparse_dE_reduce", "all"): dict(),
     ("sparse_g", "all"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SORTED=True, STATS=True),
     ("sparse_g", "none"): dict(HAS_SOFTCAP=False, HAS_BIAS=False, SORTED=False, STATS=False),
-    ("sparse_dC", "all"): dict(SORTED=True, NEED_DC=True, NEED_DB=True, PARTIAL=True),
-    ("sparse_dC", "none"): dict(SORTED=False, NEED_DC=False, NEED_DB=False, PARTIAL=False),
+    ("sparse_dC", "all"): dict(SORTED=True, NEED_DC=True, NEED_DB=True, PARTIAL=True, ACCUMULATE=True),
+    ("sparse_dC", "none"): dict(SORTED=False, NEED_DC=False, NEED_DB=False, PARTIAL=False, ACCUMULATE=False),
     ("sparse_dC_finish", "all"): dict(SORTED=True, NEED_DC=True, NEED_DB=True),
     # Its pair index (helpers/cce/kernels/pair_index.py).
     ("count_pairs", "all"): dict(HAS_LIVE=True, POPCOUNT=True),

@@ -298,29 +298,32 @@ def test_blocks_do_not_change_a_bit(dtype, monkeypatch):
     again = run_sparse(E, C, x, go, reduction="none", sort=True)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
     monkeypatch.setattr(sparse, "Y_LANES", 1)  # the floor: one row's packs
-    monkeypatch.setattr(sparse, "GC_BYTES", 1)  # the floor: the largest tile's packs
+    monkeypatch.setattr(sparse, "GC_BYTES", 1)  # the floor: one pack, a tile of more in windows
     monkeypatch.setattr(sparse, "INDEX_BYTES", 1)  # the floor: one row block, one byte of tiles
     monkeypatch.setattr(pair_index, "SEGMENT_ROWS", 4)  # several segments per row block
     blocked = run_sparse(E, C, x, go, reduction="none", sort=True, stats=(s2 := {}))
     assert s2["row_blocks"] > s1["row_blocks"] and s2["tile_ranges"] > s1["tile_ranges"]
+    assert s2["gc_windows"] > 0 and s1["gc_windows"] == 0
     assert s2["index_batches"] > s1["index_batches"]
     assert torch.equal(first[0], blocked[0]) and torch.equal(first[1], blocked[1])
 
 
+@pytest.mark.parametrize("gc", ["whole", "windows"])
 @pytest.mark.parametrize("which", ["dC_db", "db_only"])
-def test_split_tiles_match_the_reference_and_repeat(which, monkeypatch):
+def test_split_tiles_match_the_reference_and_repeat(which, gc, monkeypatch):
     """Tiles whose packs are split over programs (as the Qwen3 head's at N = 131,072, where every
     row marks the first tiles), summed in a second pass: the filtered float64 gradient within
-    rounding, the same bits on a second run, and db from the same sums."""
+    rounding, the same bits on a second run, and db from the same sums. "windows": Gc holds one
+    pack, so every tile of more comes window by window, each split going on from its sum so far."""
     monkeypatch.setattr(sparse, "DC_PROGRAMS", 4096)
-    monkeypatch.setattr(sparse, "GC_BYTES", 1)  # a range per tile: few programs each
+    monkeypatch.setattr(sparse, "GC_BYTES", 1 if gc == "windows" else None)
     E, C, x = inputs(torch.float32, ignore=[3])
     bias = head_bias(torch.float32)
     go = upstream("none")
     need = (True, True, True) if which == "dC_db" else (False, False, True)
     first = run_sparse(E, C, x, go, reduction="none", sort=True, bias=bias, need=need, stats=(stats := {}))
     again = run_sparse(E, C, x, go, reduction="none", sort=True, bias=bias, need=need)
-    assert stats["split_ranges"] > 0, stats
+    assert stats["split_ranges"] > 0 and (stats["gc_windows"] > 0) == (gc == "windows"), stats
     for a, b in zip(first[:3], again[:3]):
         assert (a is None and b is None) or torch.equal(a, b)
     rdE, rdC, rdb = filtered_reference(E, C, x, go, EPS, first[3].order, first[3].block_v, reduction="none",
@@ -370,7 +373,9 @@ def test_y_lives_in_dC_when_it_fits():
     stats = {}
     dE, dC, _, act = run_sparse(E, C, x, go, sort=True, stats=stats)
     assert stats["fallback"] is None and stats["y_in_dC"]
-    assert stats["extra_bytes"] == act.nbytes() + 4 * 2**20  # the bits, the order and Gc's 4 MiB floor
+    # the bits, the order and Gc: every pack of the dC pass (fewer bytes here than its 4 MiB floor)
+    gc_bytes = stats["pack_lanes_dC"] * act.block_v * 2
+    assert gc_bytes < 4 * 2**20 and stats["extra_bytes"] == act.nbytes() + gc_bytes
     rdE, rdC, _ = filtered_reference(E, C, x, go, EPS, act.order, act.block_v)
     assert relative_error(dE, rdE) < TOL[torch.float16] and relative_error(dC, rdC) < TOL[torch.float16]
 

@@ -206,6 +206,7 @@ def sparse_dC_kernel(
     partial_ptr,  # (tiles, splits, BLOCK_V, D) fp32: each split's sum (PARTIAL only)
     partial_db_ptr,  # (tiles, splits, BLOCK_V) fp32 (PARTIAL and NEED_DB only)
     pack0, tile0, first_tile, splits,  # Gc's first pack; the index's first tile; this launch's first, in the index
+    window_lo, window_hi,  # the packs in Gc now, in the index: a tile larger than Gc comes in windows
     V, D,
     stride_En, stride_Ed, stride_dCv, stride_dCd,
     BLOCK_N: tl.constexpr,
@@ -215,6 +216,7 @@ def sparse_dC_kernel(
     NEED_DC: tl.constexpr,  # False: db only, one program per tile, E never read
     NEED_DB: tl.constexpr,
     PARTIAL: tl.constexpr,  # split the tile's packs over program_id(2); ``sparse_dC_finish_kernel`` sums
+    ACCUMULATE: tl.constexpr,  # PARTIAL, a later window: each split goes on from its sum so far
     DOT_PRECISION: tl.constexpr,
 ):
     t = first_tile + tl.program_id(0)  # in the index
@@ -230,17 +232,26 @@ def sparse_dC_kernel(
     p1 = tl.load(pack_off_ptr + t + 1)
     first = tl.load(pair_off_ptr + t)
     end = first + tl.load(pair_cnt_ptr + t)
-    p_lo, p_hi = p0, p1
+    p_lo = tl.maximum(p0, window_lo)
+    p_hi = tl.minimum(p1, window_hi)
     if PARTIAL:
         # A tile that every row marks has thousands of packs (2,048 at the Qwen3 head with N =
         # 131,072): one program per (tile, D block) would walk them alone, with a few tiles in flight.
-        chunk = tl.cdiv(p1 - p0, splits)
-        p_lo = p0 + tl.program_id(2) * chunk
-        p_hi = tl.minimum(p1, p_lo + chunk)
+        chunk = tl.cdiv(p_hi - p_lo, splits)
+        p_lo = p_lo + tl.program_id(2) * chunk
+        p_hi = tl.minimum(p_hi, p_lo + chunk)
     lanes = tl.arange(0, BLOCK_N)
     v = tl.arange(0, BLOCK_V)
+    part = (tl.program_id(0).to(tl.int64) * splits + tl.program_id(2)) * BLOCK_V
+    # ACCUMULATE: the split's sum over the earlier windows is read back as the accumulator (fp32,
+    # exact), so windows of one split give the bits of the tile in one piece.
     acc = tl.zeros((BLOCK_V, BLOCK_D), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    if ACCUMULATE:
+        if NEED_DC:
+            acc = tl.load(partial_ptr + (part + v[:, None]) * D + d[None, :], mask=d_mask[None, :], other=0.0)
+        if NEED_DB:
+            db_acc = tl.load(partial_db_ptr + part + v)
     for p in range(p_lo, p_hi):  # the tile's marked rows, pack by pack, in one fixed order
         gT = tl.load(Gc_ptr + (p - pack0) * BLOCK_N * BLOCK_V + lanes[None, :] * BLOCK_V + v[:, None])  # (BLOCK_V, BLOCK_N)
         if NEED_DC:
@@ -255,7 +266,6 @@ def sparse_dC_kernel(
             # multiplied by E (empty lanes hold zeros).
             db_acc += tl.sum(gT.to(tl.float32), axis=1)
     if PARTIAL:
-        part = (tl.program_id(0).to(tl.int64) * splits + tl.program_id(2)) * BLOCK_V
         if NEED_DC:
             tl.store(partial_ptr + (part + v[:, None]) * D + d[None, :], acc, mask=d_mask[None, :])
         if NEED_DB:
