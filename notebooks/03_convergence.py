@@ -437,7 +437,7 @@ for name in PT["methods"]:
 # default's filter buys no speed**, whatever share it skips. It is there to match the paper's
 # arithmetic (and for the "atomic" backward, which does skip the products). The opt-in sparse
 # backward (`backward_impl="sparse"`, the registry's `ours_sparse`) is the one that turns skipping
-# into time, deciding per row from bits the forward keeps (on an H200 it took 44 ms against the
+# into time, deciding per row from bits the forward keeps (on an H200 it took 42 ms against the
 # default's 79 at the Gemma-2-2B head, `docs/PERFORMANCE.md`); it is not an arm of these runs: a
 # step here (at most 4,096 tokens over a 32,768-word vocabulary, about a million (row, tile) pairs)
 # is below the ~8 million where its index starts to pay, so it would run the default backward.

@@ -45,9 +45,9 @@ Deterministic: no atomics on the gradients; every sum runs in an order fixed by 
 then row; splits in order), so two runs give the same bits (checked on an H200 at the Gemma-2-2B
 head and at the Qwen3 head with N = 131,072). The "gemm" backward runs instead, and
 ``stats["fallback"]`` says why, when the problem is too small to pay for the index
-(``SPARSE_MIN_PAIRS``), the bits mark more than ``DENSE_FALLBACK`` of the pairs (a dense softmax:
-early training, the ``uniform`` regime), an option needs every pair (label smoothing, FullC/FullE,
-no filter), the forward made no bits (or made them for other tiles or another eps), or a row's |a|
+(``SPARSE_MIN_PAIRS``), the bits mark more than the tier's ``dense_fallback`` of the pairs (a
+dense softmax: early training, the ``uniform`` regime), an option needs every pair (label
+smoothing, FullC/FullE, no filter), the forward made no bits (or made them for other tiles or another eps), or a row's |a|
 exceeds the bound its bits were made for (a z-loss factor 1 + 2 zl lse > 2, or a gradient into an
 lse the forward was not told would be returned).
 
@@ -149,7 +149,7 @@ def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o:
                     configs: CCEConfigs, n_chunk: int | None, v_chunk: int | None, stats: dict | None,
                     bias=None, need: tuple[bool, bool, bool] = (True, True, False)):
     """(dE, dC, db) from the marked pairs, or from ``backward_gemm`` when the bits mark too much
-    (``DENSE_FALLBACK``), the options need every pair, or a row's softmax coefficient exceeds what
+    (the tier's ``dense_fallback``), the options need every pair, or a row's softmax coefficient exceeds what
     the forward's bits were made for (``Activity.coef_max``); arguments as ``cce_backward``'s
     (``n_chunk`` and ``v_chunk`` reach only the fallback). A gradient ``need`` (dE, dC, db) does
     not ask for is not computed: no dE pass without dE, dC's pass without its products for db
