@@ -47,9 +47,9 @@ head and at the Qwen3 head with N = 131,072). The "gemm" backward runs instead, 
 ``stats["fallback"]`` says why, when the problem is too small to pay for the index
 (``SPARSE_MIN_PAIRS``), the bits mark more than the tier's ``dense_fallback`` of the pairs (a
 dense softmax: early training, the ``uniform`` regime), an option needs every pair (label
-smoothing, FullC/FullE, no filter), the forward made no bits (or made them for other tiles or another eps), or a row's |a|
-exceeds the bound its bits were made for (a z-loss factor 1 + 2 zl lse > 2, or a gradient into an
-lse the forward was not told would be returned).
+smoothing, FullC/FullE, no filter), the forward made no bits (or made them for other tiles or
+another eps), or a row's |a| exceeds the bound its bits were made for (a z-loss factor 1 + 2 zl
+lse > 2, or a gradient into an lse the forward was not told would be returned).
 
 Memory beyond dE and dC (LB): the bits (N * T / 8 bytes) and the order (V int64); Gc (``GC_BYTES``,
 max(LB / 20, 4 MiB), fewer when all the packs take less; a tile with more packs than Gc holds, as
@@ -149,8 +149,8 @@ def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o:
                     configs: CCEConfigs, n_chunk: int | None, v_chunk: int | None, stats: dict | None,
                     bias=None, need: tuple[bool, bool, bool] = (True, True, False)):
     """(dE, dC, db) from the marked pairs, or from ``backward_gemm`` when the bits mark too much
-    (the tier's ``dense_fallback``), the options need every pair, or a row's softmax coefficient exceeds what
-    the forward's bits were made for (``Activity.coef_max``); arguments as ``cce_backward``'s
+    (the tier's ``dense_fallback``), the options need every pair, or a row's softmax coefficient
+    exceeds what the forward's bits were made for (``Activity.coef_max``); arguments as ``cce_backward``'s
     (``n_chunk`` and ``v_chunk`` reach only the fallback). A gradient ``need`` (dE, dC, db) does
     not ask for is not computed: no dE pass without dE, dC's pass without its products for db
     alone, none for neither."""
@@ -365,7 +365,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         packs_per_tile = (per_tile + P - 1) // P
         pack_start = np.concatenate([[0], np.cumsum(packs_per_tile)])  # first pack of each tile
         pack_bytes = P * BV * E.element_size()
-        # Gc holds this many packs; a tile with more comes in windows of them (``_dC_windows``).
+        # Gc holds this many packs; a tile with more comes in windows of them (below).
         gc_packs = max(1, (GC_BYTES or max(lb // 20, 4 * MiB)) // pack_bytes)
         Gc = torch.empty(max(1, min(gc_packs, int(pack_start[-1]))) * P * BV, dtype=dtype, device=device)
         d_blocks = triton.cdiv(D, cfg.BLOCK_D) if need_dC else 1
