@@ -19,10 +19,21 @@ from __future__ import annotations
 import torch
 import triton
 
+from helpers.cce.descriptors import block_descriptor, operand_descriptors
 from helpers.cce.gradients import MiB, RowGradient, fold_dC
 from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
 from helpers.cce.kernels.configs import LaunchConfig
 from helpers.cce.options import CCEOptions, dot_precision
+
+
+# The G kernel reads E and C and writes G through tensor descriptors (``LaunchConfig.tma``) only
+# for vocabulary chunks whose three products (6 rows v_chunk D FLOP) take longer than the host's
+# launches for the chunk: on an H200 the host spends ~0.2-0.3 ms a chunk (a Triton launch, two
+# cuBLAS calls), and descriptor arguments add ~50 us, while descriptors save ~20% of the G
+# kernel's time. 2e11 FLOP is ~0.3 ms of products there: the Gemma-2-2B head (8,192 rows x 2,304
+# x 2,304, 2.6e11) uses them, saving 3-5 ms a backward; the Qwen3 head (16,384 x 1,024 x 1,024,
+# 1.0e11), whose backward the host's launches bound, does not (scripts/gpu/tune.py, "host").
+TMA_MIN_CHUNK_FLOP = 2e11
 
 
 def gemm_chunks(N: int, V: int, D: int, dtype: torch.dtype, block_v: int) -> tuple[int, int]:
@@ -174,6 +185,11 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         G_store = dE[n0:n1].view(-1) if g_in_dE else G_buf
         G_exact_store = G_exact_buf if split else G_store
         coef = up.coef[:, n0:n1]
+        # Tensor descriptors (once per row chunk; G's one per chunk width) only where a chunk's
+        # products outlast the host's launches: descriptor arguments add host time to every launch.
+        tma = cfg.tma and 6 * rows * v_chunk * D >= TMA_MIN_CHUNK_FLOP
+        E_arg, C_arg, e_desc = operand_descriptors(E_rows, C, cfg if tma else None, gathered=vocab_order is not None)
+        G_descs = {}
         for v0 in range(0, V, v_chunk):
             v1 = min(V, v0 + v_chunk)
             cols = v1 - v0
@@ -183,10 +199,13 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
             counters["tiles"] += tiles
             counters["launches"] += 1
             # 1. G_c: the logit tiles rebuilt, G formed and filtered, written in the dtype.
+            if tma and not split and cols not in G_descs:
+                G_descs[cols] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V)
+            G_desc = G_descs.get(cols)
             gradient_chunk_kernel[(tiles,)](
-                E_rows, C, x[n0:n1], lse[n0:n1], coef, bias if bias is not None else lse,
+                E_arg, C_arg, x[n0:n1], lse[n0:n1], coef, bias if bias is not None else lse,
                 vocab_order if vocab_order is not None else tile_kept,
-                G, G_exact, tile_kept,
+                G if G_desc is None else G_desc, G_exact, tile_kept,
                 rows, V, D, v0, cols,
                 E_rows.stride(0), E_rows.stride(1), C.stride(0), C.stride(1), x.stride(0),
                 G.stride(0), G.stride(1), coef.stride(0),
@@ -197,6 +216,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                 SPLIT_G=split,
                 SORTED=vocab_order is not None,
                 DOT_PRECISION=dot_precision(dtype),
+                E_DESC=e_desc, G_DESC=G_desc is not None,
                 **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
             )
             if stats is not None and filtering:

@@ -21,6 +21,7 @@ import torch
 import triton
 
 from helpers.cce.activity import Activity, coef_bound
+from helpers.cce.descriptors import operand_descriptors
 from helpers.cce.device import device_info
 from helpers.cce.gradients import vocabulary_order
 from helpers.cce.kernels.configs import CCEConfigs
@@ -73,34 +74,28 @@ def cce_forward(
     )
 
     # Algorithm 2: lse over vocabulary splits, (SPLITS, N), then merged.
-    n_blocks = triton.cdiv(N, fwd.BLOCK_N)
-    if v_splits is None:
-        programs_wanted = 4 * _multiprocessors(E.device)
-        v_splits = triton.cdiv(programs_wanted, n_blocks)
     smoothing = o.label_smoothing > 0
-    launch = dict(
-        HAS_SOFTCAP=o.softcap is not None, HAS_BIAS=bias is not None, SUM_LOGITS=smoothing,
-        DOT_PRECISION=dot_precision(E.dtype),
-        **fwd.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D"), **fwd.launch,
-    )
     if not emit_activity:
+        n_blocks, v_splits = _grid(N, fwd, E.device, v_splits)
+        launch = _launch_flags(fwd, o, bias, E.dtype)
         v_blocks = triton.cdiv(V, fwd.BLOCK_V)
         blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
         v_splits = triton.cdiv(v_blocks, blocks_per_split)
         lse_split = torch.empty(v_splits, N, dtype=torch.float32, device=E.device)
         logit_sum_split = torch.empty_like(lse_split) if smoothing else lse_split
+        E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=False)
         lse_forward_kernel[(n_blocks, v_splits)](
-            E, C, bias if bias is not None else lse_split, lse_split, logit_sum_split,
+            E_arg, C_arg, bias if bias is not None else lse_split, lse_split, logit_sum_split,
             lse_split, lse_split, lse_split, lse_split,  # no bits, seeds or order
             N, V, D, 0, blocks_per_split,
             E.stride(0), E.stride(1), C.stride(0), C.stride(1),
             softcap, 0.0,
-            **launch,
+            E_DESC=e_desc, **launch,
         )
         activity = None
     else:
         lse_split, logit_sum_split, activity = _lse_with_activity(
-            E, C, bias, x, target_logit, o, configs, fwd, n_blocks, v_splits, softcap, launch, lse_grad)
+            E, C, bias, x, target_logit, o, configs, v_splits, softcap, lse_grad)
     lse = torch.logsumexp(lse_split, dim=0) if lse_split.shape[0] > 1 else lse_split[0]
 
     loss = lse - (1.0 - o.label_smoothing) * target_logit
@@ -112,14 +107,35 @@ def cce_forward(
     return (loss, lse) if activity is None else (loss, lse, activity)
 
 
-def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, fwd, n_blocks, v_splits, softcap,
-                       launch, lse_grad):
+def _grid(N: int, cfg, device, v_splits: int | None) -> tuple[int, int]:
+    """(row blocks, vocabulary splits wanted) of the LSE grid: ``v_splits`` or, for None, enough
+    splits for about four programs per multiprocessor."""
+    n_blocks = triton.cdiv(N, cfg.BLOCK_N)
+    if v_splits is None:
+        v_splits = triton.cdiv(4 * _multiprocessors(device), n_blocks)
+    return n_blocks, v_splits
+
+
+def _launch_flags(cfg, o: CCEOptions, bias, dtype) -> dict:
+    """The LSE kernel's meta-parameters and launch options for configuration ``cfg``."""
+    return dict(
+        HAS_SOFTCAP=o.softcap is not None, HAS_BIAS=bias is not None, SUM_LOGITS=o.label_smoothing > 0,
+        DOT_PRECISION=dot_precision(dtype),
+        **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D"), **cfg.launch,
+    )
+
+
+def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_splits, softcap, lse_grad):
     """Algorithm 2 with activity bits: (lse_split, logit_sum_split, Activity); the module doc says
     how the bits' lower bound is kept tight (target seed; pilot launch when sorted)."""
     if o.filter_eps is None:
         raise ValueError("activity bits need a gradient filter (options.filter_eps)")
     N, V = E.shape[0], C.shape[0]
     device = E.device
+    # The sorted walk gathers C's rows: its own tiles (``CCEConfigs.forward_sorted``).
+    fwd = configs.forward_sorted_for(E.dtype) if o.sort_vocab else configs.for_dtype(E.dtype)[0]
+    n_blocks, v_splits = _grid(N, fwd, device, v_splits)
+    launch = _launch_flags(fwd, o, bias, E.dtype)
     bits_v = configs.sparse_for(E.dtype).BLOCK_V
     sub = fwd.BLOCK_V // bits_v
     if fwd.BLOCK_V % bits_v or sub not in (1, 2, 4, 8):
@@ -149,18 +165,19 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, fwd,
     logit_sum_split = torch.empty_like(lse_split) if o.label_smoothing > 0 else lse_split
     common = (N, V, E.shape[1])
     strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1))
-    flags = dict(launch, EMIT_BITS=True, SORTED=order is not None, SUB=sub)
+    E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=order is not None)
+    flags = dict(launch, EMIT_BITS=True, SORTED=order is not None, SUB=sub, E_DESC=e_desc)
     order_arg = order if order is not None else seed_max
     bias_arg = bias if bias is not None else seed_max
     if pilot:
         # The pilot: the first sorted positions in one split, seeded by the target only.
         lse_forward_kernel[(n_blocks, 1)](
-            E, C, bias_arg, lse_split[0], logit_sum_split[0], bits, seed_add, seed_max, order_arg,
+            E_arg, C_arg, bias_arg, lse_split[0], logit_sum_split[0], bits, seed_add, seed_max, order_arg,
             *common, 0, triton.cdiv(pilot, fwd.BLOCK_V), *strides, softcap, eps, **flags)
         seed_add = lse_split[0]
     if splits:
         lse_forward_kernel[(n_blocks, splits)](
-            E, C, bias_arg, lse_split[1 if pilot else 0:], logit_sum_split[1 if pilot else 0:], bits,
+            E_arg, C_arg, bias_arg, lse_split[1 if pilot else 0:], logit_sum_split[1 if pilot else 0:], bits,
             seed_add, seed_max, order_arg,
             *common, pilot, blocks_per_split, *strides, softcap, eps, **flags)
     return lse_split, logit_sum_split, Activity(bits, bits_v, V, order, o.filter_eps, pilot, coef_max)

@@ -40,22 +40,29 @@ from helpers.compare.inputs import make_inputs
 from helpers.compare.measure import latency, peak_memory, release_memory
 
 L = LaunchConfig
+T = dict(tma=True)  # E and C (and G) through tensor descriptors: the copy engine (Hopper and later)
 # (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages[, GROUP_N]); the first is the shipped one.
-FORWARD_CANDIDATES = [L(128, 256, 64, 8, 4), L(128, 256, 64, 8, 3), L(128, 128, 64, 4, 4),
-                      L(128, 128, 64, 8, 4), L(128, 128, 128, 8, 3), L(256, 128, 64, 8, 4),
-                      L(64, 256, 64, 4, 4), L(128, 256, 32, 8, 6)]
+FORWARD_CANDIDATES = [L(128, 256, 64, 8, 3, **T), L(128, 256, 64, 8, 3), L(256, 128, 64, 8, 4, **T),
+                      L(128, 256, 64, 8, 4, **T), L(128, 256, 64, 8, 3, **T)]
 # The Turing tier's (64 KB of shared memory per block; the CPU test compiles the shipped one for
 # sm_75): (BLOCK_N + BLOCK_V) * BLOCK_D * 2 bytes * stages stays at or under 48 KB.
 TURING_CANDIDATES = [L(64, 128, 32, 4, 2), L(128, 128, 32, 8, 2), L(128, 128, 32, 4, 2),
                      L(128, 64, 32, 4, 3), L(64, 256, 32, 8, 2), L(128, 128, 32, 8, 3),
                      L(64, 128, 64, 4, 2), L(128, 64, 64, 4, 2)]
-G_CANDIDATES = [L(128, 256, 64, 8, 4), L(128, 256, 64, 8, 3), L(128, 128, 64, 4, 4),
-                L(128, 128, 64, 8, 4), L(128, 256, 64, 8, 4, GROUP_N=16), L(256, 128, 64, 8, 4),
-                L(128, 128, 128, 8, 3), L(64, 256, 64, 4, 4)]
+# The shipped one last as well: a drift of the GPU's clocks over the sweep shows as two times.
+G_CANDIDATES = [L(128, 128, 64, 4, 3, **T), L(128, 256, 64, 8, 4), L(128, 256, 64, 8, 3, **T),
+                L(128, 128, 64, 4, 4, **T), L(64, 256, 64, 4, 3, **T), L(128, 128, 64, 4, 3, GROUP_N=16, **T),
+                L(128, 128, 64, 4, 3, **T)]
+# The forward of the "sparse" backward (activity bits, the sorted vocabulary gathered: E alone
+# through a descriptor), realistic regime.
+SPARSE_FORWARD_CANDIDATES = [L(256, 128, 64, 8, 3, **T), L(128, 256, 64, 8, 3), L(256, 128, 64, 8, 4, **T),
+                             L(256, 128, 128, 8, 2, **T), L(256, 128, 64, 8, 3, GROUP_N=4, **T)]
+SECTIONS = ("forward", "g_kernel", "host", "sparse_forward", "e2e_hopper", "chunks", "cublas", "realistic")
 
 
 def label(cfg: LaunchConfig) -> str:
-    return f"{cfg.BLOCK_N}x{cfg.BLOCK_V}x{cfg.BLOCK_D} w{cfg.num_warps} s{cfg.num_stages} g{cfg.GROUP_N}"
+    return (f"{cfg.BLOCK_N}x{cfg.BLOCK_V}x{cfg.BLOCK_D} w{cfg.num_warps} s{cfg.num_stages} g{cfg.GROUP_N}"
+            + (" tma" if cfg.tma else ""))
 
 
 def product_tflops(N, V, D, ms):
@@ -68,7 +75,8 @@ def with_config(base, kernel: str, cfg: LaunchConfig):
 
 
 def kernel_ms(fn, name: str) -> float:
-    """GPU time of the kernels whose name starts with ``name`` during one call of ``fn``."""
+    """GPU time of the kernels whose name starts with ``name`` during one call of ``fn`` ("": every
+    kernel)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -77,7 +85,8 @@ def kernel_ms(fn, name: str) -> float:
         torch.cuda.synchronize()
     total = 0.0
     for event in prof.key_averages():
-        if event.key.startswith(name):
+        on_gpu = str(getattr(event, "device_type", "")).endswith(("CUDA", "PrivateUse1"))
+        if event.key.startswith(name) and (name or on_gpu):
             total += getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
     return round(total / 1e3, 2)
 
@@ -232,6 +241,118 @@ def end_to_end(case, tiers, repeats):
     return records
 
 
+def sparse_forward_sweep(case, base, candidates, repeats):
+    """The forward of the "sparse" backward (activity bits, sorted vocabulary) per candidate, and
+    its bits and lse against the first candidate's (the same tiles give the same bits)."""
+    from helpers.cce.backward_sparse import sparse_auto_eps
+
+    eps = sparse_auto_eps(case.dtype, case.V, base.sparse_for(case.dtype).BLOCK_V)
+    options = resolve_options(case.dtype, filter_eps=eps, sort_vocab=True)
+    records, first = [], None
+    for cfg in candidates:
+        rec = dict(case=f"sparse_forward/{case.name}/{label(cfg)}", status="ok")
+        try:
+            configs = with_config(base, "forward_sorted", cfg)
+            run = lambda: cce_forward(case.E, case.C, case.x, options, configs, emit_activity=True)  # noqa: E731
+            _, lse, activity = run()
+            ms = latency(run, warmup=1, repeats=repeats, device=case.device).median_ms
+            ones = sum(((activity.bits >> k) & 1).sum() for k in range(8))
+            rec.update(ms=round(ms, 2), tflops=product_tflops(case.N, case.V, case.D, ms),
+                       marked=round(float(ones) / (activity.tiles * case.N), 4))
+            if first is None:
+                first = (lse, activity.bits, cfg)
+            else:
+                rec["lse_max_diff"] = float((lse - first[0]).abs().max())
+                if cfg.BLOCK_V == first[2].BLOCK_V:
+                    rec["bits_differ"] = int((activity.bits != first[1]).sum())
+        except Exception as error:  # noqa: BLE001
+            rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
+        records.append(rec)
+    return records
+
+
+def e2e_hopper(case, base, forward_cfg, g_cfg, repeats):
+    """Forward+backward of ``linear_cross_entropy`` ("gemm" and "sparse") with the tier as shipped
+    and with the configuration before tensor descriptors (``forward_cfg`` for both forwards,
+    ``g_cfg`` for the G kernel); loss and gradients of the second against the first (relative L2)."""
+    before = dataclasses.replace(with_config(with_config(base, "forward", forward_cfg), "backward_gemm", g_cfg),
+                                 forward_sorted={}, name=base.name + " before")
+    records = []
+    for impl, extra in (("gemm", {}), ("sparse", dict(sort_vocab=True))):
+        first = None
+        for configs in (base, before):
+            E = case.E.detach().clone().requires_grad_(True)
+            C = case.C.detach().clone().requires_grad_(True)
+
+            def step():
+                E.grad = C.grad = None
+                linear_cross_entropy(E, C, case.x, configs=configs, backward_impl=impl, **extra).backward()
+
+            step()
+            ms = latency(step, warmup=1, repeats=repeats, device=case.device).median_ms
+            fwd = latency(lambda: linear_cross_entropy(E, C, case.x, configs=configs, backward_impl=impl, **extra),
+                          warmup=1, repeats=repeats, device=case.device).median_ms
+            rec = dict(case=f"e2e/{case.name}/{impl}/{configs.name}", status="ok", ms=round(ms, 2),
+                       fwd_ms=round(fwd, 2))
+            E.grad = C.grad = None
+            loss = linear_cross_entropy(E, C, case.x, configs=configs, backward_impl=impl, **extra)
+            loss.backward()
+            got = (loss.detach().float(), E.grad.float(), C.grad.float())
+            if first is None:
+                first = got
+            else:
+                for key, a, b in zip(("loss", "dE", "dC"), got, first):
+                    rec[f"{key}_vs_shipped"] = float((a - b).norm() / b.norm().clamp(min=1e-30))
+            records.append(rec)
+    return records
+
+
+def host_sweep(case, base, repeats, cuda):
+    """The "gemm" backward's wall time against its host time (until ``cce_backward`` returns, the
+    GPU still working) per G-kernel variant: pointer loads, descriptor loads with a pointer G
+    store, descriptor loads and store, at the shipped tiles and the tiles before. Where the host
+    time reaches the wall time, the launches bound the backward."""
+    import time
+
+    import helpers.cce.backward_gemm as gemm_host
+
+    variants = [("pointers 128x256 s4", L(128, 256, 64, 8, 4), True),
+                ("pointers 128x128 w4 s3", L(128, 128, 64, 4, 3), True),
+                ("tma loads 128x256 s4", L(128, 256, 64, 8, 4, **T), False),
+                ("tma 128x256 s4", L(128, 256, 64, 8, 4, **T), True),
+                ("tma loads 128x128 w4 s3", L(128, 128, 64, 4, 3, **T), False),
+                ("tma 128x128 w4 s3", L(128, 128, 64, 4, 3, **T), True)]
+    records = []
+    real_block_descriptor = gemm_host.block_descriptor
+    for name, cfg, g_store in variants:
+        rec = dict(case=f"host/{case.name}/{name}", status="ok")
+        try:
+            gemm_host.block_descriptor = real_block_descriptor if g_store else (lambda *a: None)
+            configs = with_config(base, "backward_gemm", cfg)
+            run = lambda: case.backward(configs=configs)  # noqa: E731
+            run()
+            rec["bwd_ms"] = round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2)
+            hosts = []
+            for _ in range(repeats):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run()
+                hosts.append((time.perf_counter() - t0) * 1e3)
+                if cuda:
+                    torch.cuda.synchronize()
+            rec["host_ms"] = round(sorted(hosts)[len(hosts) // 2], 2)
+            if cuda:
+                rec["g_kernel_ms"] = kernel_ms(run, "gradient_chunk_kernel")
+                rec["gpu_ms"] = kernel_ms(run, "")  # every kernel of the backward
+        except Exception as error:  # noqa: BLE001
+            rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
+        finally:
+            gemm_host.block_descriptor = real_block_descriptor
+        records.append(rec)
+    return records
+
+
 def realistic_filter(name, N, V, D, dtype, device, repeats):
     case = Case(name, N, V, D, dtype, device, regime="realistic")
     records = []
@@ -253,6 +374,8 @@ def main():
                             "turing-64k) instead of the device's; only the forward and G-kernel "
                             "sections and the end-to-end comparison run")
         parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+        parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                            help="the sections to run, in this file's order (default: all)")
 
     args, cuda, device, scale = script_setup(__doc__, "tune.json", 240.0, tier_arguments)
     dtype = getattr(torch, args.dtype) if cuda else torch.float16
@@ -270,32 +393,54 @@ def main():
     c = Checker(args.budget_s, device)
     print(f"swept tier: {base.name}", flush=True)
 
+    sparse_candidates = SPARSE_FORWARD_CANDIDATES
+    hopper_pair = (L(128, 256, 64, 8, 3), L(128, 256, 64, 8, 4))  # the Hopper tier before descriptors
+    if not cuda:
+        sparse_candidates = [L(16, 32, 16, 1, 1), L(16, 32, 16, 1, 1, **T)]
+        hopper_pair = (L(16, 32, 16, 1, 1), L(16, 32, 16, 1, 1, GROUP_N=2))
+    sections = set(args.sections)
+
     cases = {}
     for shape in (gemma, qwen):
         cases[shape[0]] = Case(*shape, dtype, device)
-    for name in cases:
+    for name in cases if "forward" in sections else ():
         c.run(f"forward/{name}", forward_sweep, cases[name], base, forward_candidates, repeats,
               required=name == "gemma2")
-    for name in cases:
+    for name in cases if "g_kernel" in sections else ():
         c.run(f"g_kernel/{name}", g_kernel_sweep, cases[name], base, g_candidates, repeats, cuda,
               required=name == "gemma2")
+    for name in cases if "host" in sections and not args.tier else ():
+        c.run(f"host/{name}", host_sweep, cases[name], base, repeats, cuda)
     if args.tier:
         for name in cases:
             c.run(f"e2e/{name}", end_to_end, cases[name], [select_configs(torch.device(device)), base],
                   repeats)
-    if not args.tier:
+    if not args.tier and "e2e_hopper" in sections:
+        for name in cases:
+            c.run(f"e2e_hopper/{name}/uniform", e2e_hopper, cases[name], base, *hopper_pair, repeats)
+    if not args.tier and "chunks" in sections:
         for name in cases:
             c.run(f"chunks/{name}", chunk_width_sweep, cases[name], base, repeats)
-    if cuda and not args.tier:
+    if cuda and not args.tier and "cublas" in sections:
         for name in cases:
             c.run(f"cublas/{name}", cublas_logits, cases[name], repeats)
     del cases
     release_memory(device)
-    if not args.tier:
+    if not args.tier and ("sparse_forward" in sections or "e2e_hopper" in sections):
+        for shape in (gemma, qwen):
+            case = Case(*shape, dtype, device, regime="realistic")
+            if "sparse_forward" in sections:
+                c.run(f"sparse_forward/{shape[0]}", sparse_forward_sweep, case, base, sparse_candidates, repeats)
+            if "e2e_hopper" in sections:
+                c.run(f"e2e_hopper/{shape[0]}/realistic", e2e_hopper, case, base, *hopper_pair, repeats)
+            del case
+            release_memory(device)
+    if not args.tier and "realistic" in sections:
         c.run("realistic/gemma2", realistic_filter, *gemma, dtype, device, repeats)
 
     print("\n" + "=" * 100)
-    keys = ("ms", "tflops", "bwd_ms", "g_kernel_ms", "g_tflops", "v_chunk", "bwd_peak_over_lb",
+    keys = ("ms", "fwd_ms", "host_ms", "gpu_ms", "tflops", "marked", "lse_max_diff", "bits_differ", "loss_vs_shipped", "dE_vs_shipped",
+            "dC_vs_shipped", "bwd_ms", "g_kernel_ms", "g_tflops", "v_chunk", "bwd_peak_over_lb",
             "mm_ms", "mm_tflops", "mm_then_g_ms", "mm_then_lse_ms", "extra_mb", "tiles_skipped",
             "chunks_dead", "loss_vs_first", "dE_vs_first", "dC_vs_first", "error")
     for r in c.records:

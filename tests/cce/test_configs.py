@@ -35,6 +35,12 @@ KERNEL_FLAGS = {
     ("backward", "none"): dict(HAS_SOFTCAP=False, FILTER=False, FULL_E=False, FULL_C=False,
                                SORTED=False, DC_LOCAL=False, COUNT_SKIPS=False),
     ("indexed_dot", "all"): dict(HAS_SOFTCAP=True),
+    # Tensor descriptors (TMA), on the tiers whose configuration asks for them (``LaunchConfig.tma``).
+    ("lse_forward", "tma"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SUM_LOGITS=True, E_DESC=True),
+    ("lse_forward", "bits_tma"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SUM_LOGITS=False, EMIT_BITS=True,
+                                      SORTED=True, E_DESC=True),
+    ("backward_gemm", "tma"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, FILTER=True, SPLIT_G=False, SORTED=False,
+                                   E_DESC=True, G_DESC=True),
     ("backward_gemm", "all"): dict(HAS_SOFTCAP=True, FILTER=True, SPLIT_G=True, SORTED=True),
     ("backward_gemm", "none"): dict(HAS_SOFTCAP=False, FILTER=False, SPLIT_G=False, SORTED=False),
     # backward_impl="sparse" (helpers/cce/kernels/backward_sparse.py).
@@ -83,6 +89,30 @@ def _signature(kernel_name, fn, dtype):
     return sig
 
 
+# How the JIT specializes our kernels' arguments on a GPU, which the compiles here must copy: an
+# int equal to 1 becomes a constant (the unit strides of contiguous tensors), and pointers and ints
+# divisible by 16 carry that fact. Without it the loads are not known to be contiguous, so the
+# pipeliner does not multi-buffer them, and the shared memory reported is a fraction of a real launch's.
+UNIT_STRIDES = ("stride_Ed", "stride_Cd", "stride_dEd", "stride_dCd", "stride_Gv", "stride_x")
+# Row strides and D (the model's hidden size) are multiples of 16 in every real model: it is what
+# lets a row's loads be vectorized, and so multi-buffered.
+ROW_STRIDES = ("stride_En", "stride_Cv", "stride_dEn", "stride_dCv", "stride_Gn", "stride_Y", "D")
+
+
+def _specialize(fn, sig, constexprs):
+    """``sig`` and ``constexprs`` as a launch on contiguous tensors would specialize them; the attrs."""
+    for name in UNIT_STRIDES:
+        if name in sig:
+            sig[name] = "constexpr"
+            constexprs[name] = 1
+    attrs = {}
+    for i, param in enumerate(fn.params):
+        kind = sig.get(param.name, "")
+        if (kind.startswith("*") or param.name in ROW_STRIDES) and param.name not in constexprs:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
 def compile_ours(request):
     """Runs in the subprocess: compile one kernel for one target, return its shared memory."""
     import triton
@@ -126,6 +156,8 @@ def compile_ours(request):
         table = {"lse_forward": tier.forward, "backward": tier.backward,
                  "backward_gemm": tier.backward_gemm}[request["kernel"]]
         cfg = table[size]
+        if request["kernel"] == "lse_forward" and KERNEL_FLAGS[("lse_forward", request["variant"])].get("SORTED"):
+            cfg = tier.forward_sorted.get(size, cfg)  # the sorted walk's own tiles
         constexprs = cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D")
         constexprs["DOT_PRECISION"] = "ieee" if size == 4 else "tf32"
         if request["kernel"] in ("backward", "backward_gemm"):
@@ -133,10 +165,18 @@ def compile_ours(request):
     constexprs.update(KERNEL_FLAGS[(request["kernel"], request["variant"])])
     if constexprs.get("EMIT_BITS"):
         constexprs["SUB"] = cfg.BLOCK_V // tier.sparse[size].BLOCK_V
+    sig = _signature(request["kernel"], fn, request["dtype"])
+    if constexprs.get("E_DESC"):  # tensor descriptors in place of E's and C's pointers (and G's)
+        dtype = request["dtype"]
+        sig["E_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_N}, {cfg.BLOCK_D}]>"
+        if not constexprs.get("SORTED"):
+            sig["C_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_V}, {cfg.BLOCK_D}]>"
+        if constexprs.get("G_DESC"):
+            sig["G_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_N}, {cfg.BLOCK_V}]>"
+    attrs = _specialize(fn, sig, constexprs)
     major, minor = request.get("target") or tier.target_capability
     compiled = triton.compile(
-        triton.compiler.ASTSource(fn=fn, signature=_signature(request["kernel"], fn, request["dtype"]),
-                                  constexprs=constexprs),
+        triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
         target=triton.backends.compiler.GPUTarget("cuda", 10 * major + minor, 32),
         options=cfg.launch,
     )
@@ -200,6 +240,8 @@ def all_requests():
                     # Every variant on the T4 tier (the tight one); all flags on elsewhere.
                     if variant == "none" and not turing:
                         continue
+                    if "tma" in variant and not _uses_tma(tier, kernel, variant, dtype):
+                        continue
                     requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant=variant))
     # Every tier's backwards for a Hopper GPU too (configs= can pick any tier on any GPU).
     for tier in TIERS:
@@ -210,6 +252,17 @@ def all_requests():
                                          target=[9, 0]))
     requests.append(dict(tier="apple", dtype="fp16", kernel="apple_backward", variant="default"))
     return requests
+
+
+def _uses_tma(tier, kernel, variant, dtype) -> bool:
+    size = 4 if dtype == "fp32" else 2
+    if kernel == "backward_gemm":
+        cfg = tier.backward_gemm.get(size)
+    elif variant == "bits_tma":
+        cfg = tier.forward_sorted.get(size, tier.forward.get(size))
+    else:
+        cfg = tier.forward.get(size)
+    return bool(cfg and cfg.tma)
 
 
 def _key(r):

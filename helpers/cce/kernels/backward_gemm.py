@@ -31,6 +31,10 @@ it; they do not yet (dense cuBLAS products read the zeros). FULL_C / FULL_E (one
 use SPLIT_G: the kernel writes the real G to ``G_exact_ptr`` as well, and the host feeds the exact
 gradient's product from it, the filtered one's from ``G_ptr``.
 
+Tensor descriptors (E_DESC, G_DESC; ``helpers.cce.descriptors``): on the Hopper tier E and C come
+through the copy engine and G leaves through it, for chunks large enough that the descriptors'
+host time per launch is hidden (``helpers.cce.backward_gemm.TMA_MIN_CHUNK_FLOP``); same bits.
+
 Reference: autograd through ``helpers.spec.reference_loss`` (tests/test_cce.py runs every
 option with ``backward_impl="gemm"``, the default); the host function is ``helpers.cce.cce_backward``.
 """
@@ -72,26 +76,34 @@ def gradient_chunk_kernel(
     SPLIT_G: tl.constexpr,
     SORTED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    E_DESC: tl.constexpr = False,  # E_ptr (and C_ptr unless SORTED) are tensor descriptors
+    G_DESC: tl.constexpr = False,  # G_ptr is a tensor descriptor of (BLOCK_N, BLOCK_V) blocks
 ):
     # 1. [Grouped order] this program's tile of the chunk; C strips are shared through L2.
     pid_n, pid_v = grouped_tile(tl.program_id(0), N, v_count, BLOCK_N, BLOCK_V, GROUP_N)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_mask = rows < N
-    local_v = pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)  # (BLOCK_V,) columns of G_c
+    # Columns in int32 (below V < 2^31): the tile's per-element indices stay 32-bit; products
+    # with a stride are made in int64 (``logit_tile``, the G pointers).
+    local_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # (BLOCK_V,) columns of G_c
     col_mask = local_v < v_count
     if SORTED:
         # [Vocabulary sort, section 4.3] position -> C row, so tiles of large logits are dense.
-        cols = tl.load(vocab_order_ptr + v_begin + local_v, mask=col_mask, other=0).to(tl.int64)
+        cols = tl.load(vocab_order_ptr + v_begin + local_v, mask=col_mask, other=0).to(tl.int32)
     else:
         cols = v_begin + local_v
 
     # 2. The logit tile rebuilt on chip and its gradient, exactly as the "atomic" kernel forms it.
     G = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
                       V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
-                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION)  # (BLOCK_N, BLOCK_V)
+                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
+                      E_DESC, E_DESC and not SORTED, pid_n * BLOCK_N, v_begin + pid_v * BLOCK_V)
 
-    dtype = G_ptr.dtype.element_ty
-    g_ptrs = rows[:, None] * stride_Gn + local_v[None, :] * stride_Gv  # (BLOCK_N, BLOCK_V)
+    if G_DESC:
+        dtype = G_ptr.dtype
+    else:
+        dtype = G_ptr.dtype.element_ty
+    g_ptrs = rows[:, None] * stride_Gn + local_v.to(tl.int64)[None, :] * stride_Gv  # (BLOCK_N, BLOCK_V)
     g_mask = row_mask[:, None] & col_mask[None, :]
 
     # 3. [Gradient filter, section 4.2] a tile whose rows each hold less than eps of |G| mass
@@ -105,4 +117,7 @@ def gradient_chunk_kernel(
 
     # 4. G_c in the input dtype, the operand of both GEMMs (a bf16/fp16 product rounds G there
     # anyway, as the "atomic" kernel's tl.dot and the naive path's matmuls do).
-    tl.store(G_ptr + g_ptrs, G.to(dtype), mask=g_mask)
+    if G_DESC:  # the copy engine writes the block, clipped to the chunk's bounds
+        G_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], G.to(dtype))
+    else:
+        tl.store(G_ptr + g_ptrs, G.to(dtype), mask=g_mask)

@@ -31,6 +31,9 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     GROUP_N: int = 8
+    # E and C (unless gathered) read, and G written, through tensor descriptors: Hopper's copy
+    # engine (TMA), ``helpers.cce.descriptors``. Off: pointer loads and stores.
+    tma: bool = False
 
     def tiles(self, *names: str) -> dict:
         return {name: getattr(self, name) for name in names}
@@ -48,6 +51,9 @@ class CCEConfigs:
     shared_memory_bytes: int | None  # the tier's budget; None for the interpreter
     target_capability: tuple[int, int] | None  # a GPU of this tier, compiled for by the tests
     forward: dict[int, LaunchConfig] = field(default_factory=dict)  # element bytes -> config
+    # The forward over the sorted vocabulary (the "sparse" backward's, with activity bits): C's rows
+    # are gathered, which favours taller tiles (each gathered C block feeds more rows); empty: ``forward``.
+    forward_sorted: dict[int, LaunchConfig] = field(default_factory=dict)
     backward: dict[int, LaunchConfig] = field(default_factory=dict)
     # The "gemm" backward's G kernel (backward_gemm.py): one logit loop then a store of G, no second
     # product, so the forward's tiles fit it; its products run in cuBLAS, which picks its own.
@@ -66,6 +72,11 @@ class CCEConfigs:
         size = 4 if dtype.itemsize >= 4 else 2
         return self.forward[size], self.backward[size], self.indexed_dot
 
+    def forward_sorted_for(self, dtype) -> LaunchConfig:
+        """The forward's configuration when it walks the sorted vocabulary (C's rows gathered)."""
+        size = 4 if dtype.itemsize >= 4 else 2
+        return self.forward_sorted.get(size, self.forward[size])
+
     def backward_gemm_for(self, dtype) -> LaunchConfig:
         """The G kernel of the "gemm" backward (``backward_impl="gemm"``) for inputs of ``dtype``."""
         return self.backward_gemm[4 if dtype.itemsize >= 4 else 2]
@@ -79,9 +90,10 @@ _L = LaunchConfig
 
 INTERPRETER = CCEConfigs(
     "interpreter", None, None,
-    forward={2: _L(16, 32, 16, 1, 1), 4: _L(16, 32, 16, 1, 1)},
+    # fp32 reads through tensor descriptors (the Hopper tier's path), 16-bit through pointers.
+    forward={2: _L(16, 32, 16, 1, 1), 4: _L(16, 32, 16, 1, 1, tma=True)},
     backward={2: _L(16, 32, 16, 1, 1, GROUP_N=2), 4: _L(16, 32, 16, 1, 1, GROUP_N=2)},
-    backward_gemm={2: _L(16, 32, 16, 1, 1, GROUP_N=2), 4: _L(16, 32, 16, 1, 1, GROUP_N=2)},
+    backward_gemm={2: _L(16, 32, 16, 1, 1, GROUP_N=2), 4: _L(16, 32, 16, 1, 1, GROUP_N=2, tma=True)},
     indexed_dot=_L(16, 1, 16, 1, 1),
     # 16-column bits: two per forward tile, so the interpreter runs the sub-tile path.
     sparse={2: _L(16, 16, 16, 1, 1), 4: _L(16, 16, 16, 1, 1)},
@@ -114,9 +126,16 @@ TIERS: tuple[CCEConfigs, ...] = (
     ),
     CCEConfigs(
         "hopper-227k", 227 * 1024, (9, 0),
-        forward={2: _L(128, 256, 64, 8, 3), 4: _L(128, 64, 32, 8, 3)},
+        # 16-bit: E and C through tensor descriptors (TMA). On an H200 (bf16, scripts/gpu/tune.py):
+        # the forward 20.1 -> 15.5 ms at the Gemma-2-2B head (pointer loads -> TMA, same tiles),
+        # 9.8 -> 7.8 at the Qwen3 head with N = 16,384; the sorted walk, whose C rows are gathered,
+        # 19.7 -> 16.6 with 256-row tiles (each gathered C block feeds twice the rows); the G
+        # kernel 23.0 -> 18.2 (Gemma) and 14.7 -> 11.3 (Qwen3) at 128 x 128, 4 warps, two blocks
+        # per multiprocessor (98 KB of shared memory each).
+        forward={2: _L(128, 256, 64, 8, 3, tma=True), 4: _L(128, 64, 32, 8, 3)},
+        forward_sorted={2: _L(256, 128, 64, 8, 3, tma=True)},
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
-        backward_gemm={2: _L(128, 256, 64, 8, 4), 4: _L(128, 64, 32, 8, 3)},
+        backward_gemm={2: _L(128, 128, 64, 4, 3, tma=True), 4: _L(128, 64, 32, 8, 3)},
         # Not tuned (no GPU run yet): packs of 64 rows x 128 columns, two bits per forward tile.
         sparse={2: _L(64, 128, 64, 4, 3), 4: _L(64, 64, 32, 4, 3)},
         # On an H200 (bf16, a trained model's softmax, forced past the fallback): 21% marked 0.77x

@@ -17,7 +17,7 @@ tutorial 03 does. Reference: autograd through ``helpers.spec.reference_loss``.
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import add_bias, logit_tile, tanh
+from helpers.cce.kernels.logits import add_bias, logit_tile, logit_tile_tma, tanh
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def grouped_tile(pid, N, v_count, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, 
 def gradient_tile(
     E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,  # E (N, D), C (V, D), x (N,), lse (N,) fp32,
     # coef (3, N) fp32 rows a, b, c; bias (V,) (HAS_BIAS only)
-    rows, cols,  # (BLOCK_N,), (BLOCK_V,) int64 indices into E and C
+    rows, cols,  # (BLOCK_N,) int64, (BLOCK_V,) int32 or int64 indices into E and C
     row_mask, col_mask,
     V, D,
     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
@@ -50,6 +50,9 @@ def gradient_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    E_DESC: tl.constexpr = False,
+    C_DESC: tl.constexpr = False,
+    row0=0, col0=0,
 ):
     """G = dloss_i / dz_{i, v} / w_i for the tile, (BLOCK_N, BLOCK_V) fp32; 0 at ignored rows and
     padding. Shared by every backward kernel (this file's callers and ``backward_sparse.py``'s,
@@ -57,7 +60,8 @@ def gradient_tile(
     G, S = gradient_and_softmax_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols,
                                      row_mask, col_mask, V, D,
                                      stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
-                                     softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION)
+                                     softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
+                                     E_DESC, C_DESC, row0, col0)
     return G
 
 
@@ -75,14 +79,21 @@ def gradient_and_softmax_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    E_DESC: tl.constexpr = False,  # E_ptr (and C_ptr, with C_DESC) are tensor descriptors
+    C_DESC: tl.constexpr = False,
+    row0=0, col0=0,  # with E_DESC: the tile's first row of E and (C_DESC) of C
 ):
     """(G, S): ``gradient_tile``'s G and the softmax S = exp(z - lse) it was formed from, both
     (BLOCK_N, BLOCK_V) fp32 and 0 in padding columns (the "sparse" backward reports the softmax
     mass it skipped). A caller that drops S compiles to ``gradient_tile``'s code."""
     # The logit tile, recomputed on chip (Algorithm 3, line 3).
-    z = logit_tile(E_ptr, C_ptr, rows, cols, row_mask, col_mask, D,
-                   stride_En, stride_Ed, stride_Cv, stride_Cd,
-                   BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION)
+    if E_DESC:
+        z = logit_tile_tma(E_ptr, C_ptr, row0, col0, cols, col_mask, D, stride_Cv, stride_Cd,
+                           BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, C_DESC)
+    else:
+        z = logit_tile(E_ptr, C_ptr, rows, cols.to(tl.int64), row_mask, col_mask, D,
+                       stride_En, stride_Ed, stride_Cv, stride_Cd,
+                       BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION)
     if HAS_BIAS:
         z = add_bias(z, bias_ptr, cols, col_mask)
     if HAS_SOFTCAP:
@@ -94,9 +105,12 @@ def gradient_and_softmax_tile(
     a = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
     b = tl.load(coef_ptr + stride_coef + rows, mask=row_mask, other=0.0)
     c = tl.load(coef_ptr + 2 * stride_coef + rows, mask=row_mask, other=0.0)
-    x = tl.load(x_ptr + rows * stride_x, mask=row_mask, other=-1).to(tl.int64)
+    x = tl.load(x_ptr + rows * stride_x, mask=row_mask, other=-1)
+    # Compared in int32 (a valid target is below V < 2^31; anything else matches no column), so
+    # that no int64 column index is held per element of the tile.
+    x = tl.where((x >= 0) & (x < V), x, -1).to(tl.int32)
     S = tl.exp(z - lse[:, None])
-    is_target = x[:, None] == cols[None, :]
+    is_target = x[:, None] == cols.to(tl.int32)[None, :]
     G = a[:, None] * S - tl.where(is_target, b[:, None], 0.0) - c[:, None] / V
     if HAS_SOFTCAP:
         G = G * (1.0 - t * t)

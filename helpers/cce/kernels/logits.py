@@ -46,6 +46,38 @@ def logit_tile(
 
 
 @triton.jit
+def logit_tile_tma(
+    E_desc, C,  # E: a tensor descriptor (N, D) of (BLOCK_N, BLOCK_D) blocks; C: the same (C_DESC) or a pointer
+    row0, col0,  # the tile's first row of E and, with C_DESC, its first row of C
+    cols, col_mask,  # (BLOCK_V,) C's rows (any order) when C is a pointer
+    D,
+    stride_Cv, stride_Cd,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    C_DESC: tl.constexpr,
+):
+    """``logit_tile`` with E (and, for C's rows in order, C) read through tensor descriptors: on
+    Hopper the copy engine (TMA) moves each block to shared memory, with no address arithmetic in
+    the warps, and fills rows, columns and the D tail beyond the tensor's bounds with zeros. A
+    gathered C (the sorted vocabulary) stays a pointer load: Hopper's TMA cannot gather rows."""
+    z = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    if not C_DESC:
+        offs_d = tl.arange(0, BLOCK_D)
+        c_ptrs = C + cols[None, :] * stride_Cv + offs_d[:, None] * stride_Cd  # (BLOCK_D, BLOCK_V)
+    for d0 in range(0, D, BLOCK_D):
+        e = E_desc.load([row0, d0])
+        if C_DESC:
+            c = C.load([col0, d0]).T
+        else:
+            c = tl.load(c_ptrs, mask=(offs_d < D - d0)[:, None] & col_mask[None, :], other=0.0)
+            c_ptrs += BLOCK_D * stride_Cd
+        z = tl.dot(e, c, z, input_precision=DOT_PRECISION)
+    return z
+
+
+@triton.jit
 def add_bias(z, bias_ptr, cols, col_mask):
     """z + b[cols] for a logit tile (BLOCK_N, BLOCK_V) fp32: the head's bias, read in its dtype and
     added in fp32 before the soft cap (``cap(E C^T + b)``). Reference: ``reference_logits``."""

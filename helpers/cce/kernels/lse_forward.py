@@ -26,12 +26,19 @@ over-mark, never miss. The backward computes only the marked (row, sub-tile) pai
 exact rule there. Bits are packed 8 sub-tiles to a byte, (ceil(T / 8), N) uint8, byte-major, so
 the host aligns splits to whole bytes; SORTED walks the vocabulary in ``vocab_order`` (positions,
 so that the bits describe sorted tiles).
+
+Tensor descriptors (E_DESC, the Hopper tier: ``helpers.cce.descriptors``): E's blocks, and C's
+when the walk is not sorted, come through the copy engine (TMA) instead of pointer loads, with
+zeros beyond the tensors' bounds. The arithmetic is the same, so are the bits. The per-column
+masks are formed only in a vocabulary split's last, partial tile, and column indices are int32
+(V < 2^31): at 128 x 256 tiles a thread holds 128 logits, and int64 indices or masks per column
+held across the D loop spilled registers on sm_90.
 """
 
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import add_bias, logit_tile, tanh
+from helpers.cce.kernels.logits import add_bias, logit_tile, logit_tile_tma, tanh
 
 
 @triton.jit
@@ -63,6 +70,7 @@ def lse_forward_kernel(
     EMIT_BITS: tl.constexpr = False,
     SORTED: tl.constexpr = False,
     SUB: tl.constexpr = 1,  # bits per BLOCK_V tile: 1, 2, 4 or 8
+    E_DESC: tl.constexpr = False,  # E_ptr is a tensor descriptor (and C_ptr too, unless SORTED)
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -83,25 +91,33 @@ def lse_forward_kernel(
     v_begin = v_start + split * blocks_per_split * BLOCK_V
     v_end = tl.minimum(V, v_begin + blocks_per_split * BLOCK_V)
     for v0 in range(v_begin, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-        col_mask = cols < V
+        # C's rows for this tile, int64 for the pointer products (V * D may pass 2^31).
+        cols = v0 + tl.arange(0, BLOCK_V)
         if SORTED:
-            c_rows = tl.load(vocab_order_ptr + cols, mask=col_mask, other=0).to(tl.int64)
+            c_rows = tl.load(vocab_order_ptr + cols, mask=cols < V, other=0).to(tl.int64)
         else:
-            c_rows = cols
+            c_rows = cols.to(tl.int64)
         # 1. The logit tile, recomputed on chip: (BLOCK_N, BLOCK_V) fp32.
-        z = logit_tile(E_ptr, C_ptr, rows, c_rows, row_mask, col_mask, D,
-                       stride_En, stride_Ed, stride_Cv, stride_Cd,
-                       BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION)
+        if E_DESC:
+            z = logit_tile_tma(E_ptr, C_ptr, pid_n * BLOCK_N, v0, c_rows, cols < V, D, stride_Cv, stride_Cd,
+                               BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, not SORTED)
+        else:
+            z = logit_tile(E_ptr, C_ptr, rows, c_rows, row_mask, cols < V, D,
+                           stride_En, stride_Ed, stride_Cv, stride_Cd,
+                           BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION)
         if HAS_BIAS:
-            z = add_bias(z, bias_ptr, c_rows, col_mask)  # C's rows: the bias follows the sort
+            z = add_bias(z, bias_ptr, c_rows, cols < V)  # C's rows: the bias follows the sort
         if HAS_SOFTCAP:
             z = softcap * tanh(z / softcap)
+        # Padding columns (the last tile only: a runtime branch, so full tiles carry no masks) are
+        # -inf, so they add exp(-inf) = 0 below; the column indices are formed afresh after the
+        # product, in int32, so that none stays live in registers across its D loop.
+        if v0 + BLOCK_V > V:
+            z = tl.where((v0 + tl.arange(0, BLOCK_V) < V)[None, :], z, float("-inf"))
         if SUM_LOGITS:
-            logit_sum += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
-        # 2. [Online softmax] padding columns are -inf so they add exp(-inf) = 0. Every tile
-        # holds at least one real column (v0 < V), so m' is finite after the first tile.
-        z = tl.where(col_mask[None, :], z, float("-inf"))
+            logit_sum += tl.sum(tl.where(z > float("-inf"), z, 0.0), axis=1)
+        # 2. [Online softmax] Every tile holds at least one real column (v0 < V), so m' is finite
+        # after the first tile.
         m_new = tl.maximum(m, tl.max(z, axis=1))
         p = tl.exp(z - m_new[:, None])
         s = s * tl.exp(m - m_new) + tl.sum(p, axis=1)
