@@ -1262,12 +1262,12 @@ for kahan in (False, True):
 #   may reach ε, the backward gathers each tile's marked rows into packs and computes only those,
 #   with the vocabulary sorted so that the tiles a row needs sit together
 #   (`helpers/cce/backward_sparse.py`). Measured on an H200, bf16, realistic inputs: 9-11% of the
-#   pairs marked, forward+backward 42 ms against the default's 79 at the Gemma-2-2B head
-#   (torch.compile 50) and 198 ms against 382 at the Qwen3 head with N = 131,072 (torch.compile
-#   265, Liger 232), at 1.06-1.17× the floor, with dE as accurate as the default's. On a flat
+#   pairs marked, forward+backward 36 ms against the default's 66-69 at the Gemma-2-2B head
+#   (torch.compile 49) and 200 ms against 350 at the Qwen3 head with N = 131,072 (torch.compile
+#   264, Liger 230), at 1.06-1.17× the floor, with dE as accurate as the default's. On a flat
 #   softmax (an untrained model) nothing can be skipped and it runs the default. On the softmax of
 #   a language model trained for the purpose (`helpers.compare.trained`, the `trained` regime:
-#   16-27% of the pairs marked) it took 55 ms against 79 at the Gemma head and ran the default at
+#   16-27% of the pairs marked) it took 49 ms against 67-70 at the Gemma head and ran the default at
 #   the Qwen3 head with N = 16,384: how peaked a softmax is decides whether skipping pays.
 # - **Its tiles fit a T4.** The launch configurations are a table keyed by shared memory per
 #   block (`helpers/cce/kernels/configs.py`); the Turing tier stays within a T4's 64 KB, and a test

@@ -33,6 +33,7 @@ T4_CAPABILITY = (7, 5)
 T4_MEMORY_BYTES = 15 * 1024**3
 T4_SHARED_MEMORY_BYTES = 64 * 1024
 T4_MULTIPROCESSORS = 40
+T4_L2_CACHE_BYTES = 4 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class DeviceInfo:
     multiprocessors: int | None
     pretend_t4: bool = False  # a bigger GPU answering as a T4 (its speed is still its own)
     real_capability: tuple[int, int] | None = None  # the card's own; differs from capability on a pretend T4
+    l2_cache_bytes: int | None = None  # None where unknown (the CPU; a torch that does not report it)
 
     @property
     def is_cuda(self) -> bool:
@@ -100,10 +102,11 @@ def device_info(device: torch.device | str | None = None) -> DeviceInfo:
     if pretending_t4():
         return DeviceInfo("cuda", f"{props.name} as a T4", T4_CAPABILITY, min(T4_MEMORY_BYTES, props.total_memory),
                           T4_SHARED_MEMORY_BYTES, T4_MULTIPROCESSORS, pretend_t4=True,
-                          real_capability=(props.major, props.minor))
+                          real_capability=(props.major, props.minor), l2_cache_bytes=T4_L2_CACHE_BYTES)
     smem = getattr(props, "shared_memory_per_block_optin", None) or 48 * 1024
     return DeviceInfo("cuda", props.name, (props.major, props.minor), props.total_memory, smem,
-                      props.multi_processor_count, real_capability=(props.major, props.minor))
+                      props.multi_processor_count, real_capability=(props.major, props.minor),
+                      l2_cache_bytes=getattr(props, "L2_cache_size", None) or None)
 
 
 def pretend_t4() -> None:

@@ -1,8 +1,9 @@
 """The forward pass: Algorithm 1 (the indexed dot) and Algorithm 2 (the online log-sum-exp).
 
 ``indexed_dot_kernel`` on a grid of N / BLOCK_N programs gives z_{i, x_i}; ``lse_forward_kernel``
-on a (N / BLOCK_N, SPLITS) grid gives each row's log-sum-exp over one split of the vocabulary, the
-splits merged with a logsumexp here (SPLITS fills the GPU when N alone would not; its buffer is
+on a (SPLITS, N / BLOCK_N) grid gives each row's log-sum-exp over one split of the vocabulary, the
+splits merged with a logsumexp here (SPLITS fills the GPU when N alone would not, ``lse_splits``;
+a row block's splits run side by side, sharing its strip of E in L2; the buffer is
 SPLITS * N * 4 bytes). What the backward needs from the forward is the lse: N * 4 bytes.
 
 For the "sparse" backward (``emit_activity``) the LSE kernel also writes activity bits
@@ -76,7 +77,7 @@ def cce_forward(
     # Algorithm 2: lse over vocabulary splits, (SPLITS, N), then merged.
     smoothing = o.label_smoothing > 0
     if not emit_activity:
-        n_blocks, v_splits = _grid(N, fwd, E.device, v_splits)
+        n_blocks, v_splits = _grid(N, fwd, E.device, v_splits, D, E.element_size())
         launch = _launch_flags(fwd, o, bias, E.dtype)
         v_blocks = triton.cdiv(V, fwd.BLOCK_V)
         blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
@@ -84,13 +85,13 @@ def cce_forward(
         lse_split = torch.empty(v_splits, N, dtype=torch.float32, device=E.device)
         logit_sum_split = torch.empty_like(lse_split) if smoothing else lse_split
         E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=False)
-        lse_forward_kernel[(n_blocks, v_splits)](
+        lse_forward_kernel[_order(n_blocks, v_splits)](
             E_arg, C_arg, bias if bias is not None else lse_split, lse_split, logit_sum_split,
             lse_split, lse_split, lse_split, lse_split,  # no bits, seeds or order
             N, V, D, 0, blocks_per_split,
             E.stride(0), E.stride(1), C.stride(0), C.stride(1),
             softcap, 0.0,
-            E_DESC=e_desc, **launch,
+            E_DESC=e_desc, SPLIT_MAJOR=_split_major(n_blocks), **launch,
         )
         activity = None
     else:
@@ -107,13 +108,53 @@ def cce_forward(
     return (loss, lse) if activity is None else (loss, lse, activity)
 
 
-def _grid(N: int, cfg, device, v_splits: int | None) -> tuple[int, int]:
-    """(row blocks, vocabulary splits wanted) of the LSE grid: ``v_splits`` or, for None, enough
-    splits for about four programs per multiprocessor."""
+# The most row blocks the grid's second dimension takes (CUDA's limit on gridDim.y).
+MAX_GRID_Y = 65535
+
+
+def _split_major(n_blocks: int) -> bool:
+    """Whether the LSE grid is (SPLITS, row blocks), a row block's splits next to each other
+    (``SPLIT_MAJOR``), rather than (row blocks, SPLITS): always, unless the row blocks pass
+    CUDA's limit on a grid's second dimension."""
+    return n_blocks <= MAX_GRID_Y
+
+
+def _order(n_blocks: int, splits: int) -> tuple[int, int]:
+    return (splits, n_blocks) if _split_major(n_blocks) else (n_blocks, splits)
+
+
+def _grid(N: int, cfg, device, v_splits: int | None, D: int, itemsize: int) -> tuple[int, int]:
+    """(row blocks, vocabulary splits wanted) of the LSE grid: ``v_splits``, or for None the
+    fewest splits that fill the GPU (``lse_splits``)."""
     n_blocks = triton.cdiv(N, cfg.BLOCK_N)
     if v_splits is None:
-        v_splits = triton.cdiv(4 * _multiprocessors(device), n_blocks)
+        if device.type == "cuda":
+            info = device_info(device)
+            v_splits = lse_splits(n_blocks, info.multiprocessors, info.l2_cache_bytes, cfg.BLOCK_N * D * itemsize)
+        else:  # the interpreter runs programs one by one: a couple of splits just exercise the merge
+            v_splits = triton.cdiv(4, n_blocks)
     return n_blocks, v_splits
+
+
+def lse_splits(n_blocks: int, multiprocessors: int, l2_bytes: int | None, strip_bytes: int) -> int:
+    """The fewest vocabulary splits s such that (1) the n_blocks * s programs fill the GPU, at
+    least 0.9 of one wave and at least 0.85 of their last wave's slots on average; and (2) the E
+    strips (``strip_bytes``: BLOCK_N rows x D) of the row blocks running at once, min(n_blocks,
+    multiprocessors / s) of them in the split-major grid, fit in 0.8 of L2. Each split re-reads
+    its row block's strip per tile and every split adds a row of the lse merge, so fewer is
+    better once both hold. On an H200 (bf16, scripts/gpu/tune.py "order"): the Gemma-2-2B head
+    2 splits, 13.2 ms, against 15.9 with 9; its sorted forward 4, 15.7 against 17.5 with 17;
+    the Qwen3 head with N = 131,072, sorted, 2, 77 ms, against 101 with 1 (its 132 strips,
+    66 MB, overflowed L2) -- each the fastest of 1, 2, 4 and 8 splits or within 1%."""
+    sms = max(1, multiprocessors)
+    for s in range(1, 1025):
+        programs = n_blocks * s
+        waves = triton.cdiv(programs, sms)
+        fills = programs >= 0.9 * sms and programs >= 0.85 * waves * sms
+        resident = min(n_blocks, triton.cdiv(sms, s)) * strip_bytes
+        if fills and (l2_bytes is None or resident <= 0.8 * l2_bytes):
+            return s
+    return 1024
 
 
 def _launch_flags(cfg, o: CCEOptions, bias, dtype) -> dict:
@@ -134,7 +175,7 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
     device = E.device
     # The sorted walk gathers C's rows: its own tiles (``CCEConfigs.forward_sorted``).
     fwd = configs.forward_sorted_for(E.dtype) if o.sort_vocab else configs.for_dtype(E.dtype)[0]
-    n_blocks, v_splits = _grid(N, fwd, device, v_splits)
+    n_blocks, v_splits = _grid(N, fwd, device, v_splits, E.shape[1], E.element_size())
     launch = _launch_flags(fwd, o, bias, E.dtype)
     bits_v = configs.sparse_for(E.dtype).BLOCK_V
     sub = fwd.BLOCK_V // bits_v
@@ -166,24 +207,19 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
     common = (N, V, E.shape[1])
     strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1))
     E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=order is not None)
-    flags = dict(launch, EMIT_BITS=True, SORTED=order is not None, SUB=sub, E_DESC=e_desc)
+    flags = dict(launch, EMIT_BITS=True, SORTED=order is not None, SUB=sub, E_DESC=e_desc,
+                 SPLIT_MAJOR=_split_major(n_blocks))
     order_arg = order if order is not None else seed_max
     bias_arg = bias if bias is not None else seed_max
     if pilot:
         # The pilot: the first sorted positions in one split, seeded by the target only.
-        lse_forward_kernel[(n_blocks, 1)](
+        lse_forward_kernel[_order(n_blocks, 1)](
             E_arg, C_arg, bias_arg, lse_split[0], logit_sum_split[0], bits, seed_add, seed_max, order_arg,
             *common, 0, triton.cdiv(pilot, fwd.BLOCK_V), *strides, softcap, eps, **flags)
         seed_add = lse_split[0]
     if splits:
-        lse_forward_kernel[(n_blocks, splits)](
+        lse_forward_kernel[_order(n_blocks, splits)](
             E_arg, C_arg, bias_arg, lse_split[1 if pilot else 0:], logit_sum_split[1 if pilot else 0:], bits,
             seed_add, seed_max, order_arg,
             *common, pilot, blocks_per_split, *strides, softcap, eps, **flags)
     return lse_split, logit_sum_split, Activity(bits, bits_v, V, order, o.filter_eps, pilot, coef_max)
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return device_info(device).multiprocessors
-    return 1  # the interpreter runs programs one by one: a couple of splits just exercise the merge

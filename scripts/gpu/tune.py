@@ -20,6 +20,17 @@ V=256,000, D=2,304) and the Qwen3 head at N=16,384 (V=151,936, D=1,024). In orde
    with the vocabulary sort, and the backward's time (what skipping the GEMMs of dead chunks is
    worth).
 
+``--sections`` picks among these (default: all), by name: ``forward``, ``g_kernel``, ``chunks``,
+``cublas``, ``realistic`` (items 1-5) and
+- ``host``: the "gemm" backward's host time (until it returns) against its wall and total GPU
+  kernel time, per G-kernel variant (pointer loads, descriptor loads, descriptor loads and store);
+- ``order``: the LSE grid's vocabulary splits (``helpers.cce.forward.lse_splits``'s choice against
+  1, 2, 4 and 8), for the plain forward and the sorted one with activity bits, also at the Qwen3
+  head with N = 131,072;
+- ``sparse_forward``: the sorted forward with activity bits per candidate (realistic regime);
+- ``e2e_hopper``: forward+backward, "gemm" and "sparse", with the Hopper tier as shipped against its
+  configuration before tensor descriptors, loss and gradients compared.
+
 Every case runs in try/except and records its error; cases that would start after ``--budget-s``
 are skipped. Prints one table per section; writes JSON. ``--tiny``: small shapes on a CPU under the
 Triton interpreter, to check the script (timings meaningless there).
@@ -50,14 +61,15 @@ TURING_CANDIDATES = [L(64, 128, 32, 4, 2), L(128, 128, 32, 8, 2), L(128, 128, 32
                      L(128, 64, 32, 4, 3), L(64, 256, 32, 8, 2), L(128, 128, 32, 8, 3),
                      L(64, 128, 64, 4, 2), L(128, 64, 64, 4, 2)]
 # The shipped one last as well: a drift of the GPU's clocks over the sweep shows as two times.
-G_CANDIDATES = [L(128, 128, 64, 4, 3, **T), L(128, 256, 64, 8, 4), L(128, 256, 64, 8, 3, **T),
-                L(128, 128, 64, 4, 4, **T), L(64, 256, 64, 4, 3, **T), L(128, 128, 64, 4, 3, GROUP_N=16, **T),
-                L(128, 128, 64, 4, 3, **T)]
+# (Narrower than 256 columns changes what the filter skips: docs/PERFORMANCE.md, third pass.)
+G_CANDIDATES = [L(128, 256, 64, 8, 4, **T), L(128, 256, 64, 8, 4), L(128, 256, 64, 8, 3, **T),
+                L(128, 128, 64, 4, 3, **T), L(64, 256, 64, 4, 3, **T), L(128, 256, 64, 8, 4, GROUP_N=16, **T),
+                L(128, 256, 64, 8, 4, **T)]
 # The forward of the "sparse" backward (activity bits, the sorted vocabulary gathered: E alone
 # through a descriptor), realistic regime.
 SPARSE_FORWARD_CANDIDATES = [L(256, 128, 64, 8, 3, **T), L(128, 256, 64, 8, 3), L(256, 128, 64, 8, 4, **T),
                              L(256, 128, 128, 8, 2, **T), L(256, 128, 64, 8, 3, GROUP_N=4, **T)]
-SECTIONS = ("forward", "g_kernel", "host", "sparse_forward", "e2e_hopper", "chunks", "cublas", "realistic")
+SECTIONS = ("forward", "g_kernel", "host", "order", "sparse_forward", "e2e_hopper", "chunks", "cublas", "realistic")
 
 
 def label(cfg: LaunchConfig) -> str:
@@ -322,6 +334,8 @@ def host_sweep(case, base, repeats, cuda):
                 ("tma 128x256 s4", L(128, 256, 64, 8, 4, **T), True),
                 ("tma loads 128x128 w4 s3", L(128, 128, 64, 4, 3, **T), False),
                 ("tma 128x128 w4 s3", L(128, 128, 64, 4, 3, **T), True)]
+    if not cuda:  # the interpreter: one of each kind of variant
+        variants = [variants[0], variants[2], variants[5]]
     records = []
     real_block_descriptor = gemm_host.block_descriptor
     for name, cfg, g_store in variants:
@@ -349,6 +363,38 @@ def host_sweep(case, base, repeats, cuda):
             rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
         finally:
             gemm_host.block_descriptor = real_block_descriptor
+        records.append(rec)
+    return records
+
+
+def forward_order_sweep(case, base, repeats):
+    """The LSE grid's vocabulary splits (None: ``helpers.cce.forward.lse_splits``'s choice; the grid
+    split-major), for the plain forward and the sorted one with activity bits; the lse against
+    the rule's."""
+    from helpers.cce.backward_sparse import sparse_auto_eps
+
+    eps = sparse_auto_eps(case.dtype, case.V, base.sparse_for(case.dtype).BLOCK_V)
+    sorted_options = resolve_options(case.dtype, filter_eps=eps, sort_vocab=True)
+    counts = (None, 1, 2, 4, 8) if case.device == "cuda" else (None, 2)  # the interpreter: the code paths
+    variants = [(kind, s) for kind in ("plain", "sorted") for s in counts]
+    records, first = [], {}
+    for kind, splits in variants:
+        rec = dict(case=f"order/{case.name}/{kind}/splits={splits}", status="ok")
+        try:
+            if kind == "plain":
+                run = lambda: cce_forward(case.E, case.C, case.x, case.options, base, v_splits=splits)  # noqa: E731
+            else:
+                run = lambda: cce_forward(case.E, case.C, case.x, sorted_options, base,  # noqa: E731
+                                          v_splits=splits, emit_activity=True)
+            out = run()
+            ms = latency(run, warmup=1, repeats=repeats, device=case.device).median_ms
+            rec.update(ms=round(ms, 2), tflops=product_tflops(case.N, case.V, case.D, ms))
+            if kind in first:
+                rec["lse_max_diff"] = float((out[1] - first[kind]).abs().max())
+            else:
+                first[kind] = out[1]
+        except Exception as error:  # noqa: BLE001
+            rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
         records.append(rec)
     return records
 
@@ -409,13 +455,15 @@ def main():
     for name in cases if "g_kernel" in sections else ():
         c.run(f"g_kernel/{name}", g_kernel_sweep, cases[name], base, g_candidates, repeats, cuda,
               required=name == "gemma2")
-    for name in cases if "host" in sections and not args.tier else ():
+    # --tiny checks the newer sections' code on one shape (each case is minutes under the interpreter).
+    first_only = (lambda names: list(names)[:1]) if args.tiny else list
+    for name in first_only(cases) if "host" in sections and not args.tier else ():
         c.run(f"host/{name}", host_sweep, cases[name], base, repeats, cuda)
     if args.tier:
         for name in cases:
             c.run(f"e2e/{name}", end_to_end, cases[name], [select_configs(torch.device(device)), base],
                   repeats)
-    if not args.tier and "e2e_hopper" in sections:
+    if not args.tier and "e2e_hopper" in sections and not args.tiny:
         for name in cases:
             c.run(f"e2e_hopper/{name}/uniform", e2e_hopper, cases[name], base, *hopper_pair, repeats)
     if not args.tier and "chunks" in sections:
@@ -427,7 +475,7 @@ def main():
     del cases
     release_memory(device)
     if not args.tier and ("sparse_forward" in sections or "e2e_hopper" in sections):
-        for shape in (gemma, qwen):
+        for shape in first_only((gemma, qwen)):
             case = Case(*shape, dtype, device, regime="realistic")
             if "sparse_forward" in sections:
                 c.run(f"sparse_forward/{shape[0]}", sparse_forward_sweep, case, base, sparse_candidates, repeats)
@@ -435,12 +483,19 @@ def main():
                 c.run(f"e2e_hopper/{shape[0]}/realistic", e2e_hopper, case, base, *hopper_pair, repeats)
             del case
             release_memory(device)
+    if not args.tier and "order" in sections:
+        for shape in first_only((gemma, qwen, ("qwen3-131k", scale(131_072, 256), scale(151_936, 301),
+                                               scale(1024, 24)))):
+            case = Case(*shape, dtype, device, regime="realistic")
+            c.run(f"order/{shape[0]}", forward_order_sweep, case, base, repeats)
+            del case
+            release_memory(device)
     if not args.tier and "realistic" in sections:
         c.run("realistic/gemma2", realistic_filter, *gemma, dtype, device, repeats)
 
     print("\n" + "=" * 100)
-    keys = ("ms", "fwd_ms", "host_ms", "gpu_ms", "tflops", "marked", "lse_max_diff", "bits_differ", "loss_vs_shipped", "dE_vs_shipped",
-            "dC_vs_shipped", "bwd_ms", "g_kernel_ms", "g_tflops", "v_chunk", "bwd_peak_over_lb",
+    keys = ("ms", "fwd_ms", "host_ms", "gpu_ms", "tflops", "marked", "lse_max_diff", "bits_differ",
+            "loss_vs_shipped", "dE_vs_shipped", "dC_vs_shipped", "bwd_ms", "g_kernel_ms", "g_tflops", "v_chunk", "bwd_peak_over_lb",
             "mm_ms", "mm_tflops", "mm_then_g_ms", "mm_then_lse_ms", "extra_mb", "tiles_skipped",
             "chunks_dead", "loss_vs_first", "dE_vs_first", "dC_vs_first", "error")
     for r in c.records:

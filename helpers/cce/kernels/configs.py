@@ -130,12 +130,14 @@ TIERS: tuple[CCEConfigs, ...] = (
         # the forward 20.1 -> 15.5 ms at the Gemma-2-2B head (pointer loads -> TMA, same tiles),
         # 9.8 -> 7.8 at the Qwen3 head with N = 16,384; the sorted walk, whose C rows are gathered,
         # 19.7 -> 16.6 with 256-row tiles (each gathered C block feeds twice the rows); the G
-        # kernel 23.0 -> 18.2 (Gemma) and 14.7 -> 11.3 (Qwen3) at 128 x 128, 4 warps, two blocks
-        # per multiprocessor (98 KB of shared memory each).
+        # kernel 23.0 -> 21.1 (Gemma). Its 128 x 128 tiles were faster still (17.1-18.2 ms) but
+        # the "gemm" filter's rule is per tile, and 128-column tiles drop ~4x the |G| mass of
+        # 256-column ones on the realistic regime (float64, 1,024 rows at the Gemma head: dE
+        # 7.0e-3 from the filter against 1.8e-3): the G kernel keeps 256 columns.
         forward={2: _L(128, 256, 64, 8, 3, tma=True), 4: _L(128, 64, 32, 8, 3)},
         forward_sorted={2: _L(256, 128, 64, 8, 3, tma=True)},
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
-        backward_gemm={2: _L(128, 128, 64, 4, 3, tma=True), 4: _L(128, 64, 32, 8, 3)},
+        backward_gemm={2: _L(128, 256, 64, 8, 4, tma=True), 4: _L(128, 64, 32, 8, 3)},
         # Not tuned (no GPU run yet): packs of 64 rows x 128 columns, two bits per forward tile.
         sparse={2: _L(64, 128, 64, 4, 3), 4: _L(64, 64, 32, 4, 3)},
         # On an H200 (bf16, a trained model's softmax, forced past the fallback): 21% marked 0.77x

@@ -71,9 +71,14 @@ def lse_forward_kernel(
     SORTED: tl.constexpr = False,
     SUB: tl.constexpr = 1,  # bits per BLOCK_V tile: 1, 2, 4 or 8
     E_DESC: tl.constexpr = False,  # E_ptr is a tensor descriptor (and C_ptr too, unless SORTED)
+    SPLIT_MAJOR: tl.constexpr = False,  # grid (SPLITS, N / BLOCK_N) instead of (N / BLOCK_N, SPLITS)
 ):
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
+    if SPLIT_MAJOR:  # the splits of one row block are consecutive programs: they share E's strip in L2
+        split = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
     # int64 before any product with a stride: row * stride_En overflows int32 past 2^31 elements.
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
