@@ -16,7 +16,7 @@ import triton
 from helpers.cce.gradients import MiB, RowGradient, fold_dC
 from helpers.cce.kernels.backward_atomic import backward_atomic_kernel
 from helpers.cce.kernels.configs import LaunchConfig
-from helpers.cce.options import CCEOptions, dot_precision
+from helpers.cce.options import CCEOptions, dot_precision, tile_eps
 
 
 def atomic_chunks(N: int, V: int, D: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -105,7 +105,7 @@ def _launch(E, x, lse, rows, dE_acc, dC_acc, v_begin, v_count, *, dc_local, C, b
         E_rows.shape[0], C.shape[0], C.shape[1], v_begin, v_count,
         E_rows.stride(0), E_rows.stride(1), C.stride(0), C.stride(1), x_rows.stride(0),
         dE_acc.stride(0), dE_acc.stride(1), dC_acc.stride(0), dC_acc.stride(1), coef.stride(0),
-        o.softcap if o.softcap is not None else 1.0, o.filter_eps or 0.0,
+        o.softcap if o.softcap is not None else 1.0, tile_eps(o.filter_eps, cfg.BLOCK_V),
         HAS_SOFTCAP=o.softcap is not None,
         HAS_BIAS=bias is not None,
         NEED_DE=need[0],

@@ -23,7 +23,7 @@ from helpers.cce.descriptors import block_descriptor, operand_descriptors
 from helpers.cce.gradients import MiB, RowGradient, fold_dC
 from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
 from helpers.cce.kernels.configs import LaunchConfig
-from helpers.cce.options import CCEOptions, dot_precision
+from helpers.cce.options import CCEOptions, dot_precision, tile_eps
 
 
 # The G kernel reads E and C and writes G through tensor descriptors (``LaunchConfig.tma``) only
@@ -209,7 +209,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                 rows, V, D, v0, cols,
                 E_rows.stride(0), E_rows.stride(1), C.stride(0), C.stride(1), x.stride(0),
                 G.stride(0), G.stride(1), coef.stride(0),
-                o.softcap if o.softcap is not None else 1.0, o.filter_eps or 0.0,
+                o.softcap if o.softcap is not None else 1.0, tile_eps(o.filter_eps, cfg.BLOCK_V),
                 HAS_SOFTCAP=o.softcap is not None,
                 HAS_BIAS=bias is not None,
                 FILTER=filtering,

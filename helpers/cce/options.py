@@ -28,6 +28,19 @@ BACKWARD_IMPLS = ("gemm", "atomic", "sparse")
 # The paper's eps = 2^-12 for bf16 is 2^-5 of bf16's machine epsilon (2^-7): an entry that small
 # moves a sum of O(1) gradients by less than its own rounding. The same ratio for fp16 (eps 2^-10).
 FILTER_EPS_AUTO = {torch.bfloat16: 2.0**-12, torch.float16: 2.0**-15, torch.float32: None}
+# The dense backwards' filter compares a row's |G| mass in a tile of BLOCK_V columns with
+# eps * BLOCK_V / FILTER_COLUMNS: eps is per 256 vocabulary columns, so that narrower tiles (the
+# T4's 64, consumer Ampere's 128) drop about what 256-column ones drop. In float64 on the realistic
+# regime at the Gemma-2-2B head, the filter's share of dE's norm: fp16 (2^-15), 64-column tiles
+# 1.4e-3 at eps per tile -> 9.1e-5 scaled (256 columns: 9.4e-6); bf16 (2^-12), 128-column tiles
+# 7.0e-3 -> 2.7e-3 (256: 1.6e-3). Mass is not linear in width, so the dependence shrinks but
+# stays; the tier tables keep 256-column G tiles where the accuracy was measured (Hopper, A100).
+FILTER_COLUMNS = 256
+
+
+def tile_eps(filter_eps: float | None, block_v: int) -> float:
+    """The dense filter's threshold for one tile of ``block_v`` columns (0.0 when the filter is off)."""
+    return (filter_eps or 0.0) * block_v / FILTER_COLUMNS
 
 
 def triton_reason(device: torch.device | str, dtype: torch.dtype) -> str | None:

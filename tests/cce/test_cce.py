@@ -373,3 +373,23 @@ def test_why_unavailable_speaks_plainly():
     assert why_unavailable("cpu", torch.float32) is None
     assert why_unavailable("cpu", torch.float16) is None
     assert "bfloat16" in why_unavailable("cpu", torch.bfloat16)
+
+
+@pytest.mark.parametrize("impl", ["atomic", "gemm"])
+def test_the_filter_threshold_scales_with_the_tile_width(impl):
+    """eps is per 256 vocabulary columns (``helpers.cce.options.tile_eps``): a tile of the
+    interpreter's 32 columns is held to eps / 8. A uniform softmax over 64 columns puts |G| mass 0.5
+    in each row's non-target tile: kept at eps = 3.9 (0.49 per tile), skipped at 4.1 (0.51)."""
+    from helpers.cce.kernels.configs import tier
+
+    cfg = tier("interpreter").backward_gemm_for(torch.float32)
+    assert cfg.BLOCK_V == 32 and tier("interpreter").for_dtype(torch.float32)[1].BLOCK_V == 32
+    E = torch.zeros(16, 8, device=DEVICE)  # all logits 0: S = 1/64 everywhere
+    C = torch.randn(64, 8, device=DEVICE)
+    x = torch.zeros(16, dtype=torch.long, device=DEVICE)  # every target in the first tile
+    for eps, skipped in ((3.9, 0), (4.1, 1)):
+        stats = {}
+        E_ = E.clone().requires_grad_(True)
+        linear_cross_entropy(E_, C.clone().requires_grad_(True), x, filter_eps=eps, backward_impl=impl,
+                             stats=stats).backward()
+        assert stats["skipped"] == skipped, (eps, stats)

@@ -373,11 +373,21 @@ def test_tier_for_capability_agrees_with_shared_memory():
 
 def test_the_hopper_g_kernel_keeps_the_tile_width_its_accuracy_was_measured_at():
     """The "gemm" backward's filter skips a (128-row, BLOCK_V-column) tile of G when every row's
-    |G| mass in it is below eps, so narrower tiles skip more: in float64 on the realistic regime
-    (1,024 rows at the Gemma-2-2B head) 128-column tiles put 7.0e-3 of dE's norm into the filter,
-    256-column ones 1.8e-3 (the naive bf16 path's whole error is ~2.5e-3; the gate allows 1.5x).
+    |G| mass in it is below eps * BLOCK_V / 256 (``helpers.cce.options.tile_eps``), and narrower
+    tiles still skip more: in float64 on the realistic regime (512 rows at the Gemma-2-2B head)
+    128-column tiles put 2.7e-3 of dE's norm into the filter (7.0e-3 at eps per tile),
+    256-column ones 1.6e-3 (the naive bf16 path's whole error is ~2.5e-3; the gate allows 1.5x).
     The H200's accuracy figures (docs/PERFORMANCE.md) were measured at 256."""
     from helpers.cce.kernels.configs import tier
 
     assert tier("hopper-227k").backward_gemm[2].BLOCK_V == 256
     assert tier("ampere-163k").backward_gemm[2].BLOCK_V == 256
+
+
+def test_the_filter_threshold_is_per_256_columns():
+    from helpers.cce.options import FILTER_COLUMNS, tile_eps
+
+    assert FILTER_COLUMNS == 256
+    assert tile_eps(2.0**-12, 256) == 2.0**-12
+    assert tile_eps(2.0**-15, 64) == 2.0**-17
+    assert tile_eps(None, 128) == 0.0
