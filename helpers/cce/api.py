@@ -26,8 +26,9 @@ kernels and their launch configurations, by shared memory per block).
 
 Gradient filter (paper section 4.2): a tile whose |G| sums to less than eps in every row skips
 its products; eps is per 256 vocabulary columns (a tile of BLOCK_V columns is held to
-eps * BLOCK_V / 256), so what it drops is the same whatever tiles the GPU's tier uses. The paper bounds each entry; bounding the row mass also holds on a flat softmax,
-where every entry is tiny and their sum is not (``helpers/cce/kernels/backward_atomic.py``). eps
+eps * BLOCK_V / 256), so narrower tiles on smaller GPUs drop about what 256-column ones drop
+(``helpers.cce.options.tile_eps``). The paper bounds each entry; bounding the row mass also holds
+on a flat softmax, where every entry is tiny and their sum is not (``helpers/cce/kernels/backward_atomic.py``). eps
 defaults from the dtype ("auto"): 2^-12 for bf16 as in the paper (2^-5 of bf16's machine
 epsilon), the same 2^-5 of fp16's (2^-15), off for fp32; off with label smoothing, whose uniform
 -ls/V term sits below eps in every tile. ``full_c`` / ``full_e`` (the paper's CCE-Kahan-FullC/FullE)

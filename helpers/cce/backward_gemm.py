@@ -188,7 +188,8 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         # Tensor descriptors (once per row chunk; G's one per chunk width) only where a chunk's
         # products outlast the host's launches: descriptor arguments add host time to every launch.
         tma = cfg.tma and 6 * rows * v_chunk * D >= TMA_MIN_CHUNK_FLOP
-        E_arg, C_arg, e_desc = operand_descriptors(E_rows, C, cfg if tma else None, gathered=vocab_order is not None)
+        E_arg, C_arg, e_desc = operand_descriptors(E_rows, C, cfg if tma else None,
+                                                   gathered=vocab_order is not None)
         G_descs = {}
         for v0 in range(0, V, v_chunk):
             v1 = min(V, v0 + v_chunk)

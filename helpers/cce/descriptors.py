@@ -32,8 +32,8 @@ def block_descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor 
 def operand_descriptors(E: torch.Tensor, C: torch.Tensor, cfg, gathered: bool):
     """(E's argument, C's argument, whether they are descriptors) for a kernel with ``cfg``'s tiles
     (E in (BLOCK_N, BLOCK_D) blocks, C in (BLOCK_V, BLOCK_D)): descriptors when ``cfg.tma`` and
-    the copy engine can read both, the tensors themselves otherwise (and for ``cfg`` None). C stays a pointer when
-    ``gathered`` (its rows read in the sorted order)."""
+    the copy engine can read both, the tensors themselves otherwise (and for ``cfg`` None). C
+    stays a pointer when ``gathered`` (its rows read in the sorted order)."""
     if cfg is None or not cfg.tma:
         return E, C, False
     E_desc = block_descriptor(E, cfg.BLOCK_N, cfg.BLOCK_D)

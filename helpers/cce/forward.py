@@ -78,20 +78,20 @@ def cce_forward(
     smoothing = o.label_smoothing > 0
     if not emit_activity:
         n_blocks, v_splits = _grid(N, fwd, E.device, v_splits, D, E.element_size())
-        launch = _launch_flags(fwd, o, bias, E.dtype)
         v_blocks = triton.cdiv(V, fwd.BLOCK_V)
         blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
         v_splits = triton.cdiv(v_blocks, blocks_per_split)
         lse_split = torch.empty(v_splits, N, dtype=torch.float32, device=E.device)
         logit_sum_split = torch.empty_like(lse_split) if smoothing else lse_split
         E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=False)
+        launch = _launch_flags(fwd, o, bias, E.dtype, n_blocks, e_desc)
         lse_forward_kernel[_order(n_blocks, v_splits)](
             E_arg, C_arg, bias if bias is not None else lse_split, lse_split, logit_sum_split,
             lse_split, lse_split, lse_split, lse_split,  # no bits, seeds or order
             N, V, D, 0, blocks_per_split,
             E.stride(0), E.stride(1), C.stride(0), C.stride(1),
             softcap, 0.0,
-            E_DESC=e_desc, SPLIT_MAJOR=_split_major(n_blocks), **launch,
+            **launch,
         )
         activity = None
     else:
@@ -130,7 +130,8 @@ def _grid(N: int, cfg, device, v_splits: int | None, D: int, itemsize: int) -> t
     if v_splits is None:
         if device.type == "cuda":
             info = device_info(device)
-            v_splits = lse_splits(n_blocks, info.multiprocessors, info.l2_cache_bytes, cfg.BLOCK_N * D * itemsize)
+            strip = cfg.BLOCK_N * D * itemsize  # one row block's E
+            v_splits = lse_splits(n_blocks, info.multiprocessors, info.l2_cache_bytes, strip)
         else:  # the interpreter runs programs one by one: a couple of splits just exercise the merge
             v_splits = triton.cdiv(4, n_blocks)
     return n_blocks, v_splits
@@ -157,11 +158,12 @@ def lse_splits(n_blocks: int, multiprocessors: int, l2_bytes: int | None, strip_
     return 1024
 
 
-def _launch_flags(cfg, o: CCEOptions, bias, dtype) -> dict:
-    """The LSE kernel's meta-parameters and launch options for configuration ``cfg``."""
+def _launch_flags(cfg, o: CCEOptions, bias, dtype, n_blocks: int, e_desc: bool) -> dict:
+    """The LSE kernel's meta-parameters and launch options for configuration ``cfg``, ``n_blocks``
+    row blocks and E (and C) read through descriptors or not (``e_desc``)."""
     return dict(
         HAS_SOFTCAP=o.softcap is not None, HAS_BIAS=bias is not None, SUM_LOGITS=o.label_smoothing > 0,
-        DOT_PRECISION=dot_precision(dtype),
+        DOT_PRECISION=dot_precision(dtype), E_DESC=e_desc, SPLIT_MAJOR=_split_major(n_blocks),
         **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D"), **cfg.launch,
     )
 
@@ -176,7 +178,6 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
     # The sorted walk gathers C's rows: its own tiles (``CCEConfigs.forward_sorted``).
     fwd = configs.forward_sorted_for(E.dtype) if o.sort_vocab else configs.for_dtype(E.dtype)[0]
     n_blocks, v_splits = _grid(N, fwd, device, v_splits, E.shape[1], E.element_size())
-    launch = _launch_flags(fwd, o, bias, E.dtype)
     bits_v = configs.sparse_for(E.dtype).BLOCK_V
     sub = fwd.BLOCK_V // bits_v
     if fwd.BLOCK_V % bits_v or sub not in (1, 2, 4, 8):
@@ -207,8 +208,8 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
     common = (N, V, E.shape[1])
     strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1))
     E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=order is not None)
-    flags = dict(launch, EMIT_BITS=True, SORTED=order is not None, SUB=sub, E_DESC=e_desc,
-                 SPLIT_MAJOR=_split_major(n_blocks))
+    flags = dict(_launch_flags(fwd, o, bias, E.dtype, n_blocks, e_desc),
+                 EMIT_BITS=True, SORTED=order is not None, SUB=sub)
     order_arg = order if order is not None else seed_max
     bias_arg = bias if bias is not None else seed_max
     if pilot:

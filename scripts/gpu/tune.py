@@ -495,7 +495,8 @@ def main():
 
     print("\n" + "=" * 100)
     keys = ("ms", "fwd_ms", "host_ms", "gpu_ms", "tflops", "marked", "lse_max_diff", "bits_differ",
-            "loss_vs_shipped", "dE_vs_shipped", "dC_vs_shipped", "bwd_ms", "g_kernel_ms", "g_tflops", "v_chunk", "bwd_peak_over_lb",
+            "loss_vs_shipped", "dE_vs_shipped", "dC_vs_shipped", "bwd_ms", "g_kernel_ms", "g_tflops", "v_chunk",
+            "bwd_peak_over_lb",
             "mm_ms", "mm_tflops", "mm_then_g_ms", "mm_then_lse_ms", "extra_mb", "tiles_skipped",
             "chunks_dead", "loss_vs_first", "dE_vs_first", "dC_vs_first", "error")
     for r in c.records:
