@@ -296,12 +296,13 @@ for name in primary_methods():
 # - **Liger**: the (rows, V) block has rows = next_pow2(ceil(N / ceil(V / D))). dC accumulates in
 #   place only on sm_80+ in 16-bit; elsewhere each chunk adds `mm(G^T, E_chunk).float()`: a (V, D)
 #   matmul result and its fp32 copy.
-# - **ours**: the G chunk (rows × vocabulary columns, input dtype) and dE's fp32 accumulator
-#   (rows × D) are sized by `helpers.cce.gemm_chunks` to at most max(32 MiB, LB/32) and
-#   max(64 MiB, LB/16), where LB = (N·D + V·D)·b is the floor; the G chunk costs nothing when it
-#   fits in the rows of dE not yet written (V_c ≤ D). The 32 and 64 MiB minimums keep cuBLAS's
-#   products large at small N; they are why ours sits above the floor while Apple CCE sits on it.
-#   Plus 24 bytes of fp32 per-row state.
+# - **ours**: dE's fp32 accumulator (rows × D, 16-bit inputs) is sized by `helpers.cce.gemm_chunks`
+#   to at most max(64 MiB, LB/16), where LB = (N·D + V·D)·b is the floor; the 64 MiB minimum keeps
+#   cuBLAS's products large at small N, and is why ours sits above the floor while Apple CCE sits
+#   on it. Each G chunk (rows × vocabulary columns, input dtype) costs nothing: it is written into
+#   rows of dC or dE that the backward has not written yet (`helpers.cce.gemm_plan`), and only fp32
+#   inputs, whose dE is its own accumulator, need a buffer of at most max(32 MiB, LB/32) for the
+#   last chunks. Plus 24 bytes of fp32 per-row state.
 #
 # </details>
 

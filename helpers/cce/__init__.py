@@ -5,7 +5,7 @@ device limits and kernels. It imports nothing of the package but ``helpers.spec`
 from helpers.cce.api import LinearCrossEntropy, LinearCrossEntropyFunction, linear_cross_entropy
 from helpers.cce.backward import cce_backward
 from helpers.cce.backward_atomic import atomic_chunks
-from helpers.cce.backward_gemm import g_fits_in_dE, gemm_chunks, product_mode
+from helpers.cce.backward_gemm import gemm_chunks, gemm_plan, product_mode
 from helpers.cce.forward import cce_forward
 from helpers.cce.options import (
     ACCUMULATIONS,
@@ -31,7 +31,7 @@ __all__ = [
     "BACKWARD_IMPLS",
     "FILTER_EPS_AUTO",
     "gemm_chunks",
-    "g_fits_in_dE",
+    "gemm_plan",
     "atomic_chunks",
     "product_mode",
 ]

@@ -57,12 +57,13 @@ def cce_backward(
     "pairs", "marked", "kept_pairs", "skipped_mass_max" / "_mean" (|G| mass a row lost, the quantity the rule bounds),
     "work_fraction" (tile products against "gemm"'s), "extra_bytes"; "tiles" and "skipped" count
     (row, tile) pairs there.
-    n_chunk, v_chunk: "gemm": rows per dE accumulator and vocabulary columns per G chunk; "atomic":
-    rows of dE's and of dC's fp32 scratch (fp16/bf16 only). None: ``gemm_chunks`` or
-    ``atomic_chunks``.
+    n_chunk, v_chunk: "gemm": rows per dE accumulator, and the widest G chunk (None: chunks as wide
+    as the unwritten rows of dE and dC allow, ``gemm_plan``); "atomic": rows of dE's and of dC's
+    fp32 scratch (fp16/bf16 only). None: ``gemm_chunks`` or ``atomic_chunks``.
     stats: when a dict is given, the kernels count the tiles the filter skipped and the dict gets
     {"tiles": tiles computed, "skipped": tiles skipped, "launches": kernel launches}; "gemm" adds
-    "products", how its fp32-output products were made (``product_mode``), and "dead_chunks",
+    "products", how its fp32-output products were made (``product_mode``), "g_places", how many
+    G chunks lived in dE's rows, dC's rows and the buffer, and "dead_chunks",
     the launches whose every tile the filter skipped (their GEMMs multiply zeros).
     """
     check_backward_impl(backward_impl)

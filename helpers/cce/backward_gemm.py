@@ -8,13 +8,17 @@ Per row chunk (rows of dE's fp32 accumulator) and vocabulary chunk [v0, v1) of V
     dE        = g * dE_acc, rounded once                                after the last chunk
 
 Why it beats the "atomic" backward, the kernel that computes G, and the filter's place in it: the
-docstring of ``helpers/cce/kernels/backward_gemm.py``. Memory beyond dE and dC: one G chunk (none
-when it fits in the rows of dE not yet written, ``g_fits_in_dE``) and, for 16-bit inputs, dE's
-fp32 accumulator, both sized by ``gemm_chunks``; the measured time and memory per shape are in
-docs/PERFORMANCE.md.
+docstring of ``helpers/cce/kernels/backward_gemm.py``. Memory beyond dE and dC: for 16-bit inputs
+dE's fp32 accumulator (rows sized by ``gemm_chunks``); G_c lives in the rows of dE or dC that the
+backward has not yet written, so a chunk can be far wider than a scratch budget would allow
+(fewer launches, fewer passes over the accumulator) at no memory, and only where neither has room
+(fp32 inputs, a frozen body) in a buffer of ``gemm_chunks``'s width (``gemm_plan``). The measured
+time and memory per shape are in docs/PERFORMANCE.md.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,12 +57,88 @@ def gemm_chunks(N: int, V: int, D: int, dtype: torch.dtype, block_v: int) -> tup
     return n_chunk, min(V, v_chunk)
 
 
-def g_fits_in_dE(dtype: torch.dtype, v_chunk: int, D: int) -> bool:
-    """Whether the "gemm" backward keeps each G chunk in the rows of dE it is computing: a row chunk's dE
-    rows are written only after its last product has read G (same stream), so when a chunk of G
-    (rows x v_chunk) fits in them (v_chunk <= D) it needs no scratch of its own: the Gemma-2-2B
-    head, the Qwen3 head from 16,384 tokens on. Not for fp32 inputs, which accumulate in dE."""
-    return dtype != torch.float32 and v_chunk <= D
+# The widest G chunk kept in place (in dE's or dC's rows not yet written, ``vocab_chunks``): wider
+# chunks mean fewer launches (the host bounds the Qwen3 head's backward) and fewer passes over dE's
+# fp32 accumulator (its read-add-write per chunk costs the dE product ~20% at the Gemma-2-2B head),
+# at no memory. Measured on an H200: docs/PERFORMANCE.md, "G in place".
+G_IN_PLACE_BYTES = 256 * MiB
+
+# Where a G chunk lives (``vocab_chunks``).
+G_PLACES = ("dE", "dC", "buffer")
+
+
+def vocab_chunks(rows: int, V: int, D: int, v_chunk: int, block_v: int, max_cols: int, *,
+                 dE_free: int, dC_free: bool) -> list[tuple[int, int, str]]:
+    """The vocabulary chunks of one row chunk of ``rows`` rows: (v0, v1, where G_c lives), in order.
+
+    G_c (rows x (v1 - v0) in E's dtype) is written where the backward has not yet written anything:
+    "dE", the ``dE_free`` elements of dE from the row chunk's first free row on (for 16-bit inputs
+    its own rows, whose dE is written after its last product, and the later row chunks' rows);
+    "dC", dC's rows after the chunk's own, from v1 * D on, when ``dC_free`` (the first row chunk of
+    an unsorted vocabulary: dC's rows are written in order, chunk by chunk); else "buffer", a
+    scratch of rows x v_chunk. In place a chunk is as wide as its place allows (dC's room shrinks
+    as the chunks advance: cols <= (V - v0) D / (rows + D)), up to ``max_cols``, and taken when at
+    least min(v_chunk, the columns left, D) wide (D, rounded down to ``block_v``: what the row
+    chunk's own dE rows hold), so that 16-bit inputs with dE wanted need no buffer. Widths are multiples of ``block_v`` but the last.
+    """
+    chunks, v0 = [], 0
+    while v0 < V:
+        left = V - v0
+        in_dE = dE_free // rows
+        in_dC = left * D // (rows + D) if dC_free else 0  # (V - v1) D >= rows cols
+        cols, place = max((in_dE, "dE"), (in_dC, "dC"))
+        cols = min(cols, max_cols)
+        cols = left if cols >= left else cols // block_v * block_v
+        if cols == 0 or cols < min(v_chunk, left, D // block_v * block_v):
+            cols, place = min(v_chunk, left), "buffer"
+        chunks.append((v0, v0 + cols, place))
+        v0 += cols
+    return chunks
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """How the "gemm" backward walks one problem: rows per dE accumulator (``n_chunk``), the budget's
+    chunk width (``v_chunk``: a G buffer's, and dC's fp32 staging), and every row chunk with its
+    ``vocab_chunks``, [(n0, n1, [(v0, v1, place)])]."""
+
+    n_chunk: int
+    v_chunk: int
+    row_chunks: list
+
+    @property
+    def widest(self) -> int:
+        return max(v1 - v0 for _, _, chunks in self.row_chunks for v0, v1, _ in chunks)
+
+    @property
+    def buffer_elements(self) -> int:
+        """Elements of the G buffer (0 when every chunk is in place)."""
+        return max([(n1 - n0) * (v1 - v0) for n0, n1, chunks in self.row_chunks for v0, v1, place in chunks
+                    if place == "buffer"], default=0)
+
+
+def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk: int | None = None,
+              v_chunk: int | None = None, *, need_dE: bool = True, need_dC: bool = True,
+              sorted_vocab: bool = False, split: bool = False) -> GemmPlan:
+    """The ``GemmPlan`` of a backward; ``n_chunk``, ``v_chunk`` None: ``gemm_chunks``'s. In place,
+    chunks go up to ``G_IN_PLACE_BYTES`` wide, but never past v_chunk where the caller chose it or
+    a scratch follows the width (the sort's gathered C, FullC/FullE's unfiltered G: ``split``).
+    dC's rows are free for G only in the first row chunk of an unsorted vocabulary."""
+    default_n, default_v = gemm_chunks(N, V, D, dtype, block_v)
+    n_chunk = min(N, n_chunk or default_n)
+    max_cols = (v_chunk if v_chunk else
+                default_v if sorted_vocab or split else
+                max(default_v, G_IN_PLACE_BYTES // (n_chunk * dtype.itemsize)))
+    v_chunk = min(V, v_chunk or default_v)
+    row_chunks = []
+    for n0 in range(0, N, n_chunk):
+        n1 = min(N, n0 + n_chunk)
+        first_free = n0 if dtype != torch.float32 else n1  # fp32: dE's own rows accumulate
+        chunks = vocab_chunks(n1 - n0, V, D, v_chunk, block_v, max_cols,
+                              dE_free=(N - first_free) * D if need_dE else 0,
+                              dC_free=need_dC and not sorted_vocab and n0 == 0)
+        row_chunks.append((n0, n1, chunks))
+    return GemmPlan(n_chunk, v_chunk, row_chunks)
 
 
 # How this process makes an fp32-output product of fp16/bf16 operands, per (device, dtype):
@@ -121,34 +201,38 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     db[v0:v1] = w_scale G_c^T w_rel and dE_acc += G_c C[v0:v1] in cuBLAS; the other arguments are
     ``helpers.cce.backward.cce_backward``'s. A product whose gradient is not wanted is not made.
 
-    Memory beyond LB, fp16/bf16: dE_acc (n_chunk * D * 4) + G_c (n_chunk * v_chunk * itemsize,
-    nothing when ``g_fits_in_dE``; once more with FullC/FullE and the filter) + w_rel E
-    (n_chunk * D * itemsize, only when rows have different upstream gradients: reduction "none",
-    or a gradient through the lse) + C's gathered chunk (v_chunk * D * itemsize, sort only) + dC's
-    fp32 fold (v_chunk * D * 4, several row chunks only) + Kahan's V * D compensation (several row
-    chunks only) + db's fp32 accumulator (V * 4, bias only) + O(N). fp32: no dE_acc.
+    G_c lives in dE's or dC's rows not yet written (``vocab_chunks``), up to ``G_IN_PLACE_BYTES``
+    wide (an explicit ``v_chunk`` caps every chunk instead). Memory beyond LB, fp16/bf16: dE_acc
+    (n_chunk * D * 4) + a G buffer only where no place is free (``GemmPlan.buffer_elements``: none for
+    16-bit inputs with dE wanted; the unfiltered G once more with FullC/FullE and the filter) +
+    w_rel E (n_chunk * D * itemsize, only when rows have different upstream gradients: reduction
+    "none", or a gradient through the lse) + C's gathered chunk (v_chunk * D * itemsize, sort only)
+    + dC's fp32 fold (v_chunk * D * 4, several row chunks only) + Kahan's V * D compensation
+    (several row chunks only) + db's fp32 accumulator (V * 4, bias only) + O(N). fp32: no dE_acc.
     """
     need_dE, need_dC, need_db = need
     N, D = E.shape
     V = C.shape[0]
     dtype, device = E.dtype, E.device
     low_precision = dtype != torch.float32
-    default_n, default_v = gemm_chunks(N, V, D, dtype, cfg.BLOCK_V)
-    n_chunk = min(N, n_chunk or default_n)
-    v_chunk = min(V, v_chunk or default_v)
-    n_chunks = triton.cdiv(N, n_chunk)
     filtering = o.filter_eps is not None and not (o.full_c and o.full_e)
     # FullC / FullE with the filter: the kernel also writes the unfiltered G, for the exact side.
     split = filtering and (o.full_c or o.full_e)
+    plan = gemm_plan(N, V, D, dtype, cfg.BLOCK_V, n_chunk, v_chunk, need_dE=need_dE, need_dC=need_dC,
+                     sorted_vocab=vocab_order is not None, split=split)
+    n_chunk, v_chunk, widest = plan.n_chunk, plan.v_chunk, plan.widest
+    n_chunks = len(plan.row_chunks)
     mode = product_mode(device, dtype)
+    # dC rows in fp32 before they land in dC (v_chunk at a time): folds (several row chunks), the
+    # sort's scatter, the CPU's "upcast" products.
+    staged = vocab_order is not None or (low_precision and (n_chunks > 1 or mode == "upcast"))
 
     # dC's (and db's) GEMM alpha, one host sync per backward: the largest row weight; the signs
     # are inside G. When every row has the same weight, E is dC's operand as it is.
     alpha = float(up.w_scale)
-    g_in_dE = need_dE and g_fits_in_dE(dtype, v_chunk, D)
-    G_buf = None if g_in_dE else torch.empty(n_chunk * v_chunk, dtype=dtype, device=device)
-    G_exact_buf = torch.empty(n_chunk * v_chunk, dtype=dtype, device=device) if split else None
-    tiles_max = triton.cdiv(n_chunk, cfg.BLOCK_N) * triton.cdiv(v_chunk, cfg.BLOCK_V)
+    G_buf = torch.empty(plan.buffer_elements, dtype=dtype, device=device) if plan.buffer_elements else None
+    G_exact_buf = torch.empty(n_chunk * widest, dtype=dtype, device=device) if split else None
+    tiles_max = triton.cdiv(n_chunk, cfg.BLOCK_N) * triton.cdiv(widest, cfg.BLOCK_V)
     tile_kept = torch.empty(tiles_max if filtering else 1, dtype=torch.int8, device=device)
     skipped = torch.zeros((), dtype=torch.int64, device=device)
     dead_chunks = torch.zeros((), dtype=torch.int64, device=device)  # chunks with every tile skipped
@@ -160,19 +244,16 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     E_scaled_buf = None if uniform or not need_dC else torch.empty(n_chunk, D, dtype=dtype, device=device)
     C_sorted_buf = (torch.empty(v_chunk, D, dtype=dtype, device=device)
                     if vocab_order is not None and need_dE else None)
-    # dC rows in fp32 before they land in dC: folds (several row chunks), the sort's scatter,
-    # the CPU's "upcast" products.
-    staged = vocab_order is not None or (low_precision and (n_chunks > 1 or mode == "upcast"))
-    dC_rows_buf = torch.empty(v_chunk, D, dtype=torch.float32, device=device) if staged and need_dC else None
-    db_rows_buf = torch.empty(v_chunk, 1, dtype=torch.float32, device=device) if need_db else None
+    staged_rows = min(v_chunk, widest)  # dC's rows staged a piece at a time
+    dC_rows_buf = torch.empty(staged_rows, D, dtype=torch.float32, device=device) if staged and need_dC else None
+    db_rows_buf = torch.empty(widest, 1, dtype=torch.float32, device=device) if need_db else None
     compensation = (
         torch.zeros(V, D, dtype=dtype, device=device)
         if need_dC and low_precision and o.accumulation == "kahan" and n_chunks > 1 else None
     )
-    counters = {"tiles": 0, "launches": 0}
+    counters = {"tiles": 0, "launches": 0, "g_places": dict.fromkeys(G_PLACES, 0)}
 
-    for chunk, n0 in enumerate(range(0, N, n_chunk)):
-        n1 = min(N, n0 + n_chunk)
+    for chunk, (n0, n1, chunks) in enumerate(plan.row_chunks):
         rows = n1 - n0
         E_rows = E[n0:n1]  # (rows, D)
         if need_dE:
@@ -182,27 +263,30 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                 if need_dC else None)
         # db's operand: w_rel as a column, in the dtype (1 at kept rows for a mean or a sum).
         w_op = up.w_rel[n0:n1, None].to(dtype) if need_db else None
-        G_store = dE[n0:n1].view(-1) if g_in_dE else G_buf
-        G_exact_store = G_exact_buf if split else G_store
         coef = up.coef[:, n0:n1]
-        # Tensor descriptors (once per row chunk; G's one per chunk width) only where a chunk's
-        # products outlast the host's launches: descriptor arguments add host time to every launch.
-        tma = cfg.tma and 6 * rows * v_chunk * D >= TMA_MIN_CHUNK_FLOP
-        E_arg, C_arg, e_desc = operand_descriptors(E_rows, C, cfg if tma else None,
-                                                   gathered=vocab_order is not None)
+        # Tensor descriptors only for the chunks whose products outlast the host's launches
+        # (descriptor arguments add host time to every launch); E's and C's made once.
+        E_desc, C_desc, descriptors = operand_descriptors(E_rows, C, cfg, gathered=vocab_order is not None)
         G_descs = {}
-        for v0 in range(0, V, v_chunk):
-            v1 = min(V, v0 + v_chunk)
+        for v0, v1, place in chunks:
             cols = v1 - v0
-            G = G_store[: rows * cols].view(rows, cols)  # (rows, V_c)
-            G_exact = G_exact_store[: rows * cols].view(rows, cols)
+            # G_c's storage (``vocab_chunks``): dE's rows from the first not yet written, dC's
+            # rows after this chunk's, or the buffer.
+            store = (dE.view(-1)[(n0 if low_precision else n1) * D:] if place == "dE" else
+                     dC.view(-1)[v1 * D:] if place == "dC" else G_buf)
+            G = store[: rows * cols].view(rows, cols)  # (rows, V_c)
+            G_exact = G_exact_buf[: rows * cols].view(rows, cols) if split else G
             tiles = triton.cdiv(rows, cfg.BLOCK_N) * triton.cdiv(cols, cfg.BLOCK_V)
             counters["tiles"] += tiles
             counters["launches"] += 1
+            counters["g_places"][place] += 1
             # 1. G_c: the logit tiles rebuilt, G formed and filtered, written in the dtype.
-            if tma and not split and cols not in G_descs:
-                G_descs[cols] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V)
-            G_desc = G_descs.get(cols)
+            tma = descriptors and 6 * rows * cols * D >= TMA_MIN_CHUNK_FLOP
+            E_arg, C_arg = (E_desc, C_desc) if tma else (E_rows, C)
+            key = (G.data_ptr(), cols)
+            if tma and not split and key not in G_descs:
+                G_descs[key] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V)
+            G_desc = G_descs.get(key) if tma else None
             gradient_chunk_kernel[(tiles,)](
                 E_arg, C_arg, x[n0:n1], lse[n0:n1], coef, bias if bias is not None else lse,
                 vocab_order if vocab_order is not None else tile_kept,
@@ -217,7 +301,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                 SPLIT_G=split,
                 SORTED=vocab_order is not None,
                 DOT_PRECISION=dot_precision(dtype),
-                E_DESC=e_desc, G_DESC=G_desc is not None,
+                E_DESC=tma, G_DESC=G_desc is not None,
                 **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
             )
             if stats is not None and filtering:
@@ -247,14 +331,17 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                 torch.addmm(dC_rows, G_dC.T, E_op, beta=0.0 if chunk == 0 else 1.0, alpha=alpha,
                             out=dC_rows)
                 continue
-            dC_rows = dC_rows_buf[:cols]  # (V_c, D) fp32, then folded into dC's rows
-            _product(dC_rows, G_dC.T, E_op, alpha=alpha, accumulate=False, mode=mode)
-            if low_precision:
-                fold_dC(dC, dC_rows, where, chunk == 0, compensation)
-            elif chunk == 0:
-                dC.index_copy_(0, where, dC_rows)
-            else:
-                dC.index_add_(0, where, dC_rows)
+            for s0 in range(0, cols, staged_rows):  # (V_c, D) fp32 in pieces of v_chunk rows, then folded
+                s1 = min(cols, s0 + staged_rows)
+                dC_rows = dC_rows_buf[: s1 - s0]
+                _product(dC_rows, G_dC[:, s0:s1].T, E_op, alpha=alpha, accumulate=False, mode=mode)
+                piece = where[s0:s1] if vocab_order is not None else slice(v0 + s0, v0 + s1)
+                if low_precision:
+                    fold_dC(dC, dC_rows, piece, chunk == 0, compensation)
+                elif chunk == 0:
+                    dC.index_copy_(0, piece, dC_rows)
+                else:
+                    dC.index_add_(0, piece, dC_rows)
         # 4. dE = w dE_acc, rounded once (fp32: scaled in place).
         if need_dE and low_precision:
             torch.mul(dE_rows, up.w[n0:n1, None], out=dE[n0:n1])

@@ -120,26 +120,27 @@ def _liger(N, V, D, b, capability):
 
 def _ours(N, V, D, b, capability):
     # helpers.cce with its defaults (backward "gemm"): the forward keeps O(N) (lse per row and vocabulary
-    # split); the backward allocates dE and dC, a G chunk (n_chunk, v_chunk) in the input dtype
-    # unless it fits in dE's rows (helpers.cce.g_fits_in_dE), for 16-bit inputs dE's fp32
-    # accumulator (n_chunk, D) and, with several row chunks, dC rows staged in fp32 (v_chunk, D)
-    # before each fold. Chunk sizes from helpers.cce.gemm_chunks, rounded to the BLOCK_V of the
-    # configuration tier this capability gets (the rounding decides whether G fits in dE at the
-    # Gemma-2-2B head). On the CPU the products run in fp32 ("upcast"): 16-bit operands are copied
-    # to fp32 for each product, and the staged dC rows are used even for one row chunk.
-    from helpers.cce.backward_gemm import g_fits_in_dE, gemm_chunks
+    # split); the backward allocates dE and dC, for 16-bit inputs dE's fp32 accumulator (n_chunk, D)
+    # and, with several row chunks, dC rows staged in fp32 (v_chunk, D) before each fold. Each G chunk
+    # lives in dE's or dC's rows not yet written, or in a buffer where neither has room (fp32):
+    # helpers.cce.gemm_plan says which, with chunk sizes rounded to the BLOCK_V of the configuration
+    # tier this capability gets. On the CPU the products run in fp32 ("upcast"): 16-bit operands
+    # are copied to fp32 for each product, and the staged dC rows are used even for one row chunk.
+    from helpers.cce.backward_gemm import gemm_plan
     from helpers.cce.kernels.configs import tier_for_capability
 
     dtype = torch.float32 if b == 4 else torch.float16
     block_v = tier_for_capability(capability).backward_gemm_for(dtype).BLOCK_V
-    n_chunk, v_chunk = gemm_chunks(N, V, D, dtype, block_v)
+    plan = gemm_plan(N, V, D, dtype, block_v)
+    n_chunk, widest = plan.n_chunk, plan.widest
+    staged = min(plan.v_chunk, widest)  # dC's rows staged in fp32, a piece of a chunk at a time
     low = b < 4
     several = N > n_chunk
-    scratch = (0 if g_fits_in_dE(dtype, v_chunk, D) else n_chunk * v_chunk * b) + low * n_chunk * D * 4
+    scratch = plan.buffer_elements * b + low * n_chunk * D * 4
     if low and (several or capability is None):
-        scratch += v_chunk * D * 4
+        scratch += staged * D * 4
     if low and capability is None:  # the larger of the two products' fp32 operand copies
-        scratch += n_chunk * v_chunk * 4 + max(v_chunk, n_chunk) * D * 4
+        scratch += max(n_chunk * widest + widest * D, n_chunk * staged + n_chunk * D) * 4
     # Per row, fp32: the forward's lse, and the backward's row gradient (w, w / max w and the three
     # coefficients of G, helpers.cce.gradients.RowGradient).
     per_row = 24 * N
@@ -163,8 +164,8 @@ THEORY: dict[str, tuple[Callable[..., int], str]] = {
     "liger": (_liger, "(N·D + V·D)·b + a (chunk, V) logit block of about N·D elements, + (V, D) "
               "temporaries for dC except on sm_80+ in 16-bit"),
     "apple_cce": (_floor, "(N·D + V·D)·b: the floor (its O(N) LSE not counted)"),
-    "ours": (_ours, "(N·D + V·D)·b + a G chunk (input dtype; inside dE when it fits) + 16-bit: "
-             "dE's fp32 accumulator (helpers.cce.gemm_chunks sizes both) + 24 bytes of per-row state"),
+    "ours": (_ours, "(N·D + V·D)·b + 16-bit: dE's fp32 accumulator + fp32: a G chunk (16-bit G lives "
+             "in dE's and dC's rows not yet written; helpers.cce.gemm_plan) + 24 bytes of per-row state"),
 }
 
 

@@ -9,9 +9,10 @@ V=256,000, D=2,304) and the Qwen3 head at N=16,384 (V=151,936, D=1,024). In orde
    tile / warps / stages, median ms and TFLOP/s of its one N x V x D product (2 N V D / t);
 2. the "gemm" backward's G kernel per candidate: the kernel's own GPU time over one backward
    (torch.profiler, summed over its launches) and the whole backward's median;
-3. the "gemm" backward's vocabulary chunk width: the backward's median and peak memory per width (the
-   default, 2x and 4x; wider chunks mean fewer launches, fewer passes over dE's fp32 accumulator
-   and less wave quantisation, at the cost of a bigger G buffer);
+3. the "gemm" backward's vocabulary chunks: its median, host time, peak memory, launches and GPU
+   time per cap on a G chunk kept in dE's or dC's unwritten rows (``G_IN_PLACE_BYTES``, 0 to 1 GiB;
+   0: chunks at the scratch budget's width, as before G moved there), also at the Qwen3 head with
+   N = 1,024, 4,096 and 131,072;
 4. the cuBLAS alternative to our Triton logit products: per vocabulary chunk an fp32-output
    ``torch.mm`` of E and the chunk of C, alone (the product's rate), then followed by an
    elementwise Triton kernel that turns the fp32 logits into G (backward), or by a logsumexp
@@ -29,7 +30,9 @@ V=256,000, D=2,304) and the Qwen3 head at N=16,384 (V=151,936, D=1,024). In orde
   head with N = 131,072;
 - ``sparse_forward``: the sorted forward with activity bits per candidate (realistic regime);
 - ``e2e_hopper``: forward+backward, "gemm" and "sparse", with the Hopper tier as shipped against its
-  configuration before tensor descriptors, loss and gradients compared.
+  configuration before tensor descriptors, loss and gradients compared;
+- ``small_n``: forward+backward through autograd at the Qwen3 head with N = 1,024 and 4,096 (the
+  host bounds them): as shipped, G chunks at the budget's width, G-kernel descriptors off and on.
 
 Every case runs in try/except and records its error; cases that would start after ``--budget-s``
 are skipped. Prints one table per section; writes JSON. ``--tiny``: small shapes on a CPU under the
@@ -69,7 +72,8 @@ G_CANDIDATES = [L(128, 256, 64, 8, 4, **T), L(128, 256, 64, 8, 4), L(128, 256, 6
 # through a descriptor), realistic regime.
 SPARSE_FORWARD_CANDIDATES = [L(256, 128, 64, 8, 3, **T), L(128, 256, 64, 8, 3), L(256, 128, 64, 8, 4, **T),
                              L(256, 128, 128, 8, 2, **T), L(256, 128, 64, 8, 3, GROUP_N=4, **T)]
-SECTIONS = ("forward", "g_kernel", "host", "order", "sparse_forward", "e2e_hopper", "chunks", "cublas", "realistic")
+SECTIONS = ("forward", "g_kernel", "host", "order", "sparse_forward", "e2e_hopper", "chunks", "small_n", "cublas",
+            "realistic")
 
 
 def label(cfg: LaunchConfig) -> str:
@@ -151,19 +155,85 @@ def g_kernel_sweep(case, base, candidates, repeats, cuda):
     return records
 
 
-def chunk_width_sweep(case, base, repeats):
-    cfg = base.backward_gemm_for(case.dtype)
-    n_chunk, v_chunk = gemm_chunks(case.N, case.V, case.D, case.dtype, cfg.BLOCK_V)
-    lb = (case.N + case.V) * case.D * case.dtype.itemsize
-    records = []
-    for factor in (1, 2, 4):
-        run = lambda: case.backward(v_chunk=factor * v_chunk)  # noqa: E731
+def host_ms(run, repeats, cuda) -> float:
+    """Median time until ``run`` returns (the GPU may still be working): the host's share."""
+    import time
+
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         run()
-        _, peak = peak_memory(run, device=case.device)  # dE, dC and the scratch, inputs excluded
-        ms = latency(run, warmup=1, repeats=repeats, device=case.device).median_ms
-        records.append(dict(case=f"chunks/{case.name}/v_chunk={factor * v_chunk}", status="ok",
-                            n_chunk=n_chunk, v_chunk=factor * v_chunk, bwd_ms=round(ms, 2),
-                            bwd_peak_over_lb=round(peak / lb, 3)))
+        times.append((time.perf_counter() - t0) * 1e3)
+        if cuda:
+            torch.cuda.synchronize()
+    return round(sorted(times)[len(times) // 2], 2)
+
+
+# The in-place G chunk's cap (``helpers.cce.backward_gemm.G_IN_PLACE_BYTES``) swept, MiB; 0: every
+# chunk at the scratch budget's width (the layout before G moved into dC's rows).
+IN_PLACE_MIB = (0, 64, 128, 256, 512, 1024)
+
+
+def chunk_width_sweep(case, base, repeats, cuda):
+    """The "gemm" backward per in-place cap: median ms, host ms, peak / LB, launches, GPU time."""
+    import helpers.cce.backward_gemm as gemm_host
+
+    lb = (case.N + case.V) * case.D * case.dtype.itemsize
+    shipped = gemm_host.G_IN_PLACE_BYTES
+    records = []
+    for mib in IN_PLACE_MIB if cuda else (0, 1):
+        rec = dict(case=f"chunks/{case.name}/in_place={mib}MiB", status="ok")
+        try:
+            gemm_host.G_IN_PLACE_BYTES = mib * 2**20 if cuda else mib * 4096
+            stats = {}
+            case.backward(stats=stats)
+            run = lambda: case.backward()  # noqa: E731
+            _, peak = peak_memory(run, device=case.device)  # dE, dC and the scratch, inputs excluded
+            rec.update(bwd_ms=round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2),
+                       host_ms=host_ms(run, repeats, cuda), bwd_peak_over_lb=round(peak / lb, 3),
+                       launches=stats["launches"], places=stats["g_places"])
+            if cuda:
+                rec.update(g_kernel_ms=kernel_ms(run, "gradient_chunk_kernel"), gpu_ms=kernel_ms(run, ""))
+        except Exception as error:  # noqa: BLE001
+            rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
+        finally:
+            gemm_host.G_IN_PLACE_BYTES = shipped
+        records.append(rec)
+    return records
+
+
+def small_n_sweep(N, V, D, dtype, device, repeats, cuda):
+    """Forward+backward through autograd, as the bench times it, at a small N where the host's
+    launches bound the time: as shipped, with every G chunk at the scratch budget's width
+    (in place 0), without G-kernel descriptors, and with them for every chunk."""
+    import helpers.cce.backward_gemm as gemm_host
+
+    E, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=N)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+
+    def step():
+        E.grad = C.grad = None
+        linear_cross_entropy(E, C, x).backward()
+
+    shipped = (gemm_host.G_IN_PLACE_BYTES, gemm_host.TMA_MIN_CHUNK_FLOP)
+    variants = [("shipped", shipped), ("in_place=0", (0, shipped[1])),
+                ("no G descriptors", (shipped[0], float("inf"))), ("descriptors every chunk", (shipped[0], 0.0))]
+    records = []
+    for name, (in_place, tma_min) in variants:
+        rec = dict(case=f"small_n/qwen3-{N}/{name}", status="ok")
+        try:
+            gemm_host.G_IN_PLACE_BYTES, gemm_host.TMA_MIN_CHUNK_FLOP = in_place, tma_min
+            step()
+            rec.update(ms=round(latency(step, warmup=2, repeats=2 * repeats, device=device).median_ms, 2),
+                       host_ms=host_ms(step, repeats, cuda))
+        except Exception as error:  # noqa: BLE001
+            rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
+        finally:
+            gemm_host.G_IN_PLACE_BYTES, gemm_host.TMA_MIN_CHUNK_FLOP = shipped
+        records.append(rec)
     return records
 
 
@@ -324,8 +394,6 @@ def host_sweep(case, base, repeats, cuda):
     GPU still working) per G-kernel variant: pointer loads, descriptor loads with a pointer G
     store, descriptor loads and store, at the shipped tiles and the tiles before. Where the host
     time reaches the wall time, the launches bound the backward."""
-    import time
-
     import helpers.cce.backward_gemm as gemm_host
 
     variants = [("pointers 128x256 s4", L(128, 256, 64, 8, 4), True),
@@ -346,16 +414,7 @@ def host_sweep(case, base, repeats, cuda):
             run = lambda: case.backward(configs=configs)  # noqa: E731
             run()
             rec["bwd_ms"] = round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2)
-            hosts = []
-            for _ in range(repeats):
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                run()
-                hosts.append((time.perf_counter() - t0) * 1e3)
-                if cuda:
-                    torch.cuda.synchronize()
-            rec["host_ms"] = round(sorted(hosts)[len(hosts) // 2], 2)
+            rec["host_ms"] = host_ms(run, repeats, cuda)
             if cuda:
                 rec["g_kernel_ms"] = kernel_ms(run, "gradient_chunk_kernel")
                 rec["gpu_ms"] = kernel_ms(run, "")  # every kernel of the backward
@@ -467,8 +526,17 @@ def main():
         for name in cases:
             c.run(f"e2e_hopper/{name}/uniform", e2e_hopper, cases[name], base, *hopper_pair, repeats)
     if not args.tier and "chunks" in sections:
-        for name in cases:
-            c.run(f"chunks/{name}", chunk_width_sweep, cases[name], base, repeats)
+        for name in first_only(cases):
+            c.run(f"chunks/{name}", chunk_width_sweep, cases[name], base, repeats, cuda)
+        for N in (1024, 4096, 131_072) if cuda else ():  # one row chunk with a small N; eight
+            case = Case(f"qwen3-{N // 1024}k", N, 151_936, 1024, dtype, device)
+            c.run(f"chunks/{case.name}", chunk_width_sweep, case, base, repeats, cuda)
+            del case
+            release_memory(device)
+    if not args.tier and "small_n" in sections:
+        for N in (1024, 4096) if cuda else (scale(1024, 24),):
+            c.run(f"small_n/{N}", small_n_sweep, N, scale(151_936, 301), scale(1024, 24), dtype, device, repeats,
+                  cuda)
     if cuda and not args.tier and "cublas" in sections:
         for name in cases:
             c.run(f"cublas/{name}", cublas_logits, cases[name], repeats)
@@ -496,7 +564,7 @@ def main():
     print("\n" + "=" * 100)
     keys = ("ms", "fwd_ms", "host_ms", "gpu_ms", "tflops", "marked", "lse_max_diff", "bits_differ",
             "loss_vs_shipped", "dE_vs_shipped", "dC_vs_shipped", "bwd_ms", "g_kernel_ms", "g_tflops", "v_chunk",
-            "bwd_peak_over_lb",
+            "bwd_peak_over_lb", "launches",
             "mm_ms", "mm_tflops", "mm_then_g_ms", "mm_then_lse_ms", "extra_mb", "tiles_skipped",
             "chunks_dead", "loss_vs_first", "dE_vs_first", "dC_vs_first", "error")
     for r in c.records:

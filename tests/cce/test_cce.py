@@ -3,9 +3,9 @@
 Runs the kernels under the Triton interpreter in fp32 and fp16 (bf16 is wrong there, see
 the GPU check ``scripts/gpu/cce_check.py`` covers it). Shapes are tiny and irregular
 (N=37, V=301, D=24 against 16x32x16 tiles) so every kernel sees partial tiles in every dimension.
-Both backwards run: "atomic" and "gemm" (the default), forced to 3 row chunks
-x 5 vocabulary chunks by the ``backward_impl`` fixture, and again with chunks narrow enough for G to
-live in dE's rows; ``scripts/gpu/cce_check.py`` checks the default on a GPU.
+Both backwards run: "atomic" and "gemm" (the default), forced to 3 row chunks by the
+``backward_impl`` fixture, and again with a 16-column budget; ``scripts/gpu/cce_check.py`` checks the
+default on a GPU.
 """
 
 import os
@@ -54,9 +54,10 @@ def upstream(reduction, n=N, seed=1):
 
 @pytest.fixture(params=["atomic", "gemm", "gemm/G_in_dE"])
 def backward_impl(request, monkeypatch):
-    """Each backward in turn; "gemm" with small chunks: 16 rows x 64 columns, i.e. 3 row chunks x
-    5 vocabulary chunks at N=37, V=301 (each chunk 2 tiles wide, the last one partial);
-    "gemm/G_in_dE": 16 x 16 (V_c <= D = 24), so in fp16 each G chunk lives in dE's rows."""
+    """Each backward in turn; "gemm" with small chunks: 3 row chunks of 16 at N=37, G in dC's and
+    dE's unwritten rows (``gemm_plan``) in chunks as wide as those allow, dC staged 64 columns at a
+    time, a buffer of 64 where no place has room; "gemm/G_in_dE": a budget of 16 columns (V_c <= D =
+    24, below a tile), so chunks narrower than a tile land in the buffer and partial tiles abound."""
     chunks = {"gemm": (16, 64), "gemm/G_in_dE": (16, 16)}.get(request.param)
     if chunks:
         monkeypatch.setattr(helpers.cce.backward_gemm, "gemm_chunks", lambda *shape: chunks)
@@ -282,16 +283,95 @@ def test_gemm_products_as_on_a_gpu(monkeypatch, mode, n_chunk):
     dC in fp16 straight from the GEMM: the paths run here with "rounded", whose fp16 matmuls stand
     in for cuBLAS's. Rows with different upstream gradients and ignored rows (g_rel E operand)."""
     monkeypatch.setattr(helpers.cce.backward_gemm, "product_mode", lambda device, dtype: mode)
-    E, C, x = make_inputs(torch.float16, ignore=[3, 20])
+    E, C, x = make_inputs(torch.float16, d=64, ignore=[3, 20])  # D >= BLOCK_V: dE's rows hold a chunk
     go = upstream("none")
     options = resolve_options(torch.float16, filter_eps=None)
     _, lse = cce_forward(E, C, x, options)
     stats = {}
     dE, dC, _ = cce_backward(E, C, x, lse, go, options, n_chunk=n_chunk, v_chunk=64, stats=stats,
                           backward_impl="gemm")
-    assert stats["products"] == mode and stats["launches"] == (3 if n_chunk else 1) * 5
+    # Chunks at most 64 wide (5 or more a row chunk), G never in a buffer (fp16, dE wanted).
+    assert stats["products"] == mode and stats["launches"] >= (3 if n_chunk else 1) * 5
+    assert stats["g_places"]["buffer"] == 0 and stats["g_places"]["dC" if n_chunk is None else "dE"] > 0
     _, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
     assert relative_error(dE, rdE) < TOL[torch.float16] and relative_error(dC, rdC) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("N, V, D, block_v, v_chunk, max_cols, rows_chunk", [
+    (8192, 256_000, 2304, 256, 2304, 16_384, 8192),  # the Gemma-2-2B head
+    (16_384, 151_936, 1024, 256, 1024, 8192, 16_384),  # Qwen3, one row chunk
+    (131_072, 151_936, 1024, 256, 2048, 8192, 16_384),  # Qwen3, eight row chunks
+    (37, 301, 24, 32, 64, 10_000, 16),  # the tests' shape: D below a tile
+    (100, 1031, 64, 16, 48, 100, 32),  # ragged row chunks, a small cap
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("need_dE", [True, False])
+def test_gemm_plan_keeps_G_where_nothing_is_live(monkeypatch, N, V, D, block_v, v_chunk, max_cols, rows_chunk,
+                                                 dtype, need_dE):
+    """Each G chunk of ``gemm_plan`` lies in dE's rows not yet written (from the row chunk's first
+    free row), in dC's rows after its own chunk (first row chunk only), or in the buffer; the chunks
+    cover the vocabulary in order, tile-aligned but the last; 16-bit inputs with dE wanted never
+    need the buffer when D holds a tile."""
+    gemm = helpers.cce.backward_gemm
+    monkeypatch.setattr(gemm, "gemm_chunks", lambda *shape: (rows_chunk, v_chunk))
+    monkeypatch.setattr(gemm, "G_IN_PLACE_BYTES", max_cols * rows_chunk * dtype.itemsize)
+    plan = gemm.gemm_plan(N, V, D, dtype, block_v, need_dE=need_dE)
+    places = set()
+    for n0, n1, chunks in plan.row_chunks:
+        rows = n1 - n0
+        assert [c[0] for c in chunks] == [0] + [c[1] for c in chunks[:-1]] and chunks[-1][1] == V
+        for v0, v1, place in chunks:
+            cols = v1 - v0
+            places.add(place)
+            assert v1 == V or cols % block_v == 0 or place == "buffer"
+            assert cols <= max(max_cols, v_chunk)
+            if place == "dE":
+                first_free = n0 if dtype != torch.float32 else n1
+                assert need_dE and rows * cols <= (N - first_free) * D
+            elif place == "dC":
+                assert n0 == 0 and rows * cols <= (V - v1) * D  # after dC[v0:v1], inside dC
+            else:
+                assert cols <= v_chunk
+    if dtype != torch.float32 and need_dE and D >= block_v:
+        assert "buffer" not in places
+    assert plan.buffer_elements == 0 or "buffer" in places
+
+
+@pytest.mark.parametrize("mode", ["rounded", "upcast"])
+@pytest.mark.parametrize("dtype, need, n_chunk", [
+    (torch.float16, (True, True, False), None),  # G in dC's rows, then dE's
+    (torch.float16, (True, True, True), 16),  # several row chunks: dE's later rows; db
+    (torch.float32, (True, True, False), None),  # no room in dE: dC's rows, then the buffer
+    (torch.float16, (False, True, False), None),  # a frozen body: no dE
+])
+def test_every_place_of_G_gives_the_reference(monkeypatch, mode, dtype, need, n_chunk):
+    """Wide chunks in place (``G_IN_PLACE_BYTES`` small enough for several), against float64."""
+    monkeypatch.setattr(helpers.cce.backward_gemm, "product_mode", lambda device, dtype: mode)
+    monkeypatch.setattr(helpers.cce.backward_gemm, "gemm_chunks", lambda *shape: (n_chunk or 61, 32))
+    monkeypatch.setattr(helpers.cce.backward_gemm, "G_IN_PLACE_BYTES", 61 * 96 * dtype.itemsize)
+    E, C, x = make_inputs(dtype, n=61, v=701, d=64, ignore=[3, 20])
+    bias = torch.randn(701, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE) if need[2] else None
+    go = upstream("none", n=61)
+    options = resolve_options(dtype, filter_eps=None)
+    _, lse = cce_forward(E, C, x, options, bias=bias)
+    stats = {}
+    dE, dC, db = cce_backward(E, C, x, lse, go, options, stats=stats, backward_impl="gemm", bias=bias, need=need)
+    E64, C64 = E.double().requires_grad_(need[0]), C.double().requires_grad_(True)
+    b64 = bias.double().requires_grad_(True) if bias is not None else None
+    logits = E64 @ C64.T + (b64 if b64 is not None else 0)
+    loss = F.cross_entropy(logits, x, reduction="none")
+    loss.backward(go.double())
+    if need[0]:
+        assert relative_error(dE, E64.grad) < TOL[dtype]
+    else:
+        assert dE is None
+    assert relative_error(dC, C64.grad) < TOL[dtype]
+    if need[2]:
+        assert relative_error(db, b64.grad) < TOL[dtype]
+    places = stats["g_places"]
+    expected = {(torch.float16, True, None): ("dC", "dE"), (torch.float16, True, 16): ("dC", "dE"),
+                (torch.float32, True, None): ("dC", "buffer"), (torch.float16, False, None): ("dC", "buffer")}
+    assert {p for p, k in places.items() if k} == set(expected[(dtype, need[0], n_chunk)]), places
 
 
 def test_gemm_chunks_bound_the_scratch():
