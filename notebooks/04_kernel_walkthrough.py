@@ -1245,9 +1245,9 @@ for kahan in (False, True):
 #   programs, adds both products: (BLOCK_N + BLOCK_V)·D adds per tile, about 7.5·10<sup>10</sup> at
 #   the Gemma-2-2B head, ~300 GB of read-modify-write through L2 for a 2.4 GB result, ~100 of its
 #   128 ms. The default ("gemm") backward writes G for one vocabulary chunk at a time
-#   (N × V<sub>c</sub>, in the input dtype, inside dE's not-yet-written rows when it fits) and hands
-#   the two products to cuBLAS as dense GEMMs that write each gradient element once per chunk
-#   (`helpers/cce/backward_gemm.py`).
+#   (N × V<sub>c</sub>, in the input dtype, into rows of dC or dE it has not written yet, so a chunk
+#   costs no memory) and hands the two products to cuBLAS as dense GEMMs that write each gradient
+#   element once per chunk (`helpers/cce/backward_gemm.py`).
 # - **It accumulates in fp32.** dE's products add into an fp32 accumulator (a cuBLAS product with
 #   fp32 output), rounded once at the end; dC is written once per chunk. Apple's CCE adds dE in
 #   bf16 across ~1,000 vocabulary blocks, and its dE is about 18× less accurate than naive's
@@ -1262,12 +1262,12 @@ for kahan in (False, True):
 #   may reach ε, the backward gathers each tile's marked rows into packs and computes only those,
 #   with the vocabulary sorted so that the tiles a row needs sit together
 #   (`helpers/cce/backward_sparse.py`). Measured on an H200, bf16, realistic inputs: 9-11% of the
-#   pairs marked, forward+backward 36 ms against the default's 66-69 at the Gemma-2-2B head
-#   (torch.compile 49) and 200 ms against 350 at the Qwen3 head with N = 131,072 (torch.compile
-#   264, Liger 230), at 1.06-1.17× the floor, with dE as accurate as the default's. On a flat
+#   pairs marked, forward+backward 35 ms against the default's 62 at the Gemma-2-2B head
+#   (torch.compile 49) and 176 ms against 314 at the Qwen3 head with N = 131,072 (torch.compile
+#   266, Liger 230), at 1.06-1.17× the floor, with dE as accurate as the default's. On a flat
 #   softmax (an untrained model) nothing can be skipped and it runs the default. On the softmax of
 #   a language model trained for the purpose (`helpers.compare.trained`, the `trained` regime:
-#   16-27% of the pairs marked) it took 49 ms against 67-70 at the Gemma head and ran the default at
+#   15-26% of the pairs marked) it took 45 ms against 63 at the Gemma head and ran the default at
 #   the Qwen3 head with N = 16,384: how peaked a softmax is decides whether skipping pays.
 # - **Its tiles fit a T4.** The launch configurations are a table keyed by shared memory per
 #   block (`helpers/cce/kernels/configs.py`); the Turing tier stays within a T4's 64 KB, and a test
