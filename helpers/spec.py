@@ -46,13 +46,16 @@ def validate_inputs(
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES,
     bias: torch.Tensor | None = None,
     leading_dims: bool = False,
+    check_targets: bool = True,
 ) -> None:
     """Raise a ``ValueError``/``TypeError`` naming the argument when the inputs break the contract.
 
     E: (N, D) embeddings, C: (V, D) classifier, x: (N,) integer targets in [0, V) or ignore_index;
     with ``leading_dims`` E may be (..., D) and x then has E's leading shape (B, T, say). bias: None
-    or (V,) in C's dtype. The range check on x reads x once (a device sync on a GPU): a wrong
-    target must never reach a kernel, where it reads out of bounds instead of failing.
+    or (V,) in C's dtype. The range check on x (``raise_for_targets``) reads one flag of x (a device
+    sync on a GPU): a wrong target must never reach a kernel, where it reads out of bounds instead
+    of failing. ``check_targets=False`` leaves it to a caller whose kernels cannot read out of bounds
+    and that raises before returning anything (``helpers.cce.linear_cross_entropy``).
     """
     for name, t in (("E", E), ("C", C), ("x", x)):
         if not isinstance(t, torch.Tensor):
@@ -110,15 +113,26 @@ def validate_inputs(
         raise ValueError(f"softcap must be None or a positive number, got {softcap!r}")
     if E.numel() == 0 or C.shape[0] == 0 or E.shape[-1] == 0:
         raise ValueError(f"E and C must be non-empty, got E {tuple(E.shape)} and C {tuple(C.shape)}")
+    if check_targets:
+        raise_for_targets(x, C.shape[0], ignore_index)
+
+
+def targets_out_of_range(x: torch.Tensor, V: int, ignore_index: int) -> torch.Tensor:
+    """Whether any target of x lies outside [0, V) and is not ignore_index: a bool tensor on x's
+    device, so that a caller can launch work first and read it later (no sync here)."""
+    return (((x < 0) | (x >= V)) & (x != ignore_index)).any()
+
+
+def raise_for_targets(x: torch.Tensor, V: int, ignore_index: int, bad: torch.Tensor | bool | None = None) -> None:
+    """Raise the ``ValueError`` naming x's first offending target when ``bad`` (None: computed here,
+    ``targets_out_of_range``) says one is out of range. Reading it is one device sync on a GPU."""
+    if bad is None:
+        bad = targets_out_of_range(x, V, ignore_index)
+    if not bool(bad):
+        return
     kept = x[x != ignore_index]
-    if kept.numel():
-        lo, hi = int(kept.min()), int(kept.max())
-        if lo < 0 or hi >= C.shape[0]:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"x holds target {bad}, outside [0, V={C.shape[0]}) and not "
-                f"ignore_index={ignore_index}"
-            )
+    lo, hi = int(kept.min()), int(kept.max())
+    raise ValueError(f"x holds target {lo if lo < 0 else hi}, outside [0, V={V}) and not ignore_index={ignore_index}")
 
 
 def reference_logits(
@@ -287,6 +301,8 @@ __all__ = [
     "REDUCTIONS",
     "SUPPORTED_DTYPES",
     "validate_inputs",
+    "targets_out_of_range",
+    "raise_for_targets",
     "reference_logits",
     "reference_loss",
     "reference_loss_and_grads",

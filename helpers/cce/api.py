@@ -61,6 +61,7 @@ import torch
 from helpers.cce.backward import cce_backward
 from helpers.cce.backward_sparse import options_need_every_pair, sparse_auto_eps, too_small
 from helpers.cce.forward import cce_forward
+from helpers.cce.gradients import read_later
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import (
     CCEOptions,
@@ -69,7 +70,7 @@ from helpers.cce.options import (
     resolve_options,
     why_unavailable,
 )
-from helpers.spec import validate_inputs
+from helpers.spec import raise_for_targets, targets_out_of_range, validate_inputs
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -85,12 +86,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         wants_bits = backward_impl == "sparse" and (any(ctx.needs_input_grad[:2])
                                                     or (bias is not None and ctx.needs_input_grad[3]))
         block_v = resolve_configs(configs, E.device).sparse_for(E.dtype).BLOCK_V
+        # The targets' range, read once the forward's kernels are queued (they read row 0 for a
+        # target out of range), so that on a GPU checking does not leave it idle.
+        V = C.shape[0]
+        out_of_range = read_later(targets_out_of_range(x, V, options.ignore_index))
         if (wants_bits and options_need_every_pair(options) is None
-                and too_small(E.shape[0], C.shape[0], block_v) is None):
+                and too_small(E.shape[0], V, block_v) is None):
             loss_rows, lse, activity = cce_forward(E, C, x, options, configs, bias=bias, emit_activity=True,
                                                    lse_grad=lse_grad)
         else:
             loss_rows, lse = cce_forward(E, C, x, options, configs, bias=bias)
+        raise_for_targets(x, V, options.ignore_index, out_of_range())
         kept = x != options.ignore_index
         n_kept = kept.sum()
         if options.reduction == "none":
@@ -190,7 +196,7 @@ def linear_cross_entropy(
         ``cce_backward``. Counting costs one host sync per backward.
     """
     validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias,
-                    leading_dims=True)
+                    leading_dims=True, check_targets=False)  # x's range: the forward checks it
     if not isinstance(shift, bool) or not isinstance(return_lse, bool):
         raise ValueError(f"shift and return_lse must be True or False, got {shift!r} and {return_lse!r}")
     check_backward_impl(backward_impl)

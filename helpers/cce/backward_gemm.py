@@ -24,7 +24,7 @@ import torch
 import triton
 
 from helpers.cce.descriptors import block_descriptor, operand_descriptors
-from helpers.cce.gradients import MiB, RowGradient, fold_dC
+from helpers.cce.gradients import MiB, RowGradient, fold_dC, read_later
 from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
 from helpers.cce.kernels.configs import LaunchConfig
 from helpers.cce.options import CCEOptions, dot_precision, tile_eps
@@ -227,9 +227,11 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # sort's scatter, the CPU's "upcast" products.
     staged = vocab_order is not None or (low_precision and (n_chunks > 1 or mode == "upcast"))
 
-    # dC's (and db's) GEMM alpha, one host sync per backward: the largest row weight; the signs
-    # are inside G. When every row has the same weight, E is dC's operand as it is.
-    alpha = float(up.w_scale)
+    # dC's (and db's) GEMM alpha: the largest row weight (the signs are inside G; when every row
+    # has the same weight, E is dC's operand as it is). A host value, read once the first G chunk
+    # and its dE product are queued, so that the wait leaves the GPU work (``read_later``).
+    w_scale = read_later(up.w_scale)
+    alpha = None
     G_buf = torch.empty(plan.buffer_elements, dtype=dtype, device=device) if plan.buffer_elements else None
     G_exact_buf = torch.empty(n_chunk * widest, dtype=dtype, device=device) if split else None
     tiles_max = triton.cdiv(n_chunk, cfg.BLOCK_N) * triton.cdiv(widest, cfg.BLOCK_V)
@@ -315,6 +317,8 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                        else C[v0:v1])  # (V_c, D)
                 # 2. dE_acc += G_c C_c: (rows, V_c) @ (V_c, D), fp32 output.
                 _product(dE_rows, G_dE, C_c, alpha=1.0, accumulate=True, mode=mode)
+            if alpha is None and (need_db or need_dC):
+                alpha = w_scale()
             if need_db:
                 # db[v0:v1] += w_scale G_c^T w_rel: (V_c, rows) @ (rows, 1), fp32.
                 db_rows = db_rows_buf[:cols]

@@ -66,7 +66,7 @@ def cce_forward(
     target_logit = torch.empty(N, dtype=torch.float32, device=E.device)
     indexed_dot_kernel[(triton.cdiv(N, dot_cfg.BLOCK_N),)](
         E, C, x, target_logit, bias if bias is not None else target_logit,
-        N, D,
+        N, V, D,
         E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0),
         o.ignore_index, softcap,
         HAS_SOFTCAP=o.softcap is not None,

@@ -16,6 +16,7 @@ take w_rel E (w_rel = w / max w, exact for a mean or a sum) with max w applied t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,3 +73,21 @@ def fold_dC(dC, dC_rows, where, first, compensation):
     dC[where] = rounded
     if compensation is not None:
         compensation[where] = dC_rows.sub_(rounded).to(dC.dtype)
+
+
+def read_later(t: torch.Tensor) -> Callable[[], float | bool]:
+    """A function that returns the one-element ``t`` as a Python number. On a GPU the copy to the host is
+    queued now and waited for only when called (up to ``t``'s own work, not the work queued after
+    it), so a host that launches more work first never leaves the GPU idle; on the CPU, at once."""
+    if t.device.type != "cuda":
+        return lambda: t.item()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def value() -> float:
+        copied.synchronize()
+        return host.item()
+
+    return value

@@ -31,6 +31,10 @@ V=256,000, D=2,304) and the Qwen3 head at N=16,384 (V=151,936, D=1,024). In orde
 - ``sparse_forward``: the sorted forward with activity bits per candidate (realistic regime);
 - ``e2e_hopper``: forward+backward, "gemm" and "sparse", with the Hopper tier as shipped against its
   configuration before tensor descriptors, loss and gradients compared;
+- ``dense``: forward+backward on a flat softmax with the dense filter on and off, at the G kernel's
+  shipped tiles and at 128 x 128, with the G kernel's time, and the shipped step kernel by kernel;
+- ``timeline`` (GPU only): one shipped step under the profiler, the GPU's idle gaps between kernels
+  and the Chrome trace beside the results;
 - ``small_n``: forward+backward through autograd at the Qwen3 head with N = 1,024 and 4,096 (the
   host bounds them): as shipped, G chunks at the budget's width, G-kernel descriptors off and on.
 
@@ -72,8 +76,8 @@ G_CANDIDATES = [L(128, 256, 64, 8, 4, **T), L(128, 256, 64, 8, 4), L(128, 256, 6
 # through a descriptor), realistic regime.
 SPARSE_FORWARD_CANDIDATES = [L(256, 128, 64, 8, 3, **T), L(128, 256, 64, 8, 3), L(256, 128, 64, 8, 4, **T),
                              L(256, 128, 128, 8, 2, **T), L(256, 128, 64, 8, 3, GROUP_N=4, **T)]
-SECTIONS = ("forward", "g_kernel", "host", "order", "sparse_forward", "e2e_hopper", "chunks", "small_n", "cublas",
-            "realistic")
+SECTIONS = ("forward", "g_kernel", "host", "order", "sparse_forward", "e2e_hopper", "chunks", "small_n", "dense",
+            "timeline", "cublas", "realistic")
 
 
 def label(cfg: LaunchConfig) -> str:
@@ -389,6 +393,97 @@ def e2e_hopper(case, base, forward_cfg, g_cfg, repeats):
     return records
 
 
+def kernel_table(fn, top: int = 12) -> list:
+    """[(kernel name, GPU ms, launches)] of one call of ``fn``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        if str(getattr(event, "device_type", "")).endswith(("CUDA", "PrivateUse1")):
+            ms = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0)) / 1e3
+            rows.append((event.key[:60], round(ms, 3), event.count))
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def dense_sweep(case, base, repeats, cuda):
+    """Forward+backward (the default "gemm") on a flat softmax: the dense filter on (as shipped) and
+    off, at the G kernel's shipped 256-column tiles and at 128 x 128 (two programs per SM); the G
+    kernel's own time; and, as shipped, every kernel of the step (where the time goes)."""
+    variants = [(f"filter={'on' if eps else 'off'} G {label(cfg)}", eps, cfg)
+                for cfg in (base.backward_gemm_for(case.dtype), L(128, 128, 64, 4, 3, **T) if cuda
+                            else L(16, 16, 16, 1, 1))
+                for eps in ("auto", None)]
+    E = case.E.detach().clone().requires_grad_(True)
+    C = case.C.detach().clone().requires_grad_(True)
+    records = []
+    for name, eps, cfg in variants:
+        rec = dict(case=f"dense/{case.name}/{name}", status="ok")
+        configs = with_config(base, "backward_gemm", cfg)
+
+        def step():
+            E.grad = C.grad = None
+            linear_cross_entropy(E, C, case.x, configs=configs, filter_eps=eps).backward()
+
+        try:
+            step()
+            rec.update(ms=round(latency(step, warmup=1, repeats=repeats, device=case.device).median_ms, 2),
+                       host_ms=host_ms(step, repeats, cuda))
+            if cuda:
+                rec.update(g_kernel_ms=kernel_ms(step, "gradient_chunk_kernel"), gpu_ms=kernel_ms(step, ""))
+                if not records:  # the shipped step, kernel by kernel
+                    rec["kernels"] = kernel_table(step)
+        except Exception as error:  # noqa: BLE001
+            rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
+        records.append(rec)
+    for r in records:
+        for name, ms, count in r.get("kernels", []):
+            print(f"    {ms:9.3f} ms  x{count:<5d} {name}")
+    return records
+
+
+def timeline(case, out_dir):
+    """One shipped forward+backward under the profiler: the GPU's idle gaps between kernels (the
+    largest, with the kernels on either side), their sum against the step's span; the Chrome trace
+    is written beside the results."""
+    import json
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    E = case.E.detach().clone().requires_grad_(True)
+    C = case.C.detach().clone().requires_grad_(True)
+
+    def step():
+        E.grad = C.grad = None
+        linear_cross_entropy(E, C, case.x).backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    path = os.path.join(out_dir, f"trace_{case.name}.json")
+    prof.export_chrome_trace(path)
+    events = json.load(open(path))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                     key=lambda e: e["ts"])
+    gaps = []
+    for a, b in zip(kernels, kernels[1:]):
+        gap = b["ts"] - (a["ts"] + a.get("dur", 0))
+        if gap > 0:
+            gaps.append((round(gap / 1e3, 3), a["name"][:40], b["name"][:40]))
+    busy = sum(k.get("dur", 0) for k in kernels) / 1e3
+    span = (kernels[-1]["ts"] + kernels[-1].get("dur", 0) - kernels[0]["ts"]) / 1e3
+    return [dict(case=f"timeline/{case.name}", status="ok", span_ms=round(span, 2), busy_ms=round(busy, 2),
+                 idle_ms=round(sum(g[0] for g in gaps), 2), kernels=len(kernels),
+                 largest_gaps=sorted(gaps, reverse=True)[:12])]
+
+
 def host_sweep(case, base, repeats, cuda):
     """The "gemm" backward's wall time against its host time (until ``cce_backward`` returns, the
     GPU still working) per G-kernel variant: pointer loads, descriptor loads with a pointer G
@@ -533,6 +628,14 @@ def main():
             c.run(f"chunks/{case.name}", chunk_width_sweep, case, base, repeats, cuda)
             del case
             release_memory(device)
+    if not args.tier and "dense" in sections:
+        for name in first_only(cases):
+            c.run(f"dense/{name}", dense_sweep, cases[name], base, repeats, cuda)
+    if cuda and not args.tier and "timeline" in sections:
+        import os
+
+        for name in cases:
+            c.run(f"timeline/{name}", timeline, cases[name], os.path.dirname(os.path.abspath(args.out)))
     if not args.tier and "small_n" in sections:
         for N in (1024, 4096) if cuda else (scale(1024, 24),):
             c.run(f"small_n/{N}", small_n_sweep, N, scale(151_936, 301), scale(1024, 24), dtype, device, repeats,
@@ -566,7 +669,7 @@ def main():
             "loss_vs_shipped", "dE_vs_shipped", "dC_vs_shipped", "bwd_ms", "g_kernel_ms", "g_tflops", "v_chunk",
             "bwd_peak_over_lb", "launches",
             "mm_ms", "mm_tflops", "mm_then_g_ms", "mm_then_lse_ms", "extra_mb", "tiles_skipped",
-            "chunks_dead", "loss_vs_first", "dE_vs_first", "dC_vs_first", "error")
+            "chunks_dead", "span_ms", "busy_ms", "idle_ms", "largest_gaps", "loss_vs_first", "dE_vs_first", "dC_vs_first", "error")
     for r in c.records:
         print(f"{r['case'][:52]:52s} {r.get('status', '?')[:6]:6s} "
               + " ".join(f"{k}={r[k]}" for k in keys if k in r))

@@ -16,7 +16,7 @@ def indexed_dot_kernel(
     E_ptr, C_ptr, x_ptr, out_ptr,  # E (N, D), C (V, D), x (N,), out (N,) fp32
     bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     # sizes
-    N, D,
+    N, V, D,
     # strides
     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
     # options
@@ -31,8 +31,10 @@ def indexed_dot_kernel(
     row_mask = rows < N
     x = tl.load(x_ptr + rows * stride_x, mask=row_mask, other=ignore_index).to(tl.int64)
     kept = row_mask & (x != ignore_index)
-    # Ignored rows read C's row 0 instead of an out-of-range one; their value is never used.
-    x = tl.where(kept, x, 0)
+    # Ignored rows read C's row 0 instead of an out-of-range one; their value is never used. So
+    # does a target outside [0, V): the host checks the range while this runs and raises before
+    # returning anything (``helpers.cce.api``), so no launch may read out of bounds meanwhile.
+    x = tl.where(kept & (x >= 0) & (x < V), x, 0)
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
