@@ -45,7 +45,9 @@ Triton interpreter, to check the script (timings meaningless there).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from unittest import mock
 
 import torch
 import triton
@@ -78,6 +80,11 @@ SPARSE_FORWARD_CANDIDATES = [L(256, 128, 64, 8, 3, **T), L(128, 256, 64, 8, 3), 
                              L(256, 128, 128, 8, 2, **T), L(256, 128, 64, 8, 3, GROUP_N=4, **T)]
 SECTIONS = ("forward", "g_kernel", "host", "order", "sparse_forward", "e2e_hopper", "chunks", "small_n", "dense",
             "timeline", "cublas", "realistic")
+
+
+def patched(module, **values):
+    """``module``'s attributes set to ``values`` for a ``with`` block (none: nothing changes)."""
+    return mock.patch.multiple(module, **values) if values else contextlib.nullcontext()
 
 
 def label(cfg: LaunchConfig) -> str:
@@ -185,25 +192,22 @@ def chunk_width_sweep(case, base, repeats, cuda):
     import helpers.cce.backward_gemm as gemm_host
 
     lb = (case.N + case.V) * case.D * case.dtype.itemsize
-    shipped = gemm_host.G_IN_PLACE_BYTES
     records = []
     for mib in IN_PLACE_MIB if cuda else (0, 1):
         rec = dict(case=f"chunks/{case.name}/in_place={mib}MiB", status="ok")
         try:
-            gemm_host.G_IN_PLACE_BYTES = mib * 2**20 if cuda else mib * 4096
-            stats = {}
-            case.backward(stats=stats)
-            run = lambda: case.backward()  # noqa: E731
-            _, peak = peak_memory(run, device=case.device)  # dE, dC and the scratch, inputs excluded
-            rec.update(bwd_ms=round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2),
-                       host_ms=host_ms(run, repeats, cuda), bwd_peak_over_lb=round(peak / lb, 3),
-                       launches=stats["launches"], places=stats["g_places"])
-            if cuda:
-                rec.update(g_kernel_ms=kernel_ms(run, "gradient_chunk_kernel"), gpu_ms=kernel_ms(run, ""))
+            with patched(gemm_host, G_IN_PLACE_BYTES=mib * 2**20 if cuda else mib * 4096):
+                stats = {}
+                case.backward(stats=stats)
+                run = lambda: case.backward()  # noqa: E731
+                _, peak = peak_memory(run, device=case.device)  # dE, dC and the scratch, inputs excluded
+                rec.update(bwd_ms=round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2),
+                           host_ms=host_ms(run, repeats, cuda), bwd_peak_over_lb=round(peak / lb, 3),
+                           launches=stats["launches"], places=stats["g_places"])
+                if cuda:
+                    rec.update(g_kernel_ms=kernel_ms(run, "gradient_chunk_kernel"), gpu_ms=kernel_ms(run, ""))
         except Exception as error:  # noqa: BLE001
             rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
-        finally:
-            gemm_host.G_IN_PLACE_BYTES = shipped
         records.append(rec)
     return records
 
@@ -222,21 +226,19 @@ def small_n_sweep(N, V, D, dtype, device, repeats, cuda):
         E.grad = C.grad = None
         linear_cross_entropy(E, C, x).backward()
 
-    shipped = (gemm_host.G_IN_PLACE_BYTES, gemm_host.TMA_MIN_CHUNK_FLOP)
-    variants = [("shipped", shipped), ("in_place=0", (0, shipped[1])),
-                ("no G descriptors", (shipped[0], float("inf"))), ("descriptors every chunk", (shipped[0], 0.0))]
+    variants = [("shipped", {}), ("in_place=0", dict(G_IN_PLACE_BYTES=0)),
+                ("no G descriptors", dict(TMA_MIN_CHUNK_FLOP=float("inf"))),
+                ("descriptors every chunk", dict(TMA_MIN_CHUNK_FLOP=0.0))]
     records = []
-    for name, (in_place, tma_min) in variants:
+    for name, constants in variants:
         rec = dict(case=f"small_n/qwen3-{N}/{name}", status="ok")
         try:
-            gemm_host.G_IN_PLACE_BYTES, gemm_host.TMA_MIN_CHUNK_FLOP = in_place, tma_min
-            step()
-            rec.update(ms=round(latency(step, warmup=2, repeats=2 * repeats, device=device).median_ms, 2),
-                       host_ms=host_ms(step, repeats, cuda))
+            with patched(gemm_host, **constants):
+                step()
+                rec.update(ms=round(latency(step, warmup=2, repeats=2 * repeats, device=device).median_ms, 2),
+                           host_ms=host_ms(step, repeats, cuda))
         except Exception as error:  # noqa: BLE001
             rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
-        finally:
-            gemm_host.G_IN_PLACE_BYTES, gemm_host.TMA_MIN_CHUNK_FLOP = shipped
         records.append(rec)
     return records
 
@@ -500,23 +502,20 @@ def host_sweep(case, base, repeats, cuda):
     if not cuda:  # the interpreter: one of each kind of variant
         variants = [variants[0], variants[2], variants[5]]
     records = []
-    real_block_descriptor = gemm_host.block_descriptor
     for name, cfg, g_store in variants:
         rec = dict(case=f"host/{case.name}/{name}", status="ok")
         try:
-            gemm_host.block_descriptor = real_block_descriptor if g_store else (lambda *a: None)
-            configs = with_config(base, "backward_gemm", cfg)
-            run = lambda: case.backward(configs=configs)  # noqa: E731
-            run()
-            rec["bwd_ms"] = round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2)
-            rec["host_ms"] = host_ms(run, repeats, cuda)
-            if cuda:
-                rec["g_kernel_ms"] = kernel_ms(run, "gradient_chunk_kernel")
-                rec["gpu_ms"] = kernel_ms(run, "")  # every kernel of the backward
+            with patched(gemm_host, **({} if g_store else dict(block_descriptor=lambda *a: None))):
+                configs = with_config(base, "backward_gemm", cfg)
+                run = lambda: case.backward(configs=configs)  # noqa: E731
+                run()
+                rec["bwd_ms"] = round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2)
+                rec["host_ms"] = host_ms(run, repeats, cuda)
+                if cuda:
+                    rec["g_kernel_ms"] = kernel_ms(run, "gradient_chunk_kernel")
+                    rec["gpu_ms"] = kernel_ms(run, "")  # every kernel of the backward
         except Exception as error:  # noqa: BLE001
             rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
-        finally:
-            gemm_host.block_descriptor = real_block_descriptor
         records.append(rec)
     return records
 
