@@ -84,11 +84,13 @@ def vocab_chunks(rows: int, V: int, D: int, v_chunk: int, block_v: int, max_cols
     chunks, v0 = [], 0
     while v0 < V:
         left = V - v0
-        in_dE = dE_free // rows
-        in_dC = left * D // (rows + D) if dC_free else 0  # (V - v1) D >= rows cols
-        cols, place = max((in_dE, "dE"), (in_dC, "dC"))
-        cols = min(cols, max_cols)
-        cols = left if cols >= left else cols // block_v * block_v
+
+        def fit(room: int) -> int:  # the widest chunk a place of ``room`` columns takes
+            cols = min(room, max_cols)
+            return left if cols >= left else cols // block_v * block_v
+
+        cols, place = max((fit(dE_free // rows), "dE"),
+                          (fit(left * D // (rows + D)) if dC_free else 0, "dC"))  # (V - v1) D >= rows cols
         if cols == 0 or cols < min(v_chunk, left, D // block_v * block_v):
             cols, place = min(v_chunk, left), "buffer"
         chunks.append((v0, v0 + cols, place))
