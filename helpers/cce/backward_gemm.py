@@ -79,7 +79,8 @@ def vocab_chunks(rows: int, V: int, D: int, v_chunk: int, block_v: int, max_cols
     scratch of rows x v_chunk. In place a chunk is as wide as its place allows (dC's room shrinks
     as the chunks advance: cols <= (V - v0) D / (rows + D)), up to ``max_cols``, and taken when at
     least min(v_chunk, the columns left, D) wide (D, rounded down to ``block_v``: what the row
-    chunk's own dE rows hold), so that 16-bit inputs with dE wanted need no buffer. Widths are multiples of ``block_v`` but the last.
+    chunk's own dE rows hold), so that 16-bit inputs with dE wanted need no buffer. Widths are
+    multiples of ``block_v`` but the last.
     """
     chunks, v0 = [], 0
     while v0 < V:
@@ -337,7 +338,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                 torch.addmm(dC_rows, G_dC.T, E_op, beta=0.0 if chunk == 0 else 1.0, alpha=alpha,
                             out=dC_rows)
                 continue
-            for s0 in range(0, cols, staged_rows):  # (V_c, D) fp32 in pieces of v_chunk rows, then folded
+            for s0 in range(0, cols, staged_rows):  # (V_c, D) fp32, a piece at a time, then folded
                 s1 = min(cols, s0 + staged_rows)
                 dC_rows = dC_rows_buf[: s1 - s0]
                 _product(dC_rows, G_dC[:, s0:s1].T, E_op, alpha=alpha, accumulate=False, mode=mode)

@@ -668,7 +668,8 @@ def main():
             "loss_vs_shipped", "dE_vs_shipped", "dC_vs_shipped", "bwd_ms", "g_kernel_ms", "g_tflops", "v_chunk",
             "bwd_peak_over_lb", "launches",
             "mm_ms", "mm_tflops", "mm_then_g_ms", "mm_then_lse_ms", "extra_mb", "tiles_skipped",
-            "chunks_dead", "span_ms", "busy_ms", "idle_ms", "largest_gaps", "loss_vs_first", "dE_vs_first", "dC_vs_first", "error")
+            "chunks_dead", "span_ms", "busy_ms", "idle_ms", "largest_gaps", "loss_vs_first", "dE_vs_first",
+            "dC_vs_first", "error")
     for r in c.records:
         print(f"{r['case'][:52]:52s} {r.get('status', '?')[:6]:6s} "
               + " ".join(f"{k}={r[k]}" for k in keys if k in r))
