@@ -76,9 +76,9 @@ def fold_dC(dC, dC_rows, where, first, compensation):
 
 
 def read_later(t: torch.Tensor) -> Callable[[], float | bool]:
-    """A function that returns the one-element ``t`` as a Python number. On a GPU the copy to the host is
-    queued now and waited for only when called (up to ``t``'s own work, not the work queued after
-    it), so a host that launches more work first never leaves the GPU idle; on the CPU, at once."""
+    """A function that returns the one-element ``t`` as a Python number. On a GPU the copy to the
+    host is queued now and waited for only when called (up to ``t``'s own work, not the work queued
+    after it), so a host that launches more work first never leaves the GPU idle; on the CPU, at once."""
     if t.device.type != "cuda":
         return lambda: t.item()
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -86,7 +86,7 @@ def read_later(t: torch.Tensor) -> Callable[[], float | bool]:
     copied = torch.cuda.Event()
     copied.record()
 
-    def value() -> float:
+    def value() -> float | bool:
         copied.synchronize()
         return host.item()
 
