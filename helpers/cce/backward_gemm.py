@@ -24,6 +24,7 @@ import torch
 import triton
 
 from helpers.cce.descriptors import block_descriptor, operand_descriptors
+from helpers.cce.device import device_info
 from helpers.cce.gradients import MiB, RowGradient, fold_dC, read_later
 from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
 from helpers.cce.kernels.configs import LaunchConfig
@@ -256,6 +257,8 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         torch.zeros(V, D, dtype=dtype, device=device)
         if need_dC and low_precision and o.accumulation == "kahan" and n_chunks > 1 else None
     )
+    # The multiprocessors a persistent G kernel's programs fill (the interpreter: a few, so each walks several tiles).
+    programs = device_info(device).multiprocessors if device.type == "cuda" else 3
     counters = {"tiles": 0, "launches": 0, "g_places": dict.fromkeys(G_PLACES, 0)}
 
     for chunk, (n0, n1, chunks) in enumerate(plan.row_chunks):
@@ -290,9 +293,9 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
             E_arg, C_arg = (E_desc, C_desc) if tma else (E_rows, C)
             key = (G.data_ptr(), cols)
             if tma and not split and key not in G_descs:
-                G_descs[key] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V)
+                G_descs[key] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V // cfg.g_subtile)
             G_desc = G_descs.get(key) if tma else None
-            gradient_chunk_kernel[(tiles,)](
+            gradient_chunk_kernel[(min(tiles, cfg.persistent * programs) if cfg.persistent else tiles,)](
                 E_arg, C_arg, x[n0:n1], lse[n0:n1], coef, bias if bias is not None else lse,
                 vocab_order if vocab_order is not None else tile_kept,
                 G if G_desc is None else G_desc, G_exact, tile_kept,
@@ -306,7 +309,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                 SPLIT_G=split,
                 SORTED=vocab_order is not None,
                 DOT_PRECISION=dot_precision(dtype),
-                E_DESC=tma, G_DESC=G_desc is not None,
+                E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=cfg.persistent > 0,
                 **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
             )
             if stats is not None and filtering:

@@ -62,6 +62,9 @@ from helpers.compare.measure import latency, peak_memory, release_memory
 L = LaunchConfig
 T = dict(tma=True)  # E and C (and G) through tensor descriptors: the copy engine (Hopper and later)
 # (BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages[, GROUP_N]); the first is the shipped one.
+# (A forward whose vocabulary loop was fused with its D loop, ``tl.range(flatten=True)``, measured
+# slower on an H200: 13.3 -> 15.1 ms at the Gemma-2-2B head, 8.0 -> 8.5 at Qwen3 16k; the sorted
+# walk 15.1 -> 16.9: docs/PERFORMANCE.md, fifth pass.)
 FORWARD_CANDIDATES = [L(128, 256, 64, 8, 3, **T), L(128, 256, 64, 8, 3), L(256, 128, 64, 8, 4, **T),
                       L(128, 256, 64, 8, 4, **T), L(128, 256, 64, 8, 3, **T)]
 # The Turing tier's (64 KB of shared memory per block; the CPU test compiles the shipped one for
@@ -69,11 +72,20 @@ FORWARD_CANDIDATES = [L(128, 256, 64, 8, 3, **T), L(128, 256, 64, 8, 3), L(256, 
 TURING_CANDIDATES = [L(64, 128, 32, 4, 2), L(128, 128, 32, 8, 2), L(128, 128, 32, 4, 2),
                      L(128, 64, 32, 4, 3), L(64, 256, 32, 8, 2), L(128, 128, 32, 8, 3),
                      L(64, 128, 64, 4, 2), L(128, 64, 64, 4, 2)]
-# The shipped one last as well: a drift of the GPU's clocks over the sweep shows as two times.
-# (Narrower than 256 columns changes what the filter skips: docs/PERFORMANCE.md, third pass.)
-G_CANDIDATES = [L(128, 256, 64, 8, 4, **T), L(128, 256, 64, 8, 4), L(128, 256, 64, 8, 3, **T),
-                L(128, 128, 64, 4, 3, **T), L(64, 256, 64, 4, 3, **T), L(128, 256, 64, 8, 4, GROUP_N=16, **T),
-                L(128, 256, 64, 8, 4, **T)]
+# Persistent (``LaunchConfig.persistent``): programs per multiprocessor walking their tiles, the
+# next tile's loads under this one's epilogue. Compiled for sm_90 on a CPU first (Triton 3.6, bf16,
+# filter on; shared memory per program): 128 x 256 x 64, 8 warps, 3 stages 209 KB (4 stages with G
+# whole, 257 KB, does not fit 227 KB; with G in two column blocks 225 KB); two programs per SM
+# (each <= 113 KB and <= 255 registers at 4 warps): 64 x 256 x 64 at 2 stages 112 KB (96 KB with
+# G/2, 223-227 registers), 128 x 128 x 64 at 2 stages 97 KB, at 3 stages with G/2 113 KB. 64-row
+# tiles keep the filter's 256 columns; 128-column ones change what it skips (third pass). The
+# shipped one last as well: a drift of the GPU's clocks over the sweep shows as two times.
+P = dict(tma=True, persistent=1)
+P2 = dict(tma=True, persistent=2)
+G_CANDIDATES = [L(128, 256, 64, 8, 3, GROUP_N=16, **P), L(64, 256, 64, 4, 2, GROUP_N=16, **P2),
+                L(64, 256, 64, 4, 2, GROUP_N=16, g_subtile=2, **P2), L(128, 128, 64, 4, 2, **P2),
+                L(128, 128, 64, 4, 3, g_subtile=2, **P2), L(128, 256, 64, 8, 4, **T),
+                L(128, 256, 64, 8, 3, GROUP_N=16, **P)]
 # The forward of the "sparse" backward (activity bits, the sorted vocabulary gathered: E alone
 # through a descriptor), realistic regime.
 SPARSE_FORWARD_CANDIDATES = [L(256, 128, 64, 8, 3, **T), L(128, 256, 64, 8, 3), L(256, 128, 64, 8, 4, **T),
@@ -89,7 +101,8 @@ def patched(module, **values):
 
 def label(cfg: LaunchConfig) -> str:
     return (f"{cfg.BLOCK_N}x{cfg.BLOCK_V}x{cfg.BLOCK_D} w{cfg.num_warps} s{cfg.num_stages} g{cfg.GROUP_N}"
-            + (" tma" if cfg.tma else ""))
+            + (" tma" if cfg.tma else "") + (f" persistent x{cfg.persistent}" if cfg.persistent else "")
+            + (f" G/{cfg.g_subtile}" if cfg.g_subtile > 1 else ""))
 
 
 def product_tflops(N, V, D, ms):
@@ -134,14 +147,19 @@ class Case:
 
 
 def forward_sweep(case, base, candidates, repeats):
-    records = []
+    records, first = [], None
     for cfg in candidates:
         rec = dict(case=f"forward/{case.name}/{label(cfg)}", status="ok")
         try:
             configs = with_config(base, "forward", cfg)
-            ms = latency(lambda: cce_forward(case.E, case.C, case.x, case.options, configs),
-                         warmup=1, repeats=repeats, device=case.device).median_ms
+            run = lambda: cce_forward(case.E, case.C, case.x, case.options, configs)  # noqa: E731
+            _, lse = run()
+            ms = latency(run, warmup=1, repeats=repeats, device=case.device).median_ms
             rec.update(ms=round(ms, 2), tflops=product_tflops(case.N, case.V, case.D, ms))
+            if first is None:
+                first = lse
+            else:  # against the first candidate's (other tiles sum in another order)
+                rec["lse_max_diff"] = float((lse - first).abs().max())
         except Exception as error:  # noqa: BLE001 (a config may not fit or compile: record it)
             rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
         records.append(rec)
@@ -584,7 +602,8 @@ def main():
         forward_candidates = g_candidates = (
             TURING_CANDIDATES if args.tier == "turing-64k" else [base.forward[2]])
     if not cuda:  # the interpreter runs any tile size; keep them small
-        forward_candidates = g_candidates = [L(16, 32, 16, 1, 1), L(32, 16, 16, 1, 1, GROUP_N=2)]
+        forward_candidates = g_candidates = [L(16, 32, 16, 1, 1), L(32, 16, 16, 1, 1, GROUP_N=2),
+                                             L(16, 32, 16, 1, 1, persistent=1)]
         base = tier("interpreter")
     gemma = ("gemma2", scale(8192, 40), scale(256_000, 500), scale(2304, 36))
     qwen = ("qwen3-16k", scale(16_384, 64), scale(151_936, 301), scale(1024, 24))

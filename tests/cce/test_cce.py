@@ -473,3 +473,34 @@ def test_the_filter_threshold_scales_with_the_tile_width(impl):
         linear_cross_entropy(E_, C.clone().requires_grad_(True), x, filter_eps=eps, backward_impl=impl,
                              stats=stats).backward()
         assert stats["skipped"] == skipped, (eps, stats)
+
+
+@pytest.mark.parametrize("tma,subtile,filtered,sort", [
+    (False, 1, True, False),  # pointer loads and stores, the filter
+    (True, 2, True, False),  # descriptors, G in two column blocks
+    (True, 1, False, True),  # the sorted vocabulary (C gathered), no filter
+])
+def test_the_persistent_g_kernel_gives_the_same_bits(tma, subtile, filtered, sort):
+    """A G kernel whose programs each walk several tiles (``LaunchConfig.persistent``, the
+    interpreter's 3 programs) writes the bits of one program per tile, and skips the same tiles."""
+    import dataclasses
+
+    from helpers.cce.kernels.configs import tier
+
+    dtype = torch.float16
+    base = tier("interpreter")
+    plain = dataclasses.replace(base.backward_gemm[2], tma=tma)
+    walked = dataclasses.replace(plain, persistent=1, g_subtile=subtile)
+    E, C, x = make_inputs(dtype, n=45, v=203, d=40, ignore=[3])
+    options = resolve_options(dtype, filter_eps="auto" if filtered else None, sort_vocab=sort)
+    _, lse = cce_forward(E, C, x, options)
+    go = upstream("mean", n=45)
+    results = []
+    for cfg in (plain, walked):
+        stats = {}
+        configs = dataclasses.replace(base, backward_gemm={**base.backward_gemm, 2: cfg})
+        results.append((cce_backward(E, C, x, lse, go, options, configs, stats=stats, backward_impl="gemm"), stats))
+    (dE0, dC0, _), s0 = results[0]
+    (dE1, dC1, _), s1 = results[1]
+    assert torch.equal(dE0, dE1) and torch.equal(dC0, dC1)
+    assert s0["tiles"] == s1["tiles"] and s0.get("skipped") == s1.get("skipped")

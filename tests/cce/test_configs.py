@@ -163,6 +163,8 @@ def compile_ours(request):
         constexprs["DOT_PRECISION"] = "ieee" if size == 4 else "tf32"
         if request["kernel"] in ("backward", "backward_gemm"):
             constexprs["GROUP_N"] = cfg.GROUP_N
+        if request["kernel"] == "backward_gemm":  # the G kernel's walk and its G blocks, as shipped
+            constexprs.update(PERSISTENT=cfg.persistent > 0, G_SUBTILE=cfg.g_subtile)
     constexprs.update(KERNEL_FLAGS[(request["kernel"], request["variant"])])
     if constexprs.get("EMIT_BITS"):
         constexprs["SUB"] = cfg.BLOCK_V // tier.sparse[size].BLOCK_V
@@ -173,7 +175,7 @@ def compile_ours(request):
         if not constexprs.get("SORTED"):
             sig["C_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_V}, {cfg.BLOCK_D}]>"
         if constexprs.get("G_DESC"):
-            sig["G_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_N}, {cfg.BLOCK_V}]>"
+            sig["G_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_N}, {cfg.BLOCK_V // cfg.g_subtile}]>"
     attrs = _specialize(fn, sig, constexprs)
     major, minor = request.get("target") or tier.target_capability
     compiled = triton.compile(

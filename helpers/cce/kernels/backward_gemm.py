@@ -35,6 +35,13 @@ Tensor descriptors (E_DESC, G_DESC; ``helpers.cce.descriptors``): on the Hopper 
 through the copy engine and G leaves through it, for chunks large enough that the descriptors'
 host time per launch is hidden (``helpers.cce.backward_gemm.TMA_MIN_CHUNK_FLOP``); same bits.
 
+Persistent walk (PERSISTENT, ``LaunchConfig.persistent``; the Hopper tier): a program per
+multiprocessor takes tiles pid, pid + programs, ... in one loop that the compiler fuses with the
+logit loop inside it (``tl.range(flatten=True)``), so the next tile's first loads are in flight
+while this tile's G is formed, filtered and stored, and the copy engine's store of G waits only
+before the next one. One program per tile instead refills its pipeline and drains its store each
+time. Same tiles, same arithmetic: the same bits.
+
 Reference: autograd through ``helpers.spec.reference_loss`` (tests/test_cce.py runs every
 option with ``backward_impl="gemm"``, the default); the host function is ``helpers.cce.cce_backward``.
 """
@@ -77,10 +84,42 @@ def gradient_chunk_kernel(
     SORTED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     E_DESC: tl.constexpr = False,  # E_ptr (and C_ptr unless SORTED) are tensor descriptors
-    G_DESC: tl.constexpr = False,  # G_ptr is a tensor descriptor of (BLOCK_N, BLOCK_V) blocks
+    G_DESC: tl.constexpr = False,  # G_ptr is a tensor descriptor of (BLOCK_N, BLOCK_V // G_SUBTILE) blocks
+    G_SUBTILE: tl.constexpr = 1,  # G_DESC: the tile leaves in this many column blocks (1 or 2)
+    PERSISTENT: tl.constexpr = False,  # each program walks tiles pid, pid + programs, ... (one flattened loop)
 ):
-    # 1. [Grouped order] this program's tile of the chunk; C strips are shared through L2.
-    pid_n, pid_v = grouped_tile(tl.program_id(0), N, v_count, BLOCK_N, BLOCK_V, GROUP_N)
+    if PERSISTENT:
+        # [Persistent walk] one loop over this program's tiles, flattened with the logit loop inside,
+        # so that the pipeliner issues the next tile's first loads while this tile's epilogue
+        # (G formed, filtered and stored) runs.
+        tiles = tl.cdiv(N, BLOCK_N) * tl.cdiv(v_count, BLOCK_V)
+        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):
+            _gradient_chunk_tile(
+                tile, E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, G_ptr, G_exact_ptr,
+                tile_kept_ptr, N, V, D, v_begin, v_count, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
+                stride_Gn, stride_Gv, stride_coef, softcap, eps, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N,
+                HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE)
+    else:
+        _gradient_chunk_tile(
+            tl.program_id(0), E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, G_ptr,
+            G_exact_ptr, tile_kept_ptr, N, V, D, v_begin, v_count, stride_En, stride_Ed, stride_Cv, stride_Cd,
+            stride_x, stride_Gn, stride_Gv, stride_coef, softcap, eps, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N,
+            HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE)
+
+
+@triton.jit
+def _gradient_chunk_tile(
+    tile, E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, G_ptr, G_exact_ptr,
+    tile_kept_ptr, N, V, D, v_begin, v_count, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
+    stride_Gn, stride_Gv, stride_coef, softcap, eps,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, FILTER: tl.constexpr, SPLIT_G: tl.constexpr,
+    SORTED: tl.constexpr, DOT_PRECISION: tl.constexpr, E_DESC: tl.constexpr, G_DESC: tl.constexpr,
+    G_SUBTILE: tl.constexpr,
+):
+    """Tile ``tile`` of the chunk (``gradient_chunk_kernel``'s arguments)."""
+    # 1. [Grouped order] the tile's place in the chunk; C strips are shared through L2.
+    pid_n, pid_v = grouped_tile(tile, N, v_count, BLOCK_N, BLOCK_V, GROUP_N)
     rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     row_mask = rows < N
     # Columns in int32 (below V < 2^31): the tile's per-element indices stay 32-bit; products
@@ -117,7 +156,12 @@ def gradient_chunk_kernel(
 
     # 4. G_c in the input dtype, the operand of both GEMMs (a bf16/fp16 product rounds G there
     # anyway, as the "atomic" kernel's tl.dot and the naive path's matmuls do).
-    if G_DESC:  # the copy engine writes the block, clipped to the chunk's bounds
+    if G_DESC and G_SUBTILE == 2:  # two column halves: half the shared memory for the copy engine
+        halves = tl.permute(tl.reshape(G.to(dtype), (BLOCK_N, 2, BLOCK_V // 2)), (0, 2, 1))
+        G_left, G_right = tl.split(halves)
+        G_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], G_left)
+        G_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V + BLOCK_V // 2], G_right)
+    elif G_DESC:  # the copy engine writes the block, clipped to the chunk's bounds
         G_ptr.store([pid_n * BLOCK_N, pid_v * BLOCK_V], G.to(dtype))
     else:
         tl.store(G_ptr + g_ptrs, G.to(dtype), mask=g_mask)

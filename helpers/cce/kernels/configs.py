@@ -34,6 +34,12 @@ class LaunchConfig:
     # E and C (unless gathered) read, and G written, through tensor descriptors: Hopper's copy
     # engine (TMA), ``helpers.cce.descriptors``. Off: pointer loads and stores.
     tma: bool = False
+    # The "gemm" backward's G kernel only: ``persistent`` programs per multiprocessor (0: one per
+    # tile), each walking its tiles in one flattened loop, so the next tile's loads run under this
+    # tile's epilogue; G leaves through the copy engine in ``g_subtile`` column blocks (less shared
+    # memory for it).
+    persistent: int = 0
+    g_subtile: int = 1
 
     def tiles(self, *names: str) -> dict:
         return {name: getattr(self, name) for name in names}
@@ -133,11 +139,15 @@ TIERS: tuple[CCEConfigs, ...] = (
         # kernel 23.0 -> 21.1 (Gemma). Its 128 x 128 tiles were faster still (17.1-18.2 ms) but
         # the "gemm" filter's rule is per tile, and 128-column tiles drop ~4x the |G| mass of
         # 256-column ones on the realistic regime (float64, 1,024 rows at the Gemma head: dE
-        # 7.0e-3 from the filter against 1.8e-3): the G kernel keeps 256 columns.
+        # 7.0e-3 from the filter against 1.8e-3): the G kernel keeps 256 columns. Persistent (one
+        # program per SM walking its tiles, the next tile's loads under this one's epilogue; 3
+        # stages, 209 KB): the backward 47.9-48.5 -> 44.8 ms at the Gemma head, 28.9-29.2 -> 27.1
+        # at Qwen3 16k, G kernel 13.1-13.4 -> 11.4 ms there; two programs per SM at 64 x 256 or
+        # 128 x 128 were slower (docs/PERFORMANCE.md, fifth pass).
         forward={2: _L(128, 256, 64, 8, 3, tma=True), 4: _L(128, 64, 32, 8, 3)},
         forward_sorted={2: _L(256, 128, 64, 8, 3, tma=True)},
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
-        backward_gemm={2: _L(128, 256, 64, 8, 4, tma=True), 4: _L(128, 64, 32, 8, 3)},
+        backward_gemm={2: _L(128, 256, 64, 8, 3, GROUP_N=16, tma=True, persistent=1), 4: _L(128, 64, 32, 8, 3)},
         # Not tuned (no GPU run yet): packs of 64 rows x 128 columns, two bits per forward tile.
         sparse={2: _L(64, 128, 64, 4, 3), 4: _L(64, 64, 32, 4, 3)},
         # On an H200 (bf16, a trained model's softmax, forced past the fallback): 21% marked 0.77x
