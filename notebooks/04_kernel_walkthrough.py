@@ -1247,7 +1247,10 @@ for kahan in (False, True):
 #   128 ms. The default ("gemm") backward writes G for one vocabulary chunk at a time
 #   (N × V<sub>c</sub>, in the input dtype, into rows of dC or dE it has not written yet, so a chunk
 #   costs no memory) and hands the two products to cuBLAS as dense GEMMs that write each gradient
-#   element once per chunk (`helpers/cce/backward_gemm.py`).
+#   element once per chunk (`helpers/cce/backward_gemm.py`). On Hopper the kernel that writes G is
+#   persistent: one program per multiprocessor walks its tiles in one loop, so the next tile's
+#   loads run while this tile's G is formed and stored (3 ms of the Gemma-2-2B head's backward on
+#   an H200).
 # - **It accumulates in fp32.** dE's products add into an fp32 accumulator (a cuBLAS product with
 #   fp32 output), rounded once at the end; dC is written once per chunk. Apple's CCE adds dE in
 #   bf16 across ~1,000 vocabulary blocks, and its dE is about 18× less accurate than naive's
@@ -1262,12 +1265,12 @@ for kahan in (False, True):
 #   may reach ε, the backward gathers each tile's marked rows into packs and computes only those,
 #   with the vocabulary sorted so that the tiles a row needs sit together
 #   (`helpers/cce/backward_sparse.py`). Measured on an H200, bf16, realistic inputs: 9-11% of the
-#   pairs marked, forward+backward 35 ms against the default's 62 at the Gemma-2-2B head
-#   (torch.compile 49) and 176 ms against 314 at the Qwen3 head with N = 131,072 (torch.compile
-#   266, Liger 230), at 1.06-1.17× the floor, with dE as accurate as the default's. On a flat
+#   pairs marked, forward+backward 34 ms against the default's 58 at the Gemma-2-2B head
+#   (torch.compile 48) and 175 ms against 302 at the Qwen3 head with N = 131,072 (torch.compile
+#   263, Liger 225), at 1.06-1.17× the floor, with dE as accurate as the default's. On a flat
 #   softmax (an untrained model) nothing can be skipped and it runs the default. On the softmax of
 #   a language model trained for the purpose (`helpers.compare.trained`, the `trained` regime:
-#   15-26% of the pairs marked) it took 45 ms against 63 at the Gemma head and ran the default at
+#   15-26% of the pairs marked) it took 46 ms against 59 at the Gemma head and ran the default at
 #   the Qwen3 head with N = 16,384: how peaked a softmax is decides whether skipping pays.
 # - **Its tiles fit a T4.** The launch configurations are a table keyed by shared memory per
 #   block (`helpers/cce/kernels/configs.py`); the Turing tier stays within a T4's 64 KB, and a test
