@@ -36,3 +36,18 @@ def test_gpu_script_runs_tiny_on_cpu(script, tmp_path):
     assert result["records"], "no case ran"
     errors = [r for r in result["records"] if r.get("status") == "error"]
     assert not errors, errors
+
+
+def test_the_gluon_g_kernel_compiles_for_hopper_within_its_shared_memory():
+    """``scripts/gpu/gluon_g.py`` (the warp-specialized G kernel, an experiment for the H200) cannot
+    run here: Gluon has no interpreter. What a CPU can prove is that it compiles for sm_90 with this
+    Triton, fits 227 KB of shared memory per block and spills no registers."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "gluon_g.py"), "--compile-only"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout[done.stdout.index("{"):])
+    assert result["status"] == "ok", result
+    assert 0 < result["shared_bytes"] <= 227 * 1024, result
+    assert "0 bytes spill stores" in result["ptxas"], result
+    assert result["wgmma"] > 0 and result["tma"] > 0 and result["setmaxnreg"] > 0, result
