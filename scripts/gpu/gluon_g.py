@@ -58,7 +58,9 @@ MAXNREG = 168  # 168 x 12 warps x 32 <= 64 K registers: what the partitions' bud
 
 @gluon.jit
 def _tile_coords(tile, N, v_count, BN: gl.constexpr, BV: gl.constexpr, GN: gl.constexpr):
-    """(first row, first column of the chunk) of ``tile`` in grouped order (Triton tutorial 03)."""
+    """(first row, first column of the chunk) of ``tile`` in grouped order (Triton tutorial 03):
+    ``helpers.cce.kernels.gradient.grouped_tile``'s, repeated because Gluon cannot call Triton's
+    jit functions."""
     num_n = gl.cdiv(N, BN)
     num_v = gl.cdiv(v_count, BV)
     in_group = GN * num_v
@@ -280,19 +282,6 @@ def _shipped_chunk(E, C, x, lse, coef, v_begin, v_count, eps, G, kept, cfg):
         **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch)
 
 
-def _median_ms(fn, repeats=20) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def run_on_gpu(out: str) -> int:
     """Per shape, one G chunk as wide as the shipped backward's first in-place chunk: the bits against
     the shipped kernel's with the filter off (the same tiles' products and formula), the tiles each
@@ -302,6 +291,10 @@ def run_on_gpu(out: str) -> int:
     from helpers.cce.kernels.configs import select_configs
     from helpers.cce.options import tile_eps
     from helpers.compare.inputs import make_inputs
+    from helpers.compare.measure import latency
+
+    def median_ms(fn):
+        return latency(fn, warmup=1, repeats=20, device=device).median_ms
 
     device = torch.device("cuda")
     cfg = select_configs(device).backward_gemm_for(torch.bfloat16)
@@ -327,13 +320,13 @@ def run_on_gpu(out: str) -> int:
             rec["G_abs_max"] = float(G_ref.float().abs().max())
             # 2. Time, the filter on at each kernel's tile width (as shipped).
             eps_ref, eps_new = tile_eps(o.filter_eps, cfg.BLOCK_V), tile_eps(o.filter_eps, BLOCK_V)
-            t_ref = _median_ms(lambda: _shipped_chunk(E, C, x, lse, coef, 0, cols, eps_ref, G_ref, kept_ref, cfg))
+            t_ref = median_ms(lambda: _shipped_chunk(E, C, x, lse, coef, 0, cols, eps_ref, G_ref, kept_ref, cfg))
             flop = 2 * N * cols * D
             rec.update(shipped_ms=round(t_ref, 3), shipped_tflops=round(flop / t_ref / 1e9, 1),
                        shipped_kept=float(kept_ref.float().mean()))
             for stages in (STAGES, STAGES - 1):  # 224 KB and 184 KB of shared memory
                 _, kept_new = gradient_chunk_pingpong(E, C, x, lse, coef, 0, cols, eps_new, G=G_new, stages=stages)
-                t_new = _median_ms(lambda: gradient_chunk_pingpong(E, C, x, lse, coef, 0, cols, eps_new, G=G_new,
+                t_new = median_ms(lambda: gradient_chunk_pingpong(E, C, x, lse, coef, 0, cols, eps_new, G=G_new,
                                                                    stages=stages))  # noqa: B023
                 rec[f"pingpong_s{stages}_ms"] = round(t_new, 3)
                 rec[f"pingpong_s{stages}_tflops"] = round(flop / t_new / 1e9, 1)
