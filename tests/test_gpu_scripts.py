@@ -51,3 +51,17 @@ def test_the_gluon_g_kernel_compiles_for_hopper_within_its_shared_memory():
     assert 0 < result["shared_bytes"] <= 227 * 1024, result
     assert "0 bytes spill stores" in result["ptxas"], result
     assert result["wgmma"] > 0 and result["tma"] > 0 and result["setmaxnreg"] > 0, result
+
+
+def test_the_gluon_g_kernels_barrier_protocol_reads_each_step_it_waited_for():
+    """The G kernel's producer and two consumers share one ring of buffers: a mistake in its phase
+    arithmetic shows on a GPU as wrong G or a hang. ``--check-protocol`` plays the protocol out in
+    Python over 540 (tiles, D steps, ring depth, interleaving) cases; without the turn barriers
+    (the kernel's first schedule) some must fail, so the check is not vacuous."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "gluon_g.py"), "--check-protocol"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1])
+    assert result["status"] == "ok" and not result["failures"], result
+    assert result["failing_without_turns"] > 0, result

@@ -2,6 +2,7 @@
 
     python scripts/gpu/gluon_g.py [--out $OUT/gluon_g.json]      # on a Hopper GPU: check, then time
     python scripts/gpu/gluon_g.py --compile-only                  # any machine: compile for sm_90
+    python scripts/gpu/gluon_g.py --check-protocol                # any machine: its barriers, in Python
 
 Why (docs/PERFORMANCE.md, fifth pass): the Triton G kernel, persistent, reaches 450 TFLOP/s at the
 Qwen3 head (D = 1,024) and ~570 at the Gemma-2-2B head (D = 2,304) against cuBLAS's 790, because each
@@ -11,7 +12,10 @@ programs per SM were slower. This kernel is the "ping-pong" schedule written out
 (``triton.experimental.gluon``, Triton >= 3.5): per SM, one producer warp issues the copy engine's
 loads of E's and C's blocks into a ring of STAGES buffers, and two consumer warpgroups take the
 program's tiles in turn (0, 2, 4, ... and 1, 3, 5, ...), so that one's epilogue runs while the other
-multiplies. Each consumer makes a (64, 256) tile: 128 fp32 accumulator registers a thread, and the
+multiplies. The two take the ring in turn as well (a pair of "turn" barriers): a consumer waits
+for its blocks only once the other has waited for all of its tile's, so the ring is read in the
+order it is filled. Without that, the second consumer's first wait (step k_steps of the ring) would
+match the phase parity of an earlier step's load and read the other's blocks. Each consumer makes a (64, 256) tile: 128 fp32 accumulator registers a thread, and the
 filter keeps its 256 columns (a 64-row tile skips where every one of its rows holds less than eps of
 |G| mass: the same per-row bound as the shipped 128-row tiles).
 
@@ -20,8 +24,10 @@ engine; what the shipped kernel (``helpers/cce/kernels/backward_gemm.py``) does 
 with the same arithmetic (``gradient_tile``'s formula). Not wired into the package: this script
 checks it against the shipped kernel and times both, at the Gemma-2-2B head and the Qwen3 head
 with N = 16,384, on one G chunk of each shape's widest in-place width. ``--compile-only`` compiles
-it for sm_90 with this machine's Triton and prints its shared memory and registers (the CPU test
-``tests/test_gpu_scripts.py`` runs it). Gluon kernels do not run under the Triton interpreter.
+it for sm_90 with this machine's Triton and prints its shared memory and registers;
+``--check-protocol`` plays its barrier protocol out in Python (``ring_protocol_check``). The CPU
+tests in ``tests/test_gpu_scripts.py`` run both: Gluon kernels do not run under the Triton
+interpreter.
 """
 
 from __future__ import annotations
@@ -76,7 +82,7 @@ def _producer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept
               N, V, D, v_begin, v_count, stride_coef, eps):
     """One warp: the copy engine's loads of every tile's E and C blocks, in tile then D order."""
     e_bufs, c_bufs, g_bufs = bufs
-    ready, empty = bars
+    ready, empty, turn = bars
     S: gl.constexpr = e_bufs.type.shape[0]
     BN: gl.constexpr = E_desc.block_type.shape[0]
     BD: gl.constexpr = E_desc.block_type.shape[1]
@@ -102,7 +108,7 @@ def _consumer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept
               N, V, D, v_begin, v_count, stride_coef, eps, WHICH: gl.constexpr):
     """One warpgroup: the products of this program's tiles WHICH, WHICH + 2, ..., then their G."""
     e_bufs, c_bufs, g_bufs = bufs
-    ready, empty = bars
+    ready, empty, turn = bars
     S: gl.constexpr = e_bufs.type.shape[0]
     BN: gl.constexpr = E_desc.block_type.shape[0]
     BD: gl.constexpr = E_desc.block_type.shape[1]
@@ -115,9 +121,12 @@ def _consumer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept
     k_steps = gl.cdiv(D, BD)
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    j = WHICH
+    j = WHICH  # this program's tile count: the tile's steps in the ring are j k_steps, ...
     for tile in range(pid + WHICH * programs, tiles, 2 * programs):
         row0, col0 = _tile_coords(tile, N, v_count, BN, BV, GROUP_N)
+        # 0. This consumer's turn at the ring: consumer 0 goes first (a fresh barrier passes
+        # phase parity 1), then each waits for the other's (j // 2)-th hand-over.
+        mbarrier.wait(turn.index(WHICH), ((j // 2) & 1) ^ (1 - WHICH))
         # 1. z = E_rows C_cols^T: the ring's blocks of this tile, products in flight one behind.
         it = j * k_steps
         acc = gl.zeros((BN, BV), dtype=gl.float32, layout=mma)
@@ -128,6 +137,9 @@ def _consumer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             if k > 0:  # the product of step k - 1 is done: its buffers go back to the producer
                 mbarrier.arrive(empty.index((it + k - 1) % S), count=1)
+        # Every block of this tile waited for: the other consumer's turn (its products queue
+        # behind this one's last; this one's epilogue runs under them).
+        mbarrier.arrive(turn.index(1 - WHICH), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((it + k_steps - 1) % S), count=1)
 
@@ -186,16 +198,114 @@ def gradient_chunk_pingpong_kernel(E_desc, C_desc, G_desc, x_ptr, lse_ptr, coef_
     g_bufs = gl.allocate_shared_memory(G_desc.dtype, [2] + G_desc.block_type.shape, G_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES_, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # consumer 0's, 1's
     for i in gl.static_range(STAGES_):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    args = (E_desc, C_desc, G_desc, (e_bufs, c_bufs, g_bufs), (ready, empty), x_ptr, lse_ptr, coef_ptr,
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    args = (E_desc, C_desc, G_desc, (e_bufs, c_bufs, g_bufs), (ready, empty, turn), x_ptr, lse_ptr, coef_ptr,
             kept_ptr, N, V, D, v_begin, v_count, stride_coef, eps)
     gl.warp_specialize([
         (_consumer_even, args),
         (_consumer_odd, args),
         (_producer, args),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def ring_protocol_check(tiles: int, k_steps: int, stages: int, seed: int, turns: bool = True) -> str | None:
+    """The kernel's barrier protocol played out in Python, one program's walk: None when every
+    product reads the blocks of its own ring step and the walk ends, else what went wrong.
+
+    It models what the GPU leaves open: the partitions interleave in any order (``seed`` picks
+    one), the copy engine's loads land in any order and any time after their issue, and a product
+    reads its blocks at any time until the wait that retires it. An mbarrier (count 1) completes a
+    phase per arrival (a load's landing, for ``ready``); ``wait(bar, p)`` passes once the barrier's
+    current phase parity differs from p (so a fresh barrier passes p = 1). The index and parity
+    formulas are the kernel's: keep the two in step. ``turns=False`` drops the turn barriers, the
+    schedule this kernel first had, to show what they prevent."""
+    import random
+
+    rng = random.Random(seed)
+    phases = {}  # barrier -> completed phases
+    ring = [None] * stages  # the ring step whose blocks each stage holds
+    landing = []  # (stage, step) of loads issued, not landed
+    reading = {}  # step -> stage, products issued and not retired
+
+    def arrive(bar):
+        phases[bar] = phases.get(bar, 0) + 1
+
+    def passes(bar, parity):
+        return phases.get(bar, 0) & 1 != parity
+
+    def producer():
+        it = 0
+        for _ in range(tiles):
+            for _ in range(k_steps):
+                s = it % stages
+                yield ("empty", s), ((it // stages) & 1) ^ 1
+                landing.append((s, it))
+                it += 1
+
+    def retire(step):  # a product's wait returned: it read its blocks throughout
+        s = reading.pop(step)
+        if ring[s] != step:
+            raise AssertionError(f"the product of step {step} read stage {s} holding step {ring[s]}")
+        arrive(("empty", s))
+
+    def consumer(which):
+        j = which
+        for _ in range(which, tiles, 2):
+            if turns:
+                yield ("turn", which), ((j // 2) & 1) ^ (1 - which)
+            it = j * k_steps
+            for k in range(k_steps):
+                s = (it + k) % stages
+                yield ("ready", s), ((it + k) // stages) & 1
+                if ring[s] != it + k:
+                    raise AssertionError(f"consumer {which} found stage {s} holding step {ring[s]}, not {it + k}")
+                reading[it + k] = s
+                if k > 0:
+                    retire(it + k - 1)
+            if turns:
+                arrive(("turn", 1 - which))
+            retire(it + k_steps - 1)
+            j += 2
+
+    actors = {name: (gen, None) for name, gen in (("producer", producer()), ("consumer 0", consumer(0)),
+                                                   ("consumer 1", consumer(1)))}
+    try:
+        for name in list(actors):  # each runs to its first wait
+            actors[name] = (actors[name][0], next(actors[name][0], None))
+        while any(w is not None for _, w in actors.values()) or landing:
+            moves = [name for name, (_, w) in actors.items() if w is not None and passes(*w)]
+            moves += ["land"] * bool(landing)
+            if not moves:
+                return "deadlock: " + ", ".join(f"{n} waits on {w}" for n, (_, w) in actors.items() if w)
+            move = rng.choice(moves)
+            if move == "land":
+                s, step = landing.pop(rng.randrange(len(landing)))
+                if any(stage == s for stage in reading.values()):
+                    return f"the load of step {step} overwrote stage {s} under a product"
+                ring[s] = step
+                arrive(("ready", s))
+            else:
+                gen, _ = actors[move]
+                actors[move] = (gen, next(gen, None))
+    except AssertionError as error:
+        return str(error)
+    return None
+
+
+def check_ring_protocol() -> dict:
+    """``ring_protocol_check`` over tile counts, D steps, ring depths and interleavings, with the
+    turn barriers (must all pass) and without (must fail somewhere: the check can fail)."""
+    cases = [(tiles, k_steps, stages, seed) for tiles in (1, 2, 3, 5, 8) for k_steps in (1, 2, 3, 5, 16, 36)
+             for stages in (2, 3, 4) for seed in range(6)]
+    failures = [(c, why) for c in cases if (why := ring_protocol_check(*c))]
+    without = sum(ring_protocol_check(*c, turns=False) is not None for c in cases)
+    return {"status": "ok" if not failures and without else "error", "cases": len(cases),
+            "failures": failures[:5], "failing_without_turns": without}
 
 
 def _descriptors(E, C, G):
@@ -346,8 +456,14 @@ def run_on_gpu(out: str) -> int:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report; no GPU needed")
+    parser.add_argument("--check-protocol", action="store_true",
+                        help="play the kernel's barrier protocol out in Python over many interleavings; no GPU needed")
     parser.add_argument("--out", default="gluon_g.json")
     args = parser.parse_args()
+    if args.check_protocol:
+        result = check_ring_protocol()
+        print(json.dumps(result, indent=1))
+        return 0 if result["status"] == "ok" else 1
     if args.compile_only or not torch.cuda.is_available():
         result = compile_for_sm90()
         print(json.dumps(result, indent=1))
