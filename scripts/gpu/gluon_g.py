@@ -1,6 +1,6 @@
 """An experiment for the next design: the "gemm" backward's G kernel as a warp-specialized Gluon kernel.
 
-    python scripts/gpu/gluon_g.py [--out $OUT/gluon_g.json]      # on a Hopper GPU: check, then time
+    timeout 300 python scripts/gpu/gluon_g.py [--out $OUT/gluon_g.json]   # on a Hopper GPU: check, then time
     python scripts/gpu/gluon_g.py --compile-only                  # any machine: compile for sm_90
     python scripts/gpu/gluon_g.py --check-protocol                # any machine: its barriers, in Python
 
@@ -25,9 +25,11 @@ with the same arithmetic (``gradient_tile``'s formula). Not wired into the packa
 checks it against the shipped kernel and times both, at the Gemma-2-2B head and the Qwen3 head
 with N = 16,384, on one G chunk of each shape's widest in-place width. ``--compile-only`` compiles
 it for sm_90 with this machine's Triton and prints its shared memory and registers;
-``--check-protocol`` plays its barrier protocol out in Python (``ring_protocol_check``). The CPU
-tests in ``tests/test_gpu_scripts.py`` run both: Gluon kernels do not run under the Triton
-interpreter.
+``--check-protocol`` plays its barrier protocol out in Python (``ring_protocol_check``); the CPU
+tests in ``tests/test_gpu_scripts.py`` run both, since Gluon kernels do not run under the Triton
+interpreter. It has never run on a GPU: a barrier mistake the model does not cover would hang it,
+hence the timeout (its work, two shapes' checks and 60 timed launches, should take well under a
+minute).
 """
 
 from __future__ import annotations
