@@ -16,8 +16,9 @@ multiplies. The two take the ring in turn as well (a pair of "turn" barriers): a
 for its blocks only once the other has waited for all of its tile's, so the ring is read in the
 order it is filled. Without that, the second consumer's first wait (step k_steps of the ring) would
 match the phase parity of an earlier step's load and read the other's blocks. Each consumer makes
-a (64, 256) tile: 128 fp32 accumulator registers a thread, and the filter keeps its 256 columns (a 64-row tile skips where every one of its rows holds less than eps of
-|G| mass: the same per-row bound as the shipped 128-row tiles).
+a (64, 256) tile: 128 fp32 accumulator registers a thread, and the filter keeps its 256 columns
+(a 64-row tile skips where every one of its rows holds less than eps of |G| mass: the same per-row
+bound as the shipped 128-row tiles).
 
 Scope: bf16/fp16 inputs, no soft cap, no bias, no sorted vocabulary, E and C readable by the copy
 engine; what the shipped kernel (``helpers/cce/kernels/backward_gemm.py``) does for those inputs,
