@@ -202,7 +202,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import helpers
-from helpers.compare.gate import SLACK
+from helpers.compare import verdicts
 from helpers.compare.methods import METHODS, get_method
 from helpers.lab import training
 from helpers.compare.corpus import load_or_build_corpus, summary_lines
@@ -286,6 +286,8 @@ for name, reason in reasons.items():
 filter_eps = training.filter_threshold(dtype) if reasons["ours"] is None else None
 print(f"\nour filter threshold in {S['compute_dtype']}: "
       + (f"2^{math.log2(filter_eps):.0f} = {filter_eps:.3g}" if filter_eps else "off"))
+print("\nthe margins every verdict below is judged by, fixed before training:")
+print("\n".join(f"- {m}" for m in verdicts.margins_text()[1:3]))
 
 # %% [markdown]
 # ## Part 1 · Fine-tuning A/B
@@ -354,27 +356,29 @@ for name in [n for n in FT["methods"] if reasons[n] is None]:
 ft_repeat = training.train(ft_task, "exact", compute_dtype=dtype, device=device, **FT["train"])
 
 # %% [markdown]
-# The verdict: the largest relative difference from the exact arm's loss over all steps must stay
-# within the bound. The bound is calibrated as the correctness gate calibrates its own: twice the
-# drift of the naive arm (logits multiplied in the compute dtype, then upcast: the loss a trainer
+# The verdict (the verdict engine's, `helpers.compare.verdicts`): the largest relative difference
+# from the exact arm's loss over all steps must stay within the bound. The bound is calibrated as
+# the correctness gate calibrates its own: twice the drift of the naive arm (logits multiplied in the compute dtype, then upcast: the loss a trainer
 # writes without thinking about precision), so that it measures what the dtype's rounding does to
 # a whole run. A floor per dtype (10<sup>-4</sup> in fp32, 10<sup>-3</sup> in fp16,
 # 4·10<sup>-3</sup> in bf16) keeps it from collapsing where naive is exact, as in fp32.
 
 # %%
-finetune_drift = {"exact (repeat)": training.max_relative_drift(ft_repeat.train_loss, ft_runs["exact"].train_loss)}
-finetune_drift |= {name: training.max_relative_drift(run.train_loss, ft_runs["exact"].train_loss)
-                   for name, run in ft_runs.items() if name != "exact"}
-yardstick = finetune_drift.pop("naive", math.nan)  # the bound's yardstick, not an arm to judge
-tolerance = tolerance or training.finetune_tolerance(yardstick, S["tolerance_floor"])
-print(f"{smoke}bound: {tolerance:.2g} = max(floor {S['tolerance_floor']:g}, {SLACK:g} x naive's drift "
+exact_losses = ft_runs["exact"].train_loss
+yardstick = training.max_relative_drift(ft_runs["naive"].train_loss, exact_losses) if "naive" in ft_runs else math.nan
+tolerance = tolerance or verdicts.finetune_bound(yardstick, S["tolerance_floor"])
+finetune = {"exact (repeat)": verdicts.finetune_outcome(ft_repeat.train_loss, exact_losses, tolerance)}
+finetune |= {name: verdicts.finetune_outcome(run.train_loss, exact_losses, tolerance)
+             for name, run in ft_runs.items() if name not in ("exact", "naive")}  # naive: the bound's yardstick
+finetune_drift = {name: o.drift for name, o in finetune.items()}
+print(f"{smoke}bound: {tolerance:.2g} = max(floor {S['tolerance_floor']:g}, {verdicts.SLACK:g} x naive's drift "
       f"{yardstick:.2g}) in {S['compute_dtype']}")
-for name, drift in finetune_drift.items():
-    print(f"{labels.get(name, name):<26} max drift {drift:9.2e}   {'within' if drift <= tolerance else 'PAST THE BOUND'}")
+for name, o in finetune.items():
+    print(f"{labels.get(name, name):<26} max drift {o.drift:9.2e}   {verdicts.trains_phrase(o.verdict)}")
 for name in FT["methods"]:
     if reasons[name]:
         print(f"{labels[name]:<26} not run: {reasons[name]}")
-finetune_failures = [name for name, drift in finetune_drift.items() if not drift <= tolerance]
+finetune_failures = [name for name, o in finetune.items() if o.verdict != verdicts.EQUIVALENT]
 
 # %%
 fig = plot_finetune_ab(ft_runs, labels, tolerance)
@@ -453,8 +457,9 @@ for part, runs_of_part in (("fine-tuning", {n: [r] for n, r in ft_runs.items()})
             continue
         filter_skips[f"{part}/{name}"] = summary
         skip_series[f"{part}, {labels[name]}" + (f", seed {runs[0].seed}" if len(runs) > 1 else "")] = runs[0].filter_skipped
-        skip_lines.append(f"{labels[name]} in {part}: {summary['mean']:.1%} of logit tiles skipped per step (first "
-                          f"step {summary['first']:.1%}, last {summary['last']:.1%}, at most {summary['max']:.1%})")
+        skip_lines.append(f"{labels[name]} in {part}: on average {summary['mean']:.1%} of logit tiles skipped per "
+                          f"step (first step {summary['first']:.1%}, last {summary['last']:.1%}, "
+                          f"at most {summary['max']:.1%} in one step)")
         print(smoke + skip_lines[-1])
 if skip_series:
     fig = plot_filter_skipped(skip_series)
@@ -474,10 +479,12 @@ save(fig, "pretrain_curves.png")
 # push-down on every step.
 #
 # Each arm is compared with the exact arm seed by seed: the arms of one seed share their initial
-# weights and batches, so the per-seed difference isolates the loss. A difference counts when the
-# 95% confidence interval of its mean over seeds excludes zero, unless it is under 1% of what a
-# change of seed does (rounding-level differences of identical arithmetic). The sentences below
-# are computed from the numbers.
+# weights and batches, so the per-seed difference isolates the loss. The verdict engine
+# (`helpers.compare.verdicts`) judges each difference against a practical margin declared before
+# the run, δ = max(0.005 nats, half the exact arm's seed-to-seed spread): *equivalent* when the
+# 90% interval of the mean difference lies inside ±δ, *better* or *worse* only when the whole 95%
+# interval lies beyond δ, *undecided* otherwise (too few seeds to tell). A difference inside the
+# margin disqualifies nothing. The sentences below are the engine's.
 
 # %%
 type_bins, bin_labels = training.frequency_bins(corpus.train_counts)
@@ -488,8 +495,11 @@ save(fig, "rare_tokens.png")
 
 # %%
 comparisons, findings = training.pretraining_findings(pt_runs, diagnostic, bin_labels, labels)
+pretrain = {name: verdicts.Outcome.from_dict(o) for name, o in comparisons["final_val_loss"].items()}
 rare_reading = training.describe_rare_tokens(diagnostic, comparisons["bins"], bin_labels, len(corpus.vocab), labels)
-print(smoke + "\n".join(findings + [""] + rare_reading))
+bins_md = training.bin_table(comparisons["bins"]["val_loss"], bin_labels, labels)
+print(smoke + "\n".join(findings + ["", "validation loss against exact, per frequency bin (nats):", bins_md, ""]
+                         + rare_reading))
 
 # %% [markdown]
 # How to read the rare-token result. The exact loss pushes a rare token's logit down at every step
@@ -499,6 +509,10 @@ print(smoke + "\n".join(findings + [""] + rare_reading))
 # there, and pay instead on tokens of middling frequency, whose gradients it also thins. "The
 # filter starves rare tokens" is then true of the gradient, not of the rarest tokens' loss: read
 # the final validation loss, over all tokens, for the verdict.
+#
+# "Better" here is a direction, not a recommendation: a loss whose gradients are less accurate can
+# land lower by chance of its errors' direction (Apple CCE's bf16 dE fails the gate in 01, and its
+# filter-off arm, which sends more small terms through the same bf16 accumulation, ends higher).
 
 # %% [markdown]
 # ## Speed
@@ -530,6 +544,9 @@ print("\n".join([smoke + "where the loss differs:", *trade_offs]) if trade_offs 
 drifted = [(name if name != "exact (repeat)" else "exact",
             f"fine-tuning: {labels.get(name, name)} drifted {finetune_drift[name]:.3g} from exact (bound {tolerance:.2g})")
            for name in finetune_failures]
+# Our own arms must not train worse than exact in pretraining either.
+drifted += [(name, f"pretraining: {labels[name]} {verdicts.trains_phrase(o.verdict)}: {o.describe()}")
+            for name, o in pretrain.items() if o.verdict == verdicts.WORSE and get_method(name).kind != "peer"]
 our_faults, peer_findings = training.split_faults(drifted + crashed)
 liger_fp16_underflow = False
 for name, c in scale_check.items():
@@ -545,18 +562,19 @@ print(smoke + ("peers' findings:" + "".join(f"\n- {f}" for f in peer_findings) i
 print(smoke + ("our faults:" + "".join(f"\n- {f}" for f in our_faults) if our_faults else "ours: no fault"))
 
 # %%
-headline = training.convergence_headline(finetune_drift, tolerance, comparisons["final_val_loss"], labels)
+headline = training.convergence_headline({n: o for n, o in finetune.items() if n != "exact (repeat)"}, pretrain, labels)
 caveats = {"liger": [], "ours": []}
 if liger_skips_dC:
     caveats["liger"].append("computes no dC when E needs no gradient: an lm_head trained on a frozen body does not train")
 if liger_fp16_underflow:
     caveats["liger"].append("in fp16 it rounds its gradients before the loss scale applies: entries below 2^-24 are lost")
 if filter_skips:
-    most = max(s["mean"] for s in filter_skips.values())
-    caveats["ours"].append(f"its gradient filter skipped at most {most:.1%} of logit tiles per step here, and in the "
-                           "default backward a skipped tile is still multiplied: the filter saves no time")
-facts = training.convergence_facts(finetune_drift, tolerance, comparisons["final_val_loss"], labels,
-                                   not_run={n: r for n, r in reasons.items() if r}, caveats=caveats)
+    mean, most = max(s["mean"] for s in filter_skips.values()), max(s["max"] for s in filter_skips.values())
+    caveats["ours"].append(f"filter skipped {mean:.1%} of tiles per step on average ({most:.1%} at most); "
+                           "saves no time in the default backward")
+facts = training.convergence_facts({n: o for n, o in finetune.items() if n != "exact (repeat)"}, pretrain,
+                                   S["compute_dtype"], labels, not_run={n: r for n, r in reasons.items() if r},
+                                   caveats=caveats)
 results = {
     "profile": P.name,
     "smoke": P.smoke,
@@ -579,6 +597,7 @@ results = {
         "naive_drift": yardstick,
         "runs": {name: run.summary() for name, run in ft_runs.items()},
         "max_relative_drift": finetune_drift,
+        "outcomes": {name: o.as_dict() for name, o in finetune.items()},
         "failures": finetune_failures,
     },
     "pretrain": {
@@ -601,8 +620,8 @@ results = {
 }
 training.write_json(out / "results.json", results)
 note = f"*{SMOKE_NOTE}*\n\n" if P.smoke else ""
-drift_rows = "\n".join(f"| {labels.get(name, name)} | {drift:.2e} | {'past the bound' if name in finetune_failures else 'within'} |"
-                       for name, drift in finetune_drift.items())
+drift_rows = "\n".join(f"| {labels.get(name, name)} | {o.drift:.2e} | {verdicts.trains_phrase(o.verdict)} |"
+                       for name, o in finetune.items())
 speed_rows = "\n".join(f"| {labels[name]} | " + " | ".join(f"{part[name]['vs_baseline']:.2f}x" if name in part else "not run"
                                                           for part in speed.values()) + " |"
                        for name in dict.fromkeys([*speed["fine-tuning"], *speed["pretraining"]]))
@@ -610,7 +629,7 @@ not_run = "".join(f"\n- {labels[name]}: {reason}" for name, reason in results["u
 write_report_fragment(out, f"""
 ### Fine-tuning A/B ({S["compute_dtype"]})
 
-{note}Largest per-step |loss - exact| / exact; the bound {tolerance:.2g} is max(floor {S["tolerance_floor"]:g}, {SLACK:g} x the naive arm's drift {yardstick:.2g}).
+{note}Largest per-step |loss - exact| / exact; the bound {tolerance:.2g} is max(floor {S["tolerance_floor"]:g}, {verdicts.SLACK:g} x the naive arm's drift {yardstick:.2g}).
 
 | method | max drift | verdict |
 |---|---:|---|
@@ -622,10 +641,14 @@ Peers' findings:{"".join(chr(10) + "- " + f for f in peer_findings) or " none"}
 
 ### Pretraining A/B on the standard-library corpus
 
-{note}Each arm against exact, paired by seed (a difference counts when its 95% confidence interval excludes 0):
+{note}Final validation loss, each arm against exact, paired by seed; judged against the margin δ = max(0.005 nats, half of exact's seed-to-seed spread), fixed before the run:
 {"".join(chr(10) + "- " + f for f in findings)}
 
-{" ".join(rare_reading)}
+Validation loss against exact per frequency bin (nats; mean paired difference ± 95% interval; the verdict where not equivalent):
+
+{bins_md}
+
+{chr(10).join("- " + r for r in rare_reading)}
 
 What our filter skipped (it saves no time in the default backward):{"".join(chr(10) + "- " + s for s in skip_lines) or " no arm of ours ran"}
 
@@ -656,8 +679,9 @@ print(f"results and figures in {out}")
 # %%
 print(smoke + headline)
 for name, fact in facts.items():
-    verdict = {"ok": "trains like exact", "off": "does not train like exact"}.get(fact.get("convergence"), "not run")
-    print(f"- {labels[name]}: {verdict}" + "".join(f"\n    {c}" for c in fact["caveats"]))
+    verdict = fact.get("convergence", {}).get(S["compute_dtype"], {}).get("verdict")
+    print(f"- {labels[name]}: {verdicts.trains_phrase(verdict)} in {S['compute_dtype']}"
+          + "".join(f"\n    {c}" for c in fact["caveats"]))
 if peer_findings:
     print(f"{len(peer_findings)} finding(s) about peers, reported above and in the REPORT")
 if our_faults:

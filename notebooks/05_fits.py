@@ -27,8 +27,10 @@
 #   trying (an out-of-memory error is a result, not a crash).
 # - **What a step costs**: peak memory above the weights and tokens per second, at the article's
 #   16k tokens and at the largest micro-batch that fits, and a memory timeline of one step.
-# - **Whether it trains the same**: a short training run per loss from the same weights and
-#   batches, against the default repeated.
+# - **Whether the first steps agree**: a short training run per loss from the same weights and
+#   batches, against the default repeated. Twenty steps from random weights cannot say whether a
+#   loss *trains like exact*: that verdict is notebook 03's (hundreds of steps, several seeds, a
+#   practical margin), and this notebook defers to it.
 #
 # The losses: transformers' own (logits, then `ForCausalLMLoss`), Liger's patch
 # (`apply_liger_kernel_to_qwen3`), ours through `helpers.hf.patch(model)` (one call, any Qwen2/3,
@@ -179,7 +181,7 @@ import transformers
 
 import helpers
 from helpers.cce.device import T4_MEMORY_BYTES
-from helpers.compare import measure
+from helpers.compare import measure, verdicts
 from helpers.compare.units import format_bytes
 from helpers.lab import fits
 from helpers.compare.corpus import load_or_build_corpus
@@ -244,7 +246,7 @@ for name, arm in fits.ARMS.items():
 # %%
 check_batch = fits.batch(ids, S["check_tokens"], S["seq_len"], torch.Generator().manual_seed(0), device)
 ref_loss, ref_grads = fits.loss_and_grads(model, fits.EXACT, *check_batch, precision)
-bound = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 3e-2}[precision]
+bound = verdicts.WHOLE_MODEL_GRADIENT_BOUND[precision]
 agreement = {}
 for name, arm in arms.items():
     loss, grads = fits.loss_and_grads(model, arm, *check_batch, precision)
@@ -345,14 +347,15 @@ else:
     print("the default or ours did not fit even one sequence here: no timeline")
 
 # %% [markdown]
-# ## Does it train the same?
+# ## Do the first steps agree?
 #
 # A short run per loss from the same weights and the same batches (seed), at a micro-batch every
 # loss fits (the profile's, or the default's largest if that is smaller), and the default run a
 # second time: the difference between the two default runs is the noise floor (GPU kernels do not
-# add in a fixed order). A loss trains the same when its largest step-by-step gap to the default
+# add in a fixed order). The first steps agree when a loss's largest step-by-step gap to the default
 # stays within twice that floor, or within the dtype's rounding (the bound above) where the floor
-# is smaller.
+# is smaller (the verdict engine's `first_steps_agree`). This catches a loss wired in wrong; it
+# cannot see a drift that builds over hundreds of steps (fp16 Liger's, say): notebook 03 can.
 
 # %%
 del trainer, model
@@ -374,10 +377,12 @@ for name in missing:
 curves = {n: c for n, c in curves.items() if c is not None}
 floor = fits.max_relative_gap(repeat, curves["hf"])
 gaps = {name: fits.max_relative_gap(curve, curves["hf"]) for name, curve in curves.items() if name != "hf"}
-allowed = max(2 * floor, bound)
+agree = {name: verdicts.first_steps_agree(gap, floor, bound)[0] for name, gap in gaps.items()}
+allowed = verdicts.first_steps_agree(0.0, floor, bound)[1]
 print(f"noise floor (the default repeated): {floor:.2e}; allowed gap {allowed:.2e}")
 for name, gap in gaps.items():
-    print(f"{fits.ARMS[name].label:<26} largest gap to the default {gap:.2e}: {'same' if gap <= allowed else 'DIFFERENT'}")
+    print(f"{fits.ARMS[name].label:<26} largest gap to the default {gap:.2e}: "
+          f"{'the first steps agree' if agree[name] else 'the first steps DIFFER'}")
 
 fig, ax = plt.subplots(figsize=(9, 3.8))
 for name, curve in curves.items():
@@ -394,30 +399,31 @@ fig.savefig(out / "training_curves.png", dpi=120)
 
 # %%
 at_article = {r["arm"]: r for r in steps if r["tokens"] == S["article_tokens"]}
-verdicts = []
+step_lines = []
 for name, arm in arms.items():
     r = at_article.get(name)
     cost = ("out of memory at the article's micro-batch" if not r or r["status"] != "ok" else
             f"{format_bytes(r['peak_bytes'])} above the weights and {r['tokens_per_s']:,.0f} tokens/s at "
             f"{S['article_tokens']:,} tokens")
     trains = ("" if name == "hf" else ", not trained here" if name not in gaps else
-              ", trains like the default" if gaps[name] <= allowed else ", but its training curve differs from the default's")
+              f", the first {C['steps']} steps agree with the default's" if agree[name]
+              else f", but its first {C['steps']} steps differ from the default's")
     fit = "not even one sequence" if largest[name] is None else f"up to {largest[name]:,} tokens"
-    verdicts.append(f"{arm.label}: {fit} per micro-batch; {cost}{trains}.")
+    step_lines.append(f"{arm.label}: {fit} per micro-batch; {cost}{trains}.")
 if P.smoke:
     print(SMOKE_NOTE)
-print("\n".join(verdicts))
+print("\n".join(step_lines))
 problems = [f"{fits.ARMS[n].label}: gradients off the exact loss's ({a['grad_error']:.1e} > {bound:g})"
             for n, a in agreement.items() if not a["ok"] and fits.ARMS[n].method == "ours"]
-problems += [f"{fits.ARMS[n].label}: trains differently ({gaps[n]:.2e} > {allowed:.2e})"
-             for n in gaps if n == "ours" and gaps[n] > allowed]
+problems += [f"{fits.ARMS[n].label}: the first steps differ from the default's ({gaps[n]:.2e} > {allowed:.2e})"
+             for n in gaps if n == "ours" and not agree[n]]
 
 results = {
     "profile": P.name, "device": info.as_dict(), "precision": precision, "card": card,
     "memory_cap_bytes": cap.usable_bytes, "model": {"shape": S["shape"], **shape}, "weight_bytes": weight_bytes,
     "agreement": agreement, "largest_micro_batch": largest, "tried": tried, "steps": steps,
     "timeline_peaks": {n: max(t) for n, t in timelines.items()},
-    "curves": curves, "default_repeat": repeat, "noise_floor": floor, "gaps": gaps, "verdicts": verdicts,
+    "curves": curves, "default_repeat": repeat, "noise_floor": floor, "gaps": gaps, "first_steps_agree": agree, "allowed_gap": allowed, "summary_lines": step_lines,
     "problems": problems, "seconds": time.perf_counter() - started,
 }
 write_json(out / "results.json", results)
@@ -433,6 +439,11 @@ for name, arm in fits.ARMS.items():
     f = {}
     if name in arms and card == "t4":
         f["largest_step_tokens_16gb"] = largest[name] or 0
+    r = at_article.get(name)
+    if name in arms and not P.smoke:
+        f["whole_step"] = {"tokens": S["article_tokens"], "precision": precision,
+                           "peak_bytes": r["peak_bytes"] if r and r["status"] == "ok" else None,
+                           "tokens_per_s": r["tokens_per_s"] if r and r["status"] == "ok" else None}
     if on_a_t4:
         f["runs_on_t4"] = True if name in arms else arm.why_unavailable(device, fits.compute_dtype(precision))
     if f:
@@ -446,7 +457,9 @@ write_report_fragment(out, f"""
 |---|---:|---|
 {rows}
 
-{chr(10).join('- ' + v for v in verdicts)}
+{chr(10).join('- ' + v for v in step_lines)}
+
+Whether a loss trains like exact is notebook 03's verdict (this run's short curves only check the first steps).
 
 ![Largest micro-batch](largest_micro_batch.png)
 {'![One step, memory over time](step_timeline.png)' if timelines else ''}

@@ -1,8 +1,11 @@
 """Shared test setup: every test runs on the CPU; helpers switches the Triton interpreter on."""
 
 import helpers  # noqa: F401  (on a CPU it switches the Triton interpreter on: helpers.env)
+import types
+
 import pytest
 
+from helpers.compare import verdicts
 from helpers.compare.methods import METHODS, Method
 
 
@@ -19,3 +22,44 @@ def temporary_method():
     yield add
     for name in added:
         METHODS.pop(name, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Facts as the notebooks hand them to the REPORT, for the verdict engine's and the report's tests
+# ---------------------------------------------------------------------------------------------
+
+def _sweep(dtype, **points):
+    """{"sweep": ...} from N=(peak GB, ms) or N="oom"."""
+    return {"dtype": dtype, "points": {
+        str(n): ({"status": "oom", "peak_bytes": None, "seconds": None} if p == "oom"
+                 else {"status": "ok", "peak_bytes": int(p[0] * 1e9), "seconds": p[1] / 1e3})
+        for n, p in ((int(k[1:]), v) for k, v in points.items())}}
+
+
+def _trained(dtype, verdict, effect=0.0):
+    o = verdicts.Outcome(verdict, "pretraining", effect, 0.0055, 0.001, 0.0007, 0.011, 3)
+    return {dtype: {"verdict": verdict, "parts": [o.as_dict()]}}
+
+
+def _h200_facts():
+    """The H200 bf16 run as measured: Liger lighter than ours at 16k, faster from 65k."""
+    return {
+        "naive": {"gradients": {"bfloat16": "pass"}, "sweep": _sweep("bfloat16", n4096=(7.5, 13), n16384=(29.9, 52), n65536="oom")},
+        "torch_compile": {"gradients": {"bfloat16": "pass"},
+                          "sweep": _sweep("bfloat16", n4096=(1.6, 8), n16384=(5.32, 31), n65536=(20.5, 120))},
+        "liger": {"gradients": {"bfloat16": "pass"}, "convergence": _trained("bfloat16", verdicts.EQUIVALENT, 0.00127),
+                  "sweep": _sweep("bfloat16", n4096=(0.33, 57), n16384=(0.38, 62), n65536=(0.57, 118))},
+        "ours": {"gradients": {"bfloat16": "pass"}, "convergence": _trained("bfloat16", verdicts.EQUIVALENT, 0.0),
+                 "sweep": _sweep("bfloat16", n4096=(0.37, 14), n16384=(0.41, 46), n65536=(0.50, 155))},
+        "apple_cce": {"gradients": {"bfloat16": "fail"}, "convergence": _trained("bfloat16", verdicts.UNDECIDED, -0.0074),
+                      "sweep": _sweep("bfloat16", n4096=(0.31, 25), n16384=(0.35, 91), n65536=(0.43, 365))},
+    }
+
+
+
+@pytest.fixture
+def facts_kit():
+    """sweep(dtype, n16384=(GB, ms) or "oom", ...), trained(dtype, verdict, effect) and h200(): the
+    H200 bf16 run as measured (Liger lighter than ours at 16k and faster from 65k; Apple CCE lighter
+    still but failing the gate)."""
+    return types.SimpleNamespace(sweep=_sweep, trained=_trained, h200=_h200_facts)

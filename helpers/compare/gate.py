@@ -27,18 +27,13 @@ import torch
 from helpers.compare.inputs import ignore_targets, make_inputs
 from helpers.compare.methods import MethodUnavailable, get_method, primary_methods
 from helpers.compare.units import dtype_name
+from helpers.compare.verdicts import GATE_FLOOR, SLACK, gate_bound, gate_case_status, gate_verdict
 from helpers.spec import reference_loss_and_grads, relative_error
 
 QUANTITIES = ("loss", "dE", "dC")
 
-# Relative L2 errors a correct method reaches in each dtype, whatever naive does. fp32 is real
-# fp32 (a TF32 matmul lands near 5e-4 and fails, as it should: the caller asked for fp32).
-FLOOR = {
-    torch.float32: {"loss": 1e-5, "dE": 1e-4, "dC": 1e-4},
-    torch.float16: {"loss": 1e-3, "dE": 3e-3, "dC": 3e-3},
-    torch.bfloat16: {"loss": 4e-3, "dE": 6e-3, "dC": 6e-3},
-}
-SLACK = 2.0
+# The bounds are the verdict engine's (helpers.compare.verdicts); FLOOR by torch dtype, for tables.
+FLOOR = {getattr(torch, d): floors for d, floors in GATE_FLOOR.items()}
 
 # The soft cap the gate uses: with logits of standard deviation ~2 (see make_inputs) a cap of 4 bends
 # them hard, so a method that drops it fails. Gemma-2 uses 30 on logits an order of magnitude larger.
@@ -153,9 +148,7 @@ class GateReport:
     def passed(self, method: str, dtype: torch.dtype | str | None = None) -> bool:
         """True when ``method`` ran (in ``dtype``, if given) and failed no case."""
         d = dtype_name(dtype) if dtype is not None else None
-        rows = [r for r in self.rows if r.method == method and (d is None or r.dtype == d)]
-        ran = [r for r in rows if r.status != "unavailable"]
-        return bool(ran) and all(r.status in ("pass", "over floor") for r in ran)
+        return gate_verdict([r.status for r in self.rows if r.method == method and (d is None or r.dtype == d)]) == "pass"
 
     def failure_message(self) -> str:
         lines = []
@@ -177,23 +170,18 @@ class GateReport:
             raise GateFailure(f"{len(failing)} failing gate rows on {self.device}:\n{kept.failure_message()}")
 
     def summary(self) -> list[dict]:
-        """One row per (method, dtype): worst error/bound ratio per quantity, and the verdict."""
-        out = {}
+        """One row per (method, dtype): worst error/bound ratio per quantity, and the verdict
+        (the engine's ``gate_verdict``; "unavailable" where no case ran)."""
+        out, statuses = {}, {}
         for r in self.rows:
-            s = out.setdefault(
-                (r.method, r.dtype),
-                {"method": r.method, "dtype": r.dtype, "cases": 0, "failed": 0, "verdict": "pass", "reason": ""},
-            )
+            key = (r.method, r.dtype)
+            s = out.setdefault(key, {"method": r.method, "dtype": r.dtype, "cases": 0, "failed": 0, "reason": ""})
+            statuses.setdefault(key, []).append(r.status)
             if r.status == "unavailable":
-                if s["cases"] == 0 and s["verdict"] == "pass":
-                    s["verdict"] = "unavailable"
                 s["reason"] = s["reason"] or r.reason
                 continue
-            if s["verdict"] == "unavailable":
-                s["verdict"] = "pass"
             s["cases"] += 1
             if r.status == "fail":
-                s["verdict"] = "fail"
                 s["failed"] += 1
             elif r.status == "over floor":
                 s["over floor"] = s.get("over floor", 0) + 1
@@ -202,6 +190,8 @@ class GateReport:
                     s[f"max {q} error"] = max(s.get(f"max {q} error", 0.0), r.errors[q])
                     ratio = r.errors[q] / r.bounds[q] if r.bounds[q] else math.inf
                     s[f"worst {q} error/bound"] = max(s.get(f"worst {q} error/bound", 0.0), ratio)
+        for key, s in out.items():
+            s["verdict"] = gate_verdict(statuses[key]) or "unavailable"
         return list(out.values())
 
     def facts(self) -> dict[str, dict]:
@@ -334,12 +324,13 @@ def run_gate(
                 continue
             except Exception as e:  # a crash is a failure of the method, recorded with the rest
                 errors, raised = {}, f"{type(e).__name__}: {e}"
-            bounds = _bounds(dtype, naive_errors if name != "naive" else None)
+            yardstick = naive_errors if name != "naive" else None
+            bounds = {q: gate_bound(d, q, (yardstick or {}).get(q)) for q in QUANTITIES}
             if name == "naive":
                 naive_errors = errors
-            ok = not raised and all(errors[q] <= bounds[q] for q in QUANTITIES)
             if name in methods:
-                rows.append(GateRow(name, d, case.name, _status(name, ok, errors, raised), errors, bounds, raised))
+                status = gate_case_status(name, errors, bounds, raised)
+                rows.append(GateRow(name, d, case.name, status, errors, bounds, raised))
         bar.update(1)
     bar.close()
     report = GateReport(rows, str(device))
@@ -347,26 +338,6 @@ def run_gate(
         report.raise_if_failed()
     return report
 
-
-def _status(name: str, ok: bool, errors: dict, raised: str) -> str:
-    """naive is the yardstick, not a candidate: where it exceeds a floor, that is the dtype's own
-    limit (fp16's mean-reduced gradients underflow at large V, for one), reported as "over floor"
-    and passed on to the others' bounds. It still fails when it crashes or gives a stray NaN."""
-    if ok:
-        return "pass"
-    if name == "naive" and not raised and all(math.isfinite(e) for e in errors.values()):
-        return "over floor"
-    return "fail"
-
-
-def _bounds(dtype: torch.dtype, naive_errors: dict | None) -> dict:
-    """max(floor, SLACK * naive's error); naive itself, and a naive that failed, get the floor."""
-    bounds = {}
-    for q in QUANTITIES:
-        yardstick = (naive_errors or {}).get(q, 0.0)
-        yardstick = yardstick if math.isfinite(yardstick) else 0.0
-        bounds[q] = max(FLOOR[dtype][q], SLACK * yardstick)
-    return bounds
 
 
 def _progress(total: int, enabled: bool):

@@ -860,17 +860,21 @@ def headline(records: list[dict], *, labels: dict[str, str] | None = None, N: in
 def report_facts(records: list[dict], *, N: int = ARTICLE_MICRO_BATCH_N, t4_records: list[dict] | None = None,
                  t4_plan: MethodPlan | None = None) -> dict[str, dict]:
     """Per method, what the report's opening table reads (``helpers.suite.report.FACT_KEYS``):
-    ``peak_bytes_16k`` and ``seconds_16k`` at ``N`` on this card where measured; from the T4's
+    ``sweep``, every point measured on this card (peak, time, status per N); from the T4's
     sweep (``t4_records``, ``t4_plan``: the pretend-T4 sweep, or this sweep on a T4)
     ``t4_peak_bytes_16k`` and ``runs_on_t4``: True when it ran at ``N`` and passed the gate there,
     else why not. A key with nothing measured behind it is left out. Not for a smoke run: its N
     and shapes say nothing about these."""
     facts: dict[str, dict] = {}
     for method in dict.fromkeys(r["method"] for r in records):
-        r = _point(records, method, N)
-        if r is not None and r["status"] == "ok":
-            facts.setdefault(method, {}).update(peak_bytes_16k=int(r["peak_bytes"]),
-                                                seconds_16k=round(r["median_ms"] / 1e3, 6))
+        points = {}
+        for r in (r for r in records if r["method"] == method):
+            ok = r["status"] == "ok"
+            points[str(r["N"])] = {"status": r["status"], "peak_bytes": int(r["peak_bytes"]) if ok else None,
+                                   "seconds": round(r["median_ms"] / 1e3, 6) if ok and r.get("median_ms") else None}
+        if points:
+            dtype = next(r["dtype"] for r in records if r["method"] == method)
+            facts.setdefault(method, {})["sweep"] = {"dtype": dtype, "points": points}
     if t4_plan is None:
         return facts
     for method, why in t4_plan.unavailable.items():

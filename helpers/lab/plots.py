@@ -165,6 +165,7 @@ def plot_memory_sweep(
 
 
 __all__ = [
+    "plot_decision",
     "method_colors",
     "method_label",
     "method_markers",
@@ -341,5 +342,47 @@ def plot_filter_skipped(series: dict[str, list[float]]):
     ax.set(xlabel="step", ylabel="logit tiles skipped (%)", ylim=(-2, 102),
            title="Our gradient filter: the share of the backward it skipped")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_decision(methods: dict[str, dict], *, trained: bool, title: str = "") -> plt.Figure:
+    """The REPORT's decision figure: per method, loss-step time against peak memory at each token
+    count 02 swept (one line per method, a point per N, labelled), each point marked with the
+    verdict engine's reading: filled where the method may be recommended (gate passed, trains like
+    exact or is a baseline), hollow where its training verdict is missing or undecided, a red
+    cross where it fails the gate or trains worse than exact. ``methods``: the REPORT's facts."""
+    from helpers.compare.verdicts import why_not_recommended
+
+    colors, markers = method_colors(), method_markers()
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    dtype = None
+    for name, facts in methods.items():
+        sweep = facts.get("sweep") or {}
+        points = sorted((int(n), p) for n, p in (sweep.get("points") or {}).items()
+                        if p.get("status") == "ok" and p.get("peak_bytes") and p.get("seconds"))
+        if not points:
+            continue
+        dtype = sweep.get("dtype")
+        why = why_not_recommended(name, facts, dtype, trained)
+        bad = why is not None and ("fails" in why or "worse" in why or "differently" in why)
+        x = [p["peak_bytes"] / GB for _, p in points]
+        y = [p["seconds"] * 1e3 for _, p in points]
+        color = colors.get(name, "black")
+        ax.plot(x, y, color=color, alpha=0.5, linewidth=1)
+        style = ({"marker": "X", "color": "firebrick", "markersize": 9} if bad else
+                 {"marker": markers.get(name, "o"), "color": color, "markersize": 8,
+                  "markerfacecolor": color if why is None else "white"})
+        ax.plot(x, y, linestyle="none", label=f"{method_label(name)}" + (f" ({why})" if why else ""), **style)
+        for (n, _), xi, yi in zip(points, x, y):
+            ax.annotate(f"{n // 1024}k" if n >= 1024 else str(n), (xi, yi), textcoords="offset points", xytext=(4, 3),
+                        fontsize=7, color=color)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set(xlabel="peak memory of one loss step, GB (log)", ylabel="forward + backward, ms (log)",
+           title=f"Which loss: time against memory{f', {dtype}' if dtype else ''}" + (f"\n{title}" if title else ""))
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=7, loc="best",
+              title="filled: may be recommended; hollow: a verdict missing; red X: fails a verdict", title_fontsize=7)
     fig.tight_layout()
     return fig

@@ -38,7 +38,8 @@ import torch
 import torch.nn as nn
 
 from helpers.cce import resolve_options
-from helpers.compare.gate import SLACK
+from helpers.compare import verdicts
+from helpers.compare.verdicts import t_quantile
 from helpers.compare.methods import get_method
 from helpers.compare.trained import ContextMLPLM, context_windows
 from helpers.spec import reference_loss_and_grads
@@ -362,93 +363,26 @@ def rare_token_diagnostic(
     return out
 
 
-# Two-sided 95% quantiles of Student's t, by degrees of freedom (seeds - 1). Past 30 the table's
-# last value stands in: a little wider than the truth (1.96 at infinity), never narrower.
-_T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-          2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-          2.045, 2.042)
-
-
-def t_quantile_975(df: int) -> float:
-    """The 97.5% quantile of Student's t with ``df`` degrees of freedom: mean ± it × standard error
-    is a two-sided 95% confidence interval."""
-    if df < 1:
-        raise ValueError(f"a confidence interval needs at least 1 degree of freedom (2 seeds), got {df}")
-    return _T_975[min(df, len(_T_975)) - 1]
-
-
 def paired_difference(arm, base) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, ci95) of arm - base over seeds, the first dimension: ``arm`` and ``base`` are (seeds,)
     or (seeds, points), seed s of one paired with seed s of the other. ci95 is the half-width of
-    the mean's two-sided 95% confidence interval, t quantile × sd / sqrt(seeds); NaN with one seed."""
+    the mean's two-sided 95% confidence interval, t quantile × sd / sqrt(seeds); NaN with one seed.
+    For the figures; verdicts come from ``helpers.compare.verdicts``."""
     diff = torch.as_tensor(arm, dtype=torch.float64) - torch.as_tensor(base, dtype=torch.float64)
     n = diff.shape[0]
     if n < 2:
         return diff.mean(0), torch.full_like(diff[0], math.nan)
-    return diff.mean(0), t_quantile_975(n - 1) * diff.std(0) / math.sqrt(n)
+    return diff.mean(0), t_quantile(n - 1, 0.95) * diff.std(0) / math.sqrt(n)
 
 
-# A paired difference smaller than this share of the seed-to-seed spread is not called a
-# difference, however narrow its interval: identical arithmetic up to rounding (fp32 arms, say)
-# gives differences of 1e-8 with intervals narrower still, and a change of seed would hide it a
-# hundred times over.
-NEGLIGIBLE_SHARE_OF_SEED_SPREAD = 0.01
-
-
-def compare_to_baseline(values: dict[str, list[float]], baseline: str = "exact") -> dict:
-    """Each arm against the baseline, seed by seed: ``values[arm][s]`` is seed s's number.
-
-    The arms share each seed's initial weights and batches, so what differs between arm and
-    baseline within a seed is the loss alone: the paired differences d_s = arm_s - baseline_s are
-    the yardstick, not the baseline's spread across seeds (which mostly measures the seed).
-
-    effect: mean of d_s; ci95: half-width of its 95% confidence interval (t quantile × sd(d) /
-    sqrt(seeds)); seed_spread: the baseline's own standard deviation across seeds, for scale. An
-    arm ``differs`` when the interval excludes 0 (|effect| > ci95) and the effect is not negligible
-    (at least ``NEGLIGIBLE_SHARE_OF_SEED_SPREAD`` of the seed spread); None (no verdict) with one
-    seed, or where there is nothing to compare (a bin without validation tokens gives NaN).
-    """
-    base = torch.tensor(values[baseline], dtype=torch.float64)
-    n = base.numel()
-    spread = float(base.std()) if n > 1 else math.nan
-    out = {}
-    for arm, v in values.items():
-        if arm == baseline:
-            continue
-        diff = torch.tensor(v, dtype=torch.float64) - base
-        effect, ci95 = map(float, paired_difference(v, base))
-        judged = math.isfinite(effect) and math.isfinite(ci95)
-        out[arm] = {
-            "effect": effect,
-            "ci95": ci95,
-            "seed_spread": spread,
-            "same_sign_seeds": int((torch.sign(diff) == math.copysign(1, effect)).sum()) if judged else 0,
-            "seeds": n,
-            "differs": bool(abs(effect) > max(ci95, NEGLIGIBLE_SHARE_OF_SEED_SPREAD * spread)) if judged else None,
-        }
-    return out
-
-
-def describe_comparison(quantity: str, comparison: dict, labels: dict[str, str]) -> list[str]:
-    """One sentence per arm, computed from ``compare_to_baseline``'s numbers."""
-    lines = []
-    for arm, c in comparison.items():
-        name = labels.get(arm, arm)
-        head = f"{name}: {quantity} {c['effect']:+.3g} vs exact"
-        if c["differs"] is None and not math.isfinite(c["effect"]) and c["seeds"] > 1:
-            lines.append(f"{name}: {quantity} not finite against exact's: a run diverged, or the bin holds no token.")
-        elif c["differs"] is None:
-            lines.append(f"{head} (mean over {c['seeds']} seeds); one seed, so no paired interval to judge it against.")
-        elif c["differs"]:
-            lines.append(
-                f"{head} (mean of {c['seeds']} paired seeds, 95% CI ±{c['ci95']:.2g}, {c['same_sign_seeds']}/"
-                f"{c['seeds']} seeds in that direction): a real difference; a change of seed alone moves it by "
-                f"{c['seed_spread']:.2g}."
-            )
-        else:
-            lines.append(f"{head} (mean of {c['seeds']} paired seeds, 95% CI ±{c['ci95']:.2g}; a change of seed "
-                         f"moves it by {c['seed_spread']:.2g}): no difference at this scale.")
-    return lines
+def outcomes_against(values: dict[str, list[float]], baseline: str = "exact", floor: float | None = None) -> dict:
+    """{arm: the engine's ``pretrain_outcome`` against the baseline, as a dict}: ``values[arm][s]``
+    is seed s's number. The arms share each seed's initial weights and batches, so the paired
+    per-seed differences isolate the loss. ``floor``: the margin's floor (nats by default; 0 for a
+    quantity that is not a loss, such as a row's drift)."""
+    base = values[baseline]
+    kwargs = {} if floor is None else {"floor": floor}
+    return {arm: verdicts.pretrain_outcome(v, base, **kwargs).as_dict() for arm, v in values.items() if arm != baseline}
 
 
 def pretraining_findings(
@@ -459,33 +393,38 @@ def pretraining_findings(
     baseline: str = "exact",
 ) -> tuple[dict, list[str]]:
     """(comparisons, sentences): every arm against the baseline, paired by seed, on the final
-    validation loss and on each bin's validation loss and row drift; the sentences are computed
-    from those numbers (see ``compare_to_baseline``), never written in advance."""
+    validation loss (the verdict) and on each frequency bin's validation loss and row drift (the
+    diagnostic, read by ``describe_rare_tokens`` and ``bin_table``); the sentences are the engine's."""
     final = {arm: [r.val_loss[-1] for r in arm_runs] for arm, arm_runs in runs.items()}
-    comparisons = {"final_val_loss": compare_to_baseline(final, baseline), "bins": {}}
-    lines = describe_comparison("final validation loss", comparisons["final_val_loss"], labels)
-    for quantity, what in (("val_loss", "validation loss"), ("row_drift", "classifier-row drift")):
-        per_bin = comparisons["bins"].setdefault(quantity, [])
-        for b, label in enumerate(bin_labels):
-            values = {arm: [seed[b] for seed in d[quantity]] for arm, d in diagnostic.items()}
-            per_bin.append(compare_to_baseline(values, baseline))
-        for arm in runs:
-            if arm == baseline:
-                continue
-            differing = [
-                f"{bin_labels[b]} ({c[arm]['effect']:+.3g} ± {c[arm]['ci95']:.2g})"
-                for b, c in enumerate(per_bin)
-                if c[arm]["differs"]
-            ]
-            name = labels.get(arm, arm)
-            if len(runs[baseline]) < 2:
-                lines.append(f"{name}: {what} by frequency bin: one seed, no paired interval to judge against.")
-            elif differing:
-                lines.append(f"{name}: {what} differs from exact (paired 95% CI) for tokens seen "
-                             + "; ".join(differing) + " times.")
-            else:
-                lines.append(f"{name}: {what} as exact's in every frequency bin (no difference at this scale).")
+    comparisons = {"final_val_loss": outcomes_against(final, baseline), "bins": {}}
+    lines = [f"{labels.get(arm, arm)}: {verdicts.Outcome.from_dict(o).describe()}"
+             for arm, o in comparisons["final_val_loss"].items()]
+    for quantity, floor in (("val_loss", None), ("row_drift", 0.0)):
+        comparisons["bins"][quantity] = [
+            outcomes_against({arm: [seed[b] for seed in d[quantity]] for arm, d in diagnostic.items()}, baseline, floor)
+            for b in range(len(bin_labels))]
     return comparisons, lines
+
+
+def bin_table(bin_comparisons: list[dict], bin_labels: list[str], labels: dict[str, str]) -> str:
+    """A Markdown table of each arm's validation loss against exact per frequency bin: the paired
+    mean difference, its 95% interval, and the engine's verdict where it is not "equivalent"."""
+    if not bin_comparisons or not bin_comparisons[0]:
+        return ""
+    head = "| method | " + " | ".join(f"seen {b} times" for b in bin_labels) + " |"
+    rows = [head, "|---|" + "---:|" * len(bin_labels)]
+    for arm in bin_comparisons[0]:
+        cells = []
+        for per_bin in bin_comparisons:
+            o = verdicts.Outcome.from_dict(per_bin[arm])
+            if not math.isfinite(o.effect):
+                cells.append("no tokens" if o.verdict == verdicts.UNDECIDED else "not finite")
+                continue
+            ci = f" ± {o.ci95:.2g}" if math.isfinite(o.ci95) else ""
+            word = "" if o.verdict == verdicts.EQUIVALENT else f" ({o.verdict})"
+            cells.append(f"{verdicts.signed(o.effect)}{ci}{word}")
+        rows.append(f"| {labels.get(arm, arm)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
 
 
 def loss_scale_check(task, names: list[str], *, device, dtype=torch.float16, scale: float = 2.0**16,
@@ -568,20 +507,6 @@ def max_relative_drift(losses: list[float], reference: list[float]) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def finetune_tolerance(yardstick_drift: float, floor: float, slack: float = SLACK) -> float:
-    """The bound on an arm's largest relative drift from exact: max(floor, slack × the yardstick's).
-
-    The yardstick is the naive arm, logits multiplied in the compute dtype and then upcast: the
-    plain low-precision loss a trainer would write, so its drift from exact is what the dtype's
-    rounding alone does to a run. The floor (the profile's, per dtype) keeps the bound from
-    collapsing where naive is exact (fp32). The correctness gate calibrates its bounds the same
-    way (``helpers.compare.gate``, the same slack). A yardstick that diverged calibrates nothing.
-    """
-    if not math.isfinite(yardstick_drift):
-        return floor
-    return max(floor, slack * yardstick_drift)
-
-
 def filter_skip_summary(runs: list[TrainRun]) -> dict | None:
     """What our filter skipped over one arm's ``runs`` (its seeds), as fractions of the logit tiles:
     "mean" over every step, "first" and "last" (that step, averaged over the runs), "max" over
@@ -621,9 +546,10 @@ def describe_rare_tokens(
     """What the rare-token result means, in sentences computed from the numbers.
 
     ``diagnostic``: ``rare_token_diagnostic``'s; ``bin_comparisons``: ``pretraining_findings``'s
-    comparisons["bins"] ({"val_loss": [per bin: compare_to_baseline], "row_drift": [...]}). The
-    yardstick is uniform guessing, ln V nats; the reading compares each arm with the baseline on
-    the rarest bin, says whether its classifier rows moved less, and where the arm pays instead.
+    comparisons["bins"] ({"val_loss": [per bin: {arm: outcome}], "row_drift": [...]}), judged by
+    the engine with its practical margins. The yardstick is uniform guessing, ln V nats; the
+    reading compares each arm with the baseline on the rarest bin, says whether its classifier rows
+    moved less, and where the arm pays instead. The final validation loss, not this, is the verdict.
     """
     uniform = math.log(vocab_size)
     lines = [f"Lower is better. Guessing uniformly over the {vocab_size:,} ids scores ln {vocab_size:,} = "
@@ -644,132 +570,95 @@ def describe_rare_tokens(
     alike = []
     for arm in val_loss[0]:
         arm_name = labels.get(arm, arm)
-        first = val_loss[0][arm]
-        if first["differs"] is None:
-            lines.append(f"{arm_name}: one seed or no data on the rarest tokens, no verdict.")
+        first = verdicts.Outcome.from_dict(val_loss[0][arm])
+        if first.seeds < 2 or not math.isfinite(first.effect):
+            lines.append(f"{arm_name}: one seed or no data on the rarest tokens, no reading.")
             continue
-        worse = [bin_labels[b] for b, c in enumerate(val_loss) if c[arm]["differs"] and c[arm]["effect"] > 0]
-        moved = row_drift[0][arm]
-        if first["differs"] and first["effect"] < 0:
-            why = (f" Its rarest classifier rows moved {abs(moved['effect']):.2g} less than exact's (mean distance "
+        worse = [bin_labels[b] for b, c in enumerate(val_loss) if c[arm]["verdict"] == verdicts.WORSE]
+        moved = verdicts.Outcome.from_dict(row_drift[0][arm])
+        if first.verdict == verdicts.BETTER:
+            why = (f" Its rarest classifier rows moved {abs(moved.effect):.2g} less than exact's (mean distance "
                    "from their initialisation): they received less of that push-down and stayed nearer uniform "
-                   "guessing." if moved["differs"] and moved["effect"] < 0
-                   else " Its rarest rows' drift does not differ from exact's, so the cause is not measured here.")
+                   "guessing." if moved.verdict == verdicts.BETTER
+                   else " Its rarest rows' drift is not measurably smaller than exact's, so the cause is not "
+                        "measured here.")
             cost = (f" It pays on tokens seen {', '.join(worse)} times, where its loss is higher than exact's."
                     if worse else "")
-            lines.append(f"{arm_name}: {first['effect']:+.2f} nats against exact on the rarest tokens, better." + why
-                         + cost)
-        elif first["differs"]:
-            lines.append(f"{arm_name}: {first['effect']:+.2f} nats against exact on the rarest tokens, worse: what a "
-                         "filter that starves rare tokens of gradient would do.")
+            lines.append(f"{arm_name}: better than exact on the rarest tokens by {abs(first.effect):.2g} nats "
+                         f"(margin ±{first.margin:.2g})." + why + cost)
+        elif first.verdict == verdicts.WORSE:
+            lines.append(f"{arm_name}: worse than exact on the rarest tokens by {first.effect:.2g} nats (margin "
+                         f"±{first.margin:.2g}): what a filter that starves rare tokens of gradient would do.")
         elif worse:
-            lines.append(f"{arm_name}: the rarest tokens as exact, but worse on tokens seen {', '.join(worse)} times.")
+            lines.append(f"{arm_name}: the rarest tokens not measurably different from exact, but worse on tokens "
+                         f"seen {', '.join(worse)} times.")
         else:
             alike.append(arm_name)
     if alike:
-        lines.append(f"{', '.join(alike)}: no frequency bin worse than exact's.")
+        lines.append(f"{', '.join(alike)}: no frequency bin measurably worse than exact's.")
     return lines
 
 
 def convergence_facts(
-    finetune_drift: dict[str, float],
-    tolerance: float,
-    final_loss: dict[str, dict],
+    finetune: dict[str, verdicts.Outcome],
+    pretrain: dict[str, verdicts.Outcome],
+    dtype: str,
     labels: dict[str, str],
     not_run: dict[str, str] | None = None,
     caveats: dict[str, list[str]] | None = None,
     yardsticks: tuple[str, ...] = ("exact", "naive"),
 ) -> dict[str, dict]:
-    """Per method, what the report's opening table reads (``helpers.suite.report.FACT_KEYS``).
-
-    "convergence": "ok" when every part the method ran in agrees with exact (its fine-tuning drift
-    within ``tolerance``, its pretraining final validation loss not worse than exact beyond the
-    paired interval; lower is "ok" with a caveat), "off" otherwise; absent where it did not run.
-    "caveats": what went wrong, in words, then ``caveats[method]``. A preset (ours with the filter
-    off, Apple's filter-off and Kahan-FullC arms) has no row of its own: where it tells the user
-    something its method's row does not (another verdict, or another reason it did not run), that
-    is a caveat of the method it is a preset of. ``final_loss``: ``pretraining_findings``'s
-    comparisons["final_val_loss"]; ``not_run``: {method: why} for the arms that could not run here.
-    """
+    """Per method, what the REPORT reads (``helpers.suite.report.FACT_KEYS``): "convergence",
+    {dtype: {"verdict", "parts"}} (the engine's ``convergence_fact`` over the parts the method ran
+    in), and "caveats". A preset (ours with the filter off, Apple's filter-off and Kahan-FullC
+    arms) has no row of its own: where its verdict differs from its method's, or it did not run
+    for another reason, that is a short caveat of the method it is a preset of. ``not_run``:
+    {method: why} for the arms that could not run here."""
     from helpers.compare.methods import METHODS
 
-    verdicts: dict[str, tuple[str | None, list[str]]] = {}  # method -> ("ok"/"off"/None, notes)
-    for name in dict.fromkeys([*finetune_drift, *final_loss, *(not_run or {})]):
+    parts: dict[str, list[verdicts.Outcome]] = {}
+    for name in dict.fromkeys([*finetune, *pretrain, *(not_run or {})]):
         if name not in METHODS or name in yardsticks or (METHODS[name].preset_of or name) in yardsticks:
             continue
-        notes, off, ran = [], False, False
-        if name in finetune_drift:
-            ran, drift = True, finetune_drift[name]
-            if not drift <= tolerance:
-                off = True
-                notes.append(f"fine-tuning: drifted {drift:.2g} from exact (bound {tolerance:.2g})")
-        if name in final_loss:
-            ran, c = True, final_loss[name]
-            if not math.isfinite(c["effect"]):
-                off = True
-                notes.append("pretraining: the final validation loss is not finite (a run diverged)")
-            elif c["differs"]:
-                off = off or c["effect"] > 0
-                notes.append(f"pretraining: final validation loss {c['effect']:+.3g} nats against exact "
-                             f"({c['same_sign_seeds']}/{c['seeds']} seeds){'' if c['effect'] > 0 else ', lower'}")
-        if not ran and name in (not_run or {}):
-            notes.append(f"not run here: {not_run[name]}")
-        verdicts[name] = (("off" if off else "ok") if ran else None, notes)
+        parts[name] = [o for o in (finetune.get(name), pretrain.get(name)) if o is not None]
     facts: dict[str, dict] = {}
-    for name, (verdict, notes) in verdicts.items():
+    for name, outcomes in parts.items():
         parent = METHODS[name].preset_of or name
         entry = facts.setdefault(parent, {"caveats": []})
+        verdict = verdicts.combine(outcomes)
         if parent == name:
-            if verdict:
-                entry["convergence"] = verdict
-            entry["caveats"] = notes + entry["caveats"]
-        else:
-            parent_verdict, parent_notes = verdicts.get(parent, (None, []))
-            both_ok = verdict == parent_verdict == "ok" and not notes
-            both_not_run = verdict is None and parent_verdict is None and notes == parent_notes
-            if both_ok or both_not_run:
-                continue  # nothing its method's row does not say already
-            said = "; ".join(notes) if notes else "trains like exact"
-            entry["caveats"].append(f"{labels.get(name, name)}: {said}")
+            if outcomes:
+                entry["convergence"] = verdicts.convergence_fact(dtype, outcomes)
+            elif name in (not_run or {}):
+                entry["caveats"].insert(0, f"not trained here: {not_run[name]}")
+            continue
+        parent_verdict = verdicts.combine(parts.get(parent, []))
+        if outcomes and verdict != parent_verdict:
+            entry["caveats"].append(f"{labels.get(name, name)}: {verdicts.trains_phrase(verdict)} in {dtype} "
+                                    f"({'; '.join(o.describe() for o in outcomes if o.verdict != verdicts.EQUIVALENT)})")
+        elif not outcomes and name in (not_run or {}) and (not_run or {}).get(parent) != not_run[name]:
+            entry["caveats"].append(f"{labels.get(name, name)}: not trained here: {not_run[name]}")
     for name, extra in (caveats or {}).items():
         facts.setdefault(name, {"caveats": []})["caveats"] += extra
     return facts
 
 
-def _every_arm(n: int) -> str:
-    return f"all {n} arms" if n > 1 else "the one arm"
-
-
-def convergence_headline(
-    finetune_drift: dict[str, float],
-    tolerance: float,
-    final_loss: dict[str, dict],
-    labels: dict[str, str],
-    yardsticks: tuple[str, ...] = ("naive",),
-) -> str:
-    """One line for the report: the fine-tuning verdict and the pretraining differences."""
-    arms = [n for n in finetune_drift if n not in yardsticks]
-    off = [n for n in arms if not finetune_drift[n] <= tolerance]
-    if not arms:
-        finetune = "fine-tuning: no arm ran"
-    elif off:
-        finetune = (f"fine-tuning: {', '.join(f'{labels.get(n, n)} drifted {finetune_drift[n]:.2g}' for n in off)} "
-                    f"past the bound {tolerance:.2g}, the other {len(arms) - len(off)} arms within it")
-    else:
-        finetune = f"fine-tuning: {_every_arm(len(arms))} within {tolerance:.2g} of exact"
-    diverged = [labels.get(n, n) for n, c in final_loss.items() if not math.isfinite(c["effect"])]
-    judged = {n: c for n, c in final_loss.items() if c["differs"] is not None}
-    differing = {n: c for n, c in judged.items() if c["differs"]}
-    said = [f"{', '.join(diverged)} diverged (validation loss not finite)"] if diverged else []
-    if differing:
-        said.append(", ".join(f"{labels.get(n, n)} {c['effect']:+.3g} nats against exact "
-                              f"({c['same_sign_seeds']}/{c['seeds']} seeds)" for n, c in differing.items()))
-    if len(differing) < len(judged):
-        said.append("no difference for the others" if said else f"no difference from exact for {_every_arm(len(judged))}")
-    if not said:
-        said.append("no arm ran" if not final_loss else "one seed, no verdict")
-    pretrain = "pretraining: " + "; ".join(said)
-    return f"{finetune}; {pretrain}"
+def convergence_headline(finetune: dict[str, verdicts.Outcome], pretrain: dict[str, verdicts.Outcome],
+                         labels: dict[str, str]) -> str:
+    """One line for the report: each part's verdicts, the engine's words, the exceptions named."""
+    said = []
+    for part, outcomes in (("fine-tuning", finetune), ("pretraining", pretrain)):
+        if not outcomes:
+            said.append(f"{part}: no arm ran")
+            continue
+        odd = {n: o for n, o in outcomes.items() if o.verdict != verdicts.EQUIVALENT}
+        names = [f"{labels.get(n, n)} {o.describe().removeprefix(part + ': ')}" for n, o in odd.items()]
+        rest = len(outcomes) - len(odd)
+        margin = next(iter(outcomes.values())).margin
+        tail = (f"{'the other ' if odd else 'all '}{rest} equivalent to exact (margin {margin:.2g}"
+                + (" nats)" if part == "pretraining" else ")")) if rest else ""
+        said.append(f"{part}: " + "; ".join([*names, tail] if tail else names))
+    return "; ".join(said)
 
 
 __all__ = [
@@ -789,12 +678,9 @@ __all__ = [
     "DIAGNOSTIC_QUANTITIES",
     "rare_token_diagnostic",
     "pretraining_findings",
-    "compare_to_baseline",
-    "describe_comparison",
-    "NEGLIGIBLE_SHARE_OF_SEED_SPREAD",
-    "t_quantile_975",
+    "outcomes_against",
+    "bin_table",
     "paired_difference",
-    "finetune_tolerance",
     "filter_skip_summary",
     "training_seconds",
     "describe_rare_tokens",

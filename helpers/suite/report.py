@@ -35,19 +35,22 @@ FACTS = "facts.json"
 SUMMARY = "summary.json"
 
 # What a notebook may tell the report's opening table about a method (``facts``); every key is
-# optional, and a method's row says "not measured" for what no notebook gave.
+# optional, and a method's row says nothing for what no notebook gave. Verdicts in them are the
+# engine's (``helpers.compare.verdicts``), which also reads them to recommend.
 FACT_KEYS = {
     "gradients": "{dtype name: 'pass' or 'fail'}: the accuracy gate's verdict against float64 (01)",
-    "peak_bytes_16k": "peak memory of one loss step (forward and backward) at 16,384 tokens, this GPU (02)",
-    "seconds_16k": "time of that step on this GPU (02)",
-    "t4_peak_bytes_16k": "the same step's peak under a T4's limits (a T4, or the pretend-T4 sweep) (02)",
+    "sweep": "{'dtype', 'points': {N: {'peak_bytes', 'seconds', 'status'}}}: one loss step (forward and backward) "
+             "on this GPU at each token count swept (02)",
+    "t4_peak_bytes_16k": "the same step's peak at 16,384 tokens under a T4's limits (a T4, or the pretend-T4 sweep) (02)",
     "runs_on_t4": "True, or why not (a string) (02, 05)",
     "largest_step_tokens_16gb": "the largest micro-batch of a whole Qwen3-0.6B training step that fits a 16 GB "
                                 "card, in tokens (05; under naive: transformers' default loss)",
-    "convergence": "'ok' or 'off': trains like the exact loss (03)",
-    "caveats": "[str]: what a user must know (any notebook)",
+    "whole_step": "{'tokens', 'precision', 'peak_bytes', 'tokens_per_s'}: one whole training step at the seed "
+                  "article's micro-batch (05)",
+    "convergence": "{dtype name: {'verdict', 'parts'}}: the engine's training verdict against exact (03)",
+    "caveats": "[str]: what a user must know (any notebook); the REPORT footnotes any over 150 characters",
 }
-
+CAVEAT_CELL_CHARACTERS = 150
 
 def write_report_fragment(output_dir: str | Path, markdown: str, *, headline: str | None = None,
                           facts: dict[str, dict] | None = None, smoke: bool = False) -> Path:
@@ -76,21 +79,35 @@ def write_report_fragment(output_dir: str | Path, markdown: str, *, headline: st
 # ---------------------------------------------------------------------------------------------
 
 
-def load_facts(results: Path, runs: list[dict]) -> tuple[dict[str, dict], dict[str, str], bool]:
-    """({method: merged facts}, {notebook: headline}, whether any notebook was a smoke run), from
-    the ``facts.json`` the notebooks of ``runs`` wrote: a later notebook's value of a key wins, except
-    that no "runs on a T4" outweighs a reason it cannot."""
+def load_facts(results: Path, runs: list[dict], stamp: dict | None = None,
+               suite: list[str] = ()) -> tuple[dict[str, dict], dict[str, str], bool, list[str], list[str]]:
+    """({method: merged facts}, {notebook: headline}, whether any notebook was a smoke run, the
+    notebooks whose facts were read, and notes on facts taken from an earlier run) from the
+    ``facts.json`` of the notebooks of ``runs``. A notebook of ``suite`` not in this run is read
+    too where its facts carry this run's ``stamp`` (device, profile and versions): an earlier run
+    into the same folder on the same setup. A later notebook's value of a key wins, except that no
+    "runs on a T4" outweighs a reason it cannot."""
     methods: dict[str, dict] = {}
     headlines: dict[str, str] = {}
     smoke = False
-    for run in runs:
-        path = results / run["notebook"] / FACTS
+    read, earlier = [], []
+    in_run = {r["notebook"] for r in runs}
+    candidates = [r["notebook"] for r in runs] + [n for n in suite if n not in in_run]
+    for notebook in sorted(candidates):
+        path = results / notebook / FACTS
         if not path.is_file():
             continue
         data = json.loads(path.read_text())
+        if notebook not in in_run:
+            theirs = {k: v for k, v in (data.get("stamp") or {}).items() if k != "finished"}
+            if not stamp or theirs != {k: v for k, v in stamp.items() if k != "finished"}:
+                continue
+            earlier.append(f"`{notebook}`'s results are from an earlier run into this folder "
+                           f"({data['stamp'].get('finished', 'time unknown')}) on the same device, profile and versions.")
+        read.append(notebook)
         smoke |= bool(data.get("smoke"))
         if data.get("headline"):
-            headlines[run["notebook"]] = data["headline"]
+            headlines[notebook] = data["headline"]
         for method, facts in data.get("methods", {}).items():
             merged = methods.setdefault(method, {})
             for key, value in facts.items():
@@ -99,9 +116,11 @@ def load_facts(results: Path, runs: list[dict]) -> tuple[dict[str, dict], dict[s
                     merged["caveats"] += [c for c in value if c not in merged["caveats"]]
                 elif key == "runs_on_t4" and isinstance(merged.get(key), str) and value is True:
                     pass  # one notebook's reason it cannot (out of memory at 16k, say) outweighs another's "ran"
+                elif key == "convergence":
+                    merged.setdefault(key, {}).update(value)
                 else:
                     merged[key] = value
-    return methods, headlines, smoke
+    return methods, headlines, smoke, read, earlier
 
 
 def _label(method: str) -> str:
@@ -110,22 +129,37 @@ def _label(method: str) -> str:
     return METHODS[method].label if method in METHODS else method
 
 
-def _gradients_ok(f: dict) -> bool | None:
-    return None if "gradients" not in f else all(v == "pass" for v in f["gradients"].values())
-
-
-def _usable(f: dict) -> bool:
-    """Measured right: no failing gradient dtype, no training difference (unmeasured is not wrong)."""
-    return _gradients_ok(f) is not False and f.get("convergence") != "off"
-
-
 def _fmt_gb(n) -> str:
     return "not measured" if n is None else "out of memory" if n == "oom" else format_bytes(n)
 
 
-def recommendation(methods: dict[str, dict], smoke: bool = False) -> list[str]:
-    """The report's opening: one row per method with what the notebooks measured, then the "use X
-    when ..." sentences those numbers support (none where the run measured too little)."""
+def _at_16k(f: dict, key: str):
+    point = ((f.get("sweep") or {}).get("points") or {}).get(str(16_384)) or {}
+    if point.get("status") not in (None, "ok"):
+        return "oom" if key == "peak_bytes" and "oom" in point["status"] else point["status"]
+    return point.get(key)
+
+
+def caveat_cell(caveats: list[str], footnotes: list[str]) -> str:
+    """The caveats of one row, at most ``CAVEAT_CELL_CHARACTERS`` long: those that fit inline, the
+    rest as numbered footnotes (appended to ``footnotes``)."""
+    inline, refs = [], []
+    for c in caveats:
+        if len("; ".join(inline + [c])) + 6 * (len(refs) + 1) <= CAVEAT_CELL_CHARACTERS and len(c) <= 80:
+            inline.append(c)
+        else:
+            footnotes.append(c)
+            refs.append(f"[{len(footnotes)}]")
+    return "; ".join(inline + ([" ".join(refs)] if refs else []))
+
+
+def recommendation(methods: dict[str, dict], smoke: bool = False, ran: list[str] = (), t4: bool = False,
+                   figure: str | None = None) -> list[str]:
+    """The report's opening: one row per method with what the notebooks measured and the engine's
+    verdicts, then the "use X when" sentences (``helpers.compare.verdicts.recommend``) that the
+    notebooks that ran (``ran``) support."""
+    from helpers.compare import verdicts
+
     lines = ["## Which loss to use", ""]
     if smoke:
         lines += [f"> **{_smoke_note()}** The table and sentences below show the pipeline works; they "
@@ -134,30 +168,54 @@ def recommendation(methods: dict[str, dict], smoke: bool = False) -> list[str]:
     if not methods:
         return lines + ["This run measured nothing this table reads: run notebooks 01, 02, 03 and 05 (on a GPU) "
                         "to fill it.", ""]
-    order = sorted(methods, key=lambda m: (not isinstance(methods[m].get("peak_bytes_16k"), (int, float)),
-                                           methods[m].get("peak_bytes_16k") or 0, m))
-    # Only the columns some notebook of this run gave: (heading, alignment, key, cell).
-    columns = [(heading, align, key, cell) for heading, align, key, cell in _COLUMNS
-               if any(key in methods[m] for m in order)]
+    order = sorted(methods, key=lambda m: (not isinstance(_at_16k(methods[m], "peak_bytes"), int),
+                                           _at_16k(methods[m], "peak_bytes") or 0, m))
+    columns = [c for c in _COLUMNS if any(c[4](methods[m]) is not None for m in order)]
+    footnotes: list[str] = []
     lines += ["| method | " + " | ".join(c[0] for c in columns) + " |",
               "|---|" + "".join(f"{c[1]}|" for c in columns)]
     for m in order:
         f = methods[m]
-        cells = [_label(m)] + ["" if key not in f else cell(f[key]) for _, _, key, cell in columns]
+        cells = [_label(m)]
+        for _, _, key, cell, get in columns:
+            value = get(f)
+            cells.append("" if value is None else caveat_cell(value, footnotes) if key == "caveats" else cell(value))
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    return lines + [""] + [f"- {s}" for s in use_when(methods)] + [""]
+    lines += [""] + [f"[{i}] {note}" + "  " for i, note in enumerate(footnotes, 1)]
+    if footnotes:
+        lines.append("")
+    lines += [f"- {s}" for s in verdicts.recommend(methods, list(ran), t4=t4)] + [""]
+    if figure:
+        lines += [f"![Time against peak memory, each point marked with its verdicts]({figure})", ""]
+    return lines
 
 
+def _whole_step(w: dict) -> str:
+    if not w.get("peak_bytes"):
+        return "out of memory"
+    return f"{format_bytes(w['peak_bytes'])}, {w['tokens_per_s']:,.0f} tok/s"
+
+
+# (heading, alignment, key, cell, how to read the value from a method's facts)
 _COLUMNS = [
-    ("peak at 16k tokens", "---:", "peak_bytes_16k", _fmt_gb),
-    ("time at 16k", "---:", "seconds_16k", lambda s: f"{s * 1e3:,.0f} ms"),
-    ("peak at 16k on a T4", "---:", "t4_peak_bytes_16k", _fmt_gb),
-    ("runs on a T4", "---", "runs_on_t4", lambda t: "yes" if t is True else f"no: {t}"),
-    ("whole step on 16 GB", "---:", "largest_step_tokens_16gb", lambda n: f"{n:,} tokens"),
-    ("gradients vs float64", "---", "gradients", lambda g: ", ".join(f"{d} {v}" for d, v in g.items())),
-    ("trains like exact", "---", "convergence", lambda c: {"ok": "yes", "off": "**no**"}.get(c, c)),
-    ("caveats", "---", "caveats", "; ".join),
+    ("peak at 16k tokens", "---:", "peak", _fmt_gb, lambda f: _at_16k(f, "peak_bytes")),
+    ("time at 16k", "---:", "time", lambda s: s if isinstance(s, str) else f"{s * 1e3:,.0f} ms",
+     lambda f: _at_16k(f, "seconds")),
+    ("peak at 16k as a T4", "---:", "t4", _fmt_gb, lambda f: f.get("t4_peak_bytes_16k")),
+    ("runs on a T4", "---", "runs_on_t4", lambda t: "yes" if t is True else f"no: {t}", lambda f: f.get("runs_on_t4")),
+    ("whole step at 16k", "---:", "whole_step", _whole_step, lambda f: f.get("whole_step")),
+    ("whole step on 16 GB", "---:", "largest", lambda n: f"{n:,} tokens", lambda f: f.get("largest_step_tokens_16gb")),
+    ("gradients vs float64", "---", "gradients", lambda g: ", ".join(f"{d} {v}" for d, v in g.items()),
+     lambda f: f.get("gradients")),
+    ("trains like exact", "---", "convergence", lambda c: _convergence_cell(c), lambda f: f.get("convergence")),
+    ("caveats", "---", "caveats", None, lambda f: f.get("caveats") or None),
 ]
+
+
+def _convergence_cell(c: dict) -> str:
+    from helpers.compare.verdicts import convergence_cell
+
+    return convergence_cell(c)
 
 
 def _smoke_note() -> str:
@@ -166,57 +224,21 @@ def _smoke_note() -> str:
     return SMOKE_NOTE
 
 
-def use_when(methods: dict[str, dict]) -> list[str]:
-    """The sentences that follow from the facts: least memory, fastest, on a T4, most tokens in a
-    whole step, among the methods measured right; then what to avoid and why."""
-    usable = {m: f for m, f in methods.items() if _usable(f)}
+GLOSSARY = [
+    ("the seed article", "\"Killing the 10 GB Tensor\", the write-up this workbench grew from: a Qwen3-0.6B trainer "
+     "on a free Kaggle T4 whose 16k-token loss built a 9.96 GB fp32 logit tensor"),
+    ("exact", "the loss from fp32 logits of the same low-precision inputs: the yardstick of training"),
+    ("naive", "the loss a trainer writes: logits in the input dtype, then upcast"),
+    ("gate", "notebook 01's check of loss, dE and dC against float64, bound max(floor, 2x naive's error)"),
+    ("LB (lower bound)", "the bytes of the two gradients any method must return, dE (N x D) and dC (V x D)"),
+    ("tile", "a block of the N x V logit matrix that a kernel computes at once; the filter skips whole tiles"),
+    ("G", "the gradient of the loss with respect to a block of logits, softmax minus the one-hot target, over N"),
+    ("margin", "the practical difference a verdict is judged against, fixed before the run"),
+]
 
-    def best(key, among=usable, largest=False):
-        known = {m: f[key] for m, f in among.items() if isinstance(f.get(key), (int, float)) and f[key] is not True}
-        return (max if largest else min)(known, key=known.get) if known else None
 
-    out = []
-    naive = methods.get("naive", {})
-    lightest, fastest = best("peak_bytes_16k"), best("seconds_16k")
-    if lightest:
-        peak = usable[lightest]["peak_bytes_16k"]
-        than = (f", {naive['peak_bytes_16k'] / peak:,.0f}× less than naive's {format_bytes(naive['peak_bytes_16k'])}"
-                if isinstance(naive.get("peak_bytes_16k"), (int, float)) and lightest != "naive" else "")
-        both = " It is also the fastest measured." if fastest == lightest else ""
-        out.append(f"Use **{_label(lightest)}** when memory is the limit: {format_bytes(peak)} for a loss step at "
-                   f"16,384 tokens{than}.{both}")
-    if fastest and fastest != lightest:
-        f = usable[fastest]
-        out.append(f"Use **{_label(fastest)}** when step time matters most: {f['seconds_16k'] * 1e3:,.0f} ms at 16,384 "
-                   f"tokens ({_fmt_gb(f.get('peak_bytes_16k'))}).")
-    on_t4 = {m: f for m, f in usable.items() if f.get("runs_on_t4") is True
-             and f.get("gradients", {}).get("float16", "pass") == "pass"}
-    t4_best = best("t4_peak_bytes_16k", on_t4)
-    if t4_best:
-        cannot = [f"{_label(m)} ({f['runs_on_t4']})" for m, f in methods.items() if isinstance(f.get("runs_on_t4"), str)]
-        out.append(f"On a T4 (16 GB, fp16), use **{_label(t4_best)}**: {format_bytes(on_t4[t4_best]['t4_peak_bytes_16k'])} "
-                   "at 16,384 tokens" + (f"; cannot run there: {', '.join(cannot)}" if cannot else "") + ".")
-    most = best("largest_step_tokens_16gb", largest=True)
-    if most and usable[most]["largest_step_tokens_16gb"] > naive.get("largest_step_tokens_16gb", 0):
-        tokens, default = usable[most]["largest_step_tokens_16gb"], naive.get("largest_step_tokens_16gb")
-        # The fit search steps coarsely, so equal counts are common: name every method that reached it.
-        tied = [m for m in usable if m != most and usable[m].get("largest_step_tokens_16gb") == tokens]
-        passed_over = [m for m in methods if m not in usable and methods[m].get("largest_step_tokens_16gb") == tokens]
-        out.append("To fit the most tokens in a whole training step on a 16 GB card, use "
-                   + " or ".join(f"**{_label(m)}**" for m in [most, *tied])
-                   + f": {tokens:,} tokens" + (" each" if tied else "")
-                   + (f", against {default:,} with transformers' default loss" if default is not None else "")
-                   + (f"; {' and '.join(_label(m) for m in passed_over)} "
-                      + ("fit as many but are" if len(passed_over) > 1 else "fits as many but is")
-                      + " not recommended here (below)" if passed_over else "") + ".")
-    for m, f in methods.items():
-        failing = [d for d, v in f.get("gradients", {}).items() if v != "pass"]
-        if failing:
-            out.append(f"Avoid **{_label(m)}** in {', '.join(failing)}: its gradients fail the float64 gate "
-                       "(notebook 01).")
-        if f.get("convergence") == "off":
-            out.append(f"**{_label(m)}** trains differently from the exact loss (notebook 03).")
-    return out or ["Too little was measured in this run to recommend a method."]
+def glossary_section() -> list[str]:
+    return ["## Terms", ""] + [f"- **{term}**: {meaning}." for term, meaning in GLOSSARY] + [""]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,9 +338,17 @@ def _hardware_section(summary: dict | None) -> list[str]:
     return lines + [""]
 
 
-def render_report(results_dir: str | Path, suite: list[str] | None = None) -> str:
+def is_t4_run(summary: dict | None) -> bool:
+    """Whether the run is a T4's: a real T4 (sm_75), a pretend one, or the T4 profiles."""
+    device = (summary or {}).get("device", {})
+    return bool(device.get("pretend_t4") or tuple(device.get("capability") or ()) == (7, 5)
+                or str((summary or {}).get("profile", "")).startswith(("t4", "cpu-t4")))
+
+
+def render_report(results_dir: str | Path, suite: list[str] | None = None, figure: str | None = None) -> str:
     """The report's Markdown (``build_report`` writes it). ``suite``: the notebooks the suite has,
-    to list those not in this run (default: the ones in ``notebooks/``)."""
+    to list those not in this run (default: the ones in ``notebooks/``); ``figure``: the decision
+    figure's file in the results folder, if drawn."""
     results = Path(results_dir)
     summary = _load_summary(results)
     runs = _runs(results, summary)
@@ -328,14 +358,15 @@ def render_report(results_dir: str | Path, suite: list[str] | None = None) -> st
         datetime.datetime.fromtimestamp((results / SUMMARY).stat().st_mtime).strftime("%Y-%m-%d %H:%M")
         if summary else "unknown time")
     device = (summary or {}).get("device", {}).get("description", "unknown hardware")
-    methods, headlines, smoke = load_facts(results, runs)
+    methods, headlines, smoke, read, earlier = load_facts(results, runs, (summary or {}).get("stamp"), suite)
     lines = [
         "# Memory-efficient cross-entropy: results",
         "",
         f"Run of {when}, profile `{(summary or {}).get('profile', '?')}`, on {device}. "
         f"{len(runs)} notebooks: {len(runs) - len(failed)} ran, {len(failed)} failed.",
         "",
-        *recommendation(methods, smoke),
+        *recommendation(methods, smoke, read, is_t4_run(summary), figure),
+        *([f"- {e}" for e in earlier] + [""] if earlier else []),
         "## The notebooks",
         "",
         "| notebook | status | time | headline |",
@@ -354,6 +385,7 @@ def render_report(results_dir: str | Path, suite: list[str] | None = None) -> st
         lines.append(f"| `{name}` | {status} | {_seconds(run)} | {where} |")
     lines.append("")
     lines += _hardware_section(summary)
+    lines += glossary_section()
 
     for run in runs:
         name = run["notebook"]
@@ -387,9 +419,10 @@ def _not_run_section(results: Path, runs: list[dict], has_fragment: dict, suite:
         name = run["notebook"]
         files = [f for f in run.get("files", []) if not f.endswith(".ipynb")]
         shown = ", ".join(f"[`{Path(f).name}`]({f})" for f in files[:12]) + (" …" if len(files) > 12 else "")
+        executed = (f"; the executed notebook: [{name}.ipynb]({name}/{name}.ipynb)"
+                    if (results / name / f"{name}.ipynb").is_file() else "")
         lines.append(f"- **`{name}`** ran but wrote no `{REPORT_FRAGMENT}`, so it has no headline here. "
-                     f"Its results: {shown or 'no files besides the executed notebook'}; "
-                     f"the executed notebook: [{name}.ipynb]({name}/{name}.ipynb).")
+                     f"Its results: {shown or 'no files besides the executed notebook'}{executed}.")
     if missing:
         lines.append(f"- **Not part of this run** (`--only`, or added since): {', '.join(f'`{m}`' for m in missing)}.")
     return lines + [""]
@@ -398,11 +431,38 @@ def _not_run_section(results: Path, runs: list[dict], has_fragment: dict, suite:
 def build_report(results_dir: str | Path, *, suite: list[str] | None = None, embed_images: bool = True) -> Path:
     """Write ``REPORT.md`` and ``REPORT.html`` into ``results_dir``; returns the Markdown's path."""
     results = Path(results_dir)
-    markdown = render_report(results, suite)
+    figure = draw_decision_figure(results, suite)
+    markdown = render_report(results, suite, figure)
     path = results / "REPORT.md"
     path.write_text(markdown)
     (results / "REPORT.html").write_text(html_document(markdown, results, embed_images))
     return path
+
+
+DECISION_FIGURE = "decision.png"
+
+
+def draw_decision_figure(results: Path, suite: list[str] | None = None) -> str | None:
+    """Time against peak memory per method at each token count 02 swept, each point marked with
+    the engine's gate and training verdicts (``helpers.lab.plots.plot_decision``); the file's name,
+    or None where no sweep facts were read."""
+    summary = _load_summary(results)
+    runs = _runs(results, summary)
+    suite = _suite_notebooks() if suite is None else suite
+    methods, _, smoke, read, _ = load_facts(results, runs, (summary or {}).get("stamp"), suite)
+    if not any(f.get("sweep") for f in methods.values()):
+        return None
+    from helpers.lab.plots import mark_smoke, plot_decision
+
+    fig = plot_decision(methods, trained="03_convergence" in read,
+                        title=(summary or {}).get("device", {}).get("description", ""))
+    if smoke:
+        mark_smoke(fig)
+    fig.savefig(results / DECISION_FIGURE, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return DECISION_FIGURE
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,6 +66,8 @@ def run_notebook(path: Path, profile: str, output: Path, timeout_s: int | None =
 
     out_dir = output / path.stem
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("facts.json", "report.md"):  # an earlier run's, which this run's must not pass for
+        (out_dir / stale).unlink(missing_ok=True)
     started = time.perf_counter()
     error = ""
     try:
@@ -128,17 +130,58 @@ def run_suite(
     return runs
 
 
+# Every package whose code runs in a notebook of the suite, for the REPORT's versions line.
+VERSIONED = ("triton", "liger-kernel", "cut-cross-entropy", "transformers", "numpy", "matplotlib", "papermill",
+             "jupytext")
+
+
+def helpers_version() -> str:
+    """This package's version, and the commit of the checkout it runs from where there is one (a
+    run from a checkout on PYTHONPATH is not "installed", but it is a version)."""
+    import subprocess
+
+    import helpers
+
+    version = helpers.__version__
+    root = Path(helpers.__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return f"{version} ({commit})" if commit else version
+
+
+def run_stamp(profile: str, info) -> dict:
+    """What must match for one run's results to stand beside another's in a REPORT: the device,
+    the profile and every version."""
+    return {"profile": profile, "device": info.describe(), "python": platform.python_version(),
+            "torch": torch.__version__, "versions": {"helpers": helpers_version(),
+                                                     **{d: installed_version(d) for d in VERSIONED}}}
+
+
 def _write_summary(output: Path, profile: str, info, runs: list[NotebookRun]) -> None:
+    stamp = run_stamp(profile, info)
     payload = {
         "profile": profile,
         "device": info.as_dict(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        "python": stamp["python"],
+        "torch": stamp["torch"],
         "finished": time.strftime("%Y-%m-%d %H:%M"),
-        "versions": {d: installed_version(d) for d in ("triton", "liger-kernel", "cut-cross-entropy", "helpers")},
+        "versions": stamp["versions"],
+        "stamp": stamp,
         "runs": [asdict(r) for r in runs],
     }
     (output / "summary.json").write_text(json.dumps(payload, indent=1))
+    # Each notebook's facts carry the stamp of the run that made them: a later run into the same
+    # folder may read them only where its own stamp is the same (helpers.suite.report.load_facts).
+    for run in runs:
+        facts = output / run.notebook / "facts.json"
+        if facts.is_file():
+            data = json.loads(facts.read_text())
+            if "stamp" not in data:
+                data["stamp"] = {**stamp, "finished": payload["finished"]}
+                facts.write_text(json.dumps(data, indent=1))
 
 
 def summary_table(runs: list[NotebookRun]) -> str:

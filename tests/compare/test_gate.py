@@ -116,9 +116,10 @@ def test_report_writes_json_and_markdown(tmp_path):
 
 def test_naive_over_its_floor_is_reported_not_failed(monkeypatch):
     import helpers.compare.gate as gate
+    import helpers.compare.verdicts as verdicts
 
-    tight = {dtype: {q: 1e-12 for q in gate.QUANTITIES} for dtype in gate.FLOOR}
-    monkeypatch.setattr(gate, "FLOOR", tight)
+    tight = {dtype: {q: 1e-12 for q in gate.QUANTITIES} for dtype in verdicts.GATE_FLOOR}
+    monkeypatch.setattr(verdicts, "GATE_FLOOR", tight)
     report = run_gate(["naive", "chunked"], (torch.float16,), CASES[:2], device="cpu", raise_on_failure=False)
     naive_rows = [r for r in report.rows if r.method == "naive"]
     assert naive_rows and all(r.status == "over floor" for r in naive_rows)
@@ -131,9 +132,10 @@ def test_each_bar_of_the_figure_is_coloured_by_its_verdict(monkeypatch, tmp_path
     import matplotlib.colors
 
     import helpers.compare.gate as gate
+    import helpers.compare.verdicts as verdicts
 
-    tight = {dtype: {q: 1e-12 for q in gate.QUANTITIES} for dtype in gate.FLOOR}
-    monkeypatch.setattr(gate, "FLOOR", tight)  # naive over its floor everywhere; chunked fails some bars
+    tight = {dtype: {q: 1e-12 for q in gate.QUANTITIES} for dtype in verdicts.GATE_FLOOR}
+    monkeypatch.setattr(verdicts, "GATE_FLOOR", tight)  # naive over its floor everywhere; chunked fails some bars
     report = run_gate(["naive", "chunked"], (torch.float16,), CASES[:2], device="cpu", raise_on_failure=False)
     fig = report.plot(tmp_path / "gate.png")
     assert (tmp_path / "gate.png").is_file()

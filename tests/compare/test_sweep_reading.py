@@ -124,18 +124,19 @@ def test_report_facts_from_this_card_and_the_t4_sweep():
     plan = MethodPlan(["naive", "liger", "ours"], {"ours": "ours [float16] N=257: dE error 0.01 > bound 0.003"},
                       {"apple_cce": "its backward needs 96 KB of shared memory; a T4 has 64 KB"})
     facts = report_facts(H200, t4_records=t4, t4_plan=plan)
-    assert facts["naive"] == {"peak_bytes_16k": 29_900_000_000, "seconds_16k": 0.052,
-                              "runs_on_t4": "out of memory on a T4 from N=8,192"}
-    assert facts["liger"] == {"peak_bytes_16k": 384_000_000, "seconds_16k": 0.062,
-                              "t4_peak_bytes_16k": 1_300_000_000, "runs_on_t4": True}
+    assert facts["naive"]["runs_on_t4"] == "out of memory on a T4 from N=8,192"
+    assert facts["naive"]["sweep"]["points"]["16384"] == {"status": "ok", "peak_bytes": 29_900_000_000, "seconds": 0.052}
+    assert facts["liger"]["sweep"]["dtype"] == "bfloat16"
+    assert facts["liger"]["sweep"]["points"]["16384"] == {"status": "ok", "peak_bytes": 384_000_000, "seconds": 0.062}
+    assert facts["liger"]["t4_peak_bytes_16k"] == 1_300_000_000 and facts["liger"]["runs_on_t4"] is True
     assert facts["apple_cce"]["runs_on_t4"].startswith("cannot run on a T4: its backward needs")
-    assert facts["apple_cce"]["peak_bytes_16k"] == 347_000_000
+    assert facts["apple_cce"]["sweep"]["points"]["16384"]["peak_bytes"] == 347_000_000
     assert facts["ours"]["t4_peak_bytes_16k"] == 500_000_000
     assert facts["ours"]["runs_on_t4"].startswith("runs, but fails the float16 accuracy gate")
     assert {key for fact in facts.values() for key in fact} <= set(FACT_KEYS)
-    # No 16k point, no 16k facts; no T4 sweep, no T4 facts.
-    assert report_facts([r for r in H200 if r["N"] != 16_384]) == {}
-    assert set(report_facts(H200)["liger"]) == {"peak_bytes_16k", "seconds_16k"}
+    # Every N swept is a point (the REPORT recommends per token count); no T4 sweep, no T4 facts.
+    assert set(report_facts(H200)["liger"]) == {"sweep"}
+    assert set(report_facts(H200)["liger"]["sweep"]["points"]) == {str(r["N"]) for r in H200 if r["method"] == "liger"}
 
 
 # ---------------------------------------------------------------------------------------------

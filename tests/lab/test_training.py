@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from helpers.compare import verdicts
 from helpers.compare.methods import Method, exact_loss, get_method
 from helpers.lab import training
 from helpers.compare.corpus import build_corpus
@@ -116,46 +117,40 @@ def test_rare_token_diagnostic_shapes(lm_task):
         for quantity in training.DIAGNOSTIC_QUANTITIES:
             assert len(diagnostic[arm][quantity]) == 2 and len(diagnostic[arm][quantity][0]) == len(labels)
     comparisons, findings = training.pretraining_findings(runs, diagnostic, labels, {"chunked": "chunked"})
-    assert comparisons["final_val_loss"]["chunked"]["differs"] is False
-    assert any("no difference at this scale" in line for line in findings)
+    assert comparisons["final_val_loss"]["chunked"]["verdict"] == "equivalent"  # the same arithmetic in fp32
+    assert any("equivalent within" in line for line in findings)
+    table = training.bin_table(comparisons["bins"]["val_loss"], labels, {"chunked": "chunked"})
+    assert table.startswith("| method | seen") and "| chunked |" in table
     assert set(comparisons["bins"]) == {"val_loss", "row_drift"} and len(comparisons["bins"]["val_loss"]) == len(labels)
 
 
 def test_comparison_is_paired_by_seed():
-    # Seeds move the loss by ~0.1; "shifted" sits 0.01 above exact on every seed: invisible against
-    # the seed spread, plain once each seed is compared with its own exact run.
-    values = {"exact": [1.0, 1.1, 0.9], "shifted": [1.011, 1.109, 0.91], "noisy": [1.05, 1.05, 0.95]}
-    c = training.compare_to_baseline(values)
-    assert c["shifted"]["differs"] is True and c["shifted"]["same_sign_seeds"] == 3
-    assert c["shifted"]["effect"] == pytest.approx(0.01) and c["shifted"]["seed_spread"] == pytest.approx(0.1)
-    # differences +0.05, -0.05, +0.05: the interval (t = 4.30 at 2 degrees of freedom) holds 0
-    assert c["noisy"]["differs"] is False
+    # Seeds move the loss by ~0.1; "shifted" sits 0.05 above exact on every seed: invisible against
+    # the seed spread, plain once each seed is compared with its own exact run (margin: half of 0.1).
+    values = {"exact": [1.0, 1.1, 0.9], "shifted": [1.0501, 1.1499, 0.95], "noisy": [1.05, 1.05, 0.95]}
+    c = training.outcomes_against(values)
+    assert c["shifted"]["verdict"] == "undecided" and c["shifted"]["same_sign_seeds"] == 3  # 0.05 sits on the margin
+    assert c["shifted"]["effect"] == pytest.approx(0.05) and c["shifted"]["seed_spread"] == pytest.approx(0.1)
+    # differences +0.05, -0.05, +0.05: the interval (t = 4.30 at 2 degrees of freedom) is wide
+    assert c["noisy"]["verdict"] == "undecided"
     assert c["noisy"]["ci95"] == pytest.approx(4.303 * torch.tensor([0.05, -0.05, 0.05]).std().item() / math.sqrt(3))
-    lines = training.describe_comparison("loss", c, {"shifted": "Shifted"})
-    assert lines[0].startswith("Shifted: loss +0.01 vs exact") and "a real difference" in lines[0]
-    assert "no difference at this scale" in lines[1]
-    assert training.compare_to_baseline({"exact": [1.0], "x": [2.0]})["x"]["differs"] is None
-    diverged = training.compare_to_baseline({"exact": [1.0, 1.1], "x": [math.nan, 1.1]})
-    assert diverged["x"]["differs"] is None
-    assert "not finite" in training.describe_comparison("loss", diverged, {})[0]
-
-
-def test_a_rounding_level_difference_is_not_called_one():
-    # fp32 arms doing the same arithmetic: 1e-8 apart on every seed, a zero-width interval
-    values = {"exact": [1.0, 1.1, 0.9], "same": [1.0 + 1e-8, 1.1 + 1e-8, 0.9 + 1e-8]}
-    c = training.compare_to_baseline(values)["same"]
-    assert c["ci95"] < 1e-8 and c["differs"] is False
-    assert training.compare_to_baseline({"exact": [1.0, 1.0], "x": [1.0, 1.0]})["x"]["differs"] is False
+    far = training.outcomes_against({"exact": [1.0, 1.1, 0.9], "x": [1.3, 1.401, 1.2]})["x"]
+    assert far["verdict"] == "worse"
+    assert training.outcomes_against({"exact": [1.0], "x": [2.0]})["x"]["verdict"] == "undecided"
+    # the row drift is no loss: its margin has no nats floor
+    assert training.outcomes_against({"exact": [1.0, 1.0], "x": [1.001, 1.001]}, floor=0.0)["x"]["margin"] == 0.0
 
 
 def test_t_quantile_matches_the_t_distribution():
-    assert training.t_quantile_975(1) == pytest.approx(12.706) and training.t_quantile_975(2) == pytest.approx(4.303)
-    assert training.t_quantile_975(100) == training.t_quantile_975(30) > 1.96  # wider than the truth, never narrower
+    t_quantile = verdicts.t_quantile
+    assert t_quantile(1) == pytest.approx(12.706) and t_quantile(2) == pytest.approx(4.303)
+    assert t_quantile(100) == t_quantile(30) > 1.96  # wider than the truth, never narrower
     stats = pytest.importorskip("scipy.stats")
     for df in range(1, 31):
-        assert training.t_quantile_975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=6e-4)
+        assert t_quantile(df) == pytest.approx(stats.t.ppf(0.975, df), abs=6e-4)
+        assert t_quantile(df, 0.90) == pytest.approx(stats.t.ppf(0.95, df), abs=6e-4)
     with pytest.raises(ValueError, match="2 seeds"):
-        training.t_quantile_975(0)
+        t_quantile(0)
 
 
 def test_paired_difference_per_point():
@@ -182,11 +177,12 @@ def test_a_skipped_first_fp16_step_warns_nothing(temporary_method):
 
 
 def test_the_fine_tuning_bound_is_calibrated_on_naive():
-    assert training.finetune_tolerance(1e-3, floor=4e-3) == 4e-3  # naive nearly exact: the floor
-    assert training.finetune_tolerance(5e-3, floor=4e-3) == pytest.approx(1e-2)  # twice naive's drift
-    assert training.finetune_tolerance(0.0, floor=1e-4) == 1e-4  # fp32: naive is exact
-    assert training.finetune_tolerance(math.inf, floor=1e-3) == 1e-3  # a diverged yardstick calibrates nothing
-    assert training.finetune_tolerance(math.nan, floor=1e-3) == 1e-3
+    bound = verdicts.finetune_bound
+    assert bound(1e-3, floor=4e-3) == 4e-3  # naive nearly exact: the floor
+    assert bound(5e-3, floor=4e-3) == pytest.approx(1e-2)  # twice naive's drift
+    assert bound(0.0, floor=1e-4) == 1e-4  # fp32: naive is exact
+    assert bound(math.inf, floor=1e-3) == 1e-3  # a diverged yardstick calibrates nothing
+    assert bound(math.nan, floor=1e-3) == 1e-3
 
 
 def test_filter_skip_summary():
@@ -219,80 +215,75 @@ def _rare_token_case(effect_rarest, drift_rarest, effect_middle):
         "apple_cce": {"val_loss": [[a + effect_rarest + w, b + effect_middle + w] for (a, b), w in zip(base_loss, wobble)],
                       "row_drift": [[a + drift_rarest + w, b + w] for (a, b), w in zip(base_drift, wobble)]},
     }
-    bins = {q: [training.compare_to_baseline({arm: [s[b] for s in d[q]] for arm, d in diagnostic.items()})
+    bins = {q: [training.outcomes_against({arm: [s[b] for s in d[q]] for arm, d in diagnostic.items()},
+                                          floor=None if q == "val_loss" else 0.0)
                 for b in range(2)] for q in ("val_loss", "row_drift")}
     return diagnostic, bins
 
 
 def test_rare_token_reading_explains_a_filter_that_helps_the_rarest_and_costs_the_middle():
-    diagnostic, bins = _rare_token_case(effect_rarest=-0.4, drift_rarest=-0.9, effect_middle=+0.07)
+    diagnostic, bins = _rare_token_case(effect_rarest=-0.4, drift_rarest=-0.9, effect_middle=+0.2)
     lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {"apple_cce": "Apple CCE"})
     assert "ln 32,768 = 10.40 nats" in lines[0] and "Lower is better" in lines[0]
     assert "11.00 nats on tokens seen 1–9 times" in lines[1] and "worse than uniform guessing" in lines[1]
-    assert lines[2].startswith("Apple CCE: -0.40 nats against exact on the rarest tokens, better.")
+    assert lines[2].startswith("Apple CCE: better than exact on the rarest tokens by 0.4 nats (margin ±0.05).")
     assert "moved 0.9 less than exact's" in lines[2] and "pays on tokens seen 10–99 times" in lines[2]
 
 
 def test_rare_token_reading_of_an_arm_that_starves_the_rarest_or_matches_exact():
     diagnostic, bins = _rare_token_case(effect_rarest=+0.3, drift_rarest=-0.9, effect_middle=0.0)
     lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {})
-    assert "+0.30 nats against exact on the rarest tokens, worse" in lines[2] and "starves rare tokens" in lines[2]
+    assert "worse than exact on the rarest tokens by 0.3 nats" in lines[2] and "starves rare tokens" in lines[2]
     diagnostic, bins = _rare_token_case(effect_rarest=0.0, drift_rarest=0.0, effect_middle=0.0)
     lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {"apple_cce": "Apple CCE"})
-    assert lines[-1] == "Apple CCE: no frequency bin worse than exact's."
+    assert lines[-1] == "Apple CCE: no frequency bin measurably worse than exact's."
+    assert not any("-0.00" in line for line in lines)
     diagnostic["exact"]["val_loss"] = [[math.nan, 5.0]] * 3
     lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {})
     assert "nothing to read" in lines[-1]
 
 
-def _final(effect, differs, seeds=3):
-    return {"effect": effect, "differs": differs, "same_sign_seeds": seeds if differs else 1, "seeds": seeds}
+def _pre(verdict, effect=0.0):
+    return verdicts.Outcome(verdict, "pretraining", effect, 0.0055, 0.001, 0.0007, 0.011, 3)
+
+
+def _ft(drift, bound=1e-2):
+    return verdicts.Outcome("equivalent" if drift <= bound else "different", "fine-tuning", drift, bound, drift=drift)
 
 
 def test_convergence_facts_give_one_row_per_method_with_its_presets_as_caveats():
-    drift = {"exact (repeat)": 0.0, "ours": 5e-4, "ours_nofilter": 4e-4, "liger": 0.14, "chunked": 4e-4}
-    final = {"ours": _final(3e-5, False), "ours_nofilter": _final(5e-5, False), "liger": _final(1e-4, False),
-             "apple_cce": _final(0.046, True), "apple_cce_nofilter": _final(0.001, False)}
+    finetune = {"ours": _ft(5e-4), "ours_nofilter": _ft(4e-4), "liger": _ft(0.14), "chunked": _ft(4e-4)}
+    pretrain = {"ours": _pre("equivalent"), "ours_nofilter": _pre("equivalent"), "liger": _pre("equivalent", 0.00127),
+                "apple_cce": _pre("undecided", -0.0074), "apple_cce_nofilter": _pre("worse", 0.0334)}
     not_run = {"apple_cce_kahan_full_c": "cut-cross-entropy 25.1.1 has no Kahan-FullC"}
-    facts = training.convergence_facts(drift, 1e-2, final, {"apple_cce_nofilter": "Apple CCE (filter off)",
-                                                             "apple_cce_kahan_full_c": "Apple CCE (Kahan-FullC)"},
-                                       not_run=not_run, caveats={"liger": ["computes no dC without E's gradient"]})
+    labels = {"apple_cce_nofilter": "Apple CCE (filter off)", "apple_cce_kahan_full_c": "Apple CCE (Kahan-FullC)"}
+    facts = training.convergence_facts(finetune, pretrain, "bfloat16", labels, not_run=not_run,
+                                       caveats={"liger": ["computes no dC without E's gradient"]})
     assert set(facts) == {"ours", "liger", "chunked", "apple_cce"}  # no yardstick, no preset row
-    assert facts["ours"] == {"convergence": "ok", "caveats": []}  # its preset says nothing new
-    assert facts["liger"]["convergence"] == "off"
-    assert facts["liger"]["caveats"] == ["fine-tuning: drifted 0.14 from exact (bound 0.01)",
-                                         "computes no dC without E's gradient"]
-    assert facts["apple_cce"]["convergence"] == "off"
-    assert facts["apple_cce"]["caveats"] == [
-        "pretraining: final validation loss +0.046 nats against exact (3/3 seeds)",
-        "Apple CCE (filter off): trains like exact",
-        "Apple CCE (Kahan-FullC): not run here: cut-cross-entropy 25.1.1 has no Kahan-FullC",
-    ]
-    # lower than exact is still "ok", said as a caveat; a method that ran nowhere has no verdict
-    facts = training.convergence_facts({}, 1e-2, {"ours": _final(-0.01, True)}, {}, not_run={"apple_cce": "a CPU"})
-    assert facts["ours"]["convergence"] == "ok" and "lower" in facts["ours"]["caveats"][0]
-    assert facts["apple_cce"] == {"caveats": ["not run here: a CPU"]}
-    facts = training.convergence_facts({}, 1e-2, {"liger": _final(math.nan, None)}, {})
-    assert facts["liger"] == {"convergence": "off",
-                              "caveats": ["pretraining: the final validation loss is not finite (a run diverged)"]}
+    assert facts["ours"]["convergence"]["bfloat16"]["verdict"] == "equivalent" and facts["ours"]["caveats"] == []
+    # one verdict per method per dtype, from both parts: the fine-tuning drift decides Liger's here
+    assert facts["liger"]["convergence"]["bfloat16"]["verdict"] == "different"
+    assert facts["liger"]["caveats"] == ["computes no dC without E's gradient"]
+    assert facts["apple_cce"]["convergence"]["bfloat16"]["verdict"] == "undecided"
+    assert facts["apple_cce"]["caveats"][0].startswith("Apple CCE (filter off): trains worse than exact in bfloat16")
+    assert facts["apple_cce"]["caveats"][1] == ("Apple CCE (Kahan-FullC): not trained here: cut-cross-entropy 25.1.1 "
+                                                "has no Kahan-FullC")
+    facts = training.convergence_facts({}, {}, "bfloat16", {}, not_run={"apple_cce": "a CPU"})
+    assert facts["apple_cce"] == {"caveats": ["not trained here: a CPU"]}
 
 
-def test_the_headline_says_both_parts_and_agrees_with_the_verdicts():
-    drift = {"exact (repeat)": 0.0, "ours": 5e-4, "liger": 0.14}
-    final = {"ours": _final(3e-5, False), "apple_cce": _final(0.046, True)}
-    labels = {"liger": "Liger", "apple_cce": "Apple CCE"}
-    line = training.convergence_headline(drift, 1e-2, final, labels)
-    assert line == ("fine-tuning: Liger drifted 0.14 past the bound 0.01, the other 2 arms within it; "
-                    "pretraining: Apple CCE +0.046 nats against exact (3/3 seeds); no difference for the others")
-    line = training.convergence_headline({"ours": 5e-4}, 1e-2, {"ours": _final(0.0, False)}, labels)
-    assert line == "fine-tuning: the one arm within 0.01 of exact; pretraining: no difference from exact for the one arm"
-    assert training.convergence_headline({}, 1e-2, {"ours": _final(0.1, None, seeds=1)}, labels).endswith(
-        "pretraining: one seed, no verdict")
-    # a run that diverged is named, never counted as "no difference"
-    final = {"liger": _final(math.nan, None), "ours": _final(0.0, False), "apple_cce": _final(0.046, True)}
-    assert training.convergence_headline({}, 1e-2, final, labels).endswith(
-        "pretraining: Liger diverged (validation loss not finite); Apple CCE +0.046 nats against exact (3/3 seeds); "
-        "no difference for the others")
+def test_the_headline_says_both_parts_with_the_engines_words():
+    labels = {"liger": "Liger", "apple_cce": "Apple CCE", "ours": "ours"}
+    line = training.convergence_headline({"ours": _ft(5e-4), "liger": _ft(0.14)},
+                                         {"ours": _pre("equivalent"), "apple_cce": _pre("worse", 0.046)}, labels)
+    assert line == ("fine-tuning: Liger past the bound (largest drift 0.14, bound 0.01; its loss ends higher than "
+                    "exact's); the other 1 equivalent to exact (margin 0.01); pretraining: Apple CCE worse by 0.046 "
+                    "nats (95% CI ±0.001, 3 paired seeds, 4.2x the seed-to-seed spread 0.011; margin ±0.0055); "
+                    "the other 1 equivalent to exact (margin 0.0055 nats)")
+    line = training.convergence_headline({"ours": _ft(5e-4)}, {"ours": _pre("equivalent")}, labels)
+    assert line == ("fine-tuning: all 1 equivalent to exact (margin 0.01); pretraining: all 1 equivalent to exact "
+                    "(margin 0.0055 nats)")
+    assert training.convergence_headline({}, {}, labels) == "fine-tuning: no arm ran; pretraining: no arm ran"
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():

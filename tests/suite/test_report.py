@@ -1,7 +1,6 @@
 """The batch report: one REPORT.md (+ REPORT.html) from every notebook's report.md, the hardware
 and versions of the run, and what did not run and why."""
 
-import copy
 import json
 import re
 import struct
@@ -154,56 +153,101 @@ def test_the_markdown_renderer_handles_tables():
 # The opening table: which loss to use, from the facts the notebooks hand over
 # ---------------------------------------------------------------------------------------------
 
-GATE = {"naive": {"gradients": {"float16": "pass", "bfloat16": "pass"}},
-        "ours": {"gradients": {"float16": "pass", "bfloat16": "pass"}},
-        "liger": {"gradients": {"float16": "pass", "bfloat16": "pass"}},
-        "apple_cce": {"gradients": {"float16": "pass", "bfloat16": "fail"}}}
-SWEEP = {"naive": {"peak_bytes_16k": 29.9e9, "seconds_16k": 0.050, "t4_peak_bytes_16k": "oom", "runs_on_t4": True},
-         "ours": {"peak_bytes_16k": 0.45e9, "seconds_16k": 0.040, "t4_peak_bytes_16k": 0.45e9, "runs_on_t4": True},
-         "liger": {"peak_bytes_16k": 0.70e9, "seconds_16k": 0.030, "t4_peak_bytes_16k": 0.70e9, "runs_on_t4": True,
-                   "caveats": ["computes no dC when E needs no gradient"]},
-         "apple_cce": {"peak_bytes_16k": 0.40e9, "seconds_16k": 0.020,
-                       "runs_on_t4": "needs ~96 KB of shared memory, a T4 offers 64 KB"}}
-TRAIN = {"ours": {"convergence": "ok"}, "liger": {"convergence": "off"}, "apple_cce": {"convergence": "ok"}}
+from helpers.compare import verdicts  # noqa: E402
+from helpers.compare.methods import METHODS  # noqa: E402
 
 
-def _write_run(tmp_path, notebooks: dict, smoke=False):
+def _split(facts: dict) -> dict:
+    """The H200 fixture as the notebooks hand it over: 01 gradients, 02 sweeps, 03 training."""
+    pick = lambda key: {m: {key: f[key]} for m, f in facts.items() if key in f}  # noqa: E731
+    return {"01_correctness": ("gate", pick("gradients")), "02_memory_sweep": ("sweep", pick("sweep")),
+            "03_convergence": ("training", pick("convergence"))}
+
+
+def _write_run(tmp_path, notebooks: dict, smoke=False, device=DEVICE, profile="gpu"):
     runs = []
     for name, (headline, facts) in notebooks.items():
         write_report_fragment(tmp_path / name, f"# {name}", headline=headline, facts=facts, smoke=smoke)
         runs.append({"notebook": name, "status": "ok", "seconds": 1.0, "output_dir": "", "error": "", "files": []})
-    (tmp_path / "summary.json").write_text(json.dumps({"profile": "gpu", "device": DEVICE, "runs": runs}))
+    (tmp_path / "summary.json").write_text(json.dumps({"profile": profile, "device": device, "runs": runs}))
     return tmp_path
 
 
-def test_the_report_opens_with_which_loss_to_use(tmp_path):
-    _write_run(tmp_path, {"01_gate": ("3 of 4 pass", GATE), "02_sweep": ("ours 0.45 GB at 16k", SWEEP),
-                          "03_train": ("liger drifts", TRAIN)})
+H200 = {"kind": "cuda", "name": "NVIDIA H200", "capability": [9, 0], "description": "NVIDIA H200 (sm_90)"}
+
+
+def test_the_report_opens_with_which_loss_to_use(tmp_path, facts_kit):
+    _write_run(tmp_path, _split(facts_kit.h200()), device=H200)
     md = render_report(tmp_path, suite=[])
     opening = md[md.index("## Which loss to use"):md.index("## The notebooks")]
     rows = [line for line in opening.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    # sorted by memory; a caveat from one notebook beside the numbers from another
-    assert [r.split(" | ")[0] for r in rows] == ["| Apple CCE", "| ours (Triton CCE)", "| Liger", "| naive"]
-    assert "computes no dC" in rows[2] and "**no**" in rows[2] and "out of memory" in rows[3]
-    assert "no: needs ~96 KB" in rows[0] and "bfloat16 fail" in rows[0]
-    # Apple CCE is lightest and fastest but fails bf16; Liger is fast but trains differently: ours
-    assert "Use **ours (Triton CCE)** when memory is the limit: 0.45 GB" in opening
-    assert "66× less than naive's 29.90 GB" in opening and "It is also the fastest measured." in opening
-    assert "On a T4 (16 GB, fp16), use **ours (Triton CCE)**" in opening and "cannot run there: Apple CCE" in opening
-    assert "Avoid **Apple CCE** in bfloat16" in opening and "**Liger** trains differently" in opening
-    # the notebooks table carries each one's headline
-    assert "| ours 0.45 GB at 16k ([more](#02_sweep)) |" in md
+    # sorted by memory at 16k; the peer lighter than ours first
+    assert [r.split(" | ")[0] for r in rows] == ["| Apple CCE", "| Liger", "| ours (Triton CCE)", "| torch.compile",
+                                                 "| naive"]
+    assert "bfloat16: yes (pretraining +0.0013 nats (±0.0055 margin))" in rows[1]
+    assert "bfloat16: undecided" in rows[0] and "bfloat16 fail" in rows[0]
+    assert "- At 16,384 tokens (bfloat16, loss forward and backward): least memory: Liger, 0.38 GB" in opening
+    assert "Liger is faster than ours (Triton CCE) from 65,536 tokens" in opening
+    assert "Not measured in this run: 05 (whole training steps)" in opening
+    assert "| gate ([more](#01_correctness)) |" in md
 
 
-def test_fastest_and_lightest_are_named_apart_when_they_differ(tmp_path):
-    sweep = copy.deepcopy(SWEEP)
-    _write_run(tmp_path, {"02_sweep": ("", sweep)})
+def test_a_partial_run_does_not_flip_the_recommendation(tmp_path, facts_kit):
+    """A T4 run of 01, 02 and 05 alone once said "use Liger" because 03, which finds Liger drifting
+    in fp16, had not run: without 03 nothing is recommended for training."""
+    t4 = {"kind": "cuda", "name": "Tesla T4", "capability": [7, 5], "description": "Tesla T4 (sm_75)"}
+    facts = {"liger": {"gradients": {"float16": "pass"}, "runs_on_t4": True, "t4_peak_bytes_16k": 380_000_000},
+             "ours": {"gradients": {"float16": "pass"}, "runs_on_t4": True, "t4_peak_bytes_16k": 410_000_000}}
+    _write_run(tmp_path, {"01_correctness": ("", {m: {"gradients": f["gradients"]} for m, f in facts.items()}),
+                          "02_memory_sweep": ("", {m: {k: f[k] for k in ("runs_on_t4", "t4_peak_bytes_16k")}
+                                                   for m, f in facts.items()})}, device=t4, profile="t4")
     opening = render_report(tmp_path, suite=[])
-    assert "Use **Apple CCE** when memory is the limit" in opening  # nothing measured it wrong here
-    assert "Use **Liger** when step time matters most" not in opening  # Apple CCE is faster still
-    sweep["apple_cce"]["seconds_16k"] = 0.5
-    _write_run(tmp_path, {"02_sweep": ("", sweep)})
-    assert "Use **Liger** when step time matters most: 30 ms" in render_report(tmp_path, suite=[])
+    opening = opening[:opening.index("## The notebooks")]
+    assert "use **Liger**" not in opening and "Use Liger" not in opening
+    assert "On a T4 (fp16): no recommendation, because notebook 03" in opening
+    # with 03's fp16 verdicts the recommendation is made, and Liger is named to avoid
+    facts["liger"]["convergence"] = facts_kit.trained("float16", verdicts.WORSE, 0.136)
+    facts["ours"]["convergence"] = facts_kit.trained("float16", verdicts.EQUIVALENT)
+    _write_run(tmp_path, {"01_correctness": ("", {m: {"gradients": f["gradients"]} for m, f in facts.items()}),
+                          "02_memory_sweep": ("", {m: {k: f[k] for k in ("runs_on_t4", "t4_peak_bytes_16k")}
+                                                   for m, f in facts.items()}),
+                          "03_convergence": ("", {m: {"convergence": f["convergence"]} for m, f in facts.items()})},
+               device=t4, profile="t4")
+    opening = render_report(tmp_path, suite=[])
+    assert "On a T4 (fp16), at 16,384 tokens: ours (Triton CCE) (0.41 GB)" in opening
+    assert "Avoid Liger for training in float16" in opening
+
+
+def test_every_report_sentence_naming_a_method_agrees_with_the_engine(tmp_path, facts_kit):
+    """Each line of the REPORT that names one method and says how it trains says what the engine
+    decided for it (and no notebook's fragment restates a training verdict of its own)."""
+    facts = facts_kit.h200()
+    facts["liger"]["convergence"] = facts_kit.trained("bfloat16", verdicts.WORSE, 0.2)
+    notebooks = _split(facts)
+    notebooks["05_fits"] = ("", {m: {"largest_step_tokens_16gb": 65536} for m in ("ours", "liger")})
+    _write_run(tmp_path, notebooks, device=H200)
+    md = render_report(tmp_path, suite=[])
+    labels = {METHODS[m].label: m for m in facts}
+    phrases = {p: v for v, p in verdicts.TRAINS.items()}
+    checked = 0
+    for line in md.splitlines():
+        named = [m for label, m in labels.items() if label in line]
+        said = [v for p, v in phrases.items() if p in line]
+        if len(named) == 1 and said:
+            assert said == [verdicts.training_verdict(facts[named[0]], "bfloat16")], line
+            checked += 1
+    assert checked >= 1  # "Avoid Liger ... trains worse than exact"
+    assert not any(p in (tmp_path / "05_fits" / "report.md").read_text() for p in phrases)
+
+
+def test_caveats_longer_than_a_cell_go_to_footnotes(tmp_path):
+    long = "not run here: cut-cross-entropy 25.1.1 has no Kahan-FullC (impl='cce_kahan_full_c'): " + "x" * 120
+    _write_run(tmp_path, {"03_convergence": ("", {"apple_cce": {"caveats": ["short one", long]}})}, device=H200)
+    md = render_report(tmp_path, suite=[])
+    row = next(line for line in md.splitlines() if line.startswith("| Apple CCE"))
+    cell = row.rstrip(" |").split(" | ")[-1]
+    assert len(cell) <= 150 and "short one" in cell and "[1]" in cell
+    assert f"[1] {long}" in md
 
 
 def test_a_run_with_no_facts_says_what_to_run(tmp_path):
@@ -212,8 +256,9 @@ def test_a_run_with_no_facts_says_what_to_run(tmp_path):
     assert "measured nothing this table reads" in md and "| 24 of 24 checks pass ([more](#04_workshop)) |" in md
 
 
-def test_a_smoke_run_says_so_everywhere(tmp_path):
-    _write_run(tmp_path, {"02_sweep": ("ours flat", SWEEP)}, smoke=True)
+def test_a_smoke_run_says_so_everywhere(tmp_path, facts_kit):
+    _write_run(tmp_path, {"02_sweep": ("ours flat", {"ours": {"sweep": facts_kit.sweep("float32", n16384=(0.4, 40))}})},
+               smoke=True)
     md = render_report(tmp_path, suite=[])
     assert "are not a recommendation" in md[:md.index("## The notebooks")]
     assert "smoke run: ours flat" in md
@@ -225,25 +270,26 @@ def test_facts_with_an_unknown_key_are_refused(tmp_path):
         write_report_fragment(tmp_path, "x", facts={"ours": {"peak_16k": 1}})
 
 
-def test_methods_that_fit_as_many_tokens_are_all_named(tmp_path):
-    fits = {"naive": {"largest_step_tokens_16gb": 4096}, "ours": {"largest_step_tokens_16gb": 65536},
-            "liger": {"largest_step_tokens_16gb": 65536}, "apple_cce": {"largest_step_tokens_16gb": 32768}}
-    _write_run(tmp_path, {"05_fits": ("", fits)})
-    opening = render_report(tmp_path, suite=[])
-    assert "use **ours (Triton CCE)** or **Liger**: 65,536 tokens each, against 4,096" in opening
-    _write_run(tmp_path, {"03_train": ("", TRAIN), "05_fits": ("", fits)})  # Liger now trains differently
-    opening = render_report(tmp_path, suite=[])
-    assert "use **ours (Triton CCE)**: 65,536 tokens, against 4,096" in opening
-    assert "Liger fits as many but is not recommended here" in opening
+def test_earlier_results_are_used_only_from_the_same_setup(tmp_path, facts_kit):
+    stamp = {"profile": "gpu", "device": "NVIDIA H200 (sm_90)", "versions": {"helpers": "0.1.0"}}
+    _write_run(tmp_path, {"02_memory_sweep": ("", {m: {"sweep": f["sweep"]} for m, f in facts_kit.h200().items()})},
+               device=H200)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary["stamp"] = stamp
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    write_report_fragment(tmp_path / "03_convergence", "# 03", facts={"ours": {"convergence": facts_kit.trained("bfloat16", "equivalent")}})
+    data = json.loads((tmp_path / "03_convergence" / "facts.json").read_text())
+    for theirs, used in ((dict(stamp, profile="t4"), False), (dict(stamp, finished="2026-12-01 10:00"), True)):
+        data["stamp"] = theirs
+        (tmp_path / "03_convergence" / "facts.json").write_text(json.dumps(data))
+        md = render_report(tmp_path, suite=["02_memory_sweep", "03_convergence"])
+        assert ("from an earlier run into this folder (2026-12-01 10:00) on the same device" in md) is used
+        assert ("Not measured in this run: 01 (gradients against float64); 03" in md) is not used
 
 
 def test_a_reason_a_method_cannot_run_on_a_t4_outweighs_a_later_notebooks_yes(tmp_path):
     fits = {"naive": {"largest_step_tokens_16gb": 4096, "runs_on_t4": True}}
-    _write_run(tmp_path, {"02_sweep": ("", SWEEP), "05_fits": ("", fits)})
-    naive_row = next(line for line in render_report(tmp_path, suite=[]).splitlines() if line.startswith("| naive |"))
-    assert "out of memory" in naive_row
-    sweep = copy.deepcopy(SWEEP)
-    sweep["naive"]["runs_on_t4"] = "out of memory on a T4 from N=8,192"
-    _write_run(tmp_path, {"02_sweep": ("", sweep), "05_fits": ("", fits)})
+    sweep02 = {"naive": {"runs_on_t4": "out of memory on a T4 from N=8,192"}}
+    _write_run(tmp_path, {"02_sweep": ("", sweep02), "05_fits": ("", fits)})
     naive_row = next(line for line in render_report(tmp_path, suite=[]).splitlines() if line.startswith("| naive |"))
     assert "no: out of memory on a T4 from N=8,192" in naive_row and "| yes |" not in naive_row
