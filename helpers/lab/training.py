@@ -217,6 +217,47 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
+@dataclass
+class Arm:
+    """One arm's model, loss, optimizer and gradient scaler, as ``train`` sets them up; what
+    ``helpers.lab.step_time`` times is the same arm, built by the same ``start_arm``."""
+
+    loss_fn: object  # a helpers.compare.methods.Method
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    compute_dtype: torch.dtype
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
+        """The loss of one batch: the body under autocast in the compute dtype, then E (N, D) and
+        C (V, D) cast to it, because that is where a fused kernel's precision (and its gradient
+        filter's threshold) applies. ``stats``: passed on to a method that counts skipped tiles
+        (None: no counting, no host read of the counts)."""
+        device = self.model.C.device
+        with _autocast(device, self.compute_dtype):
+            E = self.model.hidden(inputs.to(device))
+        extra = {} if stats is None else {"stats": stats}
+        dtype = self.compute_dtype
+        return self.loss_fn(E.to(dtype), self.model.C.to(dtype), targets.to(device), **extra)
+
+
+def start_arm(task, variant: str, *, seed: int, lr: float, compute_dtype: torch.dtype,
+              device: torch.device | str) -> Arm:
+    """``task.make_model()`` initialised on the CPU after ``torch.manual_seed(seed)``, moved to
+    ``device``, with Adam (betas 0.9, 0.95, no weight decay) and a gradient scaler that is on in
+    fp16 only. Raises, saying why, where ``variant`` cannot run."""
+    device = torch.device(device)
+    loss_fn = get_method(variant)
+    reason = loss_fn.why_unavailable(device, compute_dtype)
+    if reason:
+        raise RuntimeError(f"{variant} cannot run on {device} in {compute_dtype}: {reason}")
+    torch.manual_seed(seed)
+    model = task.make_model().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95))
+    scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)
+    return Arm(loss_fn, model, optimizer, scaler, compute_dtype)
+
+
 def train(
     task,
     variant: str,
@@ -242,16 +283,10 @@ def train(
     no gradient does not move, so its drift measures the gradient it received.
     """
     device = torch.device(device)
-    loss_fn = get_method(variant)
-    reason = loss_fn.why_unavailable(device, compute_dtype)
-    if reason:
-        raise RuntimeError(f"{variant} cannot run on {device} in {compute_dtype}: {reason}")
-    torch.manual_seed(seed)
-    model = task.make_model().to(device)
+    arm = start_arm(task, variant, seed=seed, lr=lr, compute_dtype=compute_dtype, device=device)
+    loss_fn, model, optimizer, scaler = arm.loss_fn, arm.model, arm.optimizer, arm.scaler
     C_init = model.C.detach().float().cpu().clone()
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate_factor(s, steps, warmup))
-    scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)
     g = torch.Generator().manual_seed(seed)
     validation = task.validation_set() if eval_every else None
     curve = tuple(t[: task.curve_tokens] for t in validation) if eval_every else None
@@ -263,11 +298,8 @@ def train(
     for step in range(steps):
         if eval_every and step % eval_every == 0:
             _evaluate(run, model, curve, compute_dtype, step)
-        inputs, targets = task.sample(g)
-        with _autocast(device, compute_dtype):
-            E = model.hidden(inputs.to(device))
         stats = {}
-        loss = loss_fn(E.to(compute_dtype), model.C.to(compute_dtype), targets.to(device), stats=stats)
+        loss = arm.loss(*task.sample(g), stats=stats)
         scaler.scale(loss).backward()
         if loss_fn.counts_skips:
             run.filter_skipped.append(stats.get("skipped", 0) / max(1, stats.get("tiles", 0)))
@@ -780,6 +812,8 @@ __all__ = [
     "CorpusLMTask",
     "context_windows",
     "TrainRun",
+    "Arm",
+    "start_arm",
     "train",
     "per_token_loss",
     "learning_rate_factor",
