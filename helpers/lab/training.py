@@ -228,17 +228,20 @@ class Arm:
     scaler: torch.amp.GradScaler
     compute_dtype: torch.dtype
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
-        """The loss of one batch: the body under autocast in the compute dtype, then E (N, D) and
-        C (V, D) cast to it, because that is where a fused kernel's precision (and its gradient
-        filter's threshold) applies. ``stats``: passed on to a method that counts skipped tiles
-        (None: no counting, no host read of the counts)."""
-        device = self.model.C.device
-        with _autocast(device, self.compute_dtype):
+    def loss_inputs(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(E (N, D), C (V, D), x (N,)) of one batch, as the loss receives them: the body under
+        autocast in the compute dtype, then E and C cast to it, because that is where a fused
+        kernel's precision (and its gradient filter's threshold) applies."""
+        device, dtype = self.model.C.device, self.compute_dtype
+        with _autocast(device, dtype):
             E = self.model.hidden(inputs.to(device))
+        return E.to(dtype), self.model.C.to(dtype), targets.to(device)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
+        """The loss of one batch. ``stats``: passed on to a method that counts skipped tiles (None:
+        no counting, and no host read of the counts)."""
         extra = {} if stats is None else {"stats": stats}
-        dtype = self.compute_dtype
-        return self.loss_fn(E.to(dtype), self.model.C.to(dtype), targets.to(device), **extra)
+        return self.loss_fn(*self.loss_inputs(inputs, targets), **extra)
 
 
 def start_arm(task, variant: str, *, seed: int, lr: float, compute_dtype: torch.dtype,
