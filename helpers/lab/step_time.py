@@ -103,26 +103,32 @@ def describe_step_times(
     if not times:
         return [f"{part}: no arm was timed."]
     first = next(iter(times.values()))
+    warmup = f"{first['warmup']} untimed warm-up step{'s' if first['warmup'] != 1 else ''}"
     lines = [f"{part}: training-step time at this notebook's {part} sizes (N = {first['tokens']:,} tokens a step, "
-             f"V = {first['V']:,}, D = {first['D']:,}, {first['dtype']}): the median of {first['repeats']} steps after "
-             f"{first['warmup']} untimed warm-up steps (compilation and autotuning there), no arm counting skipped "
-             "tiles; the model, optimizer and batch sampling are every arm's, so the loss is what differs."]
+             f"V = {first['V']:,}, D = {first['D']:,}, {first['dtype']}), the median of {first['repeats']} steps after "
+             f"{warmup} (compilation and autotuning there), no arm counting skipped tiles; the model, optimizer and "
+             "batches are every arm's, so the loss is what differs."]
     base = labels.get(baseline, baseline)
+    undecided = []
     for arm, t in times.items():
         if arm == baseline or not t["vs_baseline"] > 1:
             continue
         name = labels.get(arm, arm)
-        said = (f"{name} takes {t['vs_baseline']:.2f}x {base}'s step; one loss call (forward and backward) keeps the "
-                f"host {t['host_ms']:.2f} ms")
+        said = (f"{name} takes {t['vs_baseline']:.2f}x the step time of {base}; one call of its loss (forward and "
+                f"backward) keeps the host {t['host_ms']:.3g} ms")
         if t["host_bound"] is None:
-            said += ": on a CPU host and device are one, so host-bound and device-bound cannot be told apart here."
+            undecided.append(name)
+            said += "."
         elif t["host_bound"]:
-            said += (f" and the GPU {t['device_ms']:.2f} ms: host-bound, the GPU waits on kernel launches at these "
-                     "small shapes, and the ratio says more about launch latency than about the kernels.")
+            said += (f" and the GPU {t['device_ms']:.3g} ms: host-bound, the GPU waits on kernel launches at these "
+                     "small shapes, so the ratio measures launch latency more than the kernels.")
         else:
-            said += (f" and the GPU {t['device_ms']:.2f} ms: device-bound, its kernels themselves take longer at "
+            said += (f" and the GPU {t['device_ms']:.3g} ms: device-bound, its kernels themselves take longer at "
                      "these sizes.")
         lines.append(said)
+    if undecided:
+        lines.append(f"Host and device are one here (a CPU), so whether {', '.join(undecided)} "
+                     f"{'is' if len(undecided) == 1 else 'are'} host-bound cannot be told.")
     return lines
 
 
