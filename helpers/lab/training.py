@@ -17,8 +17,9 @@ pieces:
 - Diagnostics: frequency bins, per-bin means, and the comparison of each arm with ``exact``, paired
   by seed (a 95% confidence interval of the per-seed differences).
 - Reading: the fine-tuning bound (calibrated on the naive arm, as the gate calibrates its own), what
-  our filter skipped, training times, and the sentences, headline and per-method facts the
-  notebook reports, each computed from the numbers.
+  our filter skipped, and the sentences, headline and per-method facts the notebook reports, each
+  computed from the numbers. Step times are ``helpers.lab.step_time``'s: a run's wall time holds
+  compilation and skip counting, and does not time the loss.
 
 Every model exposes ``hidden(inputs) -> E`` (N, D) and a classifier ``C`` (V, D); the loss of a step
 is ``method(E, C, x)``, the only line that differs between arms.
@@ -598,7 +599,7 @@ def max_relative_drift(losses: list[float], reference: list[float]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading the runs: the fine-tuning bound, the filter's work, speed, and the sentences and facts
+# Reading the runs: the fine-tuning bound, the filter's work, and the sentences and facts
 # the notebook reports (each computed from the numbers, never written in advance)
 # ---------------------------------------------------------------------------------------------
 
@@ -631,18 +632,6 @@ def filter_skip_summary(runs: list[TrainRun]) -> dict | None:
         "last": sum(f[-1] for f in counted) / len(counted),
         "max": max(steps),
     }
-
-
-def training_seconds(runs: dict[str, list[TrainRun] | TrainRun], baseline: str = "exact") -> dict[str, dict]:
-    """{arm: {"seconds", "vs_baseline"}}: the median over seeds of each run's training time, the
-    evaluation left out (every arm evaluates with the exact loss), and its ratio to the baseline's.
-    A median, because a Triton arm's first run also compiles (and autotunes) its kernels."""
-    seconds = {}
-    for arm, arm_runs in runs.items():
-        arm_runs = arm_runs if isinstance(arm_runs, list) else [arm_runs]
-        seconds[arm] = float(torch.tensor([r.wall_s - r.eval_s for r in arm_runs], dtype=torch.float64).median())
-    base = seconds.get(baseline)
-    return {arm: {"seconds": s, "vs_baseline": s / base if base else math.nan} for arm, s in seconds.items()}
 
 
 def describe_rare_tokens(
@@ -833,7 +822,6 @@ __all__ = [
     "paired_difference",
     "finetune_tolerance",
     "filter_skip_summary",
-    "training_seconds",
     "describe_rare_tokens",
     "convergence_facts",
     "convergence_headline",
