@@ -285,8 +285,9 @@ class HostDeviceTime:
     calls: int
 
     @property
-    def host_bound(self) -> bool:
-        return is_host_bound(self.host_ms, self.device_ms)
+    def host_bound(self) -> bool | None:
+        """None where the device time is unknown (NaN: the profiler recorded no GPU activity)."""
+        return is_host_bound(self.host_ms, self.device_ms) if math.isfinite(self.device_ms) else None
 
     def as_dict(self) -> dict:
         return {**asdict(self), "host_bound": self.host_bound}
@@ -342,7 +343,9 @@ def host_and_device_time(
         for event in prof.profiler.kineto_results.events()
         if event.device_type() == torch.autograd.DeviceType.CUDA and not _is_annotation(event)
     ]
-    return HostDeviceTime(host_ms, _union_ns(intervals) / 1e6 / calls, calls)
+    # No GPU activity at all (a profiler without CUPTI, say) is an unknown, not a GPU that idled.
+    device_ms = _union_ns(intervals) / 1e6 / calls if intervals else math.nan
+    return HostDeviceTime(host_ms, device_ms, calls)
 
 
 def _is_annotation(event) -> bool:

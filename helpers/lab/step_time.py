@@ -80,7 +80,7 @@ def time_training_steps(
         "host_ms": loss_time.host_ms,
         "device_ms": loss_time.device_ms,
         "loss_calls": loss_calls,
-        "host_bound": loss_time.host_bound if device.type == "cuda" else None,
+        "host_bound": loss_time.host_bound if device.type == "cuda" else None,  # the CPU: no verdict
         "tokens": x.numel(),
         "V": C.shape[0],
         "D": C.shape[1],
@@ -127,8 +127,8 @@ def describe_step_times(
                      "these sizes.")
         lines.append(said)
     if undecided:
-        lines.append(f"Host and device are one here (a CPU), so whether {', '.join(undecided)} "
-                     f"{'is' if len(undecided) == 1 else 'are'} host-bound cannot be told.")
+        lines.append(f"Whether {', '.join(undecided)} {'is' if len(undecided) == 1 else 'are'} host-bound cannot be "
+                     "told here: on a CPU host and device are one (on a GPU: the profiler recorded no GPU activity).")
     return lines
 
 

@@ -214,6 +214,7 @@ def test_host_and_device_time_on_the_cpu_is_one_wall_time_per_call():
 def test_host_bound_means_the_host_takes_at_least_the_devices_time():
     assert is_host_bound(2.0, 1.0) and is_host_bound(1.0, 1.0) and not is_host_bound(1.0, 2.0)
     assert HostDeviceTime(0.5, 3.0, 5).as_dict()["host_bound"] is False
+    assert HostDeviceTime(0.5, math.nan, 5).host_bound is None  # no GPU activity recorded: no verdict
 
 
 def test_device_busy_time_counts_overlapping_intervals_once_and_gaps_never():
