@@ -8,7 +8,10 @@ every device:
   logits, temporaries, and the gradients it returns). On CUDA from the caching allocator's
   statistics; on the CPU reconstructed from the PyTorch profiler's allocation events.
 - ``latency(fn, warmup, repeats)``: median, p10 and p90 wall time of ``fn`` in milliseconds, after
-  warm-up (CUDA events on a GPU, ``time.perf_counter`` on the CPU).
+  warm-up (CUDA events on a GPU, ``time.perf_counter`` on the CPU); ``call_times_ms`` the times
+  themselves, in call order.
+- ``host_and_device_time(fn, calls)``: per call, the host's time to issue ``fn`` (no wait for the
+  GPU) against the GPU's busy time: whether ``fn`` is host-bound (``is_host_bound``).
 - ``apply_memory_cap(...)``: the guardrail. On CUDA, ``set_per_process_memory_fraction`` turns an
   over-allocation into a catchable ``torch.OutOfMemoryError`` instead of a machine taken down; with
   ``pretend_t4`` a big GPU gets a T4's memory. On the CPU a byte budget on the measured peak plays
@@ -211,14 +214,15 @@ class LatencyStats:
         return asdict(self)
 
 
-def latency(
+def call_times_ms(
     fn: Callable[[], Any],
     *,
     warmup: int = 2,
     repeats: int = 7,
     device: torch.device | str | None = None,
-) -> LatencyStats:
-    """Median, p10 and p90 of ``repeats`` timed calls of ``fn`` after ``warmup`` untimed ones.
+) -> list[float]:
+    """Wall time of each of ``repeats`` calls of ``fn`` in milliseconds, in call order, after
+    ``warmup`` untimed ones (compilation and autotuning happen there, outside every timer).
 
     Time on random inputs, never zeros: a kernel or a CPU may take shortcuts on zeros. On CUDA each
     call sits between two CUDA events (GPU time of the call, launch queue included), read after one
@@ -239,20 +243,131 @@ def latency(
             end.record()
             events.append((start, end))
         torch.cuda.synchronize(device)
-        times = [start.elapsed_time(end) for start, end in events]
-    else:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-    times.sort()
+        return [start.elapsed_time(end) for start, end in events]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def latency(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 2,
+    repeats: int = 7,
+    device: torch.device | str | None = None,
+) -> LatencyStats:
+    """Median, p10 and p90 of ``repeats`` timed calls of ``fn`` after ``warmup`` untimed ones,
+    timed by ``call_times_ms``."""
+    times = sorted(call_times_ms(fn, warmup=warmup, repeats=repeats, device=device))
     return LatencyStats(
         median_ms=statistics.median(times),
         p10_ms=_percentile(times, 0.10),
         p90_ms=_percentile(times, 0.90),
         repeats=repeats,
     )
+
+
+@dataclass(frozen=True)
+class HostDeviceTime:
+    """Per call of ``fn``, in milliseconds: the host's time and the device's busy time.
+
+    host_ms: the host's wall time inside ``fn`` over back-to-back calls, with no synchronisation
+    but what ``fn`` does itself: the Python, dispatch and kernel-launch work of a call. device_ms:
+    the time the GPU spent running the calls' kernels and copies (its idle gaps left out); on the
+    CPU, which is host and device at once, the same wall time as host_ms.
+    """
+
+    host_ms: float
+    device_ms: float
+    calls: int
+
+    @property
+    def host_bound(self) -> bool | None:
+        """None where the device time is unknown (NaN: the profiler recorded no GPU activity)."""
+        return is_host_bound(self.host_ms, self.device_ms) if math.isfinite(self.device_ms) else None
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "host_bound": self.host_bound}
+
+
+def is_host_bound(host_ms: float, device_ms: float) -> bool:
+    """Whether a call is host-bound: the host takes at least as long to issue it as the GPU takes
+    to run it, so the GPU waits on the host (launch latency: many small kernels, small shapes) and
+    a faster GPU would not make the call faster."""
+    return host_ms >= device_ms
+
+
+def host_and_device_time(
+    fn: Callable[[], Any],
+    *,
+    calls: int = 5,
+    warmup: int = 1,
+    device: torch.device | str | None = None,
+) -> HostDeviceTime:
+    """Host time and device busy time per call of ``fn`` over ``calls`` back-to-back calls.
+
+    Host: ``time.perf_counter`` around the calls, started after a synchronisation and read before
+    the final one, so the host never waits for the GPU but where ``fn`` itself synchronises (a
+    ``.item()``: then that wait is part of its host time, as it is of every call's). Device (CUDA):
+    a second pass of the same calls under the PyTorch profiler, the union of the intervals in which
+    the GPU ran something (kernels, copies, sets), divided by ``calls``; the profiler's own host
+    cost cannot enter it, and the first pass, which gives the host time, runs without it. CPU: one
+    pass; device_ms is host_ms. ``warmup`` untimed calls come first.
+    """
+    if calls < 1:
+        raise ValueError(f"calls must be at least 1, got {calls}")
+    device = _device(device)
+    for _ in range(warmup):
+        fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_ms = (time.perf_counter() - start) * 1e3 / calls
+    if not cuda:
+        return HostDeviceTime(host_ms, host_ms, calls)
+    torch.cuda.synchronize(device)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(device)
+    intervals = [
+        (event.start_ns(), event.end_ns())
+        for event in prof.profiler.kineto_results.events()
+        if event.device_type() == torch.autograd.DeviceType.CUDA and not _is_annotation(event)
+    ]
+    # No GPU activity at all (a profiler without CUPTI, say) is an unknown, not a GPU that idled.
+    device_ms = _union_ns(intervals) / 1e6 / calls if intervals else math.nan
+    return HostDeviceTime(host_ms, device_ms, calls)
+
+
+def _is_annotation(event) -> bool:
+    """A GPU-side copy of a ``record_function`` range: it spans kernels and the gaps between
+    them, so it is not GPU work of its own."""
+    is_annotation = getattr(event, "is_user_annotation", None)  # absent from older torch
+    activity = getattr(event, "activity_type", None)
+    return bool(is_annotation and is_annotation()) or bool(activity and "annotation" in activity())
+
+
+def _union_ns(intervals: list[tuple[int, int]]) -> int:
+    """Total length of the union of [start, end) intervals: time covered by at least one (two
+    overlapping kernels on two streams are counted once)."""
+    total, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -419,11 +534,15 @@ def _first_line(error: BaseException) -> str:
 
 
 __all__ = [
+    "HostDeviceTime",
     "LatencyStats",
     "Measurement",
     "MemoryBudgetExceeded",
     "MemoryCap",
     "apply_memory_cap",
+    "call_times_ms",
+    "host_and_device_time",
+    "is_host_bound",
     "is_out_of_memory",
     "latency",
     "measure",

@@ -116,6 +116,10 @@ _CONVERGENCE_GPU_SIZES = {
         "train": {"steps": 1000, "warmup": 50, "lr": 2e-3, "eval_every": 50},
         "seeds": [0, 1, 2],
     },
+    # The speed table: every arm's training step timed apart, after the same untimed warm-up
+    # (compilation, autotuning), the median of "repeats" steps; "loss_calls" back-to-back loss
+    # calls give its host and device time per call (helpers.lab.step_time).
+    "timing": {"warmup": 3, "repeats": 10, "loss_calls": 5},
     # A short run: a third of the steps in both parts; the same arms, sizes and seeds (three, for
     # a paired interval narrower than two seeds give). "train" is replaced whole, so it is whole.
     "quick": {
@@ -191,6 +195,9 @@ PROFILES: dict[str, Profile] = {
                     "train": {"steps": 4, "warmup": 1, "lr": 3e-3, "eval_every": 2},
                     "seeds": [0, 1],
                 },
+                # Under the interpreter nothing compiles and a step of ours takes ~0.1 s, Liger's ~0.4:
+                # one warm-up, three steps and one loss call check the pipeline and keep the run short.
+                "timing": {"warmup": 1, "repeats": 3, "loss_calls": 1},
             },
         },
     ),

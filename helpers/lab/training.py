@@ -17,8 +17,9 @@ pieces:
 - Diagnostics: frequency bins, per-bin means, and the comparison of each arm with ``exact``, paired
   by seed (a 95% confidence interval of the per-seed differences).
 - Reading: the fine-tuning bound (calibrated on the naive arm, as the gate calibrates its own), what
-  our filter skipped, training times, and the sentences, headline and per-method facts the
-  notebook reports, each computed from the numbers.
+  our filter skipped, and the sentences, headline and per-method facts the notebook reports, each
+  computed from the numbers. Step times are ``helpers.lab.step_time``'s: a run's wall time holds
+  compilation and skip counting, and does not time the loss.
 
 Every model exposes ``hidden(inputs) -> E`` (N, D) and a classifier ``C`` (V, D); the loss of a step
 is ``method(E, C, x)``, the only line that differs between arms.
@@ -218,6 +219,50 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
+@dataclass
+class Arm:
+    """One arm's model, loss, optimizer and gradient scaler, as ``train`` sets them up; what
+    ``helpers.lab.step_time`` times is the same arm, built by the same ``start_arm``."""
+
+    loss_fn: object  # a helpers.compare.methods.Method
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    compute_dtype: torch.dtype
+
+    def loss_inputs(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(E (N, D), C (V, D), x (N,)) of one batch, as the loss receives them: the body under
+        autocast in the compute dtype, then E and C cast to it, because that is where a fused
+        kernel's precision (and its gradient filter's threshold) applies."""
+        device, dtype = self.model.C.device, self.compute_dtype
+        with _autocast(device, dtype):
+            E = self.model.hidden(inputs.to(device))
+        return E.to(dtype), self.model.C.to(dtype), targets.to(device)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
+        """The loss of one batch. ``stats``: passed on to a method that counts skipped tiles (None:
+        no counting, and no host read of the counts)."""
+        extra = {} if stats is None else {"stats": stats}
+        return self.loss_fn(*self.loss_inputs(inputs, targets), **extra)
+
+
+def start_arm(task, variant: str, *, seed: int, lr: float, compute_dtype: torch.dtype,
+              device: torch.device | str) -> Arm:
+    """``task.make_model()`` initialised on the CPU after ``torch.manual_seed(seed)``, moved to
+    ``device``, with Adam (betas 0.9, 0.95, no weight decay) and a gradient scaler that is on in
+    fp16 only. Raises, saying why, where ``variant`` cannot run."""
+    device = torch.device(device)
+    loss_fn = get_method(variant)
+    reason = loss_fn.why_unavailable(device, compute_dtype)
+    if reason:
+        raise RuntimeError(f"{variant} cannot run on {device} in {compute_dtype}: {reason}")
+    torch.manual_seed(seed)
+    model = task.make_model().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95))
+    scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)
+    return Arm(loss_fn, model, optimizer, scaler, compute_dtype)
+
+
 def train(
     task,
     variant: str,
@@ -243,16 +288,10 @@ def train(
     no gradient does not move, so its drift measures the gradient it received.
     """
     device = torch.device(device)
-    loss_fn = get_method(variant)
-    reason = loss_fn.why_unavailable(device, compute_dtype)
-    if reason:
-        raise RuntimeError(f"{variant} cannot run on {device} in {compute_dtype}: {reason}")
-    torch.manual_seed(seed)
-    model = task.make_model().to(device)
+    arm = start_arm(task, variant, seed=seed, lr=lr, compute_dtype=compute_dtype, device=device)
+    loss_fn, model, optimizer, scaler = arm.loss_fn, arm.model, arm.optimizer, arm.scaler
     C_init = model.C.detach().float().cpu().clone()
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: learning_rate_factor(s, steps, warmup))
-    scaler = torch.amp.GradScaler(device.type, enabled=compute_dtype == torch.float16)
     g = torch.Generator().manual_seed(seed)
     validation = task.validation_set() if eval_every else None
     curve = tuple(t[: task.curve_tokens] for t in validation) if eval_every else None
@@ -264,11 +303,8 @@ def train(
     for step in range(steps):
         if eval_every and step % eval_every == 0:
             _evaluate(run, model, curve, compute_dtype, step)
-        inputs, targets = task.sample(g)
-        with _autocast(device, compute_dtype):
-            E = model.hidden(inputs.to(device))
         stats = {}
-        loss = loss_fn(E.to(compute_dtype), model.C.to(compute_dtype), targets.to(device), stats=stats)
+        loss = arm.loss(*task.sample(g), stats=stats)
         scaler.scale(loss).backward()
         if loss_fn.counts_skips:
             run.filter_skipped.append(stats.get("skipped", 0) / max(1, stats.get("tiles", 0)))
@@ -502,7 +538,7 @@ def max_relative_drift(losses: list[float], reference: list[float]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading the runs: the fine-tuning bound, the filter's work, speed, and the sentences and facts
+# Reading the runs: the fine-tuning bound, the filter's work, and the sentences and facts
 # the notebook reports (each computed from the numbers, never written in advance)
 # ---------------------------------------------------------------------------------------------
 
@@ -521,18 +557,6 @@ def filter_skip_summary(runs: list[TrainRun]) -> dict | None:
         "last": sum(f[-1] for f in counted) / len(counted),
         "max": max(steps),
     }
-
-
-def training_seconds(runs: dict[str, list[TrainRun] | TrainRun], baseline: str = "exact") -> dict[str, dict]:
-    """{arm: {"seconds", "vs_baseline"}}: the median over seeds of each run's training time, the
-    evaluation left out (every arm evaluates with the exact loss), and its ratio to the baseline's.
-    A median, because a Triton arm's first run also compiles (and autotunes) its kernels."""
-    seconds = {}
-    for arm, arm_runs in runs.items():
-        arm_runs = arm_runs if isinstance(arm_runs, list) else [arm_runs]
-        seconds[arm] = float(torch.tensor([r.wall_s - r.eval_s for r in arm_runs], dtype=torch.float64).median())
-    base = seconds.get(baseline)
-    return {arm: {"seconds": s, "vs_baseline": s / base if base else math.nan} for arm, s in seconds.items()}
 
 
 def describe_rare_tokens(
@@ -669,6 +693,8 @@ __all__ = [
     "CorpusLMTask",
     "context_windows",
     "TrainRun",
+    "Arm",
+    "start_arm",
     "train",
     "per_token_loss",
     "learning_rate_factor",
@@ -682,7 +708,6 @@ __all__ = [
     "bin_table",
     "paired_difference",
     "filter_skip_summary",
-    "training_seconds",
     "describe_rare_tokens",
     "convergence_facts",
     "convergence_headline",

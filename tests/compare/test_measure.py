@@ -1,6 +1,6 @@
 """helpers.compare.measure on the CPU: the peak-memory meter against known allocations and against autograd,
-the byte budget that stands in for a small card, latency statistics, the OOM-safe runner, and the
-chunked method's bounded memory."""
+the byte budget that stands in for a small card, latency statistics, host against device time, the
+OOM-safe runner, and the chunked method's bounded memory."""
 
 import math
 import time
@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from helpers.compare.measure import (
+    HostDeviceTime,
     MemoryBudgetExceeded,
     apply_memory_cap,
+    call_times_ms,
+    host_and_device_time,
+    is_host_bound,
     is_out_of_memory,
     latency,
     measure,
@@ -185,3 +189,37 @@ def test_the_profilers_native_warning_is_dropped_and_other_native_output_kept(ca
     os.write(2, b"after\n")
     err = capfd.readouterr().err
     assert "unknown size" not in err and "a real problem\n" in err and "after\n" in err
+
+
+def test_call_times_come_in_call_order_after_the_warm_up():
+    delays = iter([0.05, 0.0, 0.02, 0.0])  # the first call is the warm-up (a compilation, say)
+
+    times = call_times_ms(lambda: time.sleep(next(delays)), warmup=1, repeats=3, device="cpu")
+    assert len(times) == 3 and times[1] >= 20.0 and max(times[0], times[2]) < 20.0
+
+
+def test_host_and_device_time_on_the_cpu_is_one_wall_time_per_call():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002)
+
+    timed = host_and_device_time(fn, calls=4, warmup=1, device="cpu")
+    assert len(calls) == 5 and timed.calls == 4
+    assert 2.0 <= timed.host_ms < 200 and timed.device_ms == timed.host_ms  # the CPU is the device
+    assert set(timed.as_dict()) == {"host_ms", "device_ms", "calls", "host_bound"}
+
+
+def test_host_bound_means_the_host_takes_at_least_the_devices_time():
+    assert is_host_bound(2.0, 1.0) and is_host_bound(1.0, 1.0) and not is_host_bound(1.0, 2.0)
+    assert HostDeviceTime(0.5, 3.0, 5).as_dict()["host_bound"] is False
+    assert HostDeviceTime(0.5, math.nan, 5).host_bound is None  # no GPU activity recorded: no verdict
+
+
+def test_device_busy_time_counts_overlapping_intervals_once_and_gaps_never():
+    from helpers.compare.measure import _union_ns
+
+    assert _union_ns([]) == 0
+    # two kernels overlapping by 5, one inside another, a gap of 10, one more
+    assert _union_ns([(30, 40), (0, 10), (5, 15), (6, 8)]) == 15 + 10

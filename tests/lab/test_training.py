@@ -193,18 +193,6 @@ def test_filter_skip_summary():
     assert training.filter_skip_summary([training.TrainRun("exact", 0, [1.0])]) is None
 
 
-def test_training_seconds_leave_out_evaluation_and_take_the_median():
-    def run(wall, evaluation):
-        return training.TrainRun("x", 0, [1.0], wall_s=wall, eval_s=evaluation)
-
-    # the first run of an arm also compiles its kernels: the median over seeds ignores it
-    times = training.training_seconds({"exact": [run(3, 1), run(3, 1), run(3, 1)],
-                                       "ours": [run(30, 1), run(5, 1), run(5, 1)], "chunked": run(2, 1)})
-    assert times["exact"] == {"seconds": 2.0, "vs_baseline": 1.0}
-    assert times["ours"]["seconds"] == 4.0 and times["ours"]["vs_baseline"] == 2.0
-    assert times["chunked"]["vs_baseline"] == 0.5  # a single run (fine-tuning) is its own median
-
-
 def _rare_token_case(effect_rarest, drift_rarest, effect_middle):
     """A diagnostic and its comparisons with two bins, exact and one arm over 3 seeds."""
     base_loss = [[11.0, 5.0], [11.1, 5.1], [10.9, 4.9]]

@@ -1,0 +1,135 @@
+"""Fair training-step times: every arm warmed up, timed without instrumentation, a median of steps.
+
+Notebook 03's training runs cannot time the losses. A fine-tuning arm runs once, so its Triton
+kernels compile (and autotune) inside its wall time; only our arm counts skipped tiles, which
+reads counts back to the host at every step; and each run's time mixes in its sampling and
+bookkeeping. So the speed table times each arm apart, the same way for every arm:
+
+- the arm is built as ``training.train`` builds it (``training.start_arm``: same model, seed,
+  Adam and fp16 gradient scaler; ``Arm.loss``: the same autocast and cast of E and C);
+- ``warmup`` untimed steps first (compilation and autotuning happen there), then ``repeats``
+  steps timed one by one by ``helpers.compare.measure.call_times_ms``; the median is the number;
+- no ``stats=``: no arm counts skipped tiles while it is timed;
+- the loss alone (forward and backward on one batch), called back to back: the host's time per
+  call against the device's busy time (``measure.host_and_device_time``). Where the host takes at
+  least as long as the GPU, the GPU waits on kernel launches: the arm is host-bound at these sizes,
+  and its step time says little about the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+from helpers.compare.measure import call_times_ms, host_and_device_time
+from helpers.lab import training
+
+
+def time_training_steps(
+    task,
+    variant: str,
+    *,
+    compute_dtype: torch.dtype,
+    device: torch.device | str,
+    lr: float = 1e-3,
+    warmup: int = 3,
+    repeats: int = 10,
+    loss_calls: int = 5,
+    seed: int = 0,
+) -> dict:
+    """Time ``repeats`` training steps of ``task`` with loss ``variant`` after ``warmup`` untimed ones.
+
+    Returns {"variant", "median_s", "step_s" (each timed step, in order), "warmup", "repeats",
+    "host_ms" and "device_ms" (per loss call: forward and backward, ``loss_calls`` back to back),
+    "loss_calls", "host_bound" (None on the CPU, where host and device are one), "tokens" (N), "V",
+    "D", "dtype"}. A step: sample a batch, the body and the loss, backward (scaled in fp16), the
+    optimizer step, gradients cleared; the constant learning rate ``lr`` (a schedule costs nothing).
+    """
+    device = torch.device(device)
+    arm = training.start_arm(task, variant, seed=seed, lr=lr, compute_dtype=compute_dtype, device=device)
+    g = torch.Generator().manual_seed(seed)
+
+    def step():
+        loss = arm.loss(*task.sample(g))  # no stats=: nothing counted, nothing read back
+        arm.scaler.scale(loss).backward()
+        arm.scaler.step(arm.optimizer)
+        arm.scaler.update()
+        arm.optimizer.zero_grad(set_to_none=True)
+
+    step_ms = call_times_ms(step, warmup=warmup, repeats=repeats, device=device)
+
+    # The loss alone, on one batch's E and C as the step hands them over (leaves, so that the
+    # body's backward is not in it).
+    with torch.no_grad():
+        E, C, x = arm.loss_inputs(*task.sample(g))
+    E, C = E.detach().requires_grad_(True), C.detach().requires_grad_(True)
+
+    def loss_call():
+        E.grad = C.grad = None
+        arm.loss_fn(E, C, x).backward()
+
+    loss_time = host_and_device_time(loss_call, calls=loss_calls, warmup=1, device=device)
+    return {
+        "variant": variant,
+        "median_s": statistics.median(step_ms) / 1e3,
+        "step_s": [ms / 1e3 for ms in step_ms],
+        "warmup": warmup,
+        "repeats": repeats,
+        "host_ms": loss_time.host_ms,
+        "device_ms": loss_time.device_ms,
+        "loss_calls": loss_calls,
+        "host_bound": loss_time.host_bound if device.type == "cuda" else None,  # the CPU: no verdict
+        "tokens": x.numel(),
+        "V": C.shape[0],
+        "D": C.shape[1],
+        "dtype": str(compute_dtype).removeprefix("torch."),
+    }
+
+
+def against_baseline(times: dict[str, dict], baseline: str = "exact") -> dict[str, dict]:
+    """``times`` ({arm: time_training_steps's dict}) with "vs_baseline" added to each: its median
+    step over the baseline's (NaN where the baseline did not run)."""
+    base = times.get(baseline, {}).get("median_s")
+    return {arm: {**t, "vs_baseline": t["median_s"] / base if base else math.nan} for arm, t in times.items()}
+
+
+def describe_step_times(
+    part: str, times: dict[str, dict], labels: dict[str, str], baseline: str = "exact"
+) -> list[str]:
+    """What ``against_baseline``'s table measures, and for each arm slower than the baseline
+    whether the host or the device sets its speed, in sentences computed from the numbers."""
+    if not times:
+        return [f"{part}: no arm was timed."]
+    first = next(iter(times.values()))
+    warmup = f"{first['warmup']} untimed warm-up step{'s' if first['warmup'] != 1 else ''}"
+    lines = [f"{part}: training-step time at this notebook's {part} sizes (N = {first['tokens']:,} tokens a step, "
+             f"V = {first['V']:,}, D = {first['D']:,}, {first['dtype']}), the median of {first['repeats']} steps after "
+             f"{warmup} (compilation and autotuning there), no arm counting skipped tiles; the model, optimizer and "
+             "batches are every arm's, so the loss is what differs."]
+    base = labels.get(baseline, baseline)
+    undecided = []
+    for arm, t in times.items():
+        if arm == baseline or not t["vs_baseline"] > 1:
+            continue
+        name = labels.get(arm, arm)
+        said = (f"{name} takes {t['vs_baseline']:.2f}x the step time of {base}; one call of its loss (forward and "
+                f"backward) keeps the host {t['host_ms']:.3g} ms")
+        if t["host_bound"] is None:
+            undecided.append(name)
+            said += "."
+        elif t["host_bound"]:
+            said += (f" and the GPU {t['device_ms']:.3g} ms: host-bound, the GPU waits on kernel launches at these "
+                     "small shapes, so the ratio measures launch latency more than the kernels.")
+        else:
+            said += (f" and the GPU {t['device_ms']:.3g} ms: device-bound, its kernels themselves take longer at "
+                     "these sizes.")
+        lines.append(said)
+    if undecided:
+        lines.append(f"Whether {', '.join(undecided)} {'is' if len(undecided) == 1 else 'are'} host-bound cannot be "
+                     "told here: on a CPU host and device are one (on a GPU: the profiler recorded no GPU activity).")
+    return lines
+
+
+__all__ = ["time_training_steps", "against_baseline", "describe_step_times"]
