@@ -79,9 +79,11 @@
 # section 5 and section 9 first; section 10 reads well at home. The stretch exercise (section 10)
 # is for whoever finishes early.
 #
-# **Run time** (the whole notebook, with no one typing): on a 2-core CPU, about 30 s; measured per
-# section on a pretend T4 and an H200, and in both modes, in `docs/measurements/` (`results.json`'s
-# `section_seconds`, printed at the end of every run). A real T4 is slower than the pretend one.
+# **Run time** (the whole notebook, with no one typing; every run prints its seconds per section
+# and writes them to `results.json`'s `section_seconds`): on a 2-core CPU 17-22 s, attendee or
+# teacher, fp32 or the T4's fp16 (no section over 5 s); on a pretend T4 and an H200: GPU
+# measurement pending, to be committed under `docs/measurements/` (the payoff is the only section
+# that takes long). A real T4 is slower than the pretend one: the minutes above are for people.
 # **Needs Triton**, which installs on Linux only: on macOS or Windows open the notebook in Colab or
 # Kaggle (the badges above).
 #
