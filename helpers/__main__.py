@@ -9,9 +9,10 @@ from helpers.lab.profiles import PROFILES
 
 
 def _run(args) -> int:
-    from helpers.suite.runner import run_suite
+    from helpers.suite.runner import parse_parameters, run_suite
 
-    runs = run_suite(args.profile, args.output, args.only, args.timeout, args.pretend_t4, args.quick)
+    runs = run_suite(args.profile, args.output, args.only, args.timeout, args.pretend_t4, args.quick,
+                     parse_parameters(args.parameter))
     return 0 if all(r.status == "ok" for r in runs) else 1
 
 
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                      "shared memory and compute capability (on a CPU: the fp16 smoke run)")
     run.add_argument("--quick", action="store_true",
                      help="each notebook's short run (a coarser sweep, fewer steps): minutes, not the full picture")
+    run.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                     help="a notebook parameter, for the notebooks that declare it, e.g. -p SOLUTIONS False "
+                     "(the workshop as an attendee runs it); VALUE is read as a Python literal")
     run.set_defaults(func=_run)
 
     gate = sub.add_parser("gate", help="run the correctness gate and print its table")

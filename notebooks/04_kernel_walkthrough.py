@@ -46,16 +46,51 @@
 # here are written for reading, not speed; `helpers/cce/kernels/` holds the fast ones. On a CPU
 # they run under the Triton interpreter.
 #
-# Four **your turn** cells ask you to fill in one line; one of them is a line of Triton, inside the
-# forward kernel. Each gap holds `raise NotImplementedError`: run the cell and its check says *not
-# filled in yet*; write your line and run it again until the check says *right*. Until yours is
-# right, later cells use a worked solution kept out of sight, so the notebook always runs to the
-# end. `SOLUTIONS = True` in the parameters cell fills every gap with the worked solutions (the
-# test suite runs so).
+# **Your turn** cells ask you to write code: a warm-up kernel, two lines of PyTorch, three pieces
+# of Triton inside the real kernels (the online merge of the forward, the dC accumulation of the
+# backward, and a stretch: the production kernel's filter rule) and one line of Kahan summation.
+# Each gap holds `raise NotImplementedError`: run the cell and its check says *not filled in yet*;
+# write your code and run the cell again until the check says *right*. A wrong answer is told what
+# looks wrong. Every check runs your current code on fresh inputs, so running a check again never
+# turns a wrong answer right. Until yours is right, later cells use a worked solution kept out of
+# sight, so the notebook always runs to the end.
 #
-# **Run time:** about 20 s on a CPU; on an H200, about 25-30 s plus the closing measurement at the
-# Qwen3 head; on a T4 not measured: expect a few minutes. **Needs Triton**, which installs on Linux
-# only: on macOS or Windows open the notebook in Colab or Kaggle (the badges above).
+# ## The session (90 minutes)
+#
+# **You will** see why the logits are the largest tensor in training, write the two reductions of
+# the forward pass and the gradient of the backward without them, and measure what that buys.
+# **You need** PyTorch, and the softmax and its gradient; no Triton (the primer covers what is
+# used). **You run** the notebook on a GPU (Colab or Kaggle's free T4 is enough) or on a Linux CPU,
+# where the kernels run under Triton's interpreter, in fp32 and fp16 (the interpreter's bf16 is
+# broken): the bf16 stories of sections 6 and 9 are then told on fp16 or emulated in PyTorch.
+#
+# | min | section | you |
+# |---|---|---|
+# | 10 | 1-2 · memory arithmetic, the decomposition | move the sliders; discuss: what must survive the forward? |
+# | 15 | primer · Triton in ten minutes | complete the warm-up kernel |
+# | 10 | 3 · the indexed dot | exercise 1 (PyTorch) |
+# | 15 | 4 · the online log-sum-exp | exercise 2 (Triton: the merge inside the forward kernel) |
+# | 15 | 5 · the backward | exercise 3 (derive G), exercise 4 (Triton: dC's accumulation) |
+# | 10 | 6-8 · filter, sparsity, sorting | read the pictures; discuss the dE error after sorting |
+# | 5 | 9 · Kahan summation | exercise 5 (one line) |
+# | 10 | 10-11 · production, the payoff | discuss: why are the teaching kernels so much slower? stretch exercise |
+#
+# **If time runs out**, stop after section 5: the method is complete there. Skip the fp16 aside of
+# section 5 and section 9 first; section 10 reads well at home. The stretch exercise (section 10)
+# is for whoever finishes early.
+#
+# **Run time** (the whole notebook, with no one typing; every run prints its seconds per section
+# and writes them to `results.json`'s `section_seconds`): on a 2-core CPU 17-22 s, attendee or
+# teacher, fp32 or the T4's fp16 (no section over 5 s); on a pretend T4 and an H200: GPU
+# measurement pending, to be committed under `docs/measurements/` (the payoff is the only section
+# that takes long). A real T4 is slower than the pretend one: the minutes above are for people.
+# **Needs Triton**, which installs on Linux only: on macOS or Windows open the notebook in Colab or
+# Kaggle (the badges above).
+#
+# **Teachers:** `SOLUTIONS = True` in the parameters cell fills every gap with the worked
+# solutions (the test suite runs so); `show_solution("fold_tile")` prints one; `exercises.reset(name)`
+# forgets one attendee's result. Widgets (sections 1 and 6) need a live kernel; a headless run
+# shows their first picture only.
 
 # %% jupyter={"source_hidden": true} tags=["cold-start"]
 # Cold start: make `helpers` importable here, then report what this machine can run.
@@ -203,25 +238,30 @@ from helpers.lab.profiles import get_profile
 from helpers.suite.report import write_report_fragment
 from helpers.spec import reference_loss_and_grads, relative_error
 from helpers.lab.teaching import (
+    DIAGNOSES,
     VOCABULARIES,
+    Exercises,
+    SectionTimer,
     block_mask,
     check,
-    expand_mask,
-    masks_agree,
     check_exercise,
     entries_per_row,
+    expand_mask,
     gigabytes,
+    kahan_step,
+    masks_agree,
     memory_footprint,
     row_mass_mask,
+    show_solution,
     skipped_fraction,
-    solution,
+    teaching_block_d,
     vocabulary_order,
 )
 
 # %% tags=["parameters"]
 profile = "auto"
 output_dir = "results/04_kernel_walkthrough"
-SOLUTIONS = False  # True: the worked solutions fill every "your turn" gap (the test suite runs so)
+SOLUTIONS = False  # attendees: False; True: the worked solutions fill every "your turn" gap (teacher, test suite)
 
 # %%
 P = get_profile(profile)
@@ -246,11 +286,17 @@ DOT_PRECISION = "ieee" if dtype == torch.float32 else None
 # The production kernels' launch configurations: their own choice on a GPU. The interpreter's cost
 # grows with the number of tiles, so on a CPU we ask for the T4 tier's larger tiles.
 PRODUCTION_CONFIGS = "turing-64k" if device.type == "cpu" else None
+# The teaching kernels load D in chunks of BLOCK_D, as large as fits this card's shared memory
+# (all of D under the CPU interpreter, which has no such limit).
+SHARED_MEMORY = helpers.device_info(device).shared_memory_per_block_bytes
 
 plt.rcParams.update({"font.size": 16, "axes.titlesize": 18, "lines.linewidth": 3, "figure.dpi": 80})
-results = {"profile": P.name, "device": helpers.device_info(device).describe(), "checks": [],
-           "exercises": {}, "numbers": {}}
+results = {"profile": P.name, "device": helpers.device_info(device).describe(), "solutions": SOLUTIONS,
+           "checks": [], "exercises": {}, "numbers": {}}
 started = time.perf_counter()
+section = SectionTimer()  # section("...") at each section's first cell: seconds per section in results.json
+exercises = Exercises(SOLUTIONS, seed=cfg["seed"])
+results["exercises"] = exercises.right  # filled in as the checks run
 print(f"profile {P.name!r} on {results['device']}; kernel inputs in {cfg['dtype']}")
 
 
@@ -263,15 +309,11 @@ def close_to(got, want, name, bound=FORWARD_BOUND):
     record(check(name, got, want, rel_l2=bound))
 
 
-def your_turn(name, attempt, check_attempt):
-    """Check a "your turn" function with ``check_attempt(fn) -> bool``; return the one later cells
-    call: yours once it is right, the worked solution until then (and throughout with SOLUTIONS)."""
-    if SOLUTIONS:
-        attempt = solution(name)
-    results["exercises"][name] = check_attempt(attempt)
-    if not results["exercises"][name]:
-        print("   (later cells use the worked solution until yours is right)")
-    return attempt if results["exercises"][name] else solution(name)
+def random_inputs(N, V, D, generator):
+    """E (N, D), C (V, D), x (N,) in the notebook's dtype and device, drawn from ``generator``."""
+    E_ = (torch.randn(N, D, generator=generator) / D**0.25).to(dtype).to(device)
+    C_ = (torch.randn(V, D, generator=generator) / D**0.25).to(dtype).to(device)
+    return E_, C_, torch.randint(0, V, (N,), generator=generator).to(device)
 
 
 # %% [markdown]
@@ -288,6 +330,7 @@ def your_turn(name, attempt, check_attempt):
 # sequences of 2,048).
 
 # %%
+section("1 · the memory arithmetic")
 QWEN3 = {"V": 151_936, "D": 1_024}
 footprint = memory_footprint(16_384, QWEN3["V"], QWEN3["D"], "float32")
 for item, n_bytes in footprint.items():
@@ -369,10 +412,9 @@ explore(
 # keep N floats, not N×V. The spec, checked against `F.cross_entropy`:
 
 # %%
+section("2 · the decomposition")
 N, V, D = cfg["shape"]  # ragged on purpose: no dimension is a multiple of a block
-E = (torch.randn(N, D) / D**0.25).to(dtype).to(device)
-C = (torch.randn(V, D) / D**0.25).to(dtype).to(device)
-x = torch.randint(0, V, (N,), device=device)
+E, C, x = random_inputs(N, V, D, torch.Generator().manual_seed(cfg["seed"]))
 
 
 def loss_spec(E, C, x):
@@ -386,15 +428,85 @@ record(check("loss = LSE - indexed dot  vs  F.cross_entropy", loss_spec(E, C, x)
 print(f"N={N}, V={V}, D={D}; kept between passes: {N * 4} bytes of LSE instead of {N * V * 4:,} of logits")
 
 # %% [markdown]
+# ## Primer · Triton in ten minutes
+#
+# A Triton kernel is a Python function, compiled for the GPU, that runs once per **program**;
+# the **grid** says how many programs (`kernel[(n_programs,)](...)`), and `tl.program_id(0)` tells
+# each program which one it is. A program does not handle one element, like a CUDA thread, but a
+# **block** of them at once: `tl.arange(0, BLOCK)` is the vector 0..BLOCK-1, and every operation
+# works on whole blocks (vectors or 2-D tiles). BLOCK sizes are `tl.constexpr`: fixed when the
+# kernel is compiled, powers of two.
+#
+# - **Pointers and offsets.** A tensor arrives as a pointer to its first element; `ptr + offsets`
+#   is a block of pointers. A row-major (R, D) matrix's element (r, d) is at `ptr + r * D + d`, so
+#   `rows[:, None] * D + d[None, :]` addresses a (len(rows), len(d)) tile.
+# - **Masks.** The last block usually runs past the end. `tl.load(ptrs, mask=m, other=0.0)` reads
+#   only where `m` is true (0 elsewhere); `tl.store(ptrs, values, mask=m)` writes only there.
+# - **Reductions and products.** `tl.sum`, `tl.max` (with `axis=`), `tl.exp`, and `tl.dot(a, b)`:
+#   a (M, K) by (K, N) tile product on the tensor cores, M, N, K at least 16, accumulated in fp32.
+# - **Why tiles.** A tile loaded once is reused by every product in it: a (BLOCK_N, BLOCK_D) block
+#   of E serves BLOCK_V logits per row. The tiles live in the multiprocessor's on-chip memory
+#   (registers and shared memory: 64 KB per block on a T4), which is why tile sizes depend on the
+#   card (`teaching_block_d` picks ours) and why only tiles, never the N×V matrix, exist.
+# - **Atomics.** When several programs add into the same output, `tl.atomic_add` makes the adds safe.
+#
+# **Shapes in this notebook** (a cheat-sheet): `E` (N, D) and `C` (V, D) inputs; `x` (N,) targets;
+# logits `z = E Cᵀ` (N, V), never stored; `lse` (N,); `S`, `G` (N, V) in the specs, (BLOCK_N,
+# BLOCK_V) tiles in the kernels; `dE` (N, D), `dC` (V, D). A program owns `BLOCK_N` rows and walks
+# the vocabulary in `BLOCK_V` columns and D in `BLOCK_D` chunks.
+#
+# ### Warm-up: your first kernel
+# `out = alpha * x + y` over `n` elements, `BLOCK` per program. The offsets and the mask are
+# written; load `y` and store the result.
+
+# %%
+section("primer · Triton in ten minutes")
+
+
+@triton.jit
+def scaled_add_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n  # the last program's block runs past n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    # ---- your turn: load y, store alpha * x + y ----
+    raise NotImplementedError
+    # ---- end of your turn ----
+
+
+def check_scaled_add(kernel):
+    g = exercises.fresh()
+    n = int(torch.randint(1_000, 3_000, (1,), generator=g))  # not a multiple of BLOCK
+    x_, y_ = torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)
+
+    def launch(x_, y_):
+        out_ = torch.full_like(x_, float("nan"))  # an element never stored stays nan
+        kernel[(triton.cdiv(n, 256),)](x_, y_, out_, n, 0.5, BLOCK=256)
+        return out_
+
+    def diagnose(got, want):
+        if torch.isnan(got).any():
+            return f"{int(torch.isnan(got).sum())} elements never stored: store every offset below n, under the mask"
+        return "the stored values are not alpha * x + y"
+
+    return check_exercise("warm-up: alpha * x + y", launch, lambda x_, y_: 0.5 * x_ + y_, [(x_, y_)],
+                          atol=1e-6, rtol=1e-6, diagnose=diagnose)
+
+
+exercises.check("scaled_add", scaled_add_kernel, check_scaled_add)
+
+# %% [markdown]
 # ## 3 · Algorithm 1: the indexed dot
 #
 # $$o_i = C_{x_i}^{\mathsf T} E_i = \sum_{d} E_{i,d}\, C_{x_i, d}$$
 #
 # ### Your turn (1): the indexed dot in PyTorch
 # Write $o$ (N,) from `E` (N, D), `C` (V, D) and `x` (N,) without forming the N×V logits.
-# *Hint:* `C[x]` is (N, D).
+# *Hint:* PyTorch indexes a tensor's rows with a tensor of indices.
 
 # %%
+section("3 · the indexed dot")
+
+
 def indexed_dot_spec(E, C, x):
     """o (N,) in float64."""
     # ---- your turn: one line, no (N, V) tensor ----
@@ -407,13 +519,18 @@ def indexed_dot_truth(E, C, x):  # the answer read off the full logits: what we 
     return (E.double() @ C.double().T)[torch.arange(len(x)), x]
 
 
-indexed_dot_spec = your_turn("indexed_dot", indexed_dot_spec, lambda attempt: check_exercise(
-    "indexed dot", attempt, indexed_dot_truth, [(E, C, x), (E[:5], C[:7], x[:5] % 7)], atol=1e-9, rtol=1e-9))
+def check_indexed_dot(attempt):  # fresh inputs at every run, a ragged shape and a tiny one
+    E_, C_, x_ = random_inputs(37, 211, 24, exercises.fresh())
+    return check_exercise("indexed dot", attempt, indexed_dot_truth, [(E_, C_, x_), (E_[:5], C_[:7], x_[:5] % 7)],
+                          atol=1e-9, rtol=1e-9, diagnose=DIAGNOSES["indexed_dot"])
+
+
+exercises.check("indexed_dot", indexed_dot_spec, check_indexed_dot)
 
 # %% [markdown]
 # The kernel: each program owns `BLOCK_N` rows, loads their targets, and gathers the matching rows
-# of C. D fits in one block here (`BLOCK_D` is D rounded up to a power of two; the production
-# kernels loop over D). Inputs are read in their dtype and multiplied in fp32.
+# of C. D fits in one block here (`BLOCK_D` is D rounded up to a power of two): no tile product,
+# so nothing goes through shared memory. Inputs are read in their dtype and multiplied in fp32.
 
 # %%
 @triton.jit
@@ -440,7 +557,7 @@ def indexed_dot(E, C, x, block_n=BLOCK_N):
     return o
 
 
-close_to(indexed_dot(E, C, x), indexed_dot_spec(E, C, x), "Algorithm 1 kernel vs spec")
+close_to(indexed_dot(E, C, x), exercises.use("indexed_dot")(E, C, x), "Algorithm 1 kernel vs spec")
 
 # %% [markdown]
 # ## 4 · Algorithm 2: the log-sum-exp, one vocabulary block at a time
@@ -455,6 +572,7 @@ close_to(indexed_dot(E, C, x), indexed_dot_spec(E, C, x), "Algorithm 1 kernel vs
 # First on numbers: a row of six logits, large enough that the naive formula overflows.
 
 # %%
+section("4 · the online log-sum-exp")
 z_row = torch.tensor([1000.0, 998.0, 1001.0, 3.0, 999.5, 1002.0])
 block1, block2 = z_row[:3], z_row[3:]
 m1, s1 = block1.max(), torch.exp(block1 - block1.max()).sum()
@@ -494,9 +612,9 @@ record(check("online LSE spec vs torch.logsumexp", lse_spec(E, C, BLOCK_V),
 
 # %% [markdown]
 # The kernel: each program owns `BLOCK_N` rows and walks the whole vocabulary. The `(BLOCK_N,
-# BLOCK_V)` logit tile is built by `tl.dot` in on-chip memory, folded into `(m, s)` and dropped.
-# Global memory sees E and C read, and N floats written. Columns past V are set to −∞, which
-# adds $e^{-\infty} = 0$.
+# BLOCK_V)` logit tile is built by `tl.dot` in on-chip memory, `BLOCK_D` columns of E and C at a
+# time, folded into `(m, s)` and dropped. Global memory sees E and C read, and N floats written.
+# Columns past V are set to −∞, which adds $e^{-\infty} = 0$.
 #
 # ### Your turn (2): the merge, in Triton
 # The fold is yours: `fold_tile` gets each row's running pair, `m` and `s` (both `(BLOCK_N,)`,
@@ -504,8 +622,8 @@ record(check("online LSE spec vs torch.logsumexp", lse_spec(E, C, BLOCK_V),
 # tile is one block of the merge above, with its own maximum and sum. `m_new` is written; fill in
 # `s_new`. *Hints:* `tl.exp`, `tl.sum(..., axis=1)`, and `m_new[:, None]` to broadcast a row's
 # value over its columns. The kernel calls whatever `fold_tile` you pass it (`FOLD`), so the check
-# runs your line inside the real kernel, against the spec, on the notebook's inputs and on logits
-# large enough that a fold without the maximum overflows.
+# runs your line inside the real kernel, against the spec, on fresh inputs and on logits large
+# enough that a fold without the maximum overflows.
 
 # %%
 @triton.jit
@@ -528,17 +646,19 @@ def lse_kernel(
     FOLD: tl.constexpr,  # a @triton.jit (m, s, z) -> (m, s): fold_tile
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
-    e = tl.load(E_ptr + rows[:, None] * D + d[None, :],
-                mask=(rows < N)[:, None] & (d < D)[None, :], other=0.0)  # (BLOCK_N, BLOCK_D), kept
     m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        c = tl.load(C_ptr + cols[None, :] * D + d[:, None],
-                    mask=(d < D)[:, None] & (cols < V)[None, :], other=0.0)  # (BLOCK_D, BLOCK_V) = C^T
-        # 1. the logit tile, on chip only
-        z = tl.dot(e, c, input_precision=DOT_PRECISION)
+        # 1. the logit tile, on chip only: z = E[rows] C[cols]^T, BLOCK_D columns of D at a time
+        z = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            e = tl.load(E_ptr + rows[:, None] * D + d[None, :],
+                        mask=(rows < N)[:, None] & (d < D)[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+            c = tl.load(C_ptr + cols[None, :] * D + d[:, None],
+                        mask=(d < D)[:, None] & (cols < V)[None, :], other=0.0)  # (BLOCK_D, BLOCK_V) = C^T
+            z = tl.dot(e, c, z, input_precision=DOT_PRECISION)  # z + e c
         z = tl.where((cols < V)[None, :], z, float("-inf"))
         # 2. [merge] fold the tile into each row's (m, s): section 4's identity, in fold_tile
         m, s = FOLD(m, s, z)
@@ -546,24 +666,38 @@ def lse_kernel(
     tl.store(lse_ptr + rows, m + tl.log(s), mask=rows < N)
 
 
-def lse(E, C, fold=None, block_n=BLOCK_N, block_v=BLOCK_V):
-    """LSE (N,) fp32 of the logits E C^T; ``fold``: the merge the kernel calls (fold_tile when None)."""
+def lse(E, C, fold=None, block_n=BLOCK_N, block_v=BLOCK_V, block_d=None):
+    """LSE (N,) fp32 of the logits E C^T; ``fold``: the merge the kernel calls (when None, yours
+    once its check passed, else the worked solution); ``block_d``: D's chunk (None: what fits)."""
     N, D = E.shape
     out_lse = torch.empty(N, dtype=torch.float32, device=E.device)
     lse_kernel[(triton.cdiv(N, block_n),)](
         E, C, out_lse, N, C.shape[0], D, BLOCK_N=block_n, BLOCK_V=block_v,
-        BLOCK_D=triton.next_power_of_2(D), DOT_PRECISION=DOT_PRECISION,
-        FOLD=fold if fold is not None else fold_tile)
+        BLOCK_D=block_d or teaching_block_d(D, block_n, block_v, SHARED_MEMORY), DOT_PRECISION=DOT_PRECISION,
+        FOLD=fold if fold is not None else exercises.use("fold_tile"))
     return out_lse
 
 
 # %%
-lse_cases = [(E, C), (E[:7] * 50, C[:333])]  # the second: logits past 88, where a bare exp overflows fp32
-fold_tile = your_turn("fold_tile", fold_tile, lambda fold: check_exercise(
-    "the merge inside the LSE kernel", lambda E, C: lse(E, C, fold), lambda E, C: lse_spec(E, C, BLOCK_V),
-    lse_cases, atol=0.0, rtol=FORWARD_BOUND))
+def check_fold_tile(fold):
+    """Your fold inside the LSE kernel, on fresh inputs: a ragged shape, and logits past 88 where a
+    bare exp overflows fp32."""
+    E_, C_, _ = random_inputs(45, 3 * BLOCK_V + 17, 24, exercises.fresh())
+    return check_exercise("the merge inside the LSE kernel", lambda E, C: lse(E, C, fold),
+                          lambda E, C: lse_spec(E, C, BLOCK_V), [(E_, C_), (E_[:7] * 50, C_[:100])],
+                          atol=0.0, rtol=FORWARD_BOUND, diagnose=DIAGNOSES["fold_tile"])
+
+
+exercises.check("fold_tile", fold_tile, check_fold_tile)
+
+# %% [markdown]
+# The kernel with the merge in place (yours once it is right), against the spec; and the same
+# LSE with D loaded in chunks of 16, so that the loop over D is checked even where all of D fits.
+
+# %%
 lse_E_C = lse(E, C)
 close_to(lse_E_C, lse_spec(E, C, BLOCK_V), "Algorithm 2 kernel vs spec")
+close_to(lse(E, C, block_d=16), lse_E_C, "Algorithm 2 kernel, D in chunks of 16 vs all of D")
 
 # %% [markdown]
 # The two algorithms together are the forward pass: $\ell = \mathrm{LSE} - o$. We check the mean
@@ -596,28 +730,30 @@ print(f"mean loss {loss_ours.item():.6f} (float64 reference {loss_ref.item():.6f
 # %% [markdown]
 # ## 5 · The backward: recompute, then two products
 #
-# With $S = \mathrm{softmax}(z)$ and the mean over N rows, the gradient of the loss with respect
-# to the logits is
-#
-# $$G = \frac{1}{N}\left(S - \mathbb 1[v = x]\right), \qquad S_{i,v} = e^{z_{i,v} - \mathrm{LSE}_i},$$
-#
-# and the chain rule through $z = E C^{\mathsf T}$ gives the two products
+# The mean loss is $L = \frac1N \sum_i \ell_i$ with $\ell_i = \mathrm{LSE}_i - z_{i,x_i}$, and
+# $\partial\,\mathrm{LSE}_i / \partial z_{i,v} = S_{i,v}$, the softmax, $S_{i,v} = e^{z_{i,v} -
+# \mathrm{LSE}_i}$. Call $G = \partial L / \partial z$ (N×V). The chain rule through
+# $z = E C^{\mathsf T}$ then gives the two products
 #
 # $$dE = G\,C \quad (N\times D), \qquad dC = G^{\mathsf T} E \quad (V\times D).$$
 #
 # No stored logits are needed: tile by tile, the kernel rebuilds $z$ from E and C, turns it into
-# $S$ with the saved $\mathrm{LSE}$, subtracts the one-hot, and adds the tile's share to dE and dC.
+# $S$ with the saved $\mathrm{LSE}$, forms G's tile, and adds the tile's share to dE and dC.
 # Compared with keeping the logits that costs one more N×V×D product (the recomputation), in
 # exchange for N×V fewer bytes.
 #
 # ### Your turn (3): the gradient with respect to the logits
-# Fill in `G` (N, V) from the softmax `S` (N, V) and the targets `x` (N,). The check compares it
+# Derive $G_{i,v}$ from the two lines above (what does $-z_{i,x_i}$ contribute, and where?), then
+# write it: `G` (N, V) from the softmax `S` (N, V) and the targets `x` (N,). The check compares it
 # with what autograd finds for the logits; then the spec turns it into dE and dC.
 
 # %%
+section("5 · the backward")
+
+
 def logit_gradient(S, x):
     """G (N, V) of the mean loss, from the softmax S (N, V) and the targets x (N,)."""
-    # ---- your turn: G = (S - onehot(x)) / N ----
+    # ---- your turn: G, derived above ----
     raise NotImplementedError
     # ---- end of your turn ----
     return G
@@ -629,13 +765,19 @@ def logit_gradient_truth(S, x):  # autograd's answer; log S are logits whose sof
     return z.grad
 
 
-S_cases = [(torch.softmax(E.double() @ C.double().T, dim=1), x),
-           (torch.softmax(E[:5].double() @ C[:7].double().T, dim=1), x[:5] % 7)]
-logit_gradient = your_turn("logit_gradient", logit_gradient, lambda attempt: check_exercise(
-    "G = (S - onehot) / N", attempt, logit_gradient_truth, S_cases, atol=0.0, rtol=1e-9))
+def check_logit_gradient(attempt):
+    E_, C_, x_ = random_inputs(29, 150, 16, exercises.fresh())
+    S_ = torch.softmax(E_.double() @ C_.double().T, dim=1)
+    return check_exercise("G, the gradient of the mean loss w.r.t. the logits", attempt, logit_gradient_truth,
+                          [(S_, x_), (torch.softmax(E_[:5].double() @ C_[:7].double().T, dim=1), x_[:5] % 7)],
+                          atol=0.0, rtol=1e-9, diagnose=DIAGNOSES["logit_gradient"])
+
+
+exercises.check("logit_gradient", logit_gradient, check_logit_gradient)
 
 # %% [markdown]
-# The spec of the whole backward, checked against autograd's dE and dC:
+# The answer: $G = \frac{1}{N}\left(S - \mathbb 1[v = x]\right)$, the softmax minus one at the
+# target, over N. The spec of the whole backward, checked against autograd's dE and dC:
 
 # %%
 def backward_spec(E, C, x, lse_rows, keep=None):
@@ -645,7 +787,7 @@ def backward_spec(E, C, x, lse_rows, keep=None):
     """
     E64, C64 = E.double(), C.double()
     S = torch.exp(E64 @ C64.T - lse_rows.double()[:, None])  # (N, V): recomputed, not stored
-    G = logit_gradient(S, x)
+    G = exercises.use("logit_gradient")(S, x)
     if keep is not None:
         G = G * keep
     return G @ C64, G.T @ E64
@@ -656,16 +798,41 @@ for name, got, want in zip(("dE", "dC"), backward_spec(E, C, x, lse_ref), (dE_re
     close_to(got, want, f"backward spec vs float64 autograd: {name}", 1e-10)
 
 # %% [markdown]
-# The kernel: one program per `BLOCK_N` rows, walking the vocabulary like the forward. dE of its
-# rows stays in registers across the walk; dC's tile is shared by every row block, so each
-# program adds its share with `tl.atomic_add` into an fp32 buffer. G is rounded to the input
-# dtype before the products (tensor cores want both operands in one dtype), and rounded
-# *unscaled*: the mean's 1/N multiplies the products' fp32 results, not G. Why, in fp16, is the
-# subject of the aside after the checks (`SCALE_BEFORE_CAST` there does it the wrong way).
+# The kernel: one program per `BLOCK_N` rows, walking the vocabulary like the forward, and D in
+# chunks of `BLOCK_D` twice per tile: once to rebuild the logits, once for the two products. dE's
+# rows belong to this program alone, so it adds its share with a plain load, add and store. dC's
+# tile is shared by every row block, so each program must add its share with `tl.atomic_add` into
+# an fp32 buffer. G is rounded to the input dtype before the products (tensor cores want both
+# operands in one dtype), and rounded *unscaled*: the mean's 1/N multiplies the products' fp32
+# results, not G. Why, in fp16, is the subject of the aside after the checks (`SCALE_BEFORE_CAST`
+# there does it the wrong way).
 #
-# The kernel already has the **filter** of the next section: a tile whose every $|S - \mathbb 1|$ is
-# below `eps` skips both products, and the kernel writes which tiles it computed to `tile_kept`.
-# With `eps = 0` nothing is skipped.
+# The kernel already has the **filter** of the next section: a tile is skipped when `KEEP_TILE`
+# says so (`keep_tile` below: every $|S - \mathbb 1|$ below `eps`), and the kernel writes which
+# tiles it computed to `tile_kept`. With `eps = 0` nothing is skipped.
+#
+# ### Your turn (4): dC's share of a tile, in Triton
+# `add_dC_tile` gets the pointer to dC (V, D) (fp32, row-major), the G tile `G` (BLOCK_N,
+# BLOCK_V) in the input dtype, E's chunk `e` (BLOCK_N, BLOCK_D), the tile's vocabulary indices
+# `cols` (BLOCK_V,) and D indices `d` (BLOCK_D,), the sizes V and D, and `scale` (the 1/N to apply
+# after the product). Add the tile's share of $dC = G^{\mathsf T} E$ into dC. *Hints:*
+# `tl.trans`, `tl.dot`, the primer's pointer arithmetic and masks, and why a plain store is wrong
+# here. The check runs your function inside the backward kernel, against the spec, on fresh inputs.
+
+# %%
+@triton.jit
+def add_dC_tile(dC_ptr, G, e, cols, d, V, D, scale):
+    """dC[cols, d] += scale * G^T e, safely although every row block adds to the same tile."""
+    # ---- your turn: the (BLOCK_V, BLOCK_D) product and its masked, atomic add into dC ----
+    raise NotImplementedError
+    # ---- end of your turn ----
+
+
+@triton.jit
+def keep_tile(G, eps):
+    """The paper's filter rule: compute a tile unless every |G| in it is below eps."""
+    return tl.max(tl.abs(G)) >= eps
+
 
 # %%
 @triton.jit
@@ -679,66 +846,98 @@ def backward_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SCALE_BEFORE_CAST: tl.constexpr,  # the wrong way, for the fp16 aside: G * grad_scale rounded
+    KEEP_TILE: tl.constexpr,  # a @triton.jit (G, eps) -> keep?: keep_tile
+    ADD_DC: tl.constexpr,  # a @triton.jit adding a tile's share into dC: add_dC_tile
 ):
     pid_n = tl.program_id(0)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
     row_mask = rows < N
-    e = tl.load(E_ptr + rows[:, None] * D + d[None, :],
-                mask=row_mask[:, None] & (d < D)[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
     target = tl.load(x_ptr + rows, mask=row_mask, other=-1)
     lse_rows = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    dE = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     for vb in range(0, tl.cdiv(V, BLOCK_V)):
         cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         tile_mask = row_mask[:, None] & (cols < V)[None, :]
-        c = tl.load(C_ptr + cols[:, None] * D + d[None, :],
-                    mask=(cols < V)[:, None] & (d < D)[None, :], other=0.0)  # (BLOCK_V, BLOCK_D)
-        # 1. recompute the logit tile and its softmax from the saved LSE
-        z = tl.dot(e, tl.trans(c), input_precision=DOT_PRECISION)
+        # 1. recompute the logit tile (over D in chunks) and its softmax from the saved LSE
+        z = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            e = tl.load(E_ptr + rows[:, None] * D + d[None, :],
+                        mask=row_mask[:, None] & (d < D)[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+            c = tl.load(C_ptr + cols[:, None] * D + d[None, :],
+                        mask=(cols < V)[:, None] & (d < D)[None, :], other=0.0)  # (BLOCK_V, BLOCK_D)
+            z = tl.dot(e, tl.trans(c), z, input_precision=DOT_PRECISION)
         S = tl.exp(z - lse_rows[:, None])
         # 2. G = S - 1[v = x], zero outside the matrix
         G = tl.where(cols[None, :] == target[:, None], S - 1.0, S)
         G = tl.where(tile_mask, G, 0.0)
-        # 3. [filter] skip the tile when every |G| < eps
-        keep = tl.max(tl.abs(G)) >= eps
+        # 3. [filter] skip the tile when the rule says its products round away
+        keep = KEEP_TILE(G, eps)
         if keep:
             # 4. G in the input dtype, scaled after the products (in fp32) unless told otherwise
             if SCALE_BEFORE_CAST:
-                G_low = (G * grad_scale).to(c.dtype)
+                G_low = (G * grad_scale).to(E_ptr.dtype.element_ty)
                 scale_after = 1.0
             else:
-                G_low = G.to(c.dtype)
+                G_low = G.to(E_ptr.dtype.element_ty)
                 scale_after = grad_scale
-            # 5. dE += G C (this program's rows);  dC += G^T E (shared: atomic)
-            dE += tl.dot(G_low, c, input_precision=DOT_PRECISION) * scale_after
-            dC_tile = tl.dot(tl.trans(G_low), e, input_precision=DOT_PRECISION) * scale_after
-            tl.atomic_add(dC_ptr + cols[:, None] * D + d[None, :], dC_tile,
-                          mask=(cols < V)[:, None] & (d < D)[None, :])
+            # 5. dE += G C into this program's own rows; dC += G^T E, shared by every row block
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)
+                d_mask = row_mask[:, None] & (d < D)[None, :]
+                e = tl.load(E_ptr + rows[:, None] * D + d[None, :], mask=d_mask, other=0.0)
+                c = tl.load(C_ptr + cols[:, None] * D + d[None, :],
+                            mask=(cols < V)[:, None] & (d < D)[None, :], other=0.0)
+                dE_ptrs = dE_ptr + rows[:, None] * D + d[None, :]
+                dE_part = tl.dot(G_low, c, input_precision=DOT_PRECISION) * scale_after
+                tl.store(dE_ptrs, tl.load(dE_ptrs, mask=d_mask, other=0.0) + dE_part, mask=d_mask)
+                ADD_DC(dC_ptr, G_low, e, cols, d, V, D, scale_after)
         tl.store(tile_kept_ptr + pid_n * tl.cdiv(V, BLOCK_V) + vb, keep)
-    tl.store(dE_ptr + rows[:, None] * D + d[None, :], dE, mask=row_mask[:, None] & (d < D)[None, :])
 
 
-def backward(E, C, x, lse_rows, eps=0.0, scale_before_cast=False, block_n=BLOCK_N, block_v=BLOCK_V):
-    """(dE, dC, tile_kept) of the mean loss; dE and dC in fp32."""
+def backward(E, C, x, lse_rows, eps=0.0, scale_before_cast=False, block_n=BLOCK_N, block_v=BLOCK_V,
+             block_d=None, keep=None, add_dC=None):
+    """(dE, dC, tile_kept) of the mean loss; dE and dC in fp32. ``keep``, ``add_dC``: the filter
+    rule and dC's accumulation the kernel calls (None: keep_tile, and exercise 4's in use)."""
     (N, D), V = E.shape, C.shape[0]
-    dE = torch.empty(N, D, dtype=torch.float32, device=E.device)
+    dE = torch.zeros(N, D, dtype=torch.float32, device=E.device)
     dC = torch.zeros(V, D, dtype=torch.float32, device=E.device)
     tile_kept = torch.empty(triton.cdiv(N, block_n), triton.cdiv(V, block_v), dtype=torch.bool,
                             device=E.device)
     backward_kernel[(triton.cdiv(N, block_n),)](
         E, C, x, lse_rows, dE, dC, tile_kept, N, V, D, 1.0 / N, eps,
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=triton.next_power_of_2(D),
-        DOT_PRECISION=DOT_PRECISION, SCALE_BEFORE_CAST=scale_before_cast)
+        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_D=block_d or teaching_block_d(D, block_n, block_v, SHARED_MEMORY),
+        DOT_PRECISION=DOT_PRECISION, SCALE_BEFORE_CAST=scale_before_cast, KEEP_TILE=keep or keep_tile,
+        ADD_DC=add_dC or exercises.use("add_dC_tile"))
     return dE, dC, tile_kept
 
 
+def check_add_dC_tile(add_dC):
+    """Your dC accumulation inside the backward kernel, on fresh ragged inputs, against the spec's dC."""
+    E_, C_, x_ = random_inputs(2 * BLOCK_N + 5, 2 * BLOCK_V + 9, 24, exercises.fresh())
+    lse_ = torch.logsumexp(E_.double() @ C_.double().T, dim=1).float()
+    dC_want = backward_spec(E_, C_, x_, lse_)[1]
+    unit = dC_want.abs().max()  # compared in units of dC's largest entry: the input dtype's rounding
+    return check_exercise("dC's accumulation inside the backward kernel",
+                          lambda E, C: backward(E, C, x_, lse_, block_d=16, add_dC=add_dC)[1] / unit,
+                          lambda E, C: dC_want / unit, [(E_, C_)],
+                          atol=BACKWARD_BOUND, rtol=0.0, diagnose=DIAGNOSES["add_dC_tile"])
+
+
+exercises.check("add_dC_tile", add_dC_tile, check_add_dC_tile)
+
+# %% [markdown]
+# The whole backward kernel (with your dC once it is right) against the spec and production, and
+# with D in chunks of 16:
+
+# %%
 dE_ours, dC_ours, _ = backward(E, C, x, lse_E_C)
 dE_spec, dC_spec = backward_spec(E, C, x, lse_E_C)
 close_to(dE_ours, dE_spec, "backward kernel vs spec: dE", BACKWARD_BOUND)
 close_to(dC_ours, dC_spec, "backward kernel vs spec: dC", BACKWARD_BOUND)
 close_to(dE_ours, dE_prod.double(), "backward kernel vs production: dE", BACKWARD_BOUND)
 close_to(dC_ours, dC_prod.double(), "backward kernel vs production: dC", BACKWARD_BOUND)
+for name, chunked, whole in zip(("dE", "dC"), backward(E, C, x, lse_E_C, block_d=16), (dE_ours, dC_ours)):
+    close_to(chunked, whole, f"backward kernel, D in chunks of 16 vs all of D: {name}", BACKWARD_BOUND)
 
 # %% [markdown]
 # ### Aside: why G is rounded unscaled (fp16)
@@ -752,6 +951,7 @@ close_to(dC_ours, dC_prod.double(), "backward kernel vs production: dC", BACKWAR
 # only the usual fp16 rounding remains. The same kernel both ways, in fp16, against float64:
 
 # %%
+section("5b · aside: fp16")
 E16, C16 = E.to(torch.float16), C.to(torch.float16)
 lse16 = lse(E16, C16)
 dE16_spec, dC16_spec = backward_spec(E16, C16, x, lse16)
@@ -791,6 +991,7 @@ close_to(dC16, dC16_spec, "fp16 backward kernel (G unscaled) vs spec: dC", 2e-3)
 # up to half of it rounds away.
 
 # %%
+section("6 · the gradient filter")
 one = torch.tensor(1.0, dtype=torch.bfloat16)
 print(f"{'k':>3} {'1 + 2^-k in bf16':>18} {'survives?':>10}   (fp16 for comparison)")
 survives_bf16 = {}
@@ -937,6 +1138,7 @@ explore(show_filter, log2_eps=IntSlider(value=-12, min=-24, max=-2, description=
 # 2/√D, logits of standard deviation 2): hundreds of significant entries, spread over the row.
 
 # %%
+section("7 · the softmax sparsity curve")
 S_random = torch.softmax((torch.randn(Nc, Dc, device=device) @ (torch.randn(Vc, Dc, device=device) * 2 / Dc**0.5).T).double(), dim=1)
 per_row = entries_per_row(S_c, EPS)
 mean_loss = F.cross_entropy(z_c, x_c).item()
@@ -984,6 +1186,9 @@ plt.show()
 # change, dC comes back in sorted order and is permuted back. First the kernel, on the small head:
 
 # %%
+section("8 · vocabulary sorting")
+
+
 def sort_vocabulary(E, C, x):
     """(C sorted, x renumbered, order): order[j] is the original token at sorted position j."""
     order = vocabulary_order(E, C)
@@ -1013,6 +1218,9 @@ results["numbers"]["filter_error_sorted"] = filter_cost(dE_sort, dC_sort, G_s, k
 # under ε in each row add up. The paper reports training curves unchanged with the filter, and
 # has variants that keep one gradient unfiltered (CCE-Kahan-FullC / FullE; `full_c=True` /
 # `full_e=True` in `helpers.cce`). Whether it matters for a given model is a measurement.
+#
+# **Discuss:** the next cell shows the production kernel's filtered dE far closer to float64 than
+# ours, with the same ε. What could it do differently? (Section 10 answers.)
 
 # %%
 print(f"kernel tiles skipped: {skipped_fraction(kept_filt):.1%} unsorted -> {skipped_fraction(kept_sorted):.1%} sorted "
@@ -1065,18 +1273,22 @@ for name, ours, theirs, want in (("dE", dE_sort, dE_prod_s, dE_s64), ("dC", dC_s
 # Kahan's compensated summation carries the rounding error of each addition in a second variable
 # $c$ and feeds it back into the next term:
 #
-# $$y = t - c, \qquad s' = s + y, \qquad c = (s' - s) - y, \qquad s = s'.$$
+# $$y = t - c, \qquad s' = s + y, \qquad c = \;?, \qquad s = s'.$$
 #
-# $(s' - s)$ is what the addition really added; minus $y$, it is what was lost. Both $s$ and $c$
-# stay in the low-precision dtype: twice the memory of the accumulator, far better accuracy.
+# $s' - s$, computed in the low precision, is what the addition *really* added; compare it with
+# what it was asked to add. Both $s$ and $c$ stay in the low-precision dtype: twice the memory of
+# the accumulator, far better accuracy.
 #
-# ### Your turn (4): the compensation
-# Fill in the line that computes the new `c` in `kahan_add`, one step of the sum. `accumulate`
-# runs the steps over the terms; tensors in bf16 round after every operation, which is the
-# emulation (`.to(torch.bfloat16)` is exact in PyTorch; only the Triton *interpreter* gets bf16
-# wrong).
+# ### Your turn (5): the compensation
+# Fill in the line that computes the new `c` in `kahan_add`, one step of the sum: what the
+# addition lost, with the sign that the next step's `y = t - c` corrects. `accumulate` runs the
+# steps over the terms; tensors in bf16 round after every operation, which is the emulation
+# (`.to(torch.bfloat16)` is exact in PyTorch; only the Triton *interpreter* gets bf16 wrong).
 
 # %%
+section("9 · Kahan summation")
+
+
 def kahan_add(s, c, t):
     """(s + t, the new compensation c), every operation rounded to s's dtype."""
     y = t - c
@@ -1104,11 +1316,13 @@ def exact_sum(terms, acc_dtype):  # the float64 sum of the same rounded terms
     return terms.to(acc_dtype).double().sum(dim=0)
 
 
-g = torch.Generator().manual_seed(2)
-kahan_cases = [(torch.rand(1000, 8, generator=g) * 0.01 + 0.1, torch.bfloat16)]
-kahan_add = your_turn("kahan_add", kahan_add, lambda attempt: check_exercise(
-    "Kahan compensation", lambda t, d: accumulate(t, d, attempt).double(), exact_sum, kahan_cases,
-    atol=0.0, rtol=2.0**-8))  # within one rounding of the exact sum
+def check_kahan_add(attempt):  # within one rounding of the exact sum, on fresh terms
+    terms_ = torch.rand(1000, 8, generator=exercises.fresh()) * 0.01 + 0.1
+    return check_exercise("Kahan compensation", lambda t, d: accumulate(t, d, attempt).double(), exact_sum,
+                          [(terms_, torch.bfloat16)], atol=0.0, rtol=2.0**-8, diagnose=DIAGNOSES["kahan_add"])
+
+
+exercises.check("kahan_add", kahan_add, check_kahan_add)
 
 # %% [markdown]
 # How the error grows with the number of terms, bf16 accumulator with and without Kahan, and an
@@ -1122,7 +1336,7 @@ checkpoints = [2**k for k in range(4, int(math.log2(K)) + 1)]
 curves = {"bf16": [], "bf16 + Kahan": [], "fp32": []}
 for k in checkpoints:
     exact = terms[:k].double().sum(dim=0)  # of the fp32 terms; a bf16 accumulator also rounds each term
-    for label, acc_dtype, add in (("bf16", torch.bfloat16, plain_add), ("bf16 + Kahan", torch.bfloat16, kahan_add),
+    for label, acc_dtype, add in (("bf16", torch.bfloat16, plain_add), ("bf16 + Kahan", torch.bfloat16, exercises.use("kahan_add")),
                                   ("fp32", torch.float32, plain_add)):
         curves[label].append(relative_error(accumulate(terms[:k], acc_dtype, add), exact))
 for label, errs in curves.items():
@@ -1157,7 +1371,8 @@ block_terms = torch.stack([G_scaled[:, v0 : v0 + BLOCK_V] @ C_s[v0 : v0 + BLOCK_
 flat = block_terms.reshape(block_terms.shape[0], -1)
 dE_exact = block_terms.double().sum(dim=0).reshape(-1)
 for label, acc_dtype, add in (("bf16 accumulator", torch.bfloat16, plain_add),
-                              ("bf16 + Kahan", torch.bfloat16, kahan_add), ("fp32 accumulator", torch.float32, plain_add)):
+                              ("bf16 + Kahan", torch.bfloat16, exercises.use("kahan_add")),
+                              ("fp32 accumulator", torch.float32, plain_add)):
     err = relative_error(accumulate(flat, acc_dtype, add), dE_exact)
     results["numbers"][f"dE_error_{label}"] = err
     print(f"dE over {flat.shape[0]} vocabulary blocks, {label:>16}: relative error {err:.2e}")
@@ -1165,8 +1380,9 @@ for label, acc_dtype, add in (("bf16 accumulator", torch.bfloat16, plain_add),
 # %% [markdown]
 # The kernel: each program sums `BLOCK_R` columns of `terms` (K, R) with an accumulator in the
 # low-precision dtype, Kahan or not. On a GPU that is bf16; under the CPU interpreter, whose bf16
-# is broken, fp16 (same idea, 11 significant bits instead of 8). The check: the kernel rounds
-# exactly like the PyTorch emulation.
+# is broken, fp16 (same idea, 11 significant bits instead of 8). Its compensated step,
+# `kahan_step`, is your `kahan_add` in Triton (`show_solution("kahan_add")` once you are done). The
+# check: the kernel rounds exactly like the PyTorch emulation.
 
 # %%
 @triton.jit
@@ -1183,10 +1399,7 @@ def accumulate_kernel(
     for k in range(0, K):
         t = tl.load(terms_ptr + k * R + cols, mask=mask, other=0.0).to(acc_dtype)
         if KAHAN:
-            y = t - c
-            new_s = s + y
-            c = (new_s - s) - y  # what the addition lost, fed back into the next term
-            s = new_s
+            s, c = kahan_step(s, c, t)  # c: what the addition lost, fed back into the next term
         else:
             s = s + t
     tl.store(out_ptr + cols, s, mask=mask)
@@ -1202,7 +1415,8 @@ def accumulate_triton(terms, acc_dtype, kahan):
 kahan_terms = terms[:512].to(device)
 for kahan in (False, True):
     got = accumulate_triton(kahan_terms, low_precision, kahan).double()
-    want = accumulate(kahan_terms.cpu(), low_precision, kahan_add if kahan else plain_add).double().to(device)
+    want = accumulate(kahan_terms.cpu(), low_precision, exercises.use("kahan_add") if kahan
+                      else plain_add).double().to(device)
     # Same roundings in the same order: equal, up to a rare last-bit difference in a few columns.
     close_to(got, want, f"accumulate kernel ({cfg['low_precision']}, kahan={kahan}) vs emulation",
              torch.finfo(low_precision).eps / 4)
@@ -1221,15 +1435,18 @@ for kahan in (False, True):
 # | Kahan summation | low-precision accumulation without its error |
 #
 # **Caveats of the teaching kernels** (the production kernels in `helpers/cce/kernels/` handle all of
-# these): D fits in one block (production loops over D); inputs must be contiguous; no
-# `ignore_index`, soft cap or other reductions; no split of the vocabulary across programs (a GPU
-# with few row blocks sits idle); dE and dC are returned in fp32; one launch configuration for
-# every GPU (production picks its tiles by the card's shared memory).
+# these): inputs must be contiguous; no `ignore_index`, soft cap or other reductions; no split of
+# the vocabulary across programs (a GPU with few row blocks sits idle); dE and dC are returned in
+# fp32; E and C are read again for every tile; only D's chunk is sized for the card (one small
+# function, `teaching_block_d`), where production picks all its tiles, warps and stages by the
+# card's shared memory.
 #
 # ## 10 · What the production kernel does differently, and why
 #
 # `helpers.linear_cross_entropy` runs the same algorithms. Five things differ, each for a reason
-# found by measuring:
+# found by measuring. The figures below come from `docs/PERFORMANCE.md` (H200 runs, bf16, recorded
+# under `docs/measurements/`); the speed of each method at real heads is in the README's "which
+# loss" section and notebook 03, which this notebook does not repeat, so that they cannot disagree.
 #
 # - **The filter bounds each row's mass in a tile, not each entry.** This notebook's kernel (and
 #   the paper) skips a tile when every $|G| < \varepsilon$. The production kernel skips it only when,
@@ -1264,23 +1481,24 @@ for kahan in (False, True):
 #   row, before any logit is rebuilt: the forward keeps one bit per (row, tile) whose softmax mass
 #   may reach ε, the backward gathers each tile's marked rows into packs and computes only those,
 #   with the vocabulary sorted so that the tiles a row needs sit together
-#   (`helpers/cce/backward_sparse.py`). Measured on an H200, bf16, realistic inputs: 9-11% of the
-#   pairs marked, forward+backward 34 ms against the default's 58 at the Gemma-2-2B head
-#   (torch.compile 48) and 175 ms against 302 at the Qwen3 head with N = 131,072 (torch.compile
-#   263, Liger 225), at 1.06-1.17× the floor, with dE as accurate as the default's. On a flat
-#   softmax (an untrained model) nothing can be skipped and it runs the default. On the softmax of
-#   a language model trained for the purpose (`helpers.compare.trained`, the `trained` regime:
-#   15-26% of the pairs marked) it took 46 ms against 59 at the Gemma head and ran the default at
-#   the Qwen3 head with N = 16,384: how peaked a softmax is decides whether skipping pays.
+#   (`helpers/cce/backward_sparse.py`). On realistic inputs about a tenth of the pairs are marked
+#   and it is faster than the default at the Gemma-2-2B and Qwen3 heads, with dE as accurate as
+#   the default's (the README's figures, from its H200 runs). On a flat softmax (an untrained
+#   model) nothing can be skipped and it runs the default. On the softmax of a language model
+#   trained for the purpose (`helpers.compare.trained`, the `trained` regime) more pairs are
+#   marked and the gain shrinks or vanishes: how peaked a softmax is decides whether skipping pays.
 # - **Its tiles fit a T4.** The launch configurations are a table keyed by shared memory per
 #   block (`helpers/cce/kernels/configs.py`); the Turing tier stays within a T4's 64 KB, and a test
 #   compiles every tier for its GPU on a CPU to prove the bytes. Apple's backward, compiled by a
 #   current Triton, asks for 98 KB at its default tiles and cannot launch on a T4. Our teaching
-#   kernels, which keep all of D on chip, would ask for more than 64 KB at D = 1,024 (next section).
+#   kernels load D in chunks sized by `teaching_block_d` for the same reason; kept whole, D = 1,024
+#   asked for 128 KB compiled for a T4 (Triton holds 16-bit `tl.dot` operands as fp32 in a T4's
+#   shared memory), and a pretend T4 now refuses any kernel past 64 KB, as the card does.
 #
 # The two filter rules side by side, on a flat softmax and on section 6's trained-like one:
 
 # %%
+section("10 · what production does differently")
 G_flat = torch.full((Nc, Vc), 1.0 / Vc, dtype=torch.float64, device=device) - F.one_hot(x_c, Vc).double()
 filter_rules = {}
 for label, G_ in (("flat softmax (every S = 1/V)", G_flat), ("trained-like (section 6)", G_c)):
@@ -1293,6 +1511,52 @@ for label, G_ in (("flat softmax (every S = 1/V)", G_flat), ("trained-like (sect
 results["numbers"]["filter_rules"] = filter_rules
 
 # %% [markdown]
+# ### Stretch: the production rule, in Triton
+# For whoever is done early. Write `keep_tile_row_mass`, the production kernel's rule, for the
+# backward kernel's `KEEP_TILE`: keep a tile unless, in **every** row, the tile's |G| entries sum to
+# less than `eps`. `G` is the (BLOCK_N, BLOCK_V) tile (zero outside the matrix). The check runs the
+# backward kernel with your rule on section 6's data and on a flat softmax, and compares the tiles
+# it computed with `row_mass_mask`.
+
+# %%
+@triton.jit
+def keep_tile_row_mass(G, eps):
+    """Keep the tile (True) unless every row's sum of |G| over it is below eps."""
+    # ---- your turn (stretch) ----
+    raise NotImplementedError
+    # ---- end of your turn ----
+
+
+def check_keep_tile(rule):
+    """Your rule inside the backward kernel, on fresh realistic inputs and on a flat softmax (every
+    logit 0, S = 1/V), against row_mass_mask; tiles within 1% of eps may fall either way."""
+    seed = int(torch.randint(1 << 30, (1,), generator=exercises.fresh()))
+    E_, C_, x_ = make_inputs(Ns, Vs, Ds, dtype, device, regime="realistic", seed=seed)
+
+    def spec_and_borderline(E_):
+        G_ = torch.softmax(E_.double() @ C_.double().T, dim=1) - F.one_hot(x_, Vs).double()
+        surely, maybe = (row_mass_mask(G_, BLOCK_N, BLOCK_V, EPS * f).cpu() for f in (1.01, 0.99))
+        return row_mass_mask(G_, BLOCK_N, BLOCK_V, EPS).cpu(), maybe & ~surely
+
+    def kept_tiles(E_):
+        lse_ = torch.logsumexp(E_.double() @ C_.double().T, dim=1).float()
+        kept = backward(E_, C_, x_, lse_, eps=EPS, keep=rule)[2].cpu()
+        spec, borderline = spec_and_borderline(E_)
+        return torch.where(borderline, spec, kept).double()
+
+    def diagnose(got, want):
+        extra, missing = int(((got == 1) & (want == 0)).sum()), int(((got == 0) & (want == 1)).sum())
+        return (f"{extra} tiles computed that the row-mass rule skips, {missing} skipped that it keeps: "
+                "sum |G| along each row (axis=1) first, then ask whether any row reaches eps")
+
+    return check_exercise("stretch: the row-mass filter rule", kept_tiles,
+                          lambda E_: spec_and_borderline(E_)[0].double(), [(E_,), (torch.zeros_like(E_),)],
+                          atol=0.0, rtol=0.0, diagnose=diagnose)
+
+
+exercises.check("keep_tile", keep_tile_row_mass, check_keep_tile)
+
+# %% [markdown]
 # ## 11 · The payoff, measured (GPU)
 #
 # One forward and backward at the Qwen3 head (V = 151,936, D = 1,024), three ways: your teaching
@@ -1303,22 +1567,27 @@ results["numbers"]["filter_rules"] = filter_rules
 # the inputs, gradients included (`peak_memory`), and its median time (`latency`); an out-of-memory
 # error (`is_out_of_memory`) is reported as such instead of stopping the notebook.
 #
-# The teaching kernels keep a row block's whole D on chip, so at D = 1,024 they run with 16 × 16
-# tiles (about 66 KB of shared memory per block, compiled for sm_90); a T4 has 64 KB and says
-# so. Expect them to be much slower than production: one launch configuration, a dC tile added with
-# atomics by every row block, no tuning. The point is the memory.
+# The teaching kernels run with the profile's tiles and D in chunks that fit this card's shared
+# memory (`teaching_block_d`; on a T4, or a pretend one, 64 KB per block). Expect them to be much
+# slower than production.
+#
+# **Discuss before you run it:** the teaching kernels compute the same products as production.
+# Why could they be tens of times slower? (Think of: how many programs a T4's 40 or an H200's 132
+# multiprocessors get at N = 4,096 and BLOCK_N = 32; how often E and C are read; every row block
+# adding its dC tile with atomics; no autotuning of warps and stages.)
 
 # %%
+section("11 · the payoff")
 from helpers.compare.measure import measure
 from helpers.compare.sweep import loss_step
 
-PAYOFF_BLOCKS = {"block_n": 16, "block_v": 16}  # all of D = 1,024 on chip: small tiles
+PAYOFF_BLOCKS = {"block_n": BLOCK_N, "block_v": BLOCK_V}
 
 
 def teaching_step(E, C, x):
     """One forward and backward with this notebook's kernels: the mean loss, then dE and dC (fp32)."""
     def step():
-        lse_rows = lse(E, C, block_n=PAYOFF_BLOCKS["block_n"], block_v=PAYOFF_BLOCKS["block_v"])
+        lse_rows = lse(E, C, **PAYOFF_BLOCKS)
         loss = (lse_rows - indexed_dot(E, C, x, block_n=PAYOFF_BLOCKS["block_n"])).mean()
         backward(E, C, x, lse_rows, **PAYOFF_BLOCKS)
         return loss
@@ -1334,7 +1603,7 @@ def measure_payoff(N, V, D):
     for way, step in steps.items():
         try:
             m = measure(step, warmup=1, repeats=3, device=device)
-        except triton.runtime.errors.OutOfResources as error:  # shared memory: the teaching kernels' whole D
+        except triton.runtime.errors.OutOfResources as error:  # shared memory: a kernel's tiles too large
             found[way] = {"status": "does not fit this GPU", "peak_gb": None, "median_ms": None, "error": str(error)}
             continue
         found[way] = {"status": "out of memory" if m.status == "oom" else m.status,
@@ -1348,6 +1617,7 @@ if device.type == "cuda":
     N_payoff = 16_384 if helpers.device_info(device).total_memory_bytes >= 40e9 else 4_096
     payoff = measure_payoff(N_payoff, **QWEN3)
     results["numbers"]["payoff"] = {"N": N_payoff, **QWEN3, "dtype": cfg["dtype"], "ways": payoff}
+    print(f"teaching tiles {BLOCK_N} x {BLOCK_V}, D in chunks of {teaching_block_d(QWEN3['D'], BLOCK_N, BLOCK_V, SHARED_MEMORY)}")
     print(f"N = {N_payoff:,}, V = {QWEN3['V']:,}, D = {QWEN3['D']:,}, {cfg['dtype']}; lower bound "
           f"{gigabytes(memory_footprint(N_payoff, QWEN3['V'], QWEN3['D'], dtype)['lower_bound']):.2f} GB")
     for way, r in payoff.items():
@@ -1357,11 +1627,17 @@ if device.type == "cuda":
     if teaching["status"] == "ok":
         naive_held = f"{naive['peak_gb']:.1f} GB" if naive["status"] == "ok" else "more than this card has"
         print(f"Your kernels held {teaching['peak_gb']:.2f} GB where the naive loss held {naive_held}.")
+    # On the workshop's own platform the teaching kernels must run: a T4 (or a pretend one) included.
+    record({"name": "payoff: the teaching kernels run on this GPU", "ok": teaching["status"] == "ok",
+            "status": teaching["status"], "error": teaching["error"]})
 else:
     print("Skipped on the CPU: the Qwen3 head's naive step alone allocates 30 GB, and the interpreter would take hours "
           "over the kernels. Run this notebook on a GPU (Colab, Kaggle) to see the payoff.")
 
 # %%
+section.stop()
+results["section_seconds"] = section.seconds
+print("seconds per section: " + "; ".join(f"{name} {sec:.1f}" for name, sec in section.seconds.items()))
 results["seconds"] = time.perf_counter() - started
 (out / "results.json").write_text(json.dumps(results, indent=2, default=float))
 failed = [c["name"] for c in results["checks"] if not c["ok"]]
@@ -1378,6 +1654,7 @@ write_report_fragment(out, f"""
 {len(results['checks']) - len(failed)} of {len(results['checks'])} checks passed (teaching kernels against their
 specs and the production kernels); {sum(results['exercises'].values())} of {len(results['exercises'])} exercises
 right{" with the worked solutions in place (SOLUTIONS = True)" if SOLUTIONS else ""}; {results['seconds']:.0f} s.
+Seconds per section: {"; ".join(f"{name} {sec:.1f}" for name, sec in section.seconds.items())}.
 {payoff_line}
 
 | check | result |

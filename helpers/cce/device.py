@@ -11,7 +11,9 @@ in this process; ``pretend_t4_scope()`` for one block of it) a bigger GPU answer
 shared memory and multiprocessors, so our kernels take their Turing-tier configurations, bf16 and
 the methods whose kernels need more shared memory are refused with the reason, and the allocator
 is capped at a T4's memory (``pretend_t4``, which ``import helpers`` calls when the variable is
-set). What it cannot give is a T4's speed, or a peer's own view of the card (Liger picks its code
+set). Every Triton kernel loaded in the process, ours, a notebook's or a peer's, is held to a T4's
+64 KB of shared memory per block (``enforce_t4_shared_memory``): a kernel that asks for more raises
+the ``OutOfResources`` a T4 would raise. What it cannot give is a T4's speed, or a peer's own view of the card (Liger picks its code
 paths from the real device). On a CPU the variable selects the T4's dtype and Turing-tier
 configurations under the interpreter (the ``cpu-t4`` profile).
 """
@@ -109,14 +111,68 @@ def device_info(device: torch.device | str | None = None) -> DeviceInfo:
                       l2_cache_bytes=getattr(props, "L2_cache_size", None) or None)
 
 
+def check_fits_t4(kernel) -> None:
+    """Raise what a T4 raises when the compiled Triton ``kernel`` asks for more shared memory per
+    block than a T4 has: ``triton.runtime.errors.OutOfResources``, naming the kernel.
+
+    ``kernel`` is a ``triton.compiler.CompiledKernel`` (or anything with ``.metadata.shared`` and
+    ``.name``). Its bytes are those of the GPU it was compiled for, and they differ by target: the
+    same tiles can need more on sm_75 than on sm_90 (Triton holds 16-bit ``tl.dot`` operands as fp32
+    in a T4's shared memory). So a kernel that passes on a pretend T4 should also be compiled for
+    sm_75 on a CPU (``triton.compile(..., target=GPUTarget("cuda", 75, 32))``), as the tests do.
+    """
+    from triton.runtime.errors import OutOfResources
+
+    shared = getattr(getattr(kernel, "metadata", None), "shared", 0) or 0
+    if shared > T4_SHARED_MEMORY_BYTES:
+        name = getattr(kernel, "name", None) or "a Triton kernel"
+        raise OutOfResources(shared, T4_SHARED_MEMORY_BYTES, f"shared memory of {name} on a (pretend) T4")
+
+
+def enforce_t4_shared_memory() -> bool:
+    """From now on, while this process pretends to be a T4, every Triton kernel is checked by
+    ``check_fits_t4`` before it is loaded onto the GPU. Returns whether the check is in place.
+
+    Triton checks a kernel's shared memory against the real card where it loads it
+    (``CompiledKernel._init_handles``, in Triton 3.x, run before a kernel's first launch): the check
+    is put in front of that, so it covers every launch through Triton's runtime (``@triton.jit``,
+    the autotuner, which drops configurations that raise it just as on a T4). Installed once;
+    outside a pretend T4 (``pretending_t4()`` is read at every load) it does nothing. Kernels
+    loaded before the pretence began are not re-checked, and launchers that load Triton's binaries
+    themselves (torch.compile's static launcher) are outside it: they pick their tiles from the real
+    card, which a T4 would see differently anyway.
+    """
+    try:
+        from triton.compiler.compiler import CompiledKernel
+    except ImportError:  # no Triton: no kernels to check
+        return False
+    load = getattr(CompiledKernel, "_init_handles", None)
+    if load is None:
+        return False
+    if getattr(load, "_checks_t4_shared_memory", False):
+        return True
+
+    def _init_handles(self):
+        if pretending_t4():
+            check_fits_t4(self)
+        return load(self)
+
+    _init_handles._checks_t4_shared_memory = True
+    _init_handles.__wrapped__ = load
+    CompiledKernel._init_handles = _init_handles
+    return True
+
+
 def pretend_t4() -> None:
     """From now on this process, and every process it starts, sees a T4 (see the module doc).
 
     On a GPU it caps the caching allocator at a T4's memory, so that an allocation past it raises
-    ``torch.OutOfMemoryError`` as on a T4. Call it before the work it should govern; launch
+    ``torch.OutOfMemoryError`` as on a T4, and holds every Triton kernel to a T4's shared memory
+    (``enforce_t4_shared_memory``). Call it before the work it should govern; launch
     configurations are chosen per call, so everything after it runs as on a T4.
     """
     os.environ[PRETEND_T4_ENV] = "1"
+    enforce_t4_shared_memory()
     if torch.cuda.is_available():
         index = torch.cuda.current_device()
         total = torch.cuda.get_device_properties(index).total_memory
@@ -164,10 +220,13 @@ __all__ = [
     "PRETEND_T4_ENV",
     "T4_CAPABILITY",
     "T4_MEMORY_BYTES",
+    "T4_SHARED_MEMORY_BYTES",
     "DeviceInfo",
+    "check_fits_t4",
     "default_device",
     "detect_platform",
     "device_info",
+    "enforce_t4_shared_memory",
     "pretend_t4",
     "pretend_t4_scope",
     "pretending_t4",

@@ -15,7 +15,9 @@ next to their kernels; the only kernel code here is the solution of the Triton e
 
 from __future__ import annotations
 
+import inspect
 import math
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -112,11 +114,14 @@ def check_exercise(
     *,
     atol: float = 1e-5,
     rtol: float = 1e-5,
+    diagnose: Callable[[torch.Tensor, torch.Tensor], str | None] | None = None,
 ) -> bool:
     """Run a learner's ``attempt`` against ``solution`` on each case (a tuple of arguments).
 
     Never raises: a gap left as ``raise NotImplementedError`` is reported as "not filled in yet",
     a learner's bug as what it raised, so a notebook run with the gap open goes on to the next cell.
+    A wrong value is explained by ``diagnose(got, want)`` where it recognises the mistake (see
+    ``DIAGNOSES``), else by how far off it is.
     """
     for i, args in enumerate(cases):
         want = solution(*args)
@@ -140,10 +145,61 @@ def check_exercise(
                 return False
             if not torch.allclose(g.double(), w.double(), atol=atol, rtol=rtol):
                 err = (g.double() - w.double()).abs().max().item()
-                print(f"✗ {name}: case {i} is off by up to {err:.3g}; look at the formula again")
+                why = diagnose(g.double(), w.double()) if diagnose else None
+                print(f"✗ {name}: wrong: case {i} is off by up to {err:.3g}; "
+                      + (why or "look at the formula again"))
                 return False
     print(f"✓ {name}: right on {'the one case' if len(cases) == 1 else f'all {len(cases)} cases'}")
     return True
+
+
+class Exercises:
+    """The "your turn" cells of a notebook: each one checked on fresh inputs every time it is run,
+    and answered by name for the cells after it.
+
+    ``check(name, attempt, check_attempt)`` runs ``check_attempt(attempt)`` on the attempt as the
+    caller holds it now, never a stored one: re-running a check cell re-runs the attendee's current
+    code, so a wrong answer cannot turn right by running the check again. ``use(name)`` is what the
+    later cells call: the attempt that passed its last check, the worked solution otherwise (so
+    the notebook always runs to the end). The attendee's own name (``fold_tile``) is never rebound.
+
+    ``solutions=True`` (the teacher's run, the test suite's) checks and uses the worked solutions.
+    ``fresh()`` gives each check its inputs: a generator seeded anew at every call.
+    """
+
+    def __init__(self, solutions: bool = False, seed: int = 0):
+        self.solutions = solutions
+        self.right: dict[str, bool] = {}
+        self._passed: dict[str, Callable] = {}
+        self._seed = seed
+        self._draws = 0
+
+    def fresh(self) -> torch.Generator:
+        """A generator for one check's inputs, seeded differently at every call."""
+        self._draws += 1
+        return torch.Generator().manual_seed(self._seed * 1_000_003 + self._draws)
+
+    def check(self, name: str, attempt: Callable, check_attempt: Callable[[Callable], bool]) -> bool:
+        """Check ``attempt`` (the solution under ``solutions``) now; record and return whether it is right."""
+        if self.solutions:
+            attempt = solution(name)
+        ok = bool(check_attempt(attempt))
+        self.right[name] = ok
+        if ok:
+            self._passed[name] = attempt
+        else:
+            self._passed.pop(name, None)
+            print("   (later cells use the worked solution until yours is right)")
+        return ok
+
+    def use(self, name: str) -> Callable:
+        """The function later cells call for exercise ``name``: the attempt that passed, else the solution."""
+        return self._passed.get(name) or solution(name)
+
+    def reset(self, name: str) -> None:
+        """Forget exercise ``name``'s result: later cells use the worked solution until it passes again."""
+        self.right.pop(name, None)
+        self._passed.pop(name, None)
 
 
 def _gap_still_open(error: BaseException) -> bool:
@@ -184,6 +240,29 @@ def _fold_tile(m, s, z):
     return m_new, s_new
 
 
+@triton.jit
+def _scaled_add_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
+    """out = alpha * x + y over n elements, BLOCK per program: the primer's warm-up."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n  # the last program's block runs past n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    y = tl.load(y_ptr + offsets, mask=mask)
+    tl.store(out_ptr + offsets, alpha * x + y, mask=mask)
+
+
+@triton.jit
+def _add_dC_tile(dC_ptr, G, e, cols, d, V, D, scale):
+    """dC[cols, d] += scale * G^T e: one tile's share, added atomically (every row block adds to it)."""
+    dC_tile = tl.dot(tl.trans(G), e) * scale  # (BLOCK_V, BLOCK_N) @ (BLOCK_N, BLOCK_D)
+    tl.atomic_add(dC_ptr + cols[:, None] * D + d[None, :], dC_tile, mask=(cols < V)[:, None] & (d < D)[None, :])
+
+
+@triton.jit
+def _keep_tile_row_mass(G, eps):
+    """The production rule: keep the tile unless, in every row, its |G| entries sum to less than eps."""
+    return tl.max(tl.sum(tl.abs(G), axis=1)) >= eps
+
+
 def _logit_gradient(S, x):
     """G = (S - onehot(x)) / N, (N, V): the gradient of the mean loss with respect to the logits."""
     return (S - F.one_hot(x, S.shape[1]).to(S.dtype)) / S.shape[0]
@@ -196,11 +275,26 @@ def _kahan_add(s, c, t):
     return new_s, (new_s - s) - y  # (new_s - s) is what the addition added; minus y, what it lost
 
 
+@triton.jit
+def kahan_step(s, c, t):
+    """One compensated addition in Triton, s and c in the accumulator's dtype: (s + t, the new c).
+
+    The Triton twin of the notebook's ``kahan_add`` exercise, kept here so that the page does not
+    print its answer before the attendee has written it.
+    """
+    y = t - c
+    new_s = s + y
+    return new_s, (new_s - s) - y
+
+
 _SOLUTIONS = {
+    "scaled_add": _scaled_add_kernel,
     "indexed_dot": _indexed_dot,
     "fold_tile": _fold_tile,
     "logit_gradient": _logit_gradient,
+    "add_dC_tile": _add_dC_tile,
     "kahan_add": _kahan_add,
+    "keep_tile": _keep_tile_row_mass,
 }
 
 
@@ -210,6 +304,61 @@ def solution(name: str) -> Callable:
     if name not in _SOLUTIONS:
         raise KeyError(f"no exercise {name!r}; exercises: {sorted(_SOLUTIONS)}")
     return _SOLUTIONS[name]
+
+
+def show_solution(name: str) -> str:
+    """Print and return the source of exercise ``name``'s worked solution (the teacher's reveal)."""
+    fn = solution(name)
+    source = inspect.getsource(getattr(fn, "fn", fn))  # a @triton.jit function keeps the Python one in .fn
+    print(source)
+    return source
+
+
+# What a wrong answer's numbers say about the mistake, by exercise: diagnose(got, want) -> str | None.
+
+
+def _diagnose_ratio(got, want, known: dict[str, Callable]) -> str | None:
+    for why, mistake in known.items():
+        if torch.allclose(got, mistake(want), rtol=1e-3, atol=1e-12):
+            return why
+    return None
+
+
+def _diagnose_lse(got, want):
+    if not torch.isfinite(got).all():
+        return "some rows overflowed to inf or nan: subtract the running maximum before tl.exp (z - m_new)"
+    if (got > want).all():
+        return ("every LSE is too large: the old s counts its terms relative to the old maximum m; "
+                "rescale it to m_new before adding the tile's")
+    if (got < want).all():
+        return "every LSE is too small: some terms are missing or shrunk (the tile's, or the old s's)"
+    return None
+
+
+def _diagnose_dC(got, want):
+    if not torch.isfinite(got).all():
+        return "dC holds inf or nan: mask the columns past V and the d past D"
+    if got.abs().max() == 0:
+        return "dC is all zeros: nothing was added (tl.atomic_add into dC_ptr at [cols, d])"
+    return ("the tile's share is dC[cols, d] += scale * G^T e, (BLOCK_V, BLOCK_D): check the transpose, the "
+            "scale (1/N) and the pointer offsets (row v of dC starts at v * D)")
+
+
+DIAGNOSES: dict[str, Callable] = {
+    "indexed_dot": lambda got, want: (
+        "right formula, too little precision: the spec works in float64 (.double())"
+        if torch.allclose(got, want, rtol=1e-4, atol=1e-4) else
+        "each row needs the row of C at its own target x_i, not C's rows in order or all of them"),
+    "fold_tile": _diagnose_lse,
+    "logit_gradient": lambda got, want: _diagnose_ratio(got, want, {
+        "N times too large: the loss is a mean over the N rows": lambda w: w * w.shape[0],
+        "the sign is flipped": lambda w: -w,
+    }) or "compare with dℓ/dz: the softmax, minus 1 at the target, for each row",
+    "add_dC_tile": _diagnose_dC,
+    "kahan_add": lambda got, want: (
+        "the sum drifts like an uncompensated one: c must be what the addition lost, from (new_s - s) and y, "
+        "with the sign that y = t - c subtracts next time"),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,3 +459,45 @@ def masks_agree(
 def expand_mask(mask: torch.Tensor, block_n: int, block_v: int, N: int, V: int) -> torch.Tensor:
     """A tile mask (cdiv(N, block_n), cdiv(V, block_v)) as an entry mask (N, V)."""
     return mask.repeat_interleave(block_n, dim=0).repeat_interleave(block_v, dim=1)[:N, :V]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles and time
+# ---------------------------------------------------------------------------------------------
+
+
+def teaching_block_d(D: int, block_n: int, block_v: int, shared_memory_bytes: int | None) -> int:
+    """BLOCK_D, the chunk of D the walkthrough's kernels load per step, for a card with
+    ``shared_memory_bytes`` per block (None: the CPU interpreter, no limit, all of D at once).
+
+    The kernels' tiles of E (block_n, BLOCK_D) and C (block_v, BLOCK_D) pass through shared memory
+    for ``tl.dot``. Counted at 4 bytes an element (compiled for a T4, Triton holds 16-bit operands
+    as fp32 there) they must fit in half the card's shared memory, the rest left for the compiler's
+    scratch: on a T4 (64 KB), 16 × 16 tiles take D in chunks of 256. At least 16, tl.dot's minimum.
+    """
+    block_d = triton.next_power_of_2(D)
+    if shared_memory_bytes is None:
+        return block_d
+    while block_d > 16 and (block_n + block_v) * block_d * 4 > shared_memory_bytes // 2:
+        block_d //= 2
+    return block_d
+
+
+class SectionTimer:
+    """Seconds per section of a notebook: call it with a section's name at the section's first
+    cell, ``stop()`` at the end; ``seconds`` maps each name to its wall time (re-running a section
+    adds to it)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._current: tuple[str, float] | None = None
+
+    def __call__(self, name: str) -> None:
+        self.stop()
+        self._current = (name, time.perf_counter())
+
+    def stop(self) -> None:
+        if self._current is not None:
+            name, began = self._current
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - began
+            self._current = None

@@ -16,6 +16,7 @@ when any failed.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import platform
@@ -48,20 +49,23 @@ class NotebookRun:
     error: str = ""
 
 
-def notebook_parameters(path: Path, profile: str, out_dir: Path, quick: bool = False) -> dict:
+def notebook_parameters(path: Path, profile: str, out_dir: Path, quick: bool = False,
+                        parameters: dict | None = None) -> dict:
     """What papermill injects into ``path``: profile, output_dir, and the ``SUITE_PARAMETERS`` it
-    declares. papermill would inject an undeclared one too, with only a logged warning, as a stray
-    variable; reading the parameters cell keeps each notebook's namespace to what it asked for."""
+    declares, overridden by ``parameters`` (``-p NAME VALUE``; e.g. ``SOLUTIONS False`` runs the
+    workshop as an attendee's "Run all"). papermill would inject an undeclared one too, with only a
+    logged warning, as a stray variable; reading the parameters cell keeps each notebook's
+    namespace to what it asked for."""
     import papermill
 
     declared = papermill.inspect_notebook(str(path))
-    wanted = {**SUITE_PARAMETERS, **({"quick": True} if quick else {})}
+    wanted = {**SUITE_PARAMETERS, **({"quick": True} if quick else {}), **(parameters or {})}
     suite = {name: value for name, value in wanted.items() if name in declared}
     return {"profile": profile, "output_dir": str(out_dir), **suite}
 
 
 def run_notebook(path: Path, profile: str, output: Path, timeout_s: int | None = None,
-                 quick: bool = False) -> NotebookRun:
+                 quick: bool = False, parameters: dict | None = None) -> NotebookRun:
     import papermill
 
     out_dir = output / path.stem
@@ -74,7 +78,7 @@ def run_notebook(path: Path, profile: str, output: Path, timeout_s: int | None =
         papermill.execute_notebook(
             str(path),
             str(out_dir / path.name),
-            parameters=notebook_parameters(path, profile, out_dir, quick),
+            parameters=notebook_parameters(path, profile, out_dir, quick, parameters),
             cwd=str(path.parent),
             progress_bar=False,
             execution_timeout=timeout_s,
@@ -85,6 +89,18 @@ def run_notebook(path: Path, profile: str, output: Path, timeout_s: int | None =
     return NotebookRun(
         path.stem, "failed" if error else "ok", round(time.perf_counter() - started, 1), str(out_dir), files, error
     )
+
+
+def parse_parameters(pairs: list[list[str]] | None) -> dict:
+    """``-p NAME VALUE`` pairs as a dict, each VALUE read as a Python literal where it is one
+    (``False``, ``3``, ``'text'``), else kept as the string."""
+    parsed = {}
+    for name, value in pairs or []:
+        try:
+            parsed[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed[name] = value
+    return parsed
 
 
 def _short_error(e: Exception) -> str:
@@ -99,12 +115,14 @@ def run_suite(
     timeout_s: int | None = None,
     pretend_t4: bool = False,
     quick: bool = False,
+    parameters: dict | None = None,
 ) -> list[NotebookRun]:
     """Execute every notebook (or those in ``only``) and write ``summary.json``; see module doc.
 
     ``pretend_t4``: every notebook runs as a T4 would see it (``helpers.cce.device``): the T4 profile
     (``cpu-t4`` on a CPU), a T4's memory cap, shared memory and compute capability in each
     notebook's process. ``quick``: each notebook's short run (its profile section's ``"quick"``).
+    ``parameters``: more parameters, each given to the notebooks whose parameters cell declares it.
     """
     from tqdm.auto import tqdm
 
@@ -123,7 +141,7 @@ def run_suite(
     bar = tqdm(notebooks, desc="suite", unit="notebook")
     for path in bar:
         bar.set_postfix_str(path.stem)
-        runs.append(run_notebook(path, resolved, output, timeout_s, quick))
+        runs.append(run_notebook(path, resolved, output, timeout_s, quick, parameters))
         _write_summary(output, resolved + ("-quick" if quick else ""), info, runs)
     print(summary_table(runs))
     print(f"report: {build_report(output)} (and REPORT.html beside it)")

@@ -1,5 +1,8 @@
 """The pretend T4: a bigger GPU answering as a free Kaggle/Colab T4, checked here on a fake H200."""
 
+import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -101,3 +104,97 @@ def teardown_function():
 
     os.environ.pop(PRETEND_T4_ENV, None)
     assert device_module.pretending_t4() is False
+
+
+# --- a pretend T4 holds every Triton kernel to a T4's shared memory -----------------------------
+
+
+def test_check_fits_t4_raises_what_a_t4_raises():
+    from triton.runtime.errors import OutOfResources
+
+    from helpers.cce.device import T4_SHARED_MEMORY_BYTES, check_fits_t4
+
+    fits = types.SimpleNamespace(name="small_kernel", metadata=types.SimpleNamespace(shared=T4_SHARED_MEMORY_BYTES))
+    check_fits_t4(fits)  # exactly 64 KB is allowed
+    too_big = types.SimpleNamespace(name="big_kernel", metadata=types.SimpleNamespace(shared=66_048))
+    with pytest.raises(OutOfResources) as raised:
+        check_fits_t4(too_big)
+    assert (raised.value.required, raised.value.limit) == (66_048, 65_536)
+    assert "big_kernel" in str(raised.value) and "66048" in str(raised.value)
+
+
+def test_the_hook_checks_every_kernel_load_only_while_pretending(monkeypatch):
+    """The decision logic of the hook in front of Triton's kernel loading, on a stand-in for the
+    loader (a real load needs a GPU): installed once, silent outside a pretend T4."""
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.errors import OutOfResources
+
+    from helpers.cce.device import enforce_t4_shared_memory
+
+    loaded = []
+    monkeypatch.setattr(CompiledKernel, "_init_handles", lambda self: loaded.append(self.name))
+    monkeypatch.delenv(PRETEND_T4_ENV, raising=False)
+    assert enforce_t4_shared_memory() and enforce_t4_shared_memory()  # the second call adds nothing
+    loader = CompiledKernel._init_handles
+    assert loader._checks_t4_shared_memory and not getattr(loader.__wrapped__, "_checks_t4_shared_memory", False)
+
+    big = types.SimpleNamespace(name="big_kernel", metadata=types.SimpleNamespace(shared=98_304))
+    small = types.SimpleNamespace(name="small_kernel", metadata=types.SimpleNamespace(shared=16_384))
+    loader(big)  # not a pretend T4: Triton's own check (the real card's limit) decides
+    assert loaded == ["big_kernel"]
+    monkeypatch.setenv(PRETEND_T4_ENV, "1")
+    loader(small)
+    with pytest.raises(OutOfResources, match="big_kernel"):
+        loader(big)
+    assert loaded == ["big_kernel", "small_kernel"]  # the big one never reached the card
+
+
+def test_pretend_t4_installs_the_check(h200, monkeypatch):
+    from triton.compiler.compiler import CompiledKernel
+
+    monkeypatch.setattr(CompiledKernel, "_init_handles", lambda self: None)
+    pretend_t4()
+    assert CompiledKernel._init_handles._checks_t4_shared_memory
+
+
+_COMPILE_BIG_KERNEL = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.runtime.errors import OutOfResources
+from helpers.cce.device import check_fits_t4
+
+@triton.jit
+def matmul_tile(a_ptr, b_ptr, c_ptr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one BLOCK x BLOCK tile of A (BLOCK, BLOCK_K) @ B (BLOCK_K, BLOCK): both operands pass through
+    # shared memory, so large tiles ask for more than a T4 has
+    i = tl.arange(0, BLOCK)
+    k = tl.arange(0, BLOCK_K)
+    a = tl.load(a_ptr + i[:, None] * BLOCK_K + k[None, :])
+    b = tl.load(b_ptr + k[:, None] * BLOCK + i[None, :])
+    tl.store(c_ptr + i[:, None] * BLOCK + i[None, :], tl.dot(a, b))
+
+signature = {"a_ptr": "*fp16", "b_ptr": "*fp16", "c_ptr": "*fp32", "BLOCK": "constexpr", "BLOCK_K": "constexpr"}
+for capability, block, block_k in ((75, 16, 2048), (75, 16, 128)):
+    kernel = triton.compile(
+        triton.compiler.ASTSource(fn=matmul_tile, signature=signature, constexprs={"BLOCK": block, "BLOCK_K": block_k}),
+        target=GPUTarget("cuda", capability, 32), options={"num_warps": 4, "num_stages": 3})
+    try:
+        check_fits_t4(kernel)
+        print(f"sm_{capability} {block}x{block}x{block_k}: {kernel.metadata.shared} B fits")
+    except OutOfResources as error:
+        print(f"sm_{capability} {block}x{block}x{block_k}: {kernel.metadata.shared} B raises: {error}")
+"""
+
+
+def test_the_check_fires_on_a_kernel_compiled_for_a_gpu_that_asks_for_more(tmp_path):
+    """A real compile (for sm_75, on this CPU) of a kernel whose tiles need more than
+    64 KB: check_fits_t4 raises, naming it; one with small tiles passes. In a process of its own:
+    compiling needs TRITON_INTERPRET=0 and a kernel defined in a file."""
+    script = tmp_path / "compile_big.py"
+    script.write_text(_COMPILE_BIG_KERNEL)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2, done.stdout + done.stderr[-3000:]
+    assert "raises: out of resource: shared memory of matmul_tile" in lines[0] and "65536" in lines[0]
+    assert lines[1].endswith("fits")

@@ -1,5 +1,6 @@
 """Fast CPU tests of helpers/lab/teaching.py, the pieces behind the kernel walkthrough (notebook 04)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import triton.language as tl
 
 from helpers.compare.inputs import make_inputs
 from helpers.lab.teaching import (
+    DIAGNOSES,
     block_mask,
     check,
     check_exercise,
@@ -21,6 +23,7 @@ from helpers.lab.teaching import (
     masks_agree,
     memory_footprint,
     row_mass_mask,
+    show_solution,
     skipped_fraction,
     solution,
     vocabulary_order,
@@ -307,3 +310,164 @@ def test_sorting_skips_more_tiles_on_realistic_data():
     unsorted = skipped_fraction(block_mask(G, 16, 64, 2.0**-12))
     sorted_ = skipped_fraction(block_mask(G[:, vocabulary_order(E, C)], 16, 64, 2.0**-12))
     assert sorted_ > unsorted + 0.2
+
+
+# --- the exercise machinery: no false passes --------------------------------------------------
+
+
+def test_a_wrong_answer_stays_wrong_when_only_the_check_is_run_again(capsys):
+    """Exercise 2's machinery as the notebook runs it: the attendee's fold (wrong) checked inside a
+    Triton kernel, then the check alone run again: still wrong, on fresh inputs, and later cells
+    keep the worked solution. Then a right answer passes and is the one used."""
+    from helpers.lab.teaching import Exercises
+
+    exercises = Exercises(solutions=False)
+    seen = []
+
+    def check_fold(fold):  # fresh inputs at every run, as the notebook's checks draw them
+        g = exercises.fresh()
+        case = (torch.randn(16, generator=g) * 50, torch.rand(16, generator=g) + 1, torch.randn(16, 32, generator=g) * 50)
+        seen.append(case[0])
+        return check_exercise("the merge", lambda *c: _fold(fold, *c), _fold_truth, [case], atol=0.0, rtol=1e-5,
+                              diagnose=DIAGNOSES["fold_tile"])
+
+    fold_tile = _fold_without_rescaling  # the attendee's wrong attempt
+    assert not exercises.check("fold_tile", fold_tile, check_fold)
+    assert exercises.use("fold_tile") is solution("fold_tile")
+    capsys.readouterr()
+    assert not exercises.check("fold_tile", fold_tile, check_fold)  # the check cell alone, again
+    out = capsys.readouterr().out
+    assert "✗" in out and "wrong" in out and "right" not in out.split("✗")[1].split("\n")[0].replace("wrong", "")
+    assert not exercises.right["fold_tile"] and exercises.use("fold_tile") is solution("fold_tile")
+    assert not torch.equal(seen[0], seen[1])  # fresh inputs
+    assert exercises.check("fold_tile", solution("fold_tile"), check_fold)
+    assert exercises.right["fold_tile"]
+
+
+def test_the_notebook_never_rebinds_an_attempt_to_the_solution():
+    """The false pass came from ``fold_tile = your_turn(...)``: the name the attendee writes was
+    rebound to the worked solution. Every check cell now leaves the attendee's name alone."""
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[2] / "notebooks" / "04_kernel_walkthrough.py").read_text()
+    assert "your_turn" not in source
+    for name in ("scaled_add_kernel", "indexed_dot_spec", "fold_tile", "logit_gradient", "add_dC_tile", "kahan_add",
+                 "keep_tile_row_mass"):
+        assert f"\n{name} = " not in source, name
+    assert source.count("exercises.check(") == 7
+
+
+def test_solutions_mode_checks_the_worked_solution_and_a_wrong_answer_is_explained(capsys):
+    from helpers.lab.teaching import Exercises
+
+    def gradient_truth(S, x):
+        z = S.log().requires_grad_(True)
+        F.cross_entropy(z, x).backward()
+        return z.grad
+
+    E, C, x = _cases()[0]
+    S = torch.softmax(E.double() @ C.double().T, dim=1)
+
+    def check_gradient(attempt):
+        return check_exercise("G", attempt, gradient_truth, [(S, x)], atol=0.0, rtol=1e-9,
+                              diagnose=DIAGNOSES["logit_gradient"])
+
+    def without_the_mean(S, x):
+        return S - F.one_hot(x, S.shape[1]).double()
+
+    assert not Exercises(False).check("logit_gradient", without_the_mean, check_gradient)
+    assert "N times too large" in capsys.readouterr().out
+    assert Exercises(True).check("logit_gradient", without_the_mean, check_gradient)  # the teacher's run
+
+
+def test_show_solution_prints_a_triton_solutions_source(capsys):
+    source = show_solution("add_dC_tile")
+    assert "tl.atomic_add" in source and "tl.atomic_add" in capsys.readouterr().out
+
+
+def test_reset_forgets_a_result():
+    from helpers.lab.teaching import Exercises
+
+    exercises = Exercises()
+    mine = lambda E, C, x: _dot_truth(E, C, x)  # noqa: E731
+    assert exercises.check("indexed_dot", mine, lambda f: check_exercise("dot", f, _dot_truth, _cases()))
+    assert exercises.use("indexed_dot") is mine
+    exercises.reset("indexed_dot")
+    assert "indexed_dot" not in exercises.right and exercises.use("indexed_dot") is solution("indexed_dot")
+
+
+# --- tiles that fit the card ------------------------------------------------------------------
+
+
+def test_teaching_block_d_fits_half_the_shared_memory():
+    from helpers.lab.teaching import teaching_block_d
+
+    assert teaching_block_d(40, 16, 64, None) == 64  # the interpreter: all of D
+    assert teaching_block_d(1_024, 16, 16, 64 * 1024) == 256  # a T4 at the payoff's D
+    assert teaching_block_d(1_024, 64, 64, 64 * 1024) == 64
+    assert teaching_block_d(120, 64, 64, 227 * 1024) == 128  # an H200: all of D
+    assert teaching_block_d(4_096, 128, 128, 1024) == 16  # never below tl.dot's minimum
+
+
+_COMPILE_FOR_A_T4 = """
+import json, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from helpers.lab.profiles import get_profile
+from helpers.lab.teaching import solution, teaching_block_d
+from walkthrough_kernels import backward_kernel, indexed_dot_kernel, keep_tile, lse_kernel
+
+cfg = get_profile("t4").section("04_kernel_walkthrough")
+D = 1_024  # the payoff's head, the largest D the notebook runs
+block_n, block_v = cfg["BLOCK_N"], cfg["BLOCK_V"]
+block_d = teaching_block_d(D, block_n, block_v, 64 * 1024)
+tiles = {"BLOCK_N": block_n, "BLOCK_V": block_v, "BLOCK_D": block_d, "DOT_PRECISION": None}
+t = "fp16"
+kernels = {
+    "indexed_dot_kernel": (indexed_dot_kernel, {"E_ptr": "*" + t, "C_ptr": "*" + t, "x_ptr": "*i64", "o_ptr": "*fp32",
+                           "N": "i32", "D": "i32", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"},
+                           {"BLOCK_N": block_n, "BLOCK_D": triton.next_power_of_2(D)}),
+    "lse_kernel": (lse_kernel, {"E_ptr": "*" + t, "C_ptr": "*" + t, "lse_ptr": "*fp32", "N": "i32", "V": "i32", "D": "i32",
+                   **dict.fromkeys([*tiles, "FOLD"], "constexpr")}, {**tiles, "FOLD": solution("fold_tile")}),
+    "backward_kernel": (backward_kernel, {"E_ptr": "*" + t, "C_ptr": "*" + t, "x_ptr": "*i64", "lse_ptr": "*fp32",
+                        "dE_ptr": "*fp32", "dC_ptr": "*fp32", "tile_kept_ptr": "*i1", "N": "i32", "V": "i32", "D": "i32",
+                        "grad_scale": "fp32", "eps": "fp32",
+                        **dict.fromkeys([*tiles, "SCALE_BEFORE_CAST", "KEEP_TILE", "ADD_DC"], "constexpr")},
+                        {**tiles, "SCALE_BEFORE_CAST": False, "KEEP_TILE": keep_tile, "ADD_DC": solution("add_dC_tile")}),
+}
+shared = {}
+for name, (fn, signature, constexprs) in kernels.items():
+    compiled = triton.compile(triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 75, 32), options={"num_warps": 4, "num_stages": 3})
+    shared[name] = compiled.metadata.shared
+print(json.dumps({"triton": triton.__version__, "tiles": tiles, "shared": shared}))
+"""
+
+
+def _walkthrough_kernels() -> str:
+    """The notebook's own @triton.jit functions, as the source of a module (its gaps left open)."""
+    import ast
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[2] / "notebooks" / "04_kernel_walkthrough.py").read_text()
+    tree = ast.parse(source)
+    kernels = [ast.get_source_segment(source, node, padded=False) for node in tree.body
+               if isinstance(node, ast.FunctionDef) and any("triton.jit" in ast.unparse(d) for d in node.decorator_list)]
+    return "import triton\nimport triton.language as tl\n\n\n" + "\n\n\n".join(
+        "@triton.jit\n" + k for k in kernels)
+
+
+def test_the_walkthrough_kernels_fit_a_t4_compiled_for_sm_75(tmp_path):
+    """The notebook's kernels, compiled for a T4 (sm_75) on this CPU with the installed Triton, at
+    the payoff's D = 1,024 in fp16 with the T4 profile's tiles and teaching_block_d's chunk: each
+    within a T4's 64 KB of shared memory per block (kept whole, D = 1,024 asked for 128 KB)."""
+    (tmp_path / "walkthrough_kernels.py").write_text(_walkthrough_kernels())
+    (tmp_path / "compile_for_t4.py").write_text(_COMPILE_FOR_A_T4)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1",
+           "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, str(tmp_path / "compile_for_t4.py")], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert set(found["shared"]) == {"indexed_dot_kernel", "lse_kernel", "backward_kernel"}
+    assert all(0 <= b <= 64 * 1024 for b in found["shared"].values()), found

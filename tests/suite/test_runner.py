@@ -44,3 +44,15 @@ def test_papermill_receives_solutions_only_where_the_parameters_cell_declares_it
         run = run_notebook(path, "cpu", tmp_path / "out")
         assert run.status == "ok", run.error
         assert json.loads((tmp_path / "out" / path.stem / "seen.json").read_text()) == {"SOLUTIONS": seen}
+
+
+def test_a_parameter_from_the_command_line_overrides_the_suites_where_declared(tmp_path):
+    from helpers.__main__ import main  # noqa: F401  (the option parses)
+    from helpers.suite.runner import parse_parameters
+
+    assert parse_parameters([["SOLUTIONS", "False"], ["label", "run one"], ["steps", "3"]]) == {
+        "SOLUTIONS": False, "label": "run one", "steps": 3}
+    workshop, gate = find_notebooks(["04"])[0], find_notebooks(["01"])[0]
+    attendee = notebook_parameters(workshop, "cpu", tmp_path, parameters={"SOLUTIONS": False})
+    assert attendee["SOLUTIONS"] is False
+    assert "SOLUTIONS" not in notebook_parameters(gate, "cpu", tmp_path, parameters={"SOLUTIONS": False})
