@@ -205,7 +205,7 @@ class Outcome:
                 return f"fine-tuning: within the bound ({bound})"
             direction = "higher" if self.effect > 0 else "lower"
             return f"fine-tuning: past the bound ({bound}; its loss ends {direction} than exact's)"
-        nats = f"{signed(self.effect, 2)} nats"
+        nats = f"{signed(self.effect, 3)} nats"
         if not math.isfinite(self.effect):
             return "pretraining: the final validation loss is not finite (a run diverged)"
         if self.verdict == UNDECIDED and self.seeds < 2:
@@ -216,7 +216,7 @@ class Outcome:
         if self.verdict == EQUIVALENT:
             return f"pretraining: {nats} against exact ({interval}): equivalent within ±{self.margin:.2g} nats"
         if self.verdict in (BETTER, WORSE):
-            return (f"pretraining: {self.verdict} by {abs(self.effect):.2g} nats ({interval}{of_noise}; "
+            return (f"pretraining: {self.verdict} by {abs(self.effect):.3g} nats ({interval}{of_noise}; "
                     f"margin ±{self.margin:.2g})")
         return (f"pretraining: {nats} against exact ({interval}): undecided at ±{self.margin:.2g} nats "
                 "(too few seeds to tell)")
@@ -309,9 +309,9 @@ def convergence_cell(convergence: dict) -> str:
         numbers = []
         for p in parts:
             if p.part == "pretraining" and math.isfinite(p.effect):
-                numbers.append(f"pretraining {signed(p.effect)} nats (±{p.margin:.2g} margin)")
+                numbers.append(f"pretraining {signed(p.effect, 3)} nats, margin ±{p.margin:.2g}")
             elif p.part == "fine-tuning" and p.verdict != EQUIVALENT:
-                numbers.append(f"fine-tuning drift {p.drift:.2g} (bound {p.margin:.2g})")
+                numbers.append(f"fine-tuning drift {p.drift:.2g}, bound {p.margin:.2g}")
         cells.append(f"{dtype}: {short}" + (f" ({'; '.join(numbers)})" if numbers else ""))
     return "; ".join(cells)
 
@@ -537,8 +537,8 @@ def recommend(methods: dict[str, dict], ran: list[str], *, t4: bool) -> list[str
                        "fp16?) did not run in this run.")
         elif fit:
             lightest = least({m: f["t4_peak_bytes_16k"] for m, f in fit.items()}, MEMORY_TIE)
-            out.append(f"On a T4 (fp16), at 16,384 tokens: {_names(lightest)} "
-                       f"({format_bytes(fit[lightest[0]]['t4_peak_bytes_16k'])}), the least memory among the losses "
+            out.append(f"On a T4 (fp16), at 16,384 tokens: {_names(lightest)}, "
+                       f"{format_bytes(fit[lightest[0]]['t4_peak_bytes_16k'])}, the least memory among the losses "
                        "that run there, pass the fp16 gate and train like exact in fp16.")
         cannot = [f"{_label(m)} ({f['runs_on_t4']})" for m, f in methods.items() if isinstance(f.get("runs_on_t4"), str)]
         if cannot:

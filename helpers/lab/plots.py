@@ -347,42 +347,49 @@ def plot_filter_skipped(series: dict[str, list[float]]):
 
 
 def plot_decision(methods: dict[str, dict], *, trained: bool, title: str = "") -> plt.Figure:
-    """The REPORT's decision figure: per method, loss-step time against peak memory at each token
-    count 02 swept (one line per method, a point per N, labelled), each point marked with the
-    verdict engine's reading: filled where the method may be recommended (gate passed, trains like
-    exact or is a baseline), hollow where its training verdict is missing or undecided, a red
-    cross where it fails the gate or trains worse than exact. ``methods``: the REPORT's facts."""
-    from helpers.compare.verdicts import why_not_recommended
+    """The REPORT's decision figure: one panel per token count the recommendations are given for
+    (``helpers.compare.verdicts.REGIME_TOKENS``, where 02 measured it), each method a point at its
+    peak memory and loss-step time, marked with the verdict engine's reading: filled where the
+    method may be recommended (gate passed, trains like exact or is a baseline), hollow where a
+    verdict is missing or undecided, a red cross where it fails the gate or trains worse or
+    differently. ``methods``: the REPORT's facts."""
+    from helpers.compare.verdicts import REGIME_TOKENS, why_not_recommended
 
     colors, markers = method_colors(), method_markers()
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    dtype = None
-    for name, facts in methods.items():
-        sweep = facts.get("sweep") or {}
-        points = sorted((int(n), p) for n, p in (sweep.get("points") or {}).items()
-                        if p.get("status") == "ok" and p.get("peak_bytes") and p.get("seconds"))
-        if not points:
-            continue
-        dtype = sweep.get("dtype")
-        why = why_not_recommended(name, facts, dtype, trained)
-        bad = why is not None and ("fails" in why or "worse" in why or "differently" in why)
-        x = [p["peak_bytes"] / GB for _, p in points]
-        y = [p["seconds"] * 1e3 for _, p in points]
-        color = colors.get(name, "black")
-        ax.plot(x, y, color=color, alpha=0.5, linewidth=1)
-        style = ({"marker": "X", "color": "firebrick", "markersize": 9} if bad else
-                 {"marker": markers.get(name, "o"), "color": color, "markersize": 8,
-                  "markerfacecolor": color if why is None else "white"})
-        ax.plot(x, y, linestyle="none", label=f"{method_label(name)}" + (f" ({why})" if why else ""), **style)
-        for (n, _), xi, yi in zip(points, x, y):
-            ax.annotate(f"{n // 1024}k" if n >= 1024 else str(n), (xi, yi), textcoords="offset points", xytext=(4, 3),
-                        fontsize=7, color=color)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set(xlabel="peak memory of one loss step, GB (log)", ylabel="forward + backward, ms (log)",
-           title=f"Which loss: time against memory{f', {dtype}' if dtype else ''}" + (f"\n{title}" if title else ""))
-    ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=7, loc="best",
-              title="filled: may be recommended; hollow: a verdict missing; red X: fails a verdict", title_fontsize=7)
-    fig.tight_layout()
+    counts = [n for n in REGIME_TOKENS if any(
+        ((f.get("sweep") or {}).get("points") or {}).get(str(n), {}).get("status") == "ok" for f in methods.values())]
+    fig, axes = plt.subplots(1, max(1, len(counts)), figsize=(4.6 * max(1, len(counts)), 4.6), squeeze=False)
+    dtype, seen = None, {}
+    for ax, n in zip(axes[0], counts):
+        for name, facts in methods.items():
+            sweep = facts.get("sweep") or {}
+            p = (sweep.get("points") or {}).get(str(n)) or {}
+            if p.get("status") != "ok" or not p.get("peak_bytes") or not p.get("seconds"):
+                continue
+            dtype = sweep.get("dtype")
+            why = why_not_recommended(name, facts, dtype, trained)
+            bad = why is not None and any(w in why for w in ("fails", "worse", "differently"))
+            color = colors.get(name, "black")
+            style = ({"marker": "X", "color": "firebrick", "markersize": 10} if bad else
+                     {"marker": markers.get(name, "o"), "color": color, "markersize": 9,
+                      "markerfacecolor": color if why is None else "white", "markeredgewidth": 1.5})
+            x, y = p["peak_bytes"] / GB, p["seconds"] * 1e3
+            handle, = ax.plot([x], [y], linestyle="none", **style)
+            seen.setdefault(name, (handle, method_label(name) + (f" ({why})" if why else "")))
+            ax.annotate(method_label(name).split(" (")[0], (x, y), textcoords="offset points", xytext=(6, 2),
+                        fontsize=7, color="firebrick" if bad else color)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers, no crowded minor labels
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.set(title=f"{n:,} tokens", xlabel="peak memory of one loss step, GB")
+        ax.grid(True, which="both", alpha=0.25)
+    axes[0][0].set_ylabel("forward + backward, ms")
+    fig.suptitle(f"Which loss: time against memory{f', {dtype}' if dtype else ''}; lower left is better"
+                 + (f"\n{title}" if title else ""), fontsize=10)
+    fig.legend([h for h, _ in seen.values()], [label for _, label in seen.values()], loc="lower center",
+               ncol=min(3, max(1, len(seen))), fontsize=7, frameon=False,
+               title="filled: may be recommended; hollow: a verdict missing; red X: fails a verdict", title_fontsize=7)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     return fig

@@ -130,14 +130,21 @@ def _label(method: str) -> str:
 
 
 def _fmt_gb(n) -> str:
-    return "not measured" if n is None else "out of memory" if n == "oom" else format_bytes(n)
+    if isinstance(n, str):
+        return "out of memory" if n == "oom" else n
+    return "not measured" if n is None else format_bytes(n)
 
 
 def _at_16k(f: dict, key: str):
+    """A method's sweep point at 16,384 tokens: the number, "oom" for its peak where it ran out of
+    memory (or was skipped after doing so at a smaller N), the status where it failed otherwise."""
     point = ((f.get("sweep") or {}).get("points") or {}).get(str(16_384)) or {}
-    if point.get("status") not in (None, "ok"):
-        return "oom" if key == "peak_bytes" and "oom" in point["status"] else point["status"]
-    return point.get(key)
+    status = point.get("status")
+    if status in (None, "ok"):
+        return point.get(key)
+    if key != "peak_bytes":
+        return None
+    return "oom" if "oom" in status.lower() else status
 
 
 def caveat_cell(caveats: list[str], footnotes: list[str]) -> str:
@@ -154,7 +161,7 @@ def caveat_cell(caveats: list[str], footnotes: list[str]) -> str:
 
 
 def recommendation(methods: dict[str, dict], smoke: bool = False, ran: list[str] = (), t4: bool = False,
-                   figure: str | None = None) -> list[str]:
+                   figure: str | None = None, pretend: bool = False) -> list[str]:
     """The report's opening: one row per method with what the notebooks measured and the engine's
     verdicts, then the "use X when" sentences (``helpers.compare.verdicts.recommend``) that the
     notebooks that ran (``ran``) support."""
@@ -168,9 +175,15 @@ def recommendation(methods: dict[str, dict], smoke: bool = False, ran: list[str]
     if not methods:
         return lines + ["This run measured nothing this table reads: run notebooks 01, 02, 03 and 05 (on a GPU) "
                         "to fill it.", ""]
-    order = sorted(methods, key=lambda m: (not isinstance(_at_16k(methods[m], "peak_bytes"), int),
-                                           _at_16k(methods[m], "peak_bytes") or 0, m))
-    columns = [c for c in _COLUMNS if any(c[4](methods[m]) is not None for m in order)]
+    def by_peak(m):  # measured peaks first, least first; then an out-of-memory or no point at all
+        peak = _at_16k(methods[m], "peak_bytes")
+        return (not isinstance(peak, int), peak if isinstance(peak, int) else 0, m)
+
+    order = sorted(methods, key=by_peak)
+    # In a T4's run the loss step's own peak is a T4's: the "as a T4" column would repeat it.
+    columns = [c for c in _COLUMNS if any(c[4](methods[m]) is not None for m in order) and not (t4 and c[2] == "t4")]
+    if pretend:
+        columns = [(f"{c[0]}, this GPU's speed" if c[2] == "time" else c[0], *c[1:]) for c in columns]
     footnotes: list[str] = []
     lines += ["| method | " + " | ".join(c[0] for c in columns) + " |",
               "|---|" + "".join(f"{c[1]}|" for c in columns)]
@@ -179,11 +192,22 @@ def recommendation(methods: dict[str, dict], smoke: bool = False, ran: list[str]
         cells = [_label(m)]
         for _, _, key, cell, get in columns:
             value = get(f)
-            cells.append("" if value is None else caveat_cell(value, footnotes) if key == "caveats" else cell(value))
+            if value is None:
+                cells.append("")
+            elif key == "caveats":
+                cells.append(caveat_cell(value, footnotes))
+            elif key == "runs_on_t4" and isinstance(value, str) and len(value) > 60:
+                footnotes.append(f"{_label(m)} on a T4: {value}")
+                cells.append(f"no [{len(footnotes)}]")
+            else:
+                cells.append(cell(value))
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     lines += [""] + [f"[{i}] {note}" + "  " for i, note in enumerate(footnotes, 1)]
     if footnotes:
         lines.append("")
+    if pretend:
+        lines += ["- Times are this GPU's: a pretend T4 has a T4's memory, shared memory and code paths, not its "
+                  "speed (a T4 multiplies fp16 about twelve times slower than an H200)."]
     lines += [f"- {s}" for s in verdicts.recommend(methods, list(ran), t4=t4)] + [""]
     if figure:
         lines += [f"![Time against peak memory, each point marked with its verdicts]({figure})", ""]
@@ -365,7 +389,8 @@ def render_report(results_dir: str | Path, suite: list[str] | None = None, figur
         f"Run of {when}, profile `{(summary or {}).get('profile', '?')}`, on {device}. "
         f"{len(runs)} notebooks: {len(runs) - len(failed)} ran, {len(failed)} failed.",
         "",
-        *recommendation(methods, smoke, read, is_t4_run(summary), figure),
+        *recommendation(methods, smoke, read, is_t4_run(summary), figure,
+                        bool((summary or {}).get("device", {}).get("pretend_t4"))),
         *([f"- {e}" for e in earlier] + [""] if earlier else []),
         "## The notebooks",
         "",

@@ -154,8 +154,9 @@ VERSIONED = ("triton", "liger-kernel", "cut-cross-entropy", "transformers", "num
 
 
 def helpers_version() -> str:
-    """This package's version, and the commit of the checkout it runs from where there is one (a
-    run from a checkout on PYTHONPATH is not "installed", but it is a version)."""
+    """This package's version, and the commit of the checkout it runs from where there is one, with
+    "-dirty" where the checkout has changes (a run from a checkout on PYTHONPATH is not "installed",
+    but it is a version)."""
     import subprocess
 
     import helpers
@@ -163,7 +164,7 @@ def helpers_version() -> str:
     version = helpers.__version__
     root = Path(helpers.__file__).resolve().parents[1]
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+        commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
                                 text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""

@@ -38,7 +38,7 @@ def test_a_large_difference_is_worse_with_its_size_in_seed_noise():
     # Liger in fp16: +0.136 nats
     o = pretrain_outcome(shifted(0.136, (0.01, -0.01, 0.0)), EXACT)
     assert o.verdict == WORSE and o.effect == pytest.approx(0.136)
-    assert o.describe().startswith("pretraining: worse by 0.14 nats") and "12.4x the seed-to-seed spread" in o.describe()
+    assert o.describe().startswith("pretraining: worse by 0.136 nats") and "12.4x the seed-to-seed spread" in o.describe()
 
 
 def test_lower_than_exact_is_better_never_worse_and_a_wide_interval_is_undecided():
@@ -132,8 +132,8 @@ def test_a_t4_run_recommends_from_fp16_verdicts_only(facts_kit):
         "apple_cce": {"runs_on_t4": "needs ~96 KB of shared memory, a T4 offers 64 KB"},
     }
     said = "\n".join(recommend(facts, ALL, t4=True))
-    assert "On a T4 (fp16), at 16,384 tokens: ours (Triton CCE) (0.41 GB)" in said
-    assert "Avoid Liger for training in float16: it trains worse than exact (pretraining: worse by 0.14 nats" in said
+    assert "On a T4 (fp16), at 16,384 tokens: ours (Triton CCE), 0.41 GB" in said
+    assert "Avoid Liger for training in float16: it trains worse than exact (pretraining: worse by 0.136 nats" in said
     assert "Cannot run on a T4: Apple CCE (needs ~96 KB" in said
 
 

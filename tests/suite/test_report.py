@@ -184,7 +184,7 @@ def test_the_report_opens_with_which_loss_to_use(tmp_path, facts_kit):
     # sorted by memory at 16k; the peer lighter than ours first
     assert [r.split(" | ")[0] for r in rows] == ["| Apple CCE", "| Liger", "| ours (Triton CCE)", "| torch.compile",
                                                  "| naive"]
-    assert "bfloat16: yes (pretraining +0.0013 nats (±0.0055 margin))" in rows[1]
+    assert "bfloat16: yes (pretraining +0.00127 nats, margin ±0.0055)" in rows[1]
     assert "bfloat16: undecided" in rows[0] and "bfloat16 fail" in rows[0]
     assert "- At 16,384 tokens (bfloat16, loss forward and backward): least memory: Liger, 0.38 GB" in opening
     assert "Liger is faster than ours (Triton CCE) from 65,536 tokens" in opening
@@ -214,7 +214,7 @@ def test_a_partial_run_does_not_flip_the_recommendation(tmp_path, facts_kit):
                           "03_convergence": ("", {m: {"convergence": f["convergence"]} for m, f in facts.items()})},
                device=t4, profile="t4")
     opening = render_report(tmp_path, suite=[])
-    assert "On a T4 (fp16), at 16,384 tokens: ours (Triton CCE) (0.41 GB)" in opening
+    assert "On a T4 (fp16), at 16,384 tokens: ours (Triton CCE), 0.41 GB" in opening
     assert "Avoid Liger for training in float16" in opening
 
 
