@@ -51,11 +51,12 @@ outside the list whose forward passes that structural check.
 Patching a patched model raises ``RuntimeError`` (call ``unpatch`` first); so does ``unpatch``
 on a model that is not patched.
 
-Not handled: a head that is not a plain ``nn.Linear`` (quantised, LoRA-wrapped),
-weights sharded outside the head's forward (FSDP / ZeRO-3 gather ``lm_head.weight`` only inside
-``lm_head``'s own forward, which the patched path does not call; likewise accelerate hooks on
-``lm_head`` or on the top-level forward), ``logits_to_keep`` together with labels, multimodal
-models, and any other loss than ``ForCausalLMLoss``.
+Refused with the reason (``head_the_patch_cannot_read``): a quantised head (bitsandbytes), a
+LoRA-wrapped head (not an ``nn.Linear``), a sharded head (FSDP1/FSDP2 / ZeRO-3 gather
+``lm_head.weight`` only inside ``lm_head``'s own forward, which the patched path does not call),
+forward hooks on ``lm_head`` or the model (accelerate's), and ``logits_to_keep`` together with
+labels. Not handled either: multimodal models, and any other loss than ``ForCausalLMLoss``. LoRA on
+the body (attention, MLP) with a plain ``lm_head`` is fine.
 """
 
 from __future__ import annotations
@@ -304,6 +305,38 @@ def _supported_list() -> str:
     return ", ".join(SUPPORTED)
 
 
+def head_the_patch_cannot_read(model, lm_head) -> str | None:
+    """Why the patched forward could not compute from ``lm_head.weight`` as ``lm_head`` would, or
+    None. The patched path reads the weight directly, outside ``lm_head``'s forward, so anything
+    that changes the weight only inside that forward, or stores it in another form, is refused:
+
+    - a quantised head (bitsandbytes' 8-bit and 4-bit layers are ``nn.Linear`` subclasses whose
+      weight is not a floating-point matrix of the head's shape);
+    - a sharded head: FSDP2's ``fully_shard`` (the weight is a DTensor shard, gathered only in the
+      forward's hooks), FSDP1 (a flat parameter), DeepSpeed ZeRO-3 (a placeholder outside its hooks);
+    - forward hooks on the head or the model (accelerate's device-map and offload hooks, for one),
+      which the patched path would skip.
+    A LoRA-wrapped head is not an ``nn.Linear`` and is refused before this."""
+    weight = lm_head.weight
+    kind = type(weight).__name__
+    if not weight.is_floating_point() or kind in ("Int8Params", "Params4bit") or \
+            type(lm_head).__module__.startswith("bitsandbytes"):
+        return (f"its lm_head is quantised ({type(lm_head).__name__}, weight {kind} of dtype {weight.dtype}); "
+                "the fused loss needs the head's floating-point weight")
+    if kind == "DTensor" or type(lm_head).__name__.startswith("FSDP") or hasattr(weight, "ds_id") \
+            or "FlatParameter" in kind or hasattr(lm_head, "_fsdp_wrapped_module"):
+        return ("its lm_head is sharded (FSDP, DeepSpeed ZeRO-3 or a DTensor): its weight is whole only inside "
+                "lm_head's own forward, which the patched path does not call")
+    if tuple(weight.shape) != (lm_head.out_features, lm_head.in_features):
+        return (f"its lm_head's weight has shape {tuple(weight.shape)}, not (out_features, in_features) = "
+                f"{(lm_head.out_features, lm_head.in_features)}: it is stored in another form")
+    if lm_head._forward_hooks or lm_head._forward_pre_hooks or getattr(lm_head, "_hf_hook", None) is not None:
+        return "its lm_head has forward hooks (accelerate's device map or offload, say), which the patched path skips"
+    if getattr(model, "_hf_hook", None) is not None:
+        return "the model has accelerate's hooks on its forward (a device map or offload), which the patch replaces"
+    return None
+
+
 def check_supported(model, *, allow_unlisted: bool = False) -> _PatchState:
     """The patch's state for ``model``, or ``UnsupportedModelError`` saying why it cannot be patched."""
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -330,6 +363,8 @@ def check_supported(model, *, allow_unlisted: bool = False) -> _PatchState:
         )
     if not isinstance(getattr(model, "model", None), torch.nn.Module):
         raise UnsupportedModelError(f"{refuse}: it has no base model at .model; supported: {_supported_list()}")
+    if why := head_the_patch_cannot_read(model, lm_head):
+        raise UnsupportedModelError(f"{refuse}: {why}")
     fn = _unwrapped_forward(owner)
     try:
         signature, varkw = _signature(fn)

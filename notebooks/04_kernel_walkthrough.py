@@ -81,9 +81,12 @@
 #
 # **Run time** (the whole notebook, with no one typing; every run prints its seconds per section
 # and writes them to `results.json`'s `section_seconds`): on a 2-core CPU 17-22 s, attendee or
-# teacher, fp32 or the T4's fp16 (no section over 5 s); on a pretend T4 and an H200: GPU
-# measurement pending, to be committed under `docs/measurements/` (the payoff is the only section
-# that takes long). A real T4 is slower than the pretend one: the minutes above are for people.
+# teacher, fp32 or the T4's fp16 (no section over 5 s); on an H200 as a pretend T4 (fp16, 64 KB of
+# shared memory enforced) 22 s as an attendee and 15 s as the teacher, the longest section the
+# online log-sum-exp (6 s, its kernels compiling) and the payoff (4 s); on the H200 as itself 51 s
+# and 20 s, the attendee's first run compiling longer (`docs/measurements/h200-2026-12-02/workshop-04/`).
+# A real T4 multiplies fp16 about twelve times slower than an H200, so expect the payoff to take
+# longer there; the minutes above are for people, not for the machine.
 # **Needs Triton**, which installs on Linux only: on macOS or Windows open the notebook in Colab or
 # Kaggle (the badges above).
 #

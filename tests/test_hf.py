@@ -450,6 +450,37 @@ def test_gpt2_is_refused():
         assert name in str(err.value)
 
 
+def test_heads_the_patch_cannot_read_are_refused():
+    """A head whose weight is not the plain matrix the patched path reads: quantised, sharded, or
+    with hooks that the patched path would skip."""
+    model = make_model("qwen3")
+    head = model.lm_head
+    handle = head.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(hf.UnsupportedModelError, match="forward hooks"):
+        hf.patch(model)
+    handle.remove()
+    model._hf_hook = object()  # accelerate's marker of a device-map or offload hook
+    with pytest.raises(hf.UnsupportedModelError, match="accelerate's hooks"):
+        hf.patch(model)
+    del model._hf_hook
+    head.weight.ds_id = 7  # what DeepSpeed ZeRO-3 sets on a partitioned parameter
+    with pytest.raises(hf.UnsupportedModelError, match="sharded"):
+        hf.patch(model)
+    del head.weight.ds_id
+    sharded = type("FSDPLinear", (torch.nn.Linear,), {})  # what fully_shard makes of the head's class
+    head.__class__ = sharded
+    with pytest.raises(hf.UnsupportedModelError, match="sharded"):
+        hf.patch(model)
+    head.__class__ = torch.nn.Linear
+    weight = head.weight
+    head.weight = torch.nn.Parameter(torch.zeros_like(weight, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(hf.UnsupportedModelError, match="quantised"):
+        hf.patch(model)
+    head.weight = weight
+    hf.patch(model)  # all of it undone: the plain head patches
+    hf.unpatch(model)
+
+
 def test_fake_module_is_refused():
     class FakeLM(torch.nn.Module):
         def __init__(self):
