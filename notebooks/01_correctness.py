@@ -367,8 +367,10 @@ for d in dict.fromkeys(r.dtype for r in apple):
 # A failing method of ours or a baseline stops the suite here. A failing peer is reported loudly
 # and recorded in `gate.json` (set `fail_on_peers = True` to stop on it too). The later notebooks
 # do not read this verdict: notebook 02 runs a quick gate of its own, on the configuration it
-# measures, and leaves out what fails it; notebook 03 trains every available method and reports a
-# peer's failure there as a finding.
+# measures, and sweeps a method that fails it all the same, marked (its memory and time do not
+# depend on its rounding); notebook 03 trains every available method and reports a peer's failure
+# there as a finding. The REPORT reads this verdict: a method that fails here is recommended for
+# nothing in that dtype (`helpers.compare.verdicts`).
 
 # %%
 print(f"results: {gate_json}")

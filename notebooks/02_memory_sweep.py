@@ -490,8 +490,8 @@ t4_records, t4_plan = (t4_pass.records, t4_pass.plan) if t4_pass else (records, 
 # %%
 if t4_pass:
     display(Markdown(sweep.results_pivot(t4_pass.records, labels, failed_gate=t4_pass.plan.failed_gate)))
-    t4_verdict = sweep.verdicts(t4_pass.records, V, smoke=P.smoke)
-    for name, sentence in t4_verdict.items():
+    t4_reading = sweep.describe_methods(t4_pass.records, V, smoke=P.smoke)
+    for name, sentence in t4_reading.items():
         print(f"{labels[name]}: {sentence}")
 
 # %% [markdown]
@@ -564,7 +564,7 @@ for r in records:
             assert abs(r["peak_bytes"] / r["theory_bytes"] - 1) < 0.05, f"naive at N={r['N']} is off 12·N·V"
 
 # %% [markdown]
-# ## The results, and the verdict
+# ## The results, in words
 #
 # The table reads like the article's: a row per method, least memory first, a column per N, each
 # cell the peak above the inputs and the time of one forward and backward. Then one sentence per
@@ -577,10 +577,10 @@ for r in records:
 
 # %%
 display(Markdown(sweep.results_pivot(records, labels, failed_gate=plan.failed_gate)))
-verdict = sweep.verdicts(records, V, smoke=P.smoke)
+reading = sweep.describe_methods(records, V, smoke=P.smoke)
 if P.smoke:
     print(SMOKE_NOTE)
-for name, sentence in verdict.items():
+for name, sentence in reading.items():
     wall = sweep.first_oom_n(name, Ns, V, D, dtype, cap, sweep.capability_for(name, info))
     theory = "no formula" if name not in sweep.THEORY else "no wall" if wall is None else f"wall at N={wall:,}"
     gate_note = f" † fails the accuracy gate ({plan.failed_gate[name]})" if name in plan.failed_gate else ""
@@ -600,14 +600,14 @@ meta = {
     "profile": P.name, "smoke": P.smoke, "device": info.as_dict(), "dtype": dtype_name(dtype), "V": V, "D": D,
     "pretend_t4": info.pretend_t4, "memory_fraction": memory_fraction, "memory_cap_bytes": cap.usable_bytes,
     "methods": methods, "failed_gate": plan.failed_gate, "left_out": plan.unavailable, "N": Ns,
-    "verdicts": verdict, "versions": sweep.library_versions(),
+    "readings": reading, "versions": sweep.library_versions(),
 }
 files = [*sweep.write_results(records, out, stem, meta), out / f"{stem}.png"]
 if t4_pass:
     t4_meta = {**meta, "device": t4_pass.info.as_dict(), "dtype": t4_pass.dtype, "pretend_t4": True,
                "memory_cap_bytes": t4_pass.cap.usable_bytes,
                "methods": t4_pass.plan.swept, "failed_gate": t4_pass.plan.failed_gate,
-               "left_out": t4_pass.plan.unavailable, "N": t4_pass.Ns, "verdicts": t4_verdict}
+               "left_out": t4_pass.plan.unavailable, "N": t4_pass.Ns, "readings": t4_reading}
     files += [*sweep.write_results(t4_pass.records, out, "memory_sweep_pretend_t4", t4_meta),
               out / "memory_sweep_pretend_t4.png"]
 print("results: " + ", ".join(f.name for f in files) + f" in {out}")
@@ -615,14 +615,14 @@ print("results: " + ", ".join(f.name for f in files) + f" in {out}")
 headline = sweep.headline(records, labels=labels, t4_records=t4_records, smoke=P.smoke)
 facts = {} if P.smoke else sweep.report_facts(records, t4_records=t4_records, t4_plan=t4_plan)
 print(f"headline: {headline}")
-verdict_lines = "".join(f"\n- **{labels[name]}**{' †' if name in plan.failed_gate else ''}: {sentence}"
-                        for name, sentence in verdict.items())
-verdict_lines += "".join(f"\n- *not swept*, {labels[name]}: {why}" for name, why in plan.unavailable.items())
+reading_lines = "".join(f"\n- **{labels[name]}**{' †' if name in plan.failed_gate else ''}: {sentence}"
+                        for name, sentence in reading.items())
+reading_lines += "".join(f"\n- *not swept*, {labels[name]}: {why}" for name, why in plan.unavailable.items())
 t4_section = "" if not t4_pass else f"""
 ### {"As a T4" if t4_pass.info.is_cuda else "The T4 pass at smoke size (a T4's kernel configurations, not its memory)"}, {t4_pass.dtype}
 
 {t4_pass.cap.describe()}.
-{"".join(f"{chr(10)}- **{labels[name]}**: {sentence}" for name, sentence in t4_verdict.items())}
+{"".join(f"{chr(10)}- **{labels[name]}**: {sentence}" for name, sentence in t4_reading.items())}
 
 ![Peak memory and latency against N, as a T4](memory_sweep_pretend_t4.png)
 
@@ -631,7 +631,7 @@ t4_section = "" if not t4_pass else f"""
 write_report_fragment(out, f"""
 Peak memory of loss forward+backward against tokens N on {info.describe()},
 V={V:,}, D={D:,}, {dtype_name(dtype)}; {cap.describe()}.
-{verdict_lines}
+{reading_lines}
 
 ![Peak memory and latency against N]({stem}.png)
 

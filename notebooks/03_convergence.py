@@ -374,7 +374,7 @@ finetune_drift = {name: o.drift for name, o in finetune.items()}
 print(f"{smoke}bound: {tolerance:.2g} = max(floor {S['tolerance_floor']:g}, {verdicts.SLACK:g} x naive's drift "
       f"{yardstick:.2g}) in {S['compute_dtype']}")
 for name, o in finetune.items():
-    print(f"{labels.get(name, name):<26} max drift {o.drift:9.2e}   {verdicts.trains_phrase(o.verdict)}")
+    print(f"{labels.get(name, name):<26} max drift {o.drift:9.2e}   {verdicts.part_phrase(o)}")
 for name in FT["methods"]:
     if reasons[name]:
         print(f"{labels[name]:<26} not run: {reasons[name]}")
@@ -647,7 +647,7 @@ results = {
 }
 training.write_json(out / "results.json", results)
 note = f"*{SMOKE_NOTE}*\n\n" if P.smoke else ""
-drift_rows = "\n".join(f"| {labels.get(name, name)} | {o.drift:.2e} | {verdicts.trains_phrase(o.verdict)} |"
+drift_rows = "\n".join(f"| {labels.get(name, name)} | {o.drift:.2e} | {verdicts.part_phrase(o)} |"
                        for name, o in finetune.items())
 speed_rows = "\n".join(
     f"| {labels[name]} | " + " | ".join(

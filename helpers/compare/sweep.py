@@ -15,7 +15,7 @@ does it stop fitting? This module answers it on whatever device is at hand, in t
   the sweep carried on, a method that ran out of memory skipped at larger N, each point appended to
   a JSONL store as soon as it is measured, so an interrupted run resumes (with the same library
   versions only);
-- **reading the results** (``results_pivot``, ``verdicts``, ``headline``, ``report_facts``,
+- **reading the results** (``results_pivot``, ``describe_methods``, ``headline``, ``report_facts``,
   ``write_results``).
 
 Bytes everywhere; GB means 10^9 bytes (the article's unit).
@@ -750,7 +750,7 @@ def results_pivot(records: list[dict], labels: dict[str, str] | None = None, *, 
     return "\n".join(lines)
 
 
-def verdicts(records: list[dict], V: int, *, smoke: bool = False, baseline: str = "torch_compile") -> dict[str, str]:
+def describe_methods(records: list[dict], V: int, *, smoke: bool = False, baseline: str = "torch_compile") -> dict[str, str]:
     """One sentence per method: does its peak grow with N×V (the logits) or only with N·D (the
     gradients), where did it hit the wall, and how fast is it next to ``baseline``?
 
@@ -944,6 +944,6 @@ __all__ = [
     "sizes_that_fit",
     "t4_card",
     "this_card",
-    "verdicts",
+    "describe_methods",
     "write_results",
 ]

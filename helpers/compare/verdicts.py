@@ -295,7 +295,18 @@ def convergence_fact(dtype: str, outcomes: list[Outcome]) -> dict:
 
 
 def trains_phrase(verdict: str | None) -> str:
+    """A method's one training verdict in one dtype, in words (``combine`` of its parts)."""
     return TRAINS[verdict]
+
+
+def part_phrase(outcome: Outcome) -> str:
+    """One part's outcome in words, never a "trains ..." phrase: those are for a method's one
+    verdict, which may differ from a part's (Liger in fp16: past the fine-tuning bound, and worse
+    in pretraining, is "trains worse")."""
+    if outcome.part == "fine-tuning":
+        return "within the bound" if outcome.verdict == EQUIVALENT else "past the bound"
+    return {EQUIVALENT: "equivalent", BETTER: "better", WORSE: "worse", UNDECIDED: "undecided"}.get(
+        outcome.verdict, outcome.verdict)
 
 
 def convergence_cell(convergence: dict) -> str:
@@ -568,6 +579,6 @@ __all__ = [
     "EQUIVALENT", "BETTER", "WORSE", "DIFFERENT", "UNDECIDED", "TRAINS", "TRAINS_WELL",
     "gate_bound", "gate_case_status", "gate_verdict", "finetune_bound", "pretrain_margin", "margins_text",
     "signed", "t_quantile", "Outcome", "pretrain_outcome", "finetune_outcome", "combine", "convergence_fact",
-    "trains_phrase", "convergence_cell", "first_steps_agree", "least", "REGIME_TOKENS", "training_verdict",
+    "trains_phrase", "part_phrase", "convergence_cell", "first_steps_agree", "least", "REGIME_TOKENS", "training_verdict",
     "why_not_recommended", "regime_sentences", "crossovers", "whole_step_sentence", "recommend",
 ]

@@ -257,6 +257,8 @@ GLOSSARY = [
     ("LB (lower bound)", "the bytes of the two gradients any method must return, dE (N x D) and dC (V x D)"),
     ("tile", "a block of the N x V logit matrix that a kernel computes at once; the filter skips whole tiles"),
     ("G", "the gradient of the loss with respect to a block of logits, softmax minus the one-hot target, over N"),
+    ("G chunk", "the block of G a backward holds at once (some columns of the vocabulary for every row)"),
+    ("the filter", "skipping tiles of G whose entries are too small to change the gradients (the CCE paper's)"),
     ("margin", "the practical difference a verdict is judged against, fixed before the run"),
 ]
 

@@ -25,7 +25,7 @@ from helpers.compare.sweep import (
     results_pivot,
     run_sweep,
     sizes_that_fit,
-    verdicts,
+    describe_methods,
     write_results,
 )
 
@@ -209,7 +209,7 @@ def test_runner_records_oom_skips_larger_n_and_carries_on(tmp_path, flat):
     skipped = next(r for r in records if r["status"] == "skipped after OOM")
     assert "N=128" in skipped["error"]
     assert len(load_points(tmp_path / "points.jsonl")) == 8
-    said = verdicts(records, V=257)
+    said = describe_methods(records, V=257)
     assert "grows with the logits" in said["naive"] and "hit the wall at N=128" in said["naive"]
     assert "grows with N·D (the gradients), not N·V" in said[flat] and "no OOM up to N=256" in said[flat]
 
@@ -238,7 +238,7 @@ def test_runner_records_other_errors_and_retries_them_on_resume(tmp_path, tempor
     name = temporary_method(_method("flaky", implementation)).name
     records = _sweep(tmp_path, [name, flat], [32, 128, 256])
     assert [r["status"] for r in records if r["method"] == name] == ["ok", "error", "ok"]
-    assert "a kernel bug" in verdicts(records, V=257)[name]
+    assert "a kernel bug" in describe_methods(records, V=257)[name]
     broken["on"] = False
     again = _sweep(tmp_path, [name, flat], [32, 128, 256])
     assert [r["status"] for r in again if r["method"] == name] == ["ok", "ok", "ok"]

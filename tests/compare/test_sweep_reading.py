@@ -27,7 +27,7 @@ from helpers.compare.sweep import (
     results_pivot,
     run_pretend_t4_sweep,
     t4_card,
-    verdicts,
+    describe_methods,
 )
 from helpers.suite.report import FACT_KEYS
 
@@ -83,7 +83,7 @@ def test_the_pivot_reads_like_the_articles_table():
 
 
 def test_verdicts_say_what_grows_with_what_and_how_fast_next_to_torch_compile():
-    said = verdicts(H200, V_QWEN)
+    said = describe_methods(H200, V_QWEN)
     assert said["naive"].startswith("grows with the logits N·V: 12.0 bytes per logit")
     assert "hit the wall at N=131,072 (out of memory)" in said["naive"]
     assert said["liger"].startswith("grows with N·D (the gradients), not N·V (the logits)")
@@ -98,7 +98,7 @@ def test_smoke_verdicts_say_only_what_ran():
              point("ours", 128, peak_gb=1.8e-4, ms=2000, dtype="float32", device="x86_64"),
              point("naive", 16, peak_gb=5e-5, ms=1, dtype="float32", device="x86_64"),
              point("naive", 128, "oom", dtype="float32", device="x86_64")]
-    said = verdicts(smoke, 257, smoke=True)
+    said = describe_methods(smoke, 257, smoke=True)
     assert said == {"ours": "2 points measured (N=16 to 128).",
                     "naive": "one point measured (N=16); out of memory at N=128 (the simulated cap)."}
     assert "the pipeline ran: 3 points of 2 methods measured, 1 out of memory at the simulated cap (naive at N=128)" \

@@ -146,3 +146,16 @@ def test_the_whole_step_finding_is_a_headline():
                            "peak within 0.0% of each other (2.67 GB, against 7.74 GB for transformers' default loss)")
     assert "the loss no longer decides a step's memory" in line
     assert recommend(facts, ALL, t4=False)[0] == line
+
+
+def test_notebook_05_defers_training_verdicts_to_03():
+    """05's twenty steps from random weights cannot say whether a loss trains like exact: it says
+    only whether the first steps agree, and names 03 wherever training verdicts come up."""
+    from pathlib import Path
+
+    source = (Path(__file__).resolve().parents[2] / "notebooks" / "05_fits.py").read_text()
+    assert "trains like the default" not in source and "trains differently" not in source
+    for line in source.splitlines():
+        if any(phrase in line for phrase in verdicts.TRAINS.values()) or "trains like" in line:
+            assert "03" in line, line
+    assert "verdicts.first_steps_agree(" in source

@@ -293,3 +293,33 @@ def test_a_reason_a_method_cannot_run_on_a_t4_outweighs_a_later_notebooks_yes(tm
     _write_run(tmp_path, {"02_sweep": ("", sweep02), "05_fits": ("", fits)})
     naive_row = next(line for line in render_report(tmp_path, suite=[]).splitlines() if line.startswith("| naive |"))
     assert "no: out of memory on a T4 from N=8,192" in naive_row and "| yes |" not in naive_row
+
+MEASURED = ROOT / "docs" / "measurements" / "h200-2026-12-02"
+
+
+@pytest.mark.parametrize("run", ["suite-gpu-quick", "suite-pretend-t4-quick"])
+def test_the_committed_reports_agree_with_the_engine(run):
+    """The REPORTs of the committed H200 runs, rebuilt from their facts by this code: every line that
+    names one method and says how it trains says the engine's verdict for it, in that run's dtype."""
+    from helpers.suite.report import _load_summary, _runs, load_facts
+
+    results = MEASURED / run
+    suite = ["01_correctness", "02_memory_sweep", "03_convergence", "04_kernel_walkthrough", "05_fits"]
+    summary = _load_summary(results)
+    methods, *_ = load_facts(results, _runs(results, summary), summary.get("stamp"), suite)
+    md = render_report(results, suite=suite)
+    assert "Not measured in this run" not in md  # the gpu run's 01 and 02 come from its first call
+    dtype = "float16" if "t4" in run else "bfloat16"
+    labels = {METHODS[m].label: m for m in methods if m in METHODS}
+    phrases = {p: v for v, p in verdicts.TRAINS.items()}
+    checked = 0
+    for line in md.splitlines():
+        named = {m for label, m in labels.items() if label in line and f"{label} (" not in line.replace(label + " (Triton", "")}
+        said = [v for p, v in phrases.items() if p in line]
+        if len(named) == 1 and said and "filter off" not in line:
+            assert verdicts.training_verdict(methods[named.pop()], dtype) in said, line
+            checked += 1
+    assert checked >= 1
+    # the training claims of the opening sentences are the engine's
+    assert ("Avoid Liger for training in float16" in md) is (dtype == "float16")
+    assert "Avoid Apple CCE in" in md if dtype == "bfloat16" else "Cannot run on a T4: " in md
