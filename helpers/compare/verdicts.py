@@ -559,9 +559,13 @@ def recommend(methods: dict[str, dict], ran: list[str], *, t4: bool) -> list[str
         top = max(most.values())
         best = [m for m, v in most.items() if v == top and m != "naive"]
         default = most.get("naive")
-        out.append(f"Largest whole Qwen3-0.6B training step on a 16 GB card (05): {_names(best)} at {top:,} tokens"
-                   + (f", against {default:,} with transformers' default loss" if default else "")
-                   + " (the search steps coarsely: equal counts are ties).")
+        if default is not None and top <= default:
+            out.append(f"Largest whole training step on a 16 GB card (05): every loss that ran fits {default:,} tokens, the "
+                       "default as many as the fused losses: at this model's size the loss is not the limit.")
+        else:
+            out.append(f"Largest whole Qwen3-0.6B training step on a 16 GB card (05): {_names(best)} at {top:,} "
+                       "tokens" + (f", against {default:,} with transformers' default loss" if default else "")
+                       + " (the search steps coarsely: equal counts are ties).")
     for m, f in methods.items():
         failing = [d for d, v in f.get("gradients", {}).items() if v == "fail"]
         if failing:

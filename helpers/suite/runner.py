@@ -154,15 +154,18 @@ VERSIONED = ("triton", "liger-kernel", "cut-cross-entropy", "transformers", "num
 
 
 def helpers_version() -> str:
-    """This package's version, and the commit of the checkout it runs from where there is one, with
-    "-dirty" where the checkout has changes (a run from a checkout on PYTHONPATH is not "installed",
-    but it is a version)."""
+    """This package's version (installed, or the checkout's ``pyproject.toml``), and the commit of the
+    checkout it runs from where there is one, with "-dirty" where the checkout has changes (a run
+    from a checkout on PYTHONPATH is not "installed", but it is a version)."""
+    import re
     import subprocess
 
-    import helpers
-
-    version = helpers.__version__
-    root = Path(helpers.__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
+    version = installed_version("helpers")
+    pyproject = root / "pyproject.toml"
+    if version == "not installed" and pyproject.is_file():
+        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.MULTILINE)
+        version = found.group(1) if found else version
     try:
         commit = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
                                 text=True, timeout=10).stdout.strip()
