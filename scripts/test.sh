@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
-# One command: set up, then run the test suite on the CPU (Triton kernels under the interpreter).
+# One command: set up, lint, then run the test suite on the CPU (Triton kernels under the interpreter).
 # Extra arguments go to pytest (e.g. -k gate).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+# Lint first (seconds; pyproject.toml [tool.ruff]); the tests run even when it fails, so one
+# report shows both, and the exit status is the lint's failure if the tests pass.
+lint=0
+python -m ruff check . || lint=$?
 # Tests in parallel, one worker per core up to 4 (2 cores: 13-16 minutes against 22 in one process).
 # worksteal: the slowest tests (the notebook suite, the GPU scripts' --tiny runs) sit at the end
 # of the collection, and an idle worker takes them from a busy one.
 # Extra arguments come after and win (-n 0: one process).
 workers=$(python -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+tests=0
 if [ "$workers" -ge 2 ]; then
-  exec python -m pytest -n "$workers" --dist worksteal "$@"
+  python -m pytest -n "$workers" --dist worksteal "$@" || tests=$?
+else
+  python -m pytest "$@" || tests=$?
 fi
-exec python -m pytest "$@"
+if [ "$tests" -ne 0 ]; then exit "$tests"; fi
+if [ "$lint" -ne 0 ]; then echo "ruff check failed (above)" >&2; fi
+exit "$lint"

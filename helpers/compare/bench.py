@@ -71,7 +71,7 @@ def matmul_tflops(dtype: torch.dtype, device, size: int = 8192) -> float | None:
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     stats = latency(lambda: a @ b, warmup=3, repeats=10, device=device)
-    del a, b
+    a = b = None  # the lambda holds them: free before the next measurement
     release_memory(device)
     return 2 * size**3 / (stats.median_ms * 1e-3) / 1e12
 
