@@ -10,14 +10,14 @@ For each named shape, input regime (``helpers.compare.inputs``), dtype and metho
 
 The correctness gate runs first, on small shapes, for the same methods and dtypes; a method that
 fails it is not timed (``time_failed=True`` times it anyway and marks it, so a peer's speed can be
-reported beside its accuracy problem). Results are appended to a JSON Lines file as they come, so
-a run that dies keeps what it measured; the ``.meta.json`` beside it holds the device, the gate and,
-for the "trained" regime, the facts of each model trained for it (``helpers.compare.trained``).
+reported beside its accuracy problem). Results go to a results file (``helpers.compare.results_file``:
+JSON Lines, one ``BenchRecord`` a line, appended as they come so that a run that dies keeps what it
+measured); its meta record holds the device, the versions, the command, what was asked, the gate
+and, for the "trained" regime, the facts of each model trained for it (``helpers.compare.trained``).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -27,7 +27,8 @@ from helpers.compare.inputs import REGIMES, make_inputs
 from helpers.compare.gate import gate_cases, run_gate
 from helpers.compare.measure import is_out_of_memory, latency, peak_memory, release_memory
 from helpers.compare.methods import get_method
-from helpers.cce.device import default_device, device_info
+from helpers.cce.device import default_device
+from helpers.compare.results_file import ResultsWriter, run_meta
 from helpers.compare.sweep import loss_step
 from helpers.compare.units import dtype_name, lower_bound_bytes
 
@@ -150,16 +151,11 @@ def run_bench(
             raise ValueError(f"regime must be one of {REGIMES}, got {r!r}")
     gate_shapes = GATE_SHAPES_GPU if device.type == "cuda" else GATE_SHAPES_CPU
     report = run_gate(methods, tuple(dtypes), gate_cases(gate_shapes), device=device, raise_on_failure=False)
-    store = Path(output) if output else None
-    header = {"device": device_info(device).as_dict(), "torch": torch.__version__, "gate": report.summary()}
-
-    def write_header():
-        if store:
-            store.with_suffix(".meta.json").write_text(json.dumps(header, indent=1, default=str))
-
-    if store:
-        store.parent.mkdir(parents=True, exist_ok=True)
-        write_header()
+    asked = dict(methods=list(methods), shapes=list(shapes), regimes=list(regimes),
+                 dtypes=[dtype_name(dt) for dt in dtypes], Ns=Ns, warmup=warmup, repeats=repeats,
+                 time_failed=time_failed)
+    store = ResultsWriter(output, run_meta(device, bench=asked, gate=report.summary())) if output else None
+    trained_models = {}
     work = [
         (s, r, dt, N)
         for s in shapes
@@ -185,17 +181,17 @@ def run_bench(
                 rec = bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, rates[dtype], gate)
             records.append(rec)
             if store:
-                with store.open("a") as f:
-                    f.write(json.dumps(asdict(rec)) + "\n")
+                store.append(asdict(rec))
             bar.update(1)
-        if regime == "trained" and shape not in header.get("trained_models", {}):
+        if regime == "trained" and shape not in trained_models:
             from helpers.compare.trained import describe
 
             try:
-                header.setdefault("trained_models", {})[shape] = describe(V, D, device)
+                trained_models[shape] = describe(V, D, device)
             except Exception as error:  # noqa: BLE001  (its points already say why they failed)
-                header.setdefault("trained_models", {})[shape] = f"{type(error).__name__}: {error}"[:300]
-            write_header()
+                trained_models[shape] = f"{type(error).__name__}: {error}"[:300]
+            if store:
+                store.update_meta(trained_models=trained_models)
     bar.close()
     return records
 

@@ -1,11 +1,10 @@
 """The benchmark command: gate first, measure, write as it goes, never time a failing method."""
 
-import json
-
 import torch
 
 from helpers.compare.bench import bench_table, run_bench
 from helpers.compare.methods import Method, naive_loss
+from helpers.compare.results_file import read_results
 from helpers.compare.sweep import lower_bound_bytes
 
 
@@ -21,11 +20,12 @@ def test_bench_measures_gated_methods_and_writes_as_it_goes(tmp_path):
         assert r.status == "ok" and r.gate == "pass" and r.fwd_bwd_ms > 0 and r.peak_mb > 0
         assert r.lower_bound_mb == lower_bound_bytes(64, 1031, 40, torch.float32) / 1e6
         assert r.peak_over_lb >= 1.0  # the step's own gradients are part of its peak
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(lines) == len(records) == 9
+    meta, results = read_results(out)
+    assert len(results) == len(records) == 9 and results[0]["method"] == "naive"
+    assert meta["bench"]["regimes"] == regimes and meta["gate"] and meta["device"]["kind"] == "cpu"
     assert "| tiny | realistic | float32 | 64 | chunked |" in bench_table(records)
-    # the trained regime's model is described beside the results: what was timed on
-    model = json.loads(out.with_suffix(".meta.json").read_text())["trained_models"]["tiny"]
+    # the trained regime's model is described in the meta record: what was timed on
+    model = meta["trained_models"]["tiny"]
     assert (model["V"], model["D"]) == (1031, 40) and model["final_train_loss"] < model["first_loss"]
 
 
