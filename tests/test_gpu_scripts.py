@@ -1,9 +1,10 @@
 """The GPU scripts behind the closing notes' figures run on a CPU with ``--tiny``.
 
-They are how every GPU number in docs/PERFORMANCE.md was produced; a script that no longer runs
-would only be found on the next GPU run, whose minutes are scarce. ``--tiny`` shrinks every shape
-so the Triton kernels run under the interpreter: this checks the scripts' code paths and their
-JSON, not any figure (timings under the interpreter mean nothing).
+They are how every GPU number in docs/PERFORMANCE.md was produced (``scripts/gpu/`` and
+``scripts/experiments/``); a script that no longer runs would only be found on the next GPU run,
+whose minutes are scarce. ``--tiny`` shrinks every shape so the Triton kernels run under the
+interpreter: this checks the scripts' code paths and their results file, not any figure (timings
+under the interpreter mean nothing).
 """
 
 from __future__ import annotations
@@ -16,34 +17,37 @@ from pathlib import Path
 
 import pytest
 
+from helpers.compare.results_file import read_results
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 # speed_v3.py: the sections whose code the others do not run ("trained" runs the accuracy check and
 # the time measure of "accuracy" and "time" on one shape; "profile" needs CUDA for what it measures).
-@pytest.mark.parametrize("script", ["cce_check.py", "tune.py", "speed_v3.py --sections trained checks"])
+@pytest.mark.parametrize("script", ["gpu/cce_check.py", "experiments/tune.py",
+                                    "experiments/speed_v3.py --sections trained checks"])
 def test_gpu_script_runs_tiny_on_cpu(script, tmp_path):
-    out = tmp_path / "result.json"
+    out = tmp_path / "result.jsonl"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("OUT", None)
     name, *options = script.split()
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / name), *options, "--tiny", "--out", str(out)],
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *options, "--tiny", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["meta"]["failed"] == 0
-    assert result["records"], "no case ran"
-    errors = [r for r in result["records"] if r.get("status") == "error"]
+    meta, records = read_results(out)
+    assert meta["schema"] == 1 and meta["failed"] == 0 and meta["device"]["kind"] == "cpu"
+    assert records, "no case ran"
+    errors = [r for r in records if r.get("status") == "error"]
     assert not errors, errors
 
 
 def test_the_gluon_g_kernel_compiles_for_hopper_within_its_shared_memory():
-    """``scripts/gpu/gluon_g.py`` (the warp-specialized G kernel, an experiment for the H200) cannot
+    """``scripts/experiments/gluon_g.py`` (the warp-specialized G kernel, an experiment for the H200) cannot
     run here: Gluon has no interpreter. What a CPU can prove is that it compiles for sm_90 with this
     Triton, fits 227 KB of shared memory per block and spills no registers."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "gluon_g.py"), "--compile-only"],
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "experiments" / "gluon_g.py"), "--compile-only"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout[done.stdout.index("{"):])
@@ -59,7 +63,7 @@ def test_the_gluon_g_kernels_barrier_protocol_reads_each_step_it_waited_for():
     Python over 540 (tiles, D steps, ring depth, interleaving) cases; without the turn barriers
     (the kernel's first schedule) some must fail, so the check is not vacuous."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "gluon_g.py"), "--check-protocol"],
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "experiments" / "gluon_g.py"), "--check-protocol"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1])

@@ -1,7 +1,8 @@
 """The GPU scripts' shared start and finish (``cce_check.py``, ``tune.py``).
 
 Each script checks and times several cases in one call (device time is scarce), keeps going past a
-failing case, writes every record as JSON, and exits 1 if any case failed. ``--tiny`` shrinks every
+failing case, writes every record to a results file (``helpers.compare.results_file``: JSON Lines,
+a meta record first), and exits 1 if any case failed. ``--tiny`` shrinks every
 shape so the script runs on a CPU under the Triton interpreter: CI runs each that way, so a script
 that no longer runs is found before the next GPU call, not during it.
 """
@@ -9,7 +10,6 @@ that no longer runs is found before the next GPU call, not during it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,6 +27,7 @@ import triton  # noqa: E402
 
 import helpers  # noqa: E402,F401  (the environment first: helpers.env)
 from helpers.cce.kernels.configs import select_configs  # noqa: E402
+from helpers.compare.results_file import ResultsWriter, run_meta  # noqa: E402
 
 
 def _fmt(v):
@@ -81,7 +82,7 @@ def script_setup(doc: str, out_name: str, budget_s: float, add_arguments=None):
     Returns (args, cuda, device, scale), ``scale(n, lo)`` shrinking a size for --tiny."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     default_out = os.path.join(os.environ["OUT"], out_name) if os.environ.get("OUT") else None
-    parser.add_argument("--out", default=default_out, help=f"JSON results path (default $OUT/{out_name})")
+    parser.add_argument("--out", default=default_out, help=f"results file, JSON Lines (default $OUT/{out_name})")
     parser.add_argument("--budget-s", type=float, default=budget_s,
                         help="optional cases that would start after this many seconds are skipped")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU check of this script)")
@@ -101,14 +102,13 @@ def script_setup(doc: str, out_name: str, budget_s: float, add_arguments=None):
 
 
 def finish(c: Checker, out: str | None, cuda: bool) -> None:
-    """Print the count line, write the records as JSON to ``out``, exit 1 if any case failed."""
+    """Print the count line, write the records to the results file ``out`` (the meta record counts
+    the failures and the seconds), exit 1 if any case failed."""
     total = time.time() - c.t0
     print(f"{len(c.records)} records, {c.failed} failed, {total:.0f} s")
     if out:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        meta = dict(torch=torch.__version__, triton=triton.__version__, seconds=round(total, 1),
-                    device=torch.cuda.get_device_name(0) if cuda else "cpu", failed=c.failed)
-        with open(out, "w") as fh:
-            json.dump(dict(meta=meta, records=c.records), fh, indent=1, default=str)
+        writer = ResultsWriter(out, run_meta("cuda" if cuda else "cpu", seconds=round(total, 1), failed=c.failed))
+        for record in c.records:
+            writer.append(record)
         print(f"wrote {out}")
     sys.exit(1 if c.failed else 0)

@@ -1,6 +1,6 @@
 """GPU check of our Cut Cross-Entropy (``helpers.cce``): accuracy against float64, memory, time.
 
-    python scripts/gpu/cce_check.py [--out results.json] [--budget-s 330] [--tiny]
+    python scripts/gpu/cce_check.py [--out results.jsonl] [--budget-s 330] [--tiny]
 
 On a CUDA machine (written for an H200: torch 2.11, triton 3.6) it checks, in order of priority:
 
@@ -226,7 +226,7 @@ def measure(shape_name, N, V, D, dtype_name, device, configs=None, **options):
 
 
 def main():
-    args, cuda, device, scale = script_setup(__doc__, "cce_check.json", 330.0)
+    args, cuda, device, scale = script_setup(__doc__, "cce_check.jsonl", 330.0)
     qwen = (scale(2048, 37), scale(151_936, 301), scale(1024, 24))
     gemma = (scale(8192, 40), scale(256_000, 500), scale(2304, 36))
     big = (scale(131_072, 512), scale(151_936, 301), scale(1024, 24))

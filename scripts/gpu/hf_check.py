@@ -16,14 +16,14 @@ every parameter of decoder layer 0, relative L2 below --grad-rtol.
     python scripts/gpu/hf_check.py --n 4096 8192 --output out.jsonl
     python scripts/gpu/hf_check.py --tiny --output /tmp/tiny.jsonl         # CPU, seconds (CI keeps it working)
 
-Writes one JSON object per line to --output: {"kind": "env"}, {"kind": "check"}, and one
-{"kind": "step"} per (N, method); exits 1 when the check fails.
+Writes a results file (``helpers.compare.results_file``) to --output: the meta record (with
+"kind": "env": the model, dtype and settings), then {"kind": "check"} and one {"kind": "step"} per
+(N, method); exits 1 when the check fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -34,6 +34,7 @@ import time
 # helpers first: on a machine without CUDA it switches the Triton interpreter on (helpers.env).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import helpers  # noqa: E402,F401
+from helpers.compare.results_file import ResultsWriter, run_meta  # noqa: E402
 from helpers.hf import patch, unpatch  # noqa: E402
 
 import torch  # noqa: E402
@@ -219,26 +220,24 @@ def main(argv=None):
 
     model = build_model(args, device, dtype)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    env = dict(
-        kind="env", torch=torch.__version__, transformers=transformers.__version__,
-        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", dtype=str(dtype),
+    env = dict(  # beside run_meta's device and versions
+        kind="env", transformers=transformers.__version__, dtype=str(dtype),
         tiny=args.tiny, config=TINY if args.tiny else QWEN3_06B, attn=args.attn, lr=args.lr,
         warmup=args.warmup, repeats=args.repeats, gradient_checkpointing=True,
         parameters=sum(p.numel() for p in model.parameters()),
     )
     rows = []
-    with open(args.output, "w") as out:
-        def emit(row):
-            rows.append(row)
-            out.write(json.dumps(row) + "\n")
-            out.flush()
+    out = ResultsWriter(args.output, run_meta(device, **env))
 
-        emit(env)
-        result = check(model, args, device)
-        emit(result)
-        for n in args.n:
-            for method in args.methods:
-                emit(run_method(model, initial, method, n, args, device))
+    def emit(row):
+        rows.append(row)
+        out.append(row)
+
+    result = check(model, args, device)
+    emit(result)
+    for n in args.n:
+        for method in args.methods:
+            emit(run_method(model, initial, method, n, args, device))
 
     print(f"\ncheck at N={result['n']}: loss hf {result['loss_hf']:.6f} cce {result['loss_cce']:.6f} "
           f"(rel {result['loss_rel_err']:.1e}); max grad rel L2 {max(result['grad_rel_l2'].values()):.1e} "

@@ -1,13 +1,13 @@
 """An experiment for the next design: the "gemm" backward's G kernel as a warp-specialized Gluon kernel.
 
-    timeout 300 python scripts/gpu/gluon_g.py [--out $OUT/gluon_g.json]   # on a Hopper GPU: check, then time
-    python scripts/gpu/gluon_g.py --compile-only                  # any machine: compile for sm_90
-    python scripts/gpu/gluon_g.py --check-protocol                # any machine: its barriers, in Python
+    timeout 300 python scripts/experiments/gluon_g.py [--out $OUT/gluon_g.jsonl]   # on a Hopper GPU: check, then time
+    python scripts/experiments/gluon_g.py --compile-only                  # any machine: compile for sm_90
+    python scripts/experiments/gluon_g.py --check-protocol                # any machine: its barriers, in Python
 
-Why (docs/PERFORMANCE.md, fifth pass): the Triton G kernel, persistent, reaches 450 TFLOP/s at the
-Qwen3 head (D = 1,024) and ~570 at the Gemma-2-2B head (D = 2,304) against cuBLAS's 790, because each
-tile's epilogue (exp, the filter's row sums, a 64 KB store of G) runs after its products in the same
-warps. Triton 3.6 does not generate a warp-specialized schedule for this loop on sm_90, and two
+Why (docs/PERFORMANCE.md, "What would close it", item 1, with the measured rates): the Triton G
+kernel, persistent, stays well under cuBLAS's rate for the same products, the more so at the Qwen3
+head (D = 1,024) than at the Gemma-2-2B head (D = 2,304), because each tile's epilogue (exp, the
+filter's row sums, a 64 KB store of G) runs after its products in the same warps. Triton 3.6 does not generate a warp-specialized schedule for this loop on sm_90, and two
 programs per SM were slower. This kernel is the "ping-pong" schedule written out in Gluon
 (``triton.experimental.gluon``, Triton >= 3.5): per SM, one producer warp issues the copy engine's
 loads of E's and C's blocks into a ring of STAGES buffers, and two consumer warpgroups take the
@@ -405,12 +405,14 @@ def run_on_gpu(out: str) -> int:
     from helpers.cce.options import tile_eps
     from helpers.compare.inputs import make_inputs
     from helpers.compare.measure import latency
+    from helpers.compare.results_file import ResultsWriter, run_meta
 
     def median_ms(fn):
         return latency(fn, warmup=1, repeats=20, device=device).median_ms
 
     device = torch.device("cuda")
     cfg = select_configs(device).backward_gemm_for(torch.bfloat16)
+    writer = ResultsWriter(out, run_meta(device))
     records = []
     for name, N, V, D, cols in (("gemma2", 8192, 256_000, 2304, 16_384), ("qwen3-16k", 16_384, 151_936, 1024, 8192)):
         rec = {"case": name, "N": N, "V": V, "D": D, "chunk_columns": cols, "shipped": repr(cfg)}
@@ -449,10 +451,8 @@ def run_on_gpu(out: str) -> int:
             rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:1500]}")
         print(json.dumps(rec), flush=True)
         records.append(rec)
+        writer.append(rec)
         torch.cuda.empty_cache()
-    with open(out, "w") as f:
-        json.dump({"triton": triton.__version__, "torch": torch.__version__,
-                   "device": torch.cuda.get_device_name(), "records": records}, f, indent=1)
     return 0 if all(r["status"] == "ok" for r in records) else 1
 
 
@@ -461,7 +461,7 @@ def main():
     parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report; no GPU needed")
     parser.add_argument("--check-protocol", action="store_true",
                         help="play the kernel's barrier protocol out in Python over many interleavings; no GPU needed")
-    parser.add_argument("--out", default="gluon_g.json")
+    parser.add_argument("--out", default="gluon_g.jsonl")
     args = parser.parse_args()
     if args.check_protocol:
         result = check_ring_protocol()

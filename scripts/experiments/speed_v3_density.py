@@ -1,6 +1,6 @@
 """How sparse is the softmax gradient of our input regimes, at which granularity? Plain torch, CPU.
 
-    PYTHONPATH=. python scripts/speed_v3_density.py [--quick] [--out docs/measurements/speed_v3_density.json]
+    PYTHONPATH=. python scripts/experiments/speed_v3_density.py [--quick] [--out density.jsonl]
 
 For each shape, regime (``helpers.compare.inputs``) and vocabulary order (as given, or sorted by
 C . mean(E) as ``helpers.cce.gradients.vocabulary_order`` does), the fp32 softmax is formed row chunk
@@ -37,9 +37,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from helpers.compare.inputs import make_inputs  # noqa: E402
+from helpers.compare.results_file import ResultsWriter, run_meta  # noqa: E402
 
 EPS = 2.0**-12
 ROW_BUDGET = 2.0**-7
@@ -277,8 +278,9 @@ def main():
     if args.errors:
         records = filter_errors(*args.errors_shape)
         if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(dict(records=records), fh, indent=1)
+            writer = ResultsWriter(args.out, run_meta("cpu"))
+            for record in records:
+                writer.append(record)
         return
     shapes = [(1024, 32768, 256)] if args.quick else [
         (1024, 32768, 256), (4096, 32768, 256), (1024, 65536, 1024), (4096, 65536, 1024)]
@@ -297,9 +299,9 @@ def main():
                     print(json.dumps(r), flush=True)
                 print(f"# {N}x{V}x{D} {regime} sort={sort}: {time.time() - t:.0f} s", file=sys.stderr, flush=True)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(dict(eps=EPS, records=records), fh, indent=1)
+        writer = ResultsWriter(args.out, run_meta("cpu", eps=EPS))
+        for record in records:
+            writer.append(record)
 
 
 if __name__ == "__main__":

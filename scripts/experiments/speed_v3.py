@@ -1,6 +1,6 @@
 """GPU check of the "sparse" backward against "gemm": accuracy, time, memory, work skipped.
 
-    python scripts/gpu/speed_v3.py [--out results.json] [--budget-s 240] [--tiny]
+    python scripts/experiments/speed_v3.py [--out results.jsonl] [--budget-s 240] [--tiny]
 
 Written for an H200 (bf16; torch 2.11, triton 3.6). In order of priority (later cases are skipped
 past --budget-s; the required ones run anyway):
@@ -17,8 +17,8 @@ past --budget-s; the required ones run anyway):
    Gemma head (N=8,192) and the Qwen3 head (N=16,384, 1,024, 131,072), with the sparse
    backward's counts: marked share of (row, tile) pairs, tile products against "gemm"'s, the
    largest |G| mass a row lost, row blocks, and why it ran "gemm" when it did;
-3. a compact table, with each time's ratio to torch.compile's as measured on this H200 on
-   2026-11-30 (docs/PERFORMANCE.md; not re-measured here).
+3. a compact table, with each time's ratio to torch.compile's as measured on an H200 on
+   2026-11-30 (``docs/measurements/h200-2026-11-30/bench.jsonl``; not re-measured here).
 
 ``--sections`` (default ``accuracy time``: items 1-2) runs the sections named, in that order;
 ``trained``, ``checks`` and ``profile`` are these.
@@ -48,9 +48,11 @@ fallback would take over) so the script can be checked on a CPU under the Triton
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -59,15 +61,21 @@ from _common import Checker, finish, script_setup
 import helpers.cce.backward_sparse as sparse_backward
 from helpers.cce import linear_cross_entropy, why_unavailable
 from helpers.compare.inputs import make_inputs
+from helpers.compare.results_file import read_results
 from helpers.spec import reference_loss_and_grads, relative_error
 
-# torch.compile's forward+backward on this H200, bf16 (docs/PERFORMANCE.md, 2026-11-30).
-TORCH_COMPILE_MS = {
-    ("gemma2", 8192, "uniform"): 49.1, ("gemma2", 8192, "realistic"): 48.4,
-    ("qwen3", 1024, "uniform"): 2.7, ("qwen3", 1024, "realistic"): 2.5,
-    ("qwen3", 16384, "uniform"): 31.5, ("qwen3", 16384, "realistic"): 31.3,
-    ("qwen3", 131072, "uniform"): 261.0, ("qwen3", 131072, "realistic"): 260.3,
-}
+# torch.compile's forward+backward on an H200, bf16: the bench of 2026-11-30, not re-measured here.
+TORCH_COMPILE_RUN = Path(__file__).resolve().parents[2] / "docs/measurements/h200-2026-11-30/bench.jsonl"
+
+
+@functools.cache
+def torch_compile_ms() -> dict:
+    """{(shape, N, regime): fwd+bwd ms} of torch.compile in ``TORCH_COMPILE_RUN``."""
+    _, rows = read_results(TORCH_COMPILE_RUN)
+    short = {"gemma2-2b": "gemma2", "qwen3-0.6b": "qwen3"}
+    return {(short[r["shape"]], r["N"], r["regime"]): r["fwd_bwd_ms"]
+            for r in rows if r["method"] == "torch_compile" and r["status"] == "ok"}
+
 VARIANTS = {
     "gemm": dict(backward_impl="gemm"),
     "gemm+sort": dict(backward_impl="gemm", sort_vocab=True),
@@ -237,8 +245,8 @@ def _measure(shape, N, V, D, regime, variant, dtype, E, C, x, options, cuda, tin
                variant=variant, fwd_ms=round(times["fwd"], 2), fwd_bwd_ms=round(times["fwd_bwd"], 2),
                peak_mb=round(peak / 1e6, 1) if peak is not None else None, lb_mb=round(lb / 1e6, 1),
                peak_over_lb=round(peak / lb, 3) if peak is not None else None, status="ok")
-    ref = TORCH_COMPILE_MS.get((shape, N, regime))
-    if ref and cuda:
+    ref = torch_compile_ms().get((shape, N, regime)) if cuda else None
+    if ref:
         rec["vs_torch_compile"] = round(times["fwd_bwd"] / ref, 3)
     rec.update(_sparse_counts(stats))
     return rec
@@ -321,7 +329,7 @@ def turing_configs(shape, N, V, D, regime, device, tiny):
 
 def main():
     args, cuda, device, scale = script_setup(
-        __doc__, "speed_v3.json", 240.0,
+        __doc__, "speed_v3.jsonl", 240.0,
         lambda p: p.add_argument("--sections", nargs="+", default=["accuracy", "time"],
                                  choices=["accuracy", "time", "profile", "checks", "trained"]))
     dtype = torch.bfloat16 if cuda else torch.float16  # the interpreter cannot do bf16
