@@ -1582,7 +1582,7 @@ exercises.check("keep_tile", keep_tile_row_mass, check_keep_tile)
 # %%
 section("11 · the payoff")
 from helpers.compare.measure import measure
-from helpers.compare.sweep import loss_step
+from helpers.compare.measure import loss_step
 
 PAYOFF_BLOCKS = {"block_n": BLOCK_N, "block_v": BLOCK_V}
 
