@@ -190,7 +190,7 @@ from helpers.cce.device import T4_CAPABILITY, T4_MEMORY_BYTES
 from helpers.compare import measure, sweep, sweep_results, theory
 from helpers.compare.heads import QWEN3
 from helpers.compare.inputs import make_inputs
-from helpers.compare.methods import primary_methods
+from helpers.compare.methods import get_method, primary_methods
 from helpers.compare.units import DTYPES, dtype_name
 from helpers.lab.profiles import SMOKE_NOTE, get_profile
 from helpers.lab.plots import method_label, plot_memory_sweep
@@ -311,7 +311,7 @@ for name in primary_methods():
 unit_name, unit_bytes = unit = sweep_results.memory_unit(theory.predicted_peak_bytes("naive", Ns[-1], V, D, dtype))
 rows = ["| method | formula | " + " | ".join(f"N={n:,}" for n in Ns) + " |", "|---|---|" + "---:|" * len(Ns)]
 for name in methods:
-    formula = theory.THEORY[name][1] if name in theory.THEORY else "no formula here; compared with the floor"
+    formula = get_method(name).peak_formula or "no formula here; compared with the floor"
     cells = [theory.predicted_peak_bytes(name, n, V, D, dtype, theory.capability_for(name, info)) for n in Ns]
     rows.append(f"| {labels[name]} | {formula} | " + " | ".join("—" if c is None else f"{c / unit_bytes:.3f}" for c in cells) + " |")
 floor = [theory.lower_bound_bytes(n, V, D, dtype) / unit_bytes for n in Ns]
@@ -582,9 +582,9 @@ if P.smoke:
     print(SMOKE_NOTE)
 for name, sentence in reading.items():
     wall = theory.first_oom_n(name, Ns, V, D, dtype, cap, theory.capability_for(name, info))
-    theory = "no formula" if name not in theory.THEORY else "no wall" if wall is None else f"wall at N={wall:,}"
+    theory_says = "no formula" if not theory.has_formula(name) else "no wall" if wall is None else f"wall at N={wall:,}"
     gate_note = f" † fails the accuracy gate ({plan.failed_gate[name]})" if name in plan.failed_gate else ""
-    print(f"{labels[name]}: {sentence} (theory: {theory}){gate_note}")
+    print(f"{labels[name]}: {sentence} (theory: {theory_says}){gate_note}")
 
 # %% [markdown]
 # ## Files and the report

@@ -1,7 +1,8 @@
 """The memory theory: what each loss method holds at its peak, and how many tokens fit a card.
 
 - **theory** (``predicted_peak_bytes``): what each method holds at its peak, from the arithmetic
-  and from reading its code, checked against measurements (tests/compare/test_sweep.py on the CPU;
+  and from reading its code (each method's formula lives on its registry entry,
+  ``helpers.compare.methods.Method.peak_bytes``), checked against measurements (tests/compare/test_sweep.py on the CPU;
   the article's T4 table and our earlier H200 measurements on GPUs);
 - **how many tokens fit** (``largest_n_that_fits``, ``fits_table``): the same theory asked the other
   way round, for this card, a T4 or any card (notebook 02's widget).
@@ -13,14 +14,14 @@ Bytes everywhere; GB means 10^9 bytes (the article's unit).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from helpers.compare.units import dtype_bytes, dtype_name, format_bytes, lower_bound_bytes, torch_dtype
 from helpers.compare.measure import MemoryCap
-from helpers.compare.methods import chunk_rows
+from helpers.compare.methods import METHODS
 from helpers.cce.device import T4_CAPABILITY, T4_MEMORY_BYTES, DeviceInfo
 
 # ---------------------------------------------------------------------------------------------
@@ -33,109 +34,6 @@ def input_bytes(N: int, V: int, D: int, dtype: torch.dtype | str) -> int:
     return (N * D + V * D) * dtype_bytes(dtype) + N * 8
 
 
-def _naive(N, V, D, b, capability):
-    # Forward: z = E @ C.T in the input dtype (N V b) is upcast to fp32 (N V 4) and dies right
-    # after the cast; log_softmax saves its fp32 output (N V 4) for backward. Backward, inside
-    # log_softmax's backward, three fp32 N×V tensors are alive at once: the saved log-softmax, the
-    # gradient nll_loss hands it (dense, N V 4) and the gradient it returns (N V 4). That is the
-    # peak: 12 bytes per logit in every input dtype. After it: the fp32 gradient, its cast to the
-    # input dtype (16-bit inputs only), then dE and dC.
-    after = (4 + (b if b < 4 else 0)) * N * V + (N * D + V * D) * b
-    return max(12 * N * V, after)
-
-
-def _torch_compile(N, V, D, b, capability):
-    # Inductor fuses upcast, softmax and the loss into one kernel that keeps only the input-dtype
-    # logits (N V b) for backward; backward writes the logits' gradient over them (same size,
-    # same dtype), then the two matmuls add dE and dC. Peak: one N×V tensor in the input dtype.
-    return N * V * b + (N * D + V * D) * b
-
-
-def _chunked(N, V, D, b, capability):
-    # methods.ChunkedLinearCrossEntropy. Backward holds dE (N D b), the fp32 accumulator dC32
-    # (V D 4), for 16-bit inputs an fp32 copy of C (V D 4) and of the chunk's rows of E, and fp32
-    # (rows, V) blocks at the peak: raw logits, (z - lse) and G = exp(z - lse); each chunk's G is
-    # freed before the next chunk starts. The last step casts dC32 to the input dtype (V D b) while
-    # dC32 and the copy of C are still alive.
-    rows = min(N, chunk_rows(V))
-    blocks = 3
-    upcast = b < 4
-    per_chunk = N * D * b + V * D * 4 + upcast * (V * D * 4 + rows * D * 4) + blocks * rows * V * 4
-    last_step = N * D * b + V * D * 4 + upcast * (V * D * 4 + V * D * b)
-    return max(per_chunk, last_step)
-
-
-def _liger(N, V, D, b, capability):
-    # liger_kernel.ops.fused_linear_cross_entropy: dE and dC (input dtype) computed during the
-    # forward pass, over row chunks whose (rows, V) logits are about the size of E:
-    # rows = next_pow2(ceil(N / ceil(V / D))). The kernel writes the logits' gradient over the
-    # logits. dC accumulates in place (addmm) only on CUDA sm_80+ in fp16/bf16. Elsewhere each
-    # chunk adds `mm(G^T, E_chunk).float()` to dC: a (V, D) matmul result and its fp32 copy (one
-    # tensor in fp32). On the CPU, adding that fp32 tensor into a 16-bit dC in place allocates two
-    # more fp32 (V, D) temporaries (CUDA casts inside the kernel instead).
-    rows = min(N, _next_power_of_2(math.ceil(N / math.ceil(V / D))))
-    if capability is not None and capability >= (8, 0) and b == 2:
-        temporaries = 0
-    elif b == 4:
-        temporaries = V * D * 4
-    elif capability is not None:
-        temporaries = V * D * (b + 4)
-    else:
-        temporaries = V * D * (4 + 2 * 4)
-    return (N * D + V * D) * b + rows * V * b + temporaries + N * 4
-
-
-def _ours(N, V, D, b, capability):
-    # helpers.cce with its defaults (backward "gemm"): the forward keeps O(N) (lse per row and vocabulary
-    # split); the backward allocates dE and dC, for 16-bit inputs dE's fp32 accumulator (n_chunk, D)
-    # and, with several row chunks, dC rows staged in fp32 (v_chunk, D) before each fold. Each G chunk
-    # lives in dE's or dC's rows not yet written, or in a buffer where neither has room (fp32):
-    # helpers.cce.gemm_plan says which, with chunk sizes rounded to the BLOCK_V of the configuration
-    # tier this capability gets. On the CPU the products run in fp32 ("upcast"): 16-bit operands
-    # are copied to fp32 for each product, and the staged dC rows are used even for one row chunk.
-    from helpers.cce.backward_gemm import gemm_plan
-    from helpers.cce.kernels.configs import tier_for_capability
-
-    dtype = torch.float32 if b == 4 else torch.float16
-    block_v = tier_for_capability(capability).backward_gemm_for(dtype).BLOCK_V
-    plan = gemm_plan(N, V, D, dtype, block_v)
-    n_chunk, widest = plan.n_chunk, plan.widest
-    staged = min(plan.v_chunk, widest)  # dC's rows staged in fp32, a piece of a chunk at a time
-    low = b < 4
-    several = N > n_chunk
-    scratch = plan.buffer_elements * b + low * n_chunk * D * 4
-    if low and (several or capability is None):
-        scratch += staged * D * 4
-    if low and capability is None:  # the larger of the two products' fp32 operand copies
-        scratch += max(n_chunk * widest + widest * D, n_chunk * staged + n_chunk * D) * 4
-    # Per row, fp32: the forward's lse, and the backward's row gradient (w, w / max w and the three
-    # coefficients of G, helpers.cce.gradients.RowGradient).
-    per_row = 24 * N
-    return (N * D + V * D) * b + scratch + per_row
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def _floor(N, V, D, b, capability):
-    # No formula beyond the floor: the gradients plus O(N) per-row state, which is what these
-    # methods are designed to reach (Apple CCE measured within 0.5% of it on an H200).
-    return (N * D + V * D) * b
-
-
-THEORY: dict[str, tuple[Callable[..., int], str]] = {
-    "naive": (_naive, "12·N·V: three fp32 N×V tensors inside log_softmax's backward"),
-    "torch_compile": (_torch_compile, "N·V·b + (N·D + V·D)·b: the input-dtype logits, then dE, dC"),
-    "chunked": (_chunked, "dE + 2 fp32 (V, D) + 4 fp32 (chunk, V) blocks (3 if one chunk); chunk = 256 MiB / 4V rows"),
-    "liger": (_liger, "(N·D + V·D)·b + a (chunk, V) logit block of about N·D elements, + (V, D) "
-              "temporaries for dC except on sm_80+ in 16-bit"),
-    "apple_cce": (_floor, "(N·D + V·D)·b: the floor (its O(N) LSE not counted)"),
-    "ours": (_ours, "(N·D + V·D)·b + 16-bit: dE's fp32 accumulator + fp32: a G chunk (16-bit G lives "
-             "in dE's and dC's rows not yet written; helpers.cce.gemm_plan) + 24 bytes of per-row state"),
-}
-
-
 def predicted_peak_bytes(
     method: str,
     N: int,
@@ -145,12 +43,17 @@ def predicted_peak_bytes(
     capability: tuple[int, int] | None = None,
 ) -> int | None:
     """Peak bytes above the inputs that ``method`` should need for one forward+backward, or None
-    for a method with no formula here. ``capability``: the CUDA compute capability (None: CPU);
-    it decides which code path Liger takes."""
-    if method not in THEORY:
+    for a method with no formula (or none registered). ``capability``: the CUDA compute capability
+    (None: CPU); it decides which code path Liger takes. The formula is the registry entry's
+    (``Method.peak_bytes``)."""
+    if method not in METHODS:
         return None
-    formula, _ = THEORY[method]
-    return int(formula(N, V, D, dtype_bytes(dtype), tuple(capability) if capability else None))
+    return METHODS[method].predicted_peak_bytes(N, V, D, dtype, capability)
+
+
+def has_formula(method: str) -> bool:
+    """Whether ``method`` is registered with a memory formula (``Method.peak_bytes``)."""
+    return method in METHODS and METHODS[method].peak_bytes is not None
 
 
 def capability_for(method: str, info) -> tuple[int, int] | None:
@@ -253,7 +156,7 @@ def largest_n_that_fits(method: str, V: int, D: int, dtype: torch.dtype | str, c
     torch_dtype(dtype)  # refuses an unknown dtype by name
     if cap.usable_bytes is None:
         raise ValueError("no memory cap: every N fits; give the card's memory")
-    if method not in THEORY:
+    if not has_formula(method):
         return None
 
     def fits(N: int) -> bool:
@@ -304,12 +207,12 @@ def fits_table(methods: Iterable[str], V: int, D: int, cards: list[Card], labels
 
 __all__ = [
     "T4_CAPABILITY",
-    "THEORY",
     "Card",
     "capability_for",
     "card",
     "first_oom_n",
     "fits_table",
+    "has_formula",
     "input_bytes",
     "largest_n_that_fits",
     "lower_bound_bytes",

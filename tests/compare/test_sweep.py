@@ -134,7 +134,7 @@ def test_theory_matches_the_cpu_meter(method, dtype):
 
 
 def test_chunked_theory_with_several_chunks_matches_the_meter(monkeypatch):
-    from helpers.compare import theory
+    from helpers.compare import methods
 
     N, V, D, rows = 100, 509, 16, 16  # seven chunks, the last one ragged
     E, C, x = make_inputs(N, V, D, torch.float16, "cpu", requires_grad=True)
@@ -144,7 +144,7 @@ def test_chunked_theory_with_several_chunks_matches_the_meter(monkeypatch):
 
     step()
     _, measured = peak_memory(step, device="cpu")
-    monkeypatch.setattr(theory, "chunk_rows", lambda V: rows)  # the theory reads the registry's chunk size
+    monkeypatch.setattr(methods, "chunk_rows", lambda V: rows)  # the formula reads the registry's chunk size
     predicted = predicted_peak_bytes("chunked", N, V, D, torch.float16)
     assert abs(measured / predicted - 1) < 0.03, (measured, predicted)
 
