@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from helpers.compare.heads import GEMMA2, QWEN3
 from helpers.compare.theory import predicted_peak_bytes
 from helpers.compare.units import GB, dtype_bytes, lower_bound_bytes
 from helpers.spec import relative_error
@@ -37,8 +38,8 @@ from helpers.spec import relative_error
 VOCABULARIES = {
     "GPT-2 (50,257)": 50_257,
     "Llama-3 (128,256)": 128_256,
-    "Qwen3 (151,936)": 151_936,
-    "Gemma-2 (256,000)": 256_000,
+    f"Qwen3 ({QWEN3.V:,})": QWEN3.V,
+    f"Gemma-2 ({GEMMA2.V:,})": GEMMA2.V,
 }
 
 
