@@ -187,9 +187,10 @@ import torch
 from IPython.display import Markdown, display
 
 from helpers.cce.device import T4_CAPABILITY, T4_MEMORY_BYTES
-from helpers.compare import measure, sweep
+from helpers.compare import measure, sweep, sweep_results, theory
+from helpers.compare.heads import QWEN3
 from helpers.compare.inputs import make_inputs
-from helpers.compare.methods import primary_methods
+from helpers.compare.methods import get_method, primary_methods
 from helpers.compare.units import DTYPES, dtype_name
 from helpers.lab.profiles import SMOKE_NOTE, get_profile
 from helpers.lab.plots import method_label, plot_memory_sweep
@@ -230,7 +231,7 @@ if P.smoke:
 # %%
 cap = measure.apply_memory_cap(memory_fraction, cpu_budget_bytes=settings.get("cpu_budget_bytes"), device=device)
 print(cap.describe())
-Ns = sweep.sizes_that_fit(settings["N"], V, D, dtype, cap)
+Ns = theory.sizes_that_fit(settings["N"], V, D, dtype, cap)
 if Ns != sorted(settings["N"]):
     print(f"left out (even dE + dC would not fit): N = {sorted(set(settings['N']) - set(Ns))}")
 
@@ -307,17 +308,17 @@ for name in primary_methods():
 # </details>
 
 # %%
-unit_name, unit_bytes = unit = sweep.memory_unit(sweep.predicted_peak_bytes("naive", Ns[-1], V, D, dtype))
+unit_name, unit_bytes = unit = sweep_results.memory_unit(theory.predicted_peak_bytes("naive", Ns[-1], V, D, dtype))
 rows = ["| method | formula | " + " | ".join(f"N={n:,}" for n in Ns) + " |", "|---|---|" + "---:|" * len(Ns)]
 for name in methods:
-    formula = sweep.THEORY[name][1] if name in sweep.THEORY else "no formula here; compared with the floor"
-    cells = [sweep.predicted_peak_bytes(name, n, V, D, dtype, sweep.capability_for(name, info)) for n in Ns]
+    formula = get_method(name).peak_formula or "no formula here; compared with the floor"
+    cells = [theory.predicted_peak_bytes(name, n, V, D, dtype, theory.capability_for(name, info)) for n in Ns]
     rows.append(f"| {labels[name]} | {formula} | " + " | ".join("—" if c is None else f"{c / unit_bytes:.3f}" for c in cells) + " |")
-floor = [sweep.lower_bound_bytes(n, V, D, dtype) / unit_bytes for n in Ns]
+floor = [theory.lower_bound_bytes(n, V, D, dtype) / unit_bytes for n in Ns]
 rows.append("| floor | dE + dC | " + " | ".join(f"{c:.3f}" for c in floor) + " |")
 display(Markdown(f"Predicted peak, {unit_name} above the inputs:\n\n" + "\n".join(rows)))
 for name in methods:
-    wall = sweep.first_oom_n(name, Ns, V, D, dtype, cap, sweep.capability_for(name, info))
+    wall = theory.first_oom_n(name, Ns, V, D, dtype, cap, theory.capability_for(name, info))
     if wall is not None:
         print(f"theory says {labels[name]} will not fit from N={wall:,} on")
 
@@ -329,14 +330,13 @@ for name in methods:
 # (theory + inputs), for the T4's code paths in fp16, should be one constant at every point.
 
 # %%
-head = sweep.QWEN3_HEAD
 rows = ["| method | " + " | ".join(f"N={n:,}" for n in sweep.ARTICLE_N) + " |", "|---|" + "---:|" * len(sweep.ARTICLE_N)]
 residuals = []
 for name, article in sweep.ARTICLE_T4_PEAK_GB.items():
     cells = []
     for n, gb in zip(sweep.ARTICLE_N, article):
-        ours = sweep.predicted_peak_bytes(name, n, **head, dtype="float16", capability=T4_CAPABILITY)
-        ours += sweep.input_bytes(n, **head, dtype="float16")
+        ours = theory.predicted_peak_bytes(name, n, QWEN3.V, QWEN3.D, "float16", T4_CAPABILITY)
+        ours += theory.input_bytes(n, QWEN3.V, QWEN3.D, "float16")
         cells.append("OOM" if gb is None else f"{gb:.2f} − {ours / 1e9:.2f} = **{gb - ours / 1e9:.2f}**")
         residuals += [] if gb is None else [gb - ours / 1e9]
     rows.append(f"| {labels[name]} | " + " | ".join(cells) + " |")
@@ -372,10 +372,10 @@ n0 = Ns[0]
 # depends on the processor), memory of the BLAS, not of the loss.
 meter_dtype = torch.float32 if device.type == "cpu" else dtype
 E0, C0, x0 = make_inputs(n0, V, D, meter_dtype, device, requires_grad=True)
-naive_step = sweep.loss_step("naive", E0, C0, x0)
+naive_step = measure.loss_step("naive", E0, C0, x0)
 naive_step()  # warm-up: one-time workspaces are not the loss's memory
 measured = measure.peak_memory(naive_step, device=device)[1]
-predicted = sweep.predicted_peak_bytes("naive", n0, V, D, meter_dtype, info.capability)
+predicted = theory.predicted_peak_bytes("naive", n0, V, D, meter_dtype, info.capability)
 print(f"naive at N={n0:,}: measured {measured / unit_bytes:.4f} {unit_name}, 12·N·V = {predicted / unit_bytes:.4f} {unit_name}")
 assert abs(measured / predicted - 1) < 0.05
 del E0, C0, x0, naive_step
@@ -431,10 +431,10 @@ def latency_caveat(info):
 
 
 def room(cap, V, D, dtype, Ns):
-    return {n: cap.room_for(sweep.input_bytes(n, V, D, dtype)) for n in Ns} if cap.usable_bytes else None
+    return {n: cap.room_for(theory.input_bytes(n, V, D, dtype)) for n in Ns} if cap.usable_bytes else None
 
 
-t4 = sweep.t4_card(memory_fraction)
+t4 = theory.t4_card(memory_fraction)
 bigger_than_t4 = info.is_cuda and not info.pretend_t4 and cap.usable_bytes > t4.cap.usable_bytes
 fig = plot_memory_sweep(
     records, path=out / f"{stem}.png", room_bytes=room(cap, V, D, dtype, Ns),
@@ -472,7 +472,7 @@ if t4_settings:
             print(f"  sweeping  {labels[name]:<18} FAILS the {t4_pass.dtype} gate ({t4_pass.plan.failed_gate[name]}); marked †")
         else:
             print(f"  sweeping  {labels[name]:<18} passed the {t4_pass.dtype} gate")
-    t4_unit = sweep.memory_unit(sweep.predicted_peak_bytes("naive", t4_pass.Ns[-1], V, D, t4_pass.dtype))
+    t4_unit = sweep_results.memory_unit(theory.predicted_peak_bytes("naive", t4_pass.Ns[-1], V, D, t4_pass.dtype))
     as_t4 = t4_pass.info.name if t4_pass.info.is_cuda else "CPU with a T4's kernel configurations"
     t4_fig = plot_memory_sweep(
         t4_pass.records, path=out / "memory_sweep_pretend_t4.png",
@@ -489,8 +489,8 @@ t4_records, t4_plan = (t4_pass.records, t4_pass.plan) if t4_pass else (records, 
 
 # %%
 if t4_pass:
-    display(Markdown(sweep.results_pivot(t4_pass.records, labels, failed_gate=t4_pass.plan.failed_gate)))
-    t4_reading = sweep.describe_methods(t4_pass.records, V, smoke=P.smoke)
+    display(Markdown(sweep_results.results_pivot(t4_pass.records, labels, failed_gate=t4_pass.plan.failed_gate)))
+    t4_reading = sweep_results.describe_methods(t4_pass.records, V, smoke=P.smoke)
     for name, sentence in t4_reading.items():
         print(f"{labels[name]}: {sentence}")
 
@@ -506,11 +506,11 @@ if t4_pass:
 # run says why.
 
 # %%
-cards = [sweep.this_card(info, cap, dtype, primary_methods()), t4]
+cards = [theory.this_card(info, cap, dtype, primary_methods()), t4]
 cannot_run = {cards[0].label: plan.unavailable}
 if t4_plan is not None and info.is_cuda:
     cannot_run[t4.label] = t4_plan.unavailable
-display(Markdown(sweep.fits_table(primary_methods(), V, D, cards, labels, cannot_run)))
+display(Markdown(theory.fits_table(primary_methods(), V, D, cards, labels, cannot_run)))
 
 # %% [markdown]
 # Another card, another head: change the values below (V and D of your model, the dtype you train
@@ -529,9 +529,9 @@ GENERATIONS = {"T4 (sm_75)": (7, 5), "Ampere (sm_80)": (8, 0), "Hopper (sm_90)":
 
 def tokens_that_fit(V, D, dtype, card_GB, generation):
     try:
-        asked = sweep.card(f"a {card_GB:g} GB {generation} card", card_GB * 1e9, dtype, GENERATIONS[generation],
+        asked = theory.card(f"a {card_GB:g} GB {generation} card", card_GB * 1e9, dtype, GENERATIONS[generation],
                            memory_fraction)
-        display(Markdown(sweep.fits_table(primary_methods(), V, D, [asked], labels)))
+        display(Markdown(theory.fits_table(primary_methods(), V, D, [asked], labels)))
     except ValueError as error:
         print(f"cannot answer: {error}")
 
@@ -556,7 +556,7 @@ explore(
 # least the floor, or the measurement is wrong.
 
 # %%
-display(Markdown(sweep.results_pivot(records, labels, cell="theory_ratio", failed_gate=plan.failed_gate)))
+display(Markdown(sweep_results.results_pivot(records, labels, cell="theory_ratio", failed_gate=plan.failed_gate)))
 for r in records:
     if r["status"] == "ok":
         assert r["peak_bytes"] >= 0.99 * r["lower_bound_bytes"], f"{labels[r['method']]} at N={r['N']} is below the floor"
@@ -576,15 +576,15 @@ for r in records:
 # and the CPU's times say nothing about a GPU. The cell then says only what ran.
 
 # %%
-display(Markdown(sweep.results_pivot(records, labels, failed_gate=plan.failed_gate)))
-reading = sweep.describe_methods(records, V, smoke=P.smoke)
+display(Markdown(sweep_results.results_pivot(records, labels, failed_gate=plan.failed_gate)))
+reading = sweep_results.describe_methods(records, V, smoke=P.smoke)
 if P.smoke:
     print(SMOKE_NOTE)
 for name, sentence in reading.items():
-    wall = sweep.first_oom_n(name, Ns, V, D, dtype, cap, sweep.capability_for(name, info))
-    theory = "no formula" if name not in sweep.THEORY else "no wall" if wall is None else f"wall at N={wall:,}"
+    wall = theory.first_oom_n(name, Ns, V, D, dtype, cap, theory.capability_for(name, info))
+    theory_says = "no formula" if not theory.has_formula(name) else "no wall" if wall is None else f"wall at N={wall:,}"
     gate_note = f" † fails the accuracy gate ({plan.failed_gate[name]})" if name in plan.failed_gate else ""
-    print(f"{labels[name]}: {sentence} (theory: {theory}){gate_note}")
+    print(f"{labels[name]}: {sentence} (theory: {theory_says}){gate_note}")
 
 # %% [markdown]
 # ## Files and the report
@@ -602,18 +602,18 @@ meta = {
     "methods": methods, "failed_gate": plan.failed_gate, "left_out": plan.unavailable, "N": Ns,
     "readings": reading, "versions": sweep.library_versions(),
 }
-files = [*sweep.write_results(records, out, stem, meta), out / f"{stem}.png"]
+files = [*sweep_results.write_results(records, out, stem, meta), out / f"{stem}.png"]
 if t4_pass:
     t4_meta = {**meta, "device": t4_pass.info.as_dict(), "dtype": t4_pass.dtype, "pretend_t4": True,
                "memory_cap_bytes": t4_pass.cap.usable_bytes,
                "methods": t4_pass.plan.swept, "failed_gate": t4_pass.plan.failed_gate,
                "left_out": t4_pass.plan.unavailable, "N": t4_pass.Ns, "readings": t4_reading}
-    files += [*sweep.write_results(t4_pass.records, out, "memory_sweep_pretend_t4", t4_meta),
+    files += [*sweep_results.write_results(t4_pass.records, out, "memory_sweep_pretend_t4", t4_meta),
               out / "memory_sweep_pretend_t4.png"]
 print("results: " + ", ".join(f.name for f in files) + f" in {out}")
 
-headline = sweep.headline(records, labels=labels, t4_records=t4_records, smoke=P.smoke)
-facts = {} if P.smoke else sweep.report_facts(records, t4_records=t4_records, t4_plan=t4_plan)
+headline = sweep_results.headline(records, labels=labels, t4_records=t4_records, smoke=P.smoke)
+facts = {} if P.smoke else sweep_results.report_facts(records, t4_records=t4_records, t4_plan=t4_plan)
 print(f"headline: {headline}")
 reading_lines = "".join(f"\n- **{labels[name]}**{' †' if name in plan.failed_gate else ''}: {sentence}"
                         for name, sentence in reading.items())
@@ -626,7 +626,7 @@ t4_section = "" if not t4_pass else f"""
 
 ![Peak memory and latency against N, as a T4](memory_sweep_pretend_t4.png)
 
-{sweep.results_pivot(t4_pass.records, labels, failed_gate=t4_pass.plan.failed_gate)}
+{sweep_results.results_pivot(t4_pass.records, labels, failed_gate=t4_pass.plan.failed_gate)}
 """
 write_report_fragment(out, f"""
 Peak memory of loss forward+backward against tokens N on {info.describe()},
@@ -635,9 +635,9 @@ V={V:,}, D={D:,}, {dtype_name(dtype)}; {cap.describe()}.
 
 ![Peak memory and latency against N]({stem}.png)
 
-{sweep.results_pivot(records, labels, failed_gate=plan.failed_gate)}
+{sweep_results.results_pivot(records, labels, failed_gate=plan.failed_gate)}
 {t4_section}
 ### How many tokens fit (the loss step only, by the theory)
 
-{sweep.fits_table(primary_methods(), V, D, cards, labels, cannot_run)}
+{theory.fits_table(primary_methods(), V, D, cards, labels, cannot_run)}
 """, headline=headline, facts=facts, smoke=P.smoke);

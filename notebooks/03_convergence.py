@@ -204,7 +204,7 @@ import torch
 import helpers
 from helpers.compare import verdicts
 from helpers.compare.methods import METHODS, get_method
-from helpers.lab import step_time, training
+from helpers.lab import convergence, step_time, training
 from helpers.compare.corpus import load_or_build_corpus, summary_lines
 from helpers.lab.plots import (
     mark_smoke,
@@ -325,7 +325,7 @@ if reasons["liger"] is None:
 
 # %%
 scale_check_names = [n for n in ("exact", "ours", "liger", "chunked") if get_method(n).why_unavailable(device, torch.float16) is None]
-scale_check = training.loss_scale_check(ft_task, scale_check_names, device=device)
+scale_check = convergence.loss_scale_check(ft_task, scale_check_names, device=device)
 print(f"entries of softmax / N that are 0 in fp16: {next(iter(scale_check.values()))['underflow']:.1%}")
 print(f"{'loss':<26} {'classifier rows with no gradient':>34} {'dC error':>10} {'dE error':>10}")
 for name, c in scale_check.items():
@@ -365,7 +365,7 @@ ft_repeat = training.train(ft_task, "exact", compute_dtype=dtype, device=device,
 
 # %%
 exact_losses = ft_runs["exact"].train_loss
-yardstick = training.max_relative_drift(ft_runs["naive"].train_loss, exact_losses) if "naive" in ft_runs else math.nan
+yardstick = convergence.max_relative_drift(ft_runs["naive"].train_loss, exact_losses) if "naive" in ft_runs else math.nan
 tolerance = tolerance or verdicts.finetune_bound(yardstick, S["tolerance_floor"])
 finetune = {"exact (repeat)": verdicts.finetune_outcome(ft_repeat.train_loss, exact_losses, tolerance)}
 finetune |= {name: verdicts.finetune_outcome(run.train_loss, exact_losses, tolerance)
@@ -447,12 +447,12 @@ for name in PT["methods"]:
 # is below the ~8 million where its index starts to pay, so it would run the default backward.
 
 # %%
-filter_skips = {}  # "part/arm": what our filter skipped, per step (training.filter_skip_summary)
+filter_skips = {}  # "part/arm": what our filter skipped, per step (convergence.filter_skip_summary)
 skip_series = {}  # the figure's lines: label -> fraction skipped per step
 skip_lines = []  # the same, in words
 for part, runs_of_part in (("fine-tuning", {n: [r] for n, r in ft_runs.items()}), ("pretraining", pt_runs)):
     for name, runs in runs_of_part.items():
-        summary = training.filter_skip_summary(runs)
+        summary = convergence.filter_skip_summary(runs)
         if summary is None:
             continue
         filter_skips[f"{part}/{name}"] = summary
@@ -487,17 +487,17 @@ save(fig, "pretrain_curves.png")
 # margin disqualifies nothing. The sentences below are the engine's.
 
 # %%
-type_bins, bin_labels = training.frequency_bins(corpus.train_counts)
+type_bins, bin_labels = convergence.frequency_bins(corpus.train_counts)
 _, val_targets = lm_task.validation_set()
-diagnostic = training.rare_token_diagnostic(pt_runs, type_bins, val_targets, len(bin_labels))
+diagnostic = convergence.rare_token_diagnostic(pt_runs, type_bins, val_targets, len(bin_labels))
 fig = plot_rare_token_diagnostic(diagnostic, bin_labels, labels, uniform_loss=math.log(len(corpus.vocab)))
 save(fig, "rare_tokens.png")
 
 # %%
-comparisons, findings = training.pretraining_findings(pt_runs, diagnostic, bin_labels, labels)
+comparisons, findings = convergence.pretraining_findings(pt_runs, diagnostic, bin_labels, labels)
 pretrain = {name: verdicts.Outcome.from_dict(o) for name, o in comparisons["final_val_loss"].items()}
-rare_reading = training.describe_rare_tokens(diagnostic, comparisons["bins"], bin_labels, len(corpus.vocab), labels)
-bins_md = training.bin_table(comparisons["bins"]["val_loss"], bin_labels, labels)
+rare_reading = convergence.describe_rare_tokens(diagnostic, comparisons["bins"], bin_labels, len(corpus.vocab), labels)
+bins_md = convergence.bin_table(comparisons["bins"]["val_loss"], bin_labels, labels)
 print(smoke + "\n".join(findings + ["", "validation loss against exact, per frequency bin (nats):", bins_md, ""]
                          + rare_reading))
 
@@ -572,7 +572,7 @@ drifted = [(name if name != "exact (repeat)" else "exact",
 # Our own arms must not train worse than exact in pretraining either.
 drifted += [(name, f"pretraining: {labels[name]} {verdicts.trains_phrase(o.verdict)}: {o.describe()}")
             for name, o in pretrain.items() if o.verdict == verdicts.WORSE and get_method(name).kind != "peer"]
-our_faults, peer_findings = training.split_faults(drifted + crashed)
+our_faults, peer_findings = convergence.split_faults(drifted + crashed)
 liger_fp16_underflow = False
 for name, c in scale_check.items():
     worse = max(c["dC_error"] / scale_check["exact"]["dC_error"], c["dE_error"] / scale_check["exact"]["dE_error"])
@@ -587,7 +587,7 @@ print(smoke + ("peers' findings:" + "".join(f"\n- {f}" for f in peer_findings) i
 print(smoke + ("our faults:" + "".join(f"\n- {f}" for f in our_faults) if our_faults else "ours: no fault"))
 
 # %%
-headline = training.convergence_headline({n: o for n, o in finetune.items() if n != "exact (repeat)"}, pretrain, labels)
+headline = convergence.convergence_headline({n: o for n, o in finetune.items() if n != "exact (repeat)"}, pretrain, labels)
 caveats = {"liger": [], "ours": []}
 if liger_skips_dC:
     caveats["liger"].append("computes no dC when E needs no gradient: an lm_head trained on a frozen body does not train")
@@ -598,7 +598,7 @@ if filter_skips:
     caveats["ours"].append(f"filter skipped {mean:.1%} of tiles per step on average ({most:.1%} at most); "
                            "saves no time in the default backward" if most > 0 else
                            "its gradient filter skipped no tile in these runs")
-facts = training.convergence_facts({n: o for n, o in finetune.items() if n != "exact (repeat)"}, pretrain,
+facts = convergence.convergence_facts({n: o for n, o in finetune.items() if n != "exact (repeat)"}, pretrain,
                                    S["compute_dtype"], labels, not_run={n: r for n, r in reasons.items() if r},
                                    caveats=caveats)
 results = {

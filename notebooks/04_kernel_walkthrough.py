@@ -334,8 +334,9 @@ def random_inputs(N, V, D, generator):
 
 # %%
 section("1 · the memory arithmetic")
-QWEN3 = {"V": 151_936, "D": 1_024}
-footprint = memory_footprint(16_384, QWEN3["V"], QWEN3["D"], "float32")
+from helpers.compare.heads import QWEN3
+
+footprint = memory_footprint(16_384, QWEN3.V, QWEN3.D, "float32")
 for item, n_bytes in footprint.items():
     print(f"{item:>12}: {gigabytes(n_bytes):9.4f} GB")
 print(f"fp32 logits are {footprint['logits'] / footprint['lower_bound']:.0f}× the lower bound, "
@@ -1581,8 +1582,7 @@ exercises.check("keep_tile", keep_tile_row_mass, check_keep_tile)
 
 # %%
 section("11 · the payoff")
-from helpers.compare.measure import measure
-from helpers.compare.sweep import loss_step
+from helpers.compare.measure import loss_step, measure
 
 PAYOFF_BLOCKS = {"block_n": BLOCK_N, "block_v": BLOCK_V}
 
@@ -1618,11 +1618,11 @@ def measure_payoff(N, V, D):
 # %%
 if device.type == "cuda":
     N_payoff = 16_384 if helpers.device_info(device).total_memory_bytes >= 40e9 else 4_096
-    payoff = measure_payoff(N_payoff, **QWEN3)
-    results["numbers"]["payoff"] = {"N": N_payoff, **QWEN3, "dtype": cfg["dtype"], "ways": payoff}
-    print(f"teaching tiles {BLOCK_N} x {BLOCK_V}, D in chunks of {teaching_block_d(QWEN3['D'], BLOCK_N, BLOCK_V, SHARED_MEMORY)}")
-    print(f"N = {N_payoff:,}, V = {QWEN3['V']:,}, D = {QWEN3['D']:,}, {cfg['dtype']}; lower bound "
-          f"{gigabytes(memory_footprint(N_payoff, QWEN3['V'], QWEN3['D'], dtype)['lower_bound']):.2f} GB")
+    payoff = measure_payoff(N_payoff, QWEN3.V, QWEN3.D)
+    results["numbers"]["payoff"] = {"N": N_payoff, "V": QWEN3.V, "D": QWEN3.D, "dtype": cfg["dtype"], "ways": payoff}
+    print(f"teaching tiles {BLOCK_N} x {BLOCK_V}, D in chunks of {teaching_block_d(QWEN3.D, BLOCK_N, BLOCK_V, SHARED_MEMORY)}")
+    print(f"N = {N_payoff:,}, V = {QWEN3.V:,}, D = {QWEN3.D:,}, {cfg['dtype']}; lower bound "
+          f"{gigabytes(memory_footprint(N_payoff, QWEN3.V, QWEN3.D, dtype)['lower_bound']):.2f} GB")
     for way, r in payoff.items():
         ok = r["status"] == "ok"
         print(f"{way:>17}: " + (f"{r['peak_gb']:7.2f} GB {r['median_ms']:9.1f} ms" if ok else f"{r['status']}: {r['error'][:120]}"))

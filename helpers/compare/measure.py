@@ -18,6 +18,8 @@ every device:
   the same part (``MemoryBudgetExceeded``), so tests and the CPU smoke run can hit an OOM wall.
 - ``measure(fn, ...)``: warm-up, peak memory, latency, with an OOM recorded as a result (memory
   released) instead of an exception that ends a sweep.
+- ``loss_step(method, E, C, x)``: the ``fn`` a loss method is measured by (forward, then dE and dC),
+  for the sweep and the benchmark alike.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 
 from helpers.cce.device import T4_MEMORY_BYTES, default_device, device_info
+from helpers.compare.methods import get_method
 
 
 class MemoryBudgetExceeded(MemoryError):
@@ -529,6 +532,22 @@ def measure(
     return result
 
 
+def loss_step(method: str, E: torch.Tensor, C: torch.Tensor, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """One training step's worth of loss work: forward, then dE and dC (mean over tokens).
+
+    ``torch.autograd.grad`` hands the gradients back instead of storing them in ``.grad``: each call
+    then starts from the same memory, and what it measures ends with the gradients it returns.
+    """
+    loss_fn = get_method(method)
+
+    def step() -> torch.Tensor:
+        loss = loss_fn(E, C, x)
+        torch.autograd.grad(loss, (E, C))
+        return loss.detach()
+
+    return step
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0][:300]
 
@@ -545,6 +564,7 @@ __all__ = [
     "is_host_bound",
     "is_out_of_memory",
     "latency",
+    "loss_step",
     "measure",
     "peak_memory",
     "release_memory",

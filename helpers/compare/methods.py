@@ -11,6 +11,10 @@ A method that cannot run on the device at hand says why, in a sentence, through
 ``method.why_unavailable(device, dtype, softcap=...)``; calling it anyway raises
 ``MethodUnavailable`` with that sentence. Nothing is skipped or swapped silently.
 
+Each entry also carries its memory theory (``peak_bytes``, ``peak_formula``): the bytes above
+the inputs it holds at its peak, from the arithmetic and from reading its code; written beside
+its loss so that a change to one is seen next to the other. ``helpers.compare.theory`` asks them.
+
 Presets are methods too: a registered method with other options (``ours_nofilter``: our loss with
 the filter off; ``exact``: the naive loss on inputs upcast to fp32, the convergence A/B's
 yardstick). They say whose preset they are (``preset_of``); ``primary_methods`` leaves them out
@@ -23,6 +27,7 @@ Where a peer's own convention differs from torch's, its adapter maps it and says
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.cce import linear_cross_entropy, triton_reason, why_unavailable
+from helpers.compare.units import dtype_bytes
 from helpers.spec import REDUCTIONS, reference_logits, validate_inputs
 
 
@@ -39,6 +45,8 @@ class MethodUnavailable(RuntimeError):
 
 
 Reason = str | None  # None: the method can run; otherwise a sentence saying why not
+# (N, V, D, bytes per element of E and C, CUDA compute capability or None for the CPU) -> bytes
+PeakFormula = Callable[[int, int, int, int, "tuple[int, int] | None"], int]
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,19 @@ class Method:
     notes: str = ""
     preset_of: str | None = None  # the method this one is a preset of (other options, same code)
     counts_skips: bool = False  # takes stats=, which its backward fills with the tiles it skipped
+    # Its memory theory (helpers.compare.theory): bytes above the inputs E, C, x at the peak of one
+    # forward+backward, from (N, V, D, bytes per element, CUDA capability or None for the CPU), and
+    # the formula in words. None: no formula (compared with the floor dE + dC instead).
+    peak_bytes: PeakFormula | None = None
+    peak_formula: str = ""
+
+    def predicted_peak_bytes(self, N: int, V: int, D: int, dtype: torch.dtype | str,
+                             capability: tuple[int, int] | None = None) -> int | None:
+        """Peak bytes above the inputs one forward+backward should need (None: no formula here).
+        ``capability``: the CUDA compute capability whose code path runs (None: the CPU's)."""
+        if self.peak_bytes is None:
+            return None
+        return int(self.peak_bytes(N, V, D, dtype_bytes(dtype), tuple(capability) if capability else None))
 
     def why_unavailable(
         self, device: torch.device | str, dtype: torch.dtype, softcap: float | None = None
@@ -124,6 +145,12 @@ def _all_ignored_mean_is_nan(loss: torch.Tensor, x: torch.Tensor, ignore_index: 
     return loss
 
 
+def floor_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None) -> int:
+    # No formula beyond the floor: the gradients plus O(N) per-row state, which is what these
+    # methods are designed to reach (Apple CCE measured within 0.5% of it on an H200).
+    return (N * D + V * D) * b
+
+
 # ---------------------------------------------------------------------------------------------
 # naive: the article's original trainer. Materialises the N×V logits, then an fp32 copy of them.
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +165,17 @@ def naive_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
     return F.cross_entropy(z, x.long(), ignore_index=ignore_index, reduction=reduction)
 
 
+def naive_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None) -> int:
+    # Forward: z = E @ C.T in the input dtype (N V b) is upcast to fp32 (N V 4) and dies right
+    # after the cast; log_softmax saves its fp32 output (N V 4) for backward. Backward, inside
+    # log_softmax's backward, three fp32 N×V tensors are alive at once: the saved log-softmax, the
+    # gradient nll_loss hands it (dense, N V 4) and the gradient it returns (N V 4). That is the
+    # peak: 12 bytes per logit in every input dtype. After it: the fp32 gradient, its cast to the
+    # input dtype (16-bit inputs only), then dE and dC.
+    after = (4 + (b if b < 4 else 0)) * N * V + (N * D + V * D) * b
+    return max(12 * N * V, after)
+
+
 register(
     Method(
         name="naive",
@@ -146,6 +184,8 @@ register(
         "holds the N×V logits twice.",
         implementation=naive_loss,
         availability=lambda device, dtype, softcap: None,
+        peak_bytes=naive_peak_bytes,
+        peak_formula="12·N·V: three fp32 N×V tensors inside log_softmax's backward",
     )
 )
 
@@ -182,6 +222,13 @@ def _compile_reason(device, dtype, softcap) -> Reason:
     return None
 
 
+def torch_compile_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None) -> int:
+    # Inductor fuses upcast, softmax and the loss into one kernel that keeps only the input-dtype
+    # logits (N V b) for backward; backward writes the logits' gradient over them (same size,
+    # same dtype), then the two matmuls add dE and dC. Peak: one N×V tensor in the input dtype.
+    return N * V * b + (N * D + V * D) * b
+
+
 register(
     Method(
         name="torch_compile",
@@ -189,6 +236,8 @@ register(
         summary="the naive loss under torch.compile: one fused pass, but the N×V logits still exist.",
         implementation=torch_compile_loss,
         availability=_compile_reason,
+        peak_bytes=torch_compile_peak_bytes,
+        peak_formula="N·V·b + (N·D + V·D)·b: the input-dtype logits, then dE, dC",
     )
 )
 
@@ -269,6 +318,20 @@ def chunked_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None, 
     return total / (x != ignore_index).sum()  # 0/0 = NaN when every token is ignored, as torch
 
 
+def chunked_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None) -> int:
+    # ChunkedLinearCrossEntropy above. Backward holds dE (N D b), the fp32 accumulator dC32
+    # (V D 4), for 16-bit inputs an fp32 copy of C (V D 4) and of the chunk's rows of E, and fp32
+    # (rows, V) blocks at the peak: raw logits, (z - lse) and G = exp(z - lse); each chunk's G is
+    # freed before the next chunk starts. The last step casts dC32 to the input dtype (V D b) while
+    # dC32 and the copy of C are still alive.
+    rows = min(N, chunk_rows(V))
+    blocks = 3
+    upcast = b < 4
+    per_chunk = N * D * b + V * D * 4 + upcast * (V * D * 4 + rows * D * 4) + blocks * rows * V * 4
+    last_step = N * D * b + V * D * 4 + upcast * (V * D * 4 + V * D * b)
+    return max(per_chunk, last_step)
+
+
 register(
     Method(
         name="chunked",
@@ -277,6 +340,8 @@ register(
         "recomputes each chunk: memory is one (chunk, V) fp32 block plus dE and dC.",
         implementation=chunked_loss,
         availability=lambda device, dtype, softcap: None,
+        peak_bytes=chunked_peak_bytes,
+        peak_formula="dE + 2 fp32 (V, D) + 4 fp32 (chunk, V) blocks (3 if one chunk); chunk = 256 MiB / 4V rows",
     )
 )
 
@@ -312,6 +377,30 @@ def _liger_reason(device, dtype, softcap) -> Reason:
     return None
 
 
+def liger_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None) -> int:
+    # liger_kernel.ops.fused_linear_cross_entropy: dE and dC (input dtype) computed during the
+    # forward pass, over row chunks whose (rows, V) logits are about the size of E:
+    # rows = next_pow2(ceil(N / ceil(V / D))). The kernel writes the logits' gradient over the
+    # logits. dC accumulates in place (addmm) only on CUDA sm_80+ in fp16/bf16. Elsewhere each
+    # chunk adds `mm(G^T, E_chunk).float()` to dC: a (V, D) matmul result and its fp32 copy (one
+    # tensor in fp32). On the CPU, adding that fp32 tensor into a 16-bit dC in place allocates two
+    # more fp32 (V, D) temporaries (CUDA casts inside the kernel instead).
+    rows = min(N, _next_power_of_2(math.ceil(N / math.ceil(V / D))))
+    if capability is not None and capability >= (8, 0) and b == 2:
+        temporaries = 0
+    elif b == 4:
+        temporaries = V * D * 4
+    elif capability is not None:
+        temporaries = V * D * (b + 4)
+    else:
+        temporaries = V * D * (4 + 2 * 4)
+    return (N * D + V * D) * b + rows * V * b + temporaries + N * 4
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 register(
     Method(
         name="liger",
@@ -324,6 +413,9 @@ register(
         notes="Liger returns 0 for a mean over zero kept tokens; the adapter returns NaN as torch does. "
         "Liger 0.8.5 computes no dC when E does not require a gradient (a head trained on frozen "
         "features does not train); notebook 03 shows it.",
+        peak_bytes=liger_peak_bytes,
+        peak_formula=("(N·D + V·D)·b + a (chunk, V) logit block of about N·D elements, + (V, D) "
+                 "temporaries for dC except on sm_80+ in 16-bit"),
     )
 )
 
@@ -378,6 +470,8 @@ register(
         "never materialises logits; recomputes them blockwise in backward.",
         implementation=apple_cce_loss,
         availability=_apple_cce_reason,
+        peak_bytes=floor_peak_bytes,
+        peak_formula="(N·D + V·D)·b: the floor (its O(N) LSE not counted)",
     )
 )
 
@@ -440,6 +534,40 @@ def _ours_reason(device, dtype, softcap) -> Reason:
     return why_unavailable(device, dtype, softcap)
 
 
+def _ours_gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, capability: tuple[int, int] | None):
+    """helpers.cce's chunk plan for the "gemm" backward, with the BLOCK_V of the configuration tier
+    ``capability`` gets: the one place the registry reads cce's planning internals."""
+    from helpers.cce.backward_gemm import gemm_plan
+    from helpers.cce.kernels.configs import tier_for_capability
+
+    block_v = tier_for_capability(capability).backward_gemm_for(dtype).BLOCK_V
+    return gemm_plan(N, V, D, dtype, block_v)
+
+
+def ours_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None) -> int:
+    # helpers.cce with its defaults (backward "gemm"): the forward keeps O(N) (lse per row and vocabulary
+    # split); the backward allocates dE and dC, for 16-bit inputs dE's fp32 accumulator (n_chunk, D)
+    # and, with several row chunks, dC rows staged in fp32 (v_chunk, D) before each fold. Each G chunk
+    # lives in dE's or dC's rows not yet written, or in a buffer where neither has room (fp32):
+    # helpers.cce.gemm_plan says which, with chunk sizes rounded to the BLOCK_V of the configuration
+    # tier this capability gets. On the CPU the products run in fp32 ("upcast"): 16-bit operands
+    # are copied to fp32 for each product, and the staged dC rows are used even for one row chunk.
+    plan = _ours_gemm_plan(N, V, D, torch.float32 if b == 4 else torch.float16, capability)
+    n_chunk, widest = plan.n_chunk, plan.widest
+    staged = min(plan.v_chunk, widest)  # dC's rows staged in fp32, a piece of a chunk at a time
+    low = b < 4
+    several = N > n_chunk
+    scratch = plan.buffer_elements * b + low * n_chunk * D * 4
+    if low and (several or capability is None):
+        scratch += staged * D * 4
+    if low and capability is None:  # the larger of the two products' fp32 operand copies
+        scratch += max(n_chunk * widest + widest * D, n_chunk * staged + n_chunk * D) * 4
+    # Per row, fp32: the forward's lse, and the backward's row gradient (w, w / max w and the three
+    # coefficients of G, helpers.cce.gradients.RowGradient).
+    per_row = 24 * N
+    return (N * D + V * D) * b + scratch + per_row
+
+
 register(
     Method(
         name="ours",
@@ -450,6 +578,9 @@ register(
         availability=_ours_reason,
         kind="ours",
         counts_skips=True,
+        peak_bytes=ours_peak_bytes,
+        peak_formula=("(N·D + V·D)·b + 16-bit: dE's fp32 accumulator + fp32: a G chunk (16-bit G lives "
+                 "in dE's and dC's rows not yet written; helpers.cce.gemm_plan) + 24 bytes of per-row state"),
     )
 )
 register(

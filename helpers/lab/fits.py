@@ -21,13 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from helpers import hf
+from helpers.compare.heads import QWEN3
 from helpers.compare.measure import is_out_of_memory, measure, memory_timeline, release_memory
 from helpers.compare.methods import METHODS, get_method
 
 QWEN3_SHAPES = {
     # Qwen3-0.6B: the seed article's model.
-    "0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, intermediate_size=3072, vocab_size=151_936),
+    "0.6b": dict(hidden_size=QWEN3.D, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                 head_dim=128, intermediate_size=3072, vocab_size=QWEN3.V),
     # The same architecture, small enough for the Triton interpreter.
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=128, vocab_size=512),

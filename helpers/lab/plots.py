@@ -18,7 +18,8 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocat
 from helpers.compare.methods import METHODS
 from helpers.compare.units import GB
 from helpers.lab.profiles import SMOKE_NOTE
-from helpers.lab.training import TrainRun, paired_difference
+from helpers.lab.convergence import paired_difference
+from helpers.lab.training import TrainRun
 
 
 def mark_smoke(fig: plt.Figure) -> plt.Figure:
@@ -211,7 +212,7 @@ def _tail_start(steps: np.ndarray, tail: float, keep: int = 2) -> int:
 
 def running_max_drift(losses, reference) -> np.ndarray:
     """max over steps 1..t of |loss - reference| / |reference|, for each t: the fine-tuning
-    verdict's number as the run goes (its last entry is ``training.max_relative_drift``)."""
+    verdict's number as the run goes (its last entry is ``helpers.lab.convergence.max_relative_drift``)."""
     a, r = np.asarray(losses, dtype=np.float64), np.asarray(reference, dtype=np.float64)
     return np.maximum.accumulate(np.abs(a - r) / np.abs(r))
 

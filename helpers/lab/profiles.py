@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from helpers.cce.device import detect_platform, device_info, pretending_t4
+from helpers.compare.heads import QWEN3
 
 
 SMOKE_NOTE = "Smoke run on a CPU (tiny shapes): checks the pipeline, supports no conclusion."
@@ -83,8 +84,8 @@ class Profile:
 # a tall vocabulary so several vocabulary blocks are merged, one with N smaller than a block.
 # The interpreter runs Triton programs one by one in numpy, so CPU shapes stay tiny.
 _GATE_SMALL = [(37, 257, 24), (53, 1031, 40), (5, 2053, 24)]
-_GATE_GPU = [(257, 5003, 136), (2048, 151936, 1024)]  # the second: the Qwen3 head, 2,048 tokens
-_GATE_GPU_QUICK = [(257, 5003, 136), (512, 151936, 1024)]  # the Qwen3 head at a quarter of the tokens
+_GATE_GPU = [(257, 5003, 136), (2048, QWEN3.V, QWEN3.D)]  # the second: the Qwen3 head, 2,048 tokens
+_GATE_GPU_QUICK = [(257, 5003, 136), (512, QWEN3.V, QWEN3.D)]  # the Qwen3 head at a quarter of the tokens
 
 # The memory sweep's quick gate on a GPU (the full gate is notebook 01's).
 _SWEEP_GATE_GPU = [(257, 5003, 136), (1031, 32011, 520)]
@@ -208,10 +209,10 @@ PROFILES: dict[str, Profile] = {
         dtypes=("float32", "float16"),
         sections={
             # The seed article's sweep (a T4 needs no second, pretend-T4 one).
-            "02_memory_sweep": {**_SWEEP_T4, "V": 151_936, "D": 1_024, "t4_sweep": None, "quick": _SWEEP_T4_QUICK},
+            "02_memory_sweep": {**_SWEEP_T4, "V": QWEN3.V, "D": QWEN3.D, "t4_sweep": None, "quick": _SWEEP_T4_QUICK},
             "04_kernel_walkthrough": {
                 "dtype": "float16", "low_precision": "float16",
-                "shape": (1031, 32011, 120), "sparse": (2048, 32768, 128), "curve": (512, 151936, 64),
+                "shape": (1031, 32011, 120), "sparse": (2048, 32768, 128), "curve": (512, QWEN3.V, 64),
                 "BLOCK_N": 32, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0, "quick": {"shapes": _GATE_GPU_QUICK}},
@@ -229,14 +230,14 @@ PROFILES: dict[str, Profile] = {
             # The article's sweep carried on to 131,072 tokens (sizes that cannot fit are dropped),
             # then the article's own as a pretend T4 (a second figure).
             "02_memory_sweep": {
-                "dtype": "bfloat16", "V": 151_936, "D": 1_024,
+                "dtype": "bfloat16", "V": QWEN3.V, "D": QWEN3.D,
                 "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 131_072],
                 "warmup": 2, "repeats": 7, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0, "t4_sweep": _SWEEP_T4,
                 "quick": {"N": [1_024, 4_096, 16_384, 65_536], "repeats": 3, "t4_sweep": _SWEEP_T4_QUICK},
             },
             "04_kernel_walkthrough": {
                 "dtype": "bfloat16", "low_precision": "bfloat16",
-                "shape": (1031, 32011, 120), "sparse": (2048, 65536, 128), "curve": (512, 151936, 64),
+                "shape": (1031, 32011, 120), "sparse": (2048, 65536, 128), "curve": (512, QWEN3.V, 64),
                 "BLOCK_N": 64, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0, "quick": {"shapes": _GATE_GPU_QUICK}},

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from helpers.compare.sweep import predicted_peak_bytes
+from helpers.compare.heads import GEMMA2, QWEN3
+from helpers.compare.theory import predicted_peak_bytes
 from helpers.compare.units import GB, dtype_bytes, lower_bound_bytes
 from helpers.spec import relative_error
 
@@ -37,8 +38,8 @@ from helpers.spec import relative_error
 VOCABULARIES = {
     "GPT-2 (50,257)": 50_257,
     "Llama-3 (128,256)": 128_256,
-    "Qwen3 (151,936)": 151_936,
-    "Gemma-2 (256,000)": 256_000,
+    f"Qwen3 ({QWEN3.V:,})": QWEN3.V,
+    f"Gemma-2 ({GEMMA2.V:,})": GEMMA2.V,
 }
 
 
@@ -49,7 +50,7 @@ def memory_footprint(N: int, V: int, D: int, dtype: str | torch.dtype = "float32
     - ``logits_fp32``: its fp32 copy for a stable softmax, N * V * 4; only for 16-bit inputs (fp32
       logits are upcast to themselves);
     - ``naive_peak``: what the naive loss really holds at its peak, 12 * N * V: three fp32 N×V
-      tensors inside log_softmax's backward (``helpers.compare.sweep``'s formula, which notebook 02
+      tensors inside log_softmax's backward (``helpers.compare.theory``'s formula, which notebook 02
       checks against the measured peak);
     - ``lower_bound``: dE (N, D) and dC (V, D) in the input dtype, which any method must return;
     - ``lse``: the one number per row (fp32) that a cut method keeps between forward and backward.

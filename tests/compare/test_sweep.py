@@ -1,4 +1,4 @@
-"""helpers.compare.sweep on the CPU: the theory against hand arithmetic, the article and the meter; the
+"""helpers.compare.sweep and .theory on the CPU: the theory against hand arithmetic, the article and the meter; the
 runner's OOM handling, skip-after-OOM, error recording and resume (keyed by library versions); the
 files and the figure. What the notebook reads from a sweep (pivot, verdicts, headline, facts, how
 many tokens fit) is in test_sweep_reading.py."""
@@ -9,27 +9,21 @@ import pytest
 import torch
 
 from helpers.compare.inputs import make_inputs
-from helpers.compare.measure import MemoryCap, peak_memory
+from helpers.compare.heads import QWEN3
+from helpers.compare.measure import MemoryCap, loss_step, peak_memory
 from helpers.compare.methods import Method, chunked_loss, naive_loss
-from helpers.compare.sweep import (
-    ARTICLE_N,
-    ARTICLE_T4_PEAK_GB,
-    QWEN3_HEAD,
+from helpers.compare.sweep import ARTICLE_N, ARTICLE_T4_PEAK_GB, load_points, run_sweep
+from helpers.compare.sweep_results import describe_methods, results_pivot, write_results
+from helpers.compare.theory import (
     T4_CAPABILITY,
     first_oom_n,
     input_bytes,
-    load_points,
-    loss_step,
     lower_bound_bytes,
     predicted_peak_bytes,
-    results_pivot,
-    run_sweep,
     sizes_that_fit,
-    describe_methods,
-    write_results,
 )
 
-V_QWEN, D_QWEN = QWEN3_HEAD["V"], QWEN3_HEAD["D"]
+V_QWEN, D_QWEN = QWEN3.V, QWEN3.D
 NO_CAP = MemoryCap("cpu", None, None, None)
 
 
@@ -140,7 +134,7 @@ def test_theory_matches_the_cpu_meter(method, dtype):
 
 
 def test_chunked_theory_with_several_chunks_matches_the_meter(monkeypatch):
-    from helpers.compare import sweep
+    from helpers.compare import methods
 
     N, V, D, rows = 100, 509, 16, 16  # seven chunks, the last one ragged
     E, C, x = make_inputs(N, V, D, torch.float16, "cpu", requires_grad=True)
@@ -150,7 +144,7 @@ def test_chunked_theory_with_several_chunks_matches_the_meter(monkeypatch):
 
     step()
     _, measured = peak_memory(step, device="cpu")
-    monkeypatch.setattr(sweep, "chunk_rows", lambda V: rows)  # the theory reads the registry's chunk size
+    monkeypatch.setattr(methods, "chunk_rows", lambda V: rows)  # the formula reads the registry's chunk size
     predicted = predicted_peak_bytes("chunked", N, V, D, torch.float16)
     assert abs(measured / predicted - 1) < 0.03, (measured, predicted)
 

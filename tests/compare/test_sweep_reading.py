@@ -11,27 +11,21 @@ from helpers.cce.device import PRETEND_T4_ENV, T4_MEMORY_BYTES
 from helpers.compare.gate import GateReport, GateRow
 from helpers.compare.measure import MemoryCap
 from helpers.compare.methods import Method, naive_loss
-from helpers.compare.sweep import (
-    QWEN3_HEAD,
+from helpers.compare.heads import QWEN3
+from helpers.compare.sweep import MethodPlan, plan_methods, run_pretend_t4_sweep
+from helpers.compare.sweep_results import describe_methods, headline, memory_order, report_facts, results_pivot
+from helpers.compare.theory import (
     T4_CAPABILITY,
-    MethodPlan,
     card,
     fits_table,
-    headline,
     input_bytes,
     largest_n_that_fits,
-    memory_order,
-    plan_methods,
     predicted_peak_bytes,
-    report_facts,
-    results_pivot,
-    run_pretend_t4_sweep,
     t4_card,
-    describe_methods,
 )
 from helpers.suite.report import FACT_KEYS
 
-V_QWEN, D_QWEN = QWEN3_HEAD["V"], QWEN3_HEAD["D"]
+V_QWEN, D_QWEN = QWEN3.V, QWEN3.D
 GIB = 1024**3
 
 

@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import numpy as np
 import pytest
 
-from helpers.lab import plots, training
+from helpers.lab import convergence, plots
 from helpers.lab.training import TrainRun
 
 
@@ -24,7 +24,7 @@ def test_running_max_drift_is_the_verdicts_number_as_the_run_goes():
     losses = [2.0, 2.2, 2.1, 1.0]
     drift = plots.running_max_drift(losses, reference)
     assert drift.tolist() == pytest.approx([0.0, 0.1, 0.1, 0.5])
-    assert drift[-1] == training.max_relative_drift(losses, reference)
+    assert drift[-1] == convergence.max_relative_drift(losses, reference)
 
 
 def test_finetune_figure_zooms_on_the_end_and_names_arms_equal_to_exact():

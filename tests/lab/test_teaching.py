@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from helpers.compare.heads import GEMMA2, QWEN3
 from helpers.compare.inputs import make_inputs
 from helpers.lab.teaching import (
     DIAGNOSES,
@@ -34,7 +35,7 @@ from helpers.lab.teaching import (
 
 
 def test_qwen3_fp32_logits_are_9_96_gb():
-    f = memory_footprint(16_384, 151_936, 1_024, "float32")
+    f = memory_footprint(16_384, QWEN3.V, QWEN3.D, "float32")
     assert f["logits"] == 16_384 * 151_936 * 4 == 9_957_277_696
     assert round(gigabytes(f["logits"]), 2) == 9.96
     assert f["lower_bound"] == (16_384 + 151_936) * 1_024 * 4
@@ -45,13 +46,13 @@ def test_qwen3_fp32_logits_are_9_96_gb():
 
 def test_the_naive_peak_is_12_bytes_per_logit_in_every_dtype():
     for dtype in ("float32", "bfloat16", "float16"):
-        f = memory_footprint(16_384, 151_936, 1_024, dtype)
+        f = memory_footprint(16_384, QWEN3.V, QWEN3.D, dtype)
         assert f["naive_peak"] == 12 * 16_384 * 151_936
     assert round(gigabytes(f["naive_peak"]), 1) == 29.9  # past a T4's 16 GB at the notebook's defaults
 
 
 def test_bf16_halves_logits_but_not_the_fp32_copy():
-    f = memory_footprint(8_192, 256_000, 2_304, torch.bfloat16)
+    f = memory_footprint(8_192, GEMMA2.V, GEMMA2.D, torch.bfloat16)
     assert f["logits"] * 2 == f["logits_fp32"]
     # The Gemma-2-2B head's lower bound: 1,161 MiB.
     assert round(f["lower_bound"] / 1024**2) == 1_161

@@ -1,5 +1,6 @@
-"""helpers.lab.training: the seeded training loop, the loss variants and the rare-token diagnostics of
-notebook 03. Tiny shapes, fp32, exact and chunked only (the Triton arms are the notebook's job)."""
+"""helpers.lab.training and helpers.lab.convergence: the seeded training loop, the loss variants
+and the rare-token diagnostics of notebook 03. Tiny shapes, fp32, exact and chunked only (the Triton
+arms are the notebook's job)."""
 
 import json
 import math
@@ -10,7 +11,7 @@ import torch
 
 from helpers.compare import verdicts
 from helpers.compare.methods import Method, exact_loss, get_method
-from helpers.lab import training
+from helpers.lab import convergence, training
 from helpers.compare.corpus import build_corpus
 
 
@@ -49,7 +50,7 @@ def test_exact_and_chunked_agree_over_steps():
     task = small_finetune_task()
     exact = training.train(task, "exact", seed=0, steps=15, lr=1e-2)
     chunked = training.train(task, "chunked", seed=0, steps=15, lr=1e-2)
-    assert training.max_relative_drift(chunked.train_loss, exact.train_loss) < 1e-5
+    assert convergence.max_relative_drift(chunked.train_loss, exact.train_loss) < 1e-5
     assert exact.train_loss[-1] < exact.train_loss[0]  # it trains
 
 
@@ -66,7 +67,7 @@ def test_a_wrong_loss_fails_the_ab(temporary_method):
                             right_value_wrong_gradient, lambda device, dtype, softcap: None))
     drifted = training.train(task, "wrong", seed=0, steps=10, lr=1e-2)
     assert drifted.train_loss[0] == pytest.approx(exact.train_loss[0], rel=1e-6)  # same start
-    assert training.max_relative_drift(drifted.train_loss, exact.train_loss) > 1e-4  # drifts past the fp32 bound
+    assert convergence.max_relative_drift(drifted.train_loss, exact.train_loss) > 1e-4  # drifts past the fp32 bound
 
 
 def test_every_classifier_row_gets_a_gradient_from_the_exact_loss(lm_task):
@@ -95,7 +96,7 @@ def test_context_windows():
 
 def test_frequency_bins_by_decade_skip_unk_and_empty_bins():
     counts = torch.tensor([500, 1, 9, 10, 99, 5000, 12_000])  # id 0 is <unk>
-    bins, labels = training.frequency_bins(counts)
+    bins, labels = convergence.frequency_bins(counts)
     assert labels == ["1–9", "10–99", "1,000–9,999", "10,000–99,999"]  # no type in 100-999
     assert bins.tolist() == [-1, 0, 0, 1, 1, 2, 3]
 
@@ -103,23 +104,23 @@ def test_frequency_bins_by_decade_skip_unk_and_empty_bins():
 def test_per_bin_mean_ignores_excluded_items_and_marks_empty_bins():
     values = torch.tensor([100.0, 1.0, 3.0, 10.0, 7.0])
     bins = torch.tensor([-1, 0, 0, 2, 2])
-    means = training.per_bin_mean(values, bins, 3)
+    means = convergence.per_bin_mean(values, bins, 3)
     assert means[0] == 2.0 and math.isnan(means[1]) and means[2] == 8.5
 
 
 def test_rare_token_diagnostic_shapes(lm_task):
     runs = {arm: [training.train(lm_task, arm, seed=s, steps=4, lr=1e-3, eval_every=2) for s in (0, 1)]
             for arm in ("exact", "chunked")}
-    bins, labels = training.frequency_bins(lm_task.corpus.train_counts)
+    bins, labels = convergence.frequency_bins(lm_task.corpus.train_counts)
     _, val_targets = lm_task.validation_set()
-    diagnostic = training.rare_token_diagnostic(runs, bins, val_targets, len(labels))
+    diagnostic = convergence.rare_token_diagnostic(runs, bins, val_targets, len(labels))
     for arm in runs:
-        for quantity in training.DIAGNOSTIC_QUANTITIES:
+        for quantity in convergence.DIAGNOSTIC_QUANTITIES:
             assert len(diagnostic[arm][quantity]) == 2 and len(diagnostic[arm][quantity][0]) == len(labels)
-    comparisons, findings = training.pretraining_findings(runs, diagnostic, labels, {"chunked": "chunked"})
+    comparisons, findings = convergence.pretraining_findings(runs, diagnostic, labels, {"chunked": "chunked"})
     assert comparisons["final_val_loss"]["chunked"]["verdict"] == "equivalent"  # the same arithmetic in fp32
     assert any("equivalent within" in line for line in findings)
-    table = training.bin_table(comparisons["bins"]["val_loss"], labels, {"chunked": "chunked"})
+    table = convergence.bin_table(comparisons["bins"]["val_loss"], labels, {"chunked": "chunked"})
     assert table.startswith("| method | seen") and "| chunked |" in table
     assert set(comparisons["bins"]) == {"val_loss", "row_drift"} and len(comparisons["bins"]["val_loss"]) == len(labels)
 
@@ -128,17 +129,17 @@ def test_comparison_is_paired_by_seed():
     # Seeds move the loss by ~0.1; "shifted" sits 0.05 above exact on every seed: invisible against
     # the seed spread, plain once each seed is compared with its own exact run (margin: half of 0.1).
     values = {"exact": [1.0, 1.1, 0.9], "shifted": [1.0501, 1.1499, 0.95], "noisy": [1.05, 1.05, 0.95]}
-    c = training.outcomes_against(values)
+    c = convergence.outcomes_against(values)
     assert c["shifted"]["verdict"] == "undecided" and c["shifted"]["same_sign_seeds"] == 3  # 0.05 sits on the margin
     assert c["shifted"]["effect"] == pytest.approx(0.05) and c["shifted"]["seed_spread"] == pytest.approx(0.1)
     # differences +0.05, -0.05, +0.05: the interval (t = 4.30 at 2 degrees of freedom) is wide
     assert c["noisy"]["verdict"] == "undecided"
     assert c["noisy"]["ci95"] == pytest.approx(4.303 * torch.tensor([0.05, -0.05, 0.05]).std().item() / math.sqrt(3))
-    far = training.outcomes_against({"exact": [1.0, 1.1, 0.9], "x": [1.3, 1.401, 1.2]})["x"]
+    far = convergence.outcomes_against({"exact": [1.0, 1.1, 0.9], "x": [1.3, 1.401, 1.2]})["x"]
     assert far["verdict"] == "worse"
-    assert training.outcomes_against({"exact": [1.0], "x": [2.0]})["x"]["verdict"] == "undecided"
+    assert convergence.outcomes_against({"exact": [1.0], "x": [2.0]})["x"]["verdict"] == "undecided"
     # the row drift is no loss: its margin has no nats floor
-    assert training.outcomes_against({"exact": [1.0, 1.0], "x": [1.001, 1.001]}, floor=0.0)["x"]["margin"] == 0.0
+    assert convergence.outcomes_against({"exact": [1.0, 1.0], "x": [1.001, 1.001]}, floor=0.0)["x"]["margin"] == 0.0
 
 
 def test_t_quantile_matches_the_t_distribution():
@@ -156,10 +157,10 @@ def test_t_quantile_matches_the_t_distribution():
 def test_paired_difference_per_point():
     arm = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     base = torch.tensor([[0.0, 2.0], [2.0, 3.0]])  # differences [[1, 0], [1, 1]]
-    mean, half = training.paired_difference(arm, base)
+    mean, half = convergence.paired_difference(arm, base)
     assert mean.tolist() == [1.0, 0.5]
     assert half[0] == 0 and half[1] == pytest.approx(12.706 * math.sqrt(0.5) / math.sqrt(2))
-    mean, half = training.paired_difference([[1.0]], [[0.5]])
+    mean, half = convergence.paired_difference([[1.0]], [[0.5]])
     assert mean.tolist() == [0.5] and math.isnan(half[0])
 
 
@@ -188,9 +189,9 @@ def test_the_fine_tuning_bound_is_calibrated_on_naive():
 def test_filter_skip_summary():
     runs = [training.TrainRun("ours", 0, [1.0] * 3, filter_skipped=[0.0, 0.5, 0.25]),
             training.TrainRun("ours", 1, [1.0] * 3, filter_skipped=[0.0, 0.1, 0.75])]
-    summary = training.filter_skip_summary(runs)
+    summary = convergence.filter_skip_summary(runs)
     assert summary == pytest.approx({"mean": 1.6 / 6, "first": 0.0, "last": 0.5, "max": 0.75})
-    assert training.filter_skip_summary([training.TrainRun("exact", 0, [1.0])]) is None
+    assert convergence.filter_skip_summary([training.TrainRun("exact", 0, [1.0])]) is None
 
 
 def _rare_token_case(effect_rarest, drift_rarest, effect_middle):
@@ -203,7 +204,7 @@ def _rare_token_case(effect_rarest, drift_rarest, effect_middle):
         "apple_cce": {"val_loss": [[a + effect_rarest + w, b + effect_middle + w] for (a, b), w in zip(base_loss, wobble)],
                       "row_drift": [[a + drift_rarest + w, b + w] for (a, b), w in zip(base_drift, wobble)]},
     }
-    bins = {q: [training.outcomes_against({arm: [s[b] for s in d[q]] for arm, d in diagnostic.items()},
+    bins = {q: [convergence.outcomes_against({arm: [s[b] for s in d[q]] for arm, d in diagnostic.items()},
                                           floor=None if q == "val_loss" else 0.0)
                 for b in range(2)] for q in ("val_loss", "row_drift")}
     return diagnostic, bins
@@ -211,7 +212,7 @@ def _rare_token_case(effect_rarest, drift_rarest, effect_middle):
 
 def test_rare_token_reading_explains_a_filter_that_helps_the_rarest_and_costs_the_middle():
     diagnostic, bins = _rare_token_case(effect_rarest=-0.4, drift_rarest=-0.9, effect_middle=+0.2)
-    lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {"apple_cce": "Apple CCE"})
+    lines = convergence.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {"apple_cce": "Apple CCE"})
     assert "ln 32,768 = 10.40 nats" in lines[0] and "Lower is better" in lines[0]
     assert "11.00 nats on tokens seen 1–9 times" in lines[1] and "worse than uniform guessing" in lines[1]
     assert lines[2].startswith("Apple CCE: better than exact on the rarest tokens by 0.4 nats (margin ±0.05).")
@@ -220,14 +221,14 @@ def test_rare_token_reading_explains_a_filter_that_helps_the_rarest_and_costs_th
 
 def test_rare_token_reading_of_an_arm_that_starves_the_rarest_or_matches_exact():
     diagnostic, bins = _rare_token_case(effect_rarest=+0.3, drift_rarest=-0.9, effect_middle=0.0)
-    lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {})
+    lines = convergence.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {})
     assert "worse than exact on the rarest tokens by 0.3 nats" in lines[2] and "starves rare tokens" in lines[2]
     diagnostic, bins = _rare_token_case(effect_rarest=0.0, drift_rarest=0.0, effect_middle=0.0)
-    lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {"apple_cce": "Apple CCE"})
+    lines = convergence.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {"apple_cce": "Apple CCE"})
     assert lines[-1] == "Apple CCE: no frequency bin measurably worse than exact's."
     assert not any("-0.00" in line for line in lines)
     diagnostic["exact"]["val_loss"] = [[math.nan, 5.0]] * 3
-    lines = training.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {})
+    lines = convergence.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {})
     assert "nothing to read" in lines[-1]
 
 
@@ -245,7 +246,7 @@ def test_convergence_facts_give_one_row_per_method_with_its_presets_as_caveats()
                 "apple_cce": _pre("undecided", -0.0074), "apple_cce_nofilter": _pre("worse", 0.0334)}
     not_run = {"apple_cce_kahan_full_c": "cut-cross-entropy 25.1.1 has no Kahan-FullC"}
     labels = {"apple_cce_nofilter": "Apple CCE (filter off)", "apple_cce_kahan_full_c": "Apple CCE (Kahan-FullC)"}
-    facts = training.convergence_facts(finetune, pretrain, "bfloat16", labels, not_run=not_run,
+    facts = convergence.convergence_facts(finetune, pretrain, "bfloat16", labels, not_run=not_run,
                                        caveats={"liger": ["computes no dC without E's gradient"]})
     assert set(facts) == {"ours", "liger", "chunked", "apple_cce"}  # no yardstick, no preset row
     assert facts["ours"]["convergence"]["bfloat16"]["verdict"] == "equivalent" and facts["ours"]["caveats"] == []
@@ -256,22 +257,22 @@ def test_convergence_facts_give_one_row_per_method_with_its_presets_as_caveats()
     assert facts["apple_cce"]["caveats"][0].startswith("Apple CCE (filter off): trains worse than exact in bfloat16")
     assert facts["apple_cce"]["caveats"][1] == ("Apple CCE (Kahan-FullC): not trained here: cut-cross-entropy 25.1.1 "
                                                 "has no Kahan-FullC")
-    facts = training.convergence_facts({}, {}, "bfloat16", {}, not_run={"apple_cce": "a CPU"})
+    facts = convergence.convergence_facts({}, {}, "bfloat16", {}, not_run={"apple_cce": "a CPU"})
     assert facts["apple_cce"] == {"caveats": ["not trained here: a CPU"]}
 
 
 def test_the_headline_says_both_parts_with_the_engines_words():
     labels = {"liger": "Liger", "apple_cce": "Apple CCE", "ours": "ours"}
-    line = training.convergence_headline({"ours": _ft(5e-4), "liger": _ft(0.14)},
+    line = convergence.convergence_headline({"ours": _ft(5e-4), "liger": _ft(0.14)},
                                          {"ours": _pre("equivalent"), "apple_cce": _pre("worse", 0.046)}, labels)
     assert line == ("fine-tuning: Liger past the bound (largest drift 0.14, bound 0.01; its loss ends higher than "
                     "exact's); the other 1 equivalent to exact (margin 0.01); pretraining: Apple CCE worse by 0.046 "
                     "nats (95% CI ±0.001, 3 paired seeds, 4.2x the seed-to-seed spread 0.011; margin ±0.0055); "
                     "the other 1 equivalent to exact (margin 0.0055 nats)")
-    line = training.convergence_headline({"ours": _ft(5e-4)}, {"ours": _pre("equivalent")}, labels)
+    line = convergence.convergence_headline({"ours": _ft(5e-4)}, {"ours": _pre("equivalent")}, labels)
     assert line == ("fine-tuning: all 1 equivalent to exact (margin 0.01); pretraining: all 1 equivalent to exact "
                     "(margin 0.0055 nats)")
-    assert training.convergence_headline({}, {}, labels) == "fine-tuning: no arm ran; pretraining: no arm ran"
+    assert convergence.convergence_headline({}, {}, labels) == "fine-tuning: no arm ran; pretraining: no arm ran"
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
