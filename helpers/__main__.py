@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--regimes", nargs="+", default=["uniform"], choices=REGIMES)
     bench.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["float32", "float16", "bfloat16"])
     bench.add_argument("--N", nargs="+", type=int, help="token counts (default: each shape's list)")
-    bench.add_argument("--output", help="append results here as JSON Lines")
+    bench.add_argument("--output", help="write results here: JSON Lines, a meta record first (device, versions, command)")
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--repeats", type=int, default=7)
     bench.add_argument("--time-failed", action="store_true", help="also time methods that fail the gate")

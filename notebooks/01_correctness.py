@@ -173,7 +173,8 @@ from IPython.display import Markdown, display
 
 import helpers
 import helpers.suite.report
-from helpers.compare.gate import FLOOR, SLACK, GateCase, case_inputs, gate_cases, run_gate, run_method
+from helpers.compare.verdicts import SLACK
+from helpers.compare.gate import FLOOR, GateCase, case_inputs, gate_cases, run_gate, run_method
 from helpers.compare.methods import primary_methods
 from helpers.compare.units import dtype_name
 from helpers.lab.plots import mark_smoke

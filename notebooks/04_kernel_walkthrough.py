@@ -255,7 +255,7 @@ from helpers.lab.teaching import (
     masks_agree,
     memory_footprint,
     row_mass_mask,
-    show_solution,
+    show_solution,  # noqa: F401  (for the teacher: show_solution("fold_tile") prints one)
     skipped_fraction,
     teaching_block_d,
     vocabulary_order,
@@ -471,7 +471,7 @@ section("primer · Triton in ten minutes")
 def scaled_add_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n  # the last program's block runs past n
-    x = tl.load(x_ptr + offsets, mask=mask)
+    x = tl.load(x_ptr + offsets, mask=mask)  # noqa: F841  (the attendee's gap uses it)
     # ---- your turn: load y, store alpha * x + y ----
     raise NotImplementedError
     # ---- end of your turn ----
@@ -516,7 +516,7 @@ def indexed_dot_spec(E, C, x):
     # ---- your turn: one line, no (N, V) tensor ----
     raise NotImplementedError
     # ---- end of your turn ----
-    return o
+    return o  # noqa: F821  (defined in the gap above, by the attendee)
 
 
 def indexed_dot_truth(E, C, x):  # the answer read off the full logits: what we want to avoid
@@ -637,7 +637,7 @@ def fold_tile(m, s, z):
     # ---- your turn: s_new, from s and the tile, both rescaled to m_new ----
     raise NotImplementedError
     # ---- end of your turn ----
-    return m_new, s_new
+    return m_new, s_new  # noqa: F821  (defined in the gap above, by the attendee)
 
 
 # %%
@@ -760,7 +760,7 @@ def logit_gradient(S, x):
     # ---- your turn: G, derived above ----
     raise NotImplementedError
     # ---- end of your turn ----
-    return G
+    return G  # noqa: F821  (defined in the gap above, by the attendee)
 
 
 def logit_gradient_truth(S, x):  # autograd's answer; log S are logits whose softmax is S

@@ -270,7 +270,7 @@ measure.release_memory(device)
 trainer = fits.Trainer(model, precision)
 largest, tried = {}, {}
 for name, arm in arms.items():
-    def fits_in(tokens, arm=arm):
+    def fits_in(tokens, arm=arm, trainer=trainer):
         r = fits.measure_step(trainer, arm, ids, tokens, S["seq_len"], warmup=1, repeats=1,
                               budget_bytes=cap.budget_bytes)
         return r["status"] == "ok"

@@ -20,11 +20,6 @@ KNOWN_STALE = {
     "helpers/cce/kernels/backward_atomic.py: tests/test_cce_configs.py",
     "helpers/cce/kernels/backward_gemm.py: tests/test_cce.py",
     "helpers/cce/kernels/configs.py: tests/test_cce_configs.py",
-    "helpers/compare/gate.py: tests/test_gate.py",
-    "helpers/compare/measure.py: tests/test_measure.py",
-    "helpers/compare/methods.py: tests/test_cce_configs.py",
-    "helpers/compare/sweep.py: tests/test_sweep.py",
-    "helpers/suite/bootstrap.py: tests/test_bootstrap.py",
 }
 
 

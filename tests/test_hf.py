@@ -7,7 +7,6 @@ unpatched (transformers' own logits + ForCausalLMLoss) against the same instance
 
 import copy
 import os
-import sys
 
 import pytest
 import torch

@@ -29,13 +29,14 @@ from helpers.compare.measure import is_out_of_memory, latency, peak_memory, rele
 from helpers.compare.methods import get_method
 from helpers.cce.device import default_device
 from helpers.compare.results_file import ResultsWriter, run_meta
-from helpers.compare.sweep import loss_step
+from helpers.compare.heads import GEMMA2, QWEN3
+from helpers.compare.measure import loss_step
 from helpers.compare.units import dtype_name, lower_bound_bytes
 
-# name -> (V, D, default N list)
+# name -> (V, D, default N list): the heads of helpers.compare.heads, and a tiny one for CPU checks
 SHAPES = {
-    "gemma2-2b": (256_000, 2_304, [8_192]),
-    "qwen3-0.6b": (151_936, 1_024, [1_024, 4_096, 16_384, 65_536, 131_072]),
+    GEMMA2.name: (GEMMA2.V, GEMMA2.D, [8_192]),
+    QWEN3.name: (QWEN3.V, QWEN3.D, [1_024, 4_096, 16_384, 65_536, 131_072]),
     "tiny": (1_031, 40, [64, 256]),  # CPU checks of the machinery
 }
 GATE_SHAPES_GPU = [(257, 5003, 136), (1031, 32011, 520)]

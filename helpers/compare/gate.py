@@ -12,7 +12,7 @@ The bound for each quantity is ``max(FLOOR[dtype], SLACK * naive_error)``: the n
 logits from a matmul in the input dtype) is the fair yardstick of what the dtype allows, and the
 floor keeps the bound from collapsing where naive happens to be nearly exact. The floors are below
 1% everywhere, so a gradient scaled by 1.01 or a dropped soft cap fails in every dtype; a test
-proves it (tests/test_gate.py).
+proves it (tests/compare/test_gate.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from helpers.compare.inputs import ignore_targets, make_inputs
 from helpers.compare.methods import MethodUnavailable, get_method, primary_methods
 from helpers.compare.units import dtype_name
-from helpers.compare.verdicts import GATE_FLOOR, SLACK, gate_bound, gate_case_status, gate_verdict
+from helpers.compare.verdicts import GATE_FLOOR, gate_bound, gate_case_status, gate_verdict
 from helpers.spec import reference_loss_and_grads, relative_error
 
 QUANTITIES = ("loss", "dE", "dC")

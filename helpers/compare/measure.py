@@ -73,7 +73,7 @@ def peak_memory(
     The peak is the largest running sum of those events in time order, counting only blocks ``fn``
     allocated: a free of memory that existed before the call is ignored (for a block from before
     any profiling the profiler does not even know the size, and says so once on stderr). Checked in
-    tests/test_measure.py against known allocations, and against the naive loss, whose backward
+    tests/compare/test_measure.py against known allocations, and against the naive loss, whose backward
     holds exactly three fp32 N×V tensors at its peak. Under the Triton interpreter a kernel's own
     numpy scratch is invisible here; on a GPU a Triton kernel allocates nothing, so the two agree.
 

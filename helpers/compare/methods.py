@@ -425,7 +425,7 @@ register(
 # ---------------------------------------------------------------------------------------------
 
 # Shared memory its backward kernel asks for with 128×128×32 tiles (98,304 B for fp16 with Triton
-# 3.4-3.9, compiled for sm_75). tests/test_cce_configs.py re-derives the figure by compiling it.
+# 3.4-3.9, compiled for sm_75). tests/cce/test_configs.py re-derives the figure by compiling it.
 APPLE_CCE_BACKWARD_SHARED_BYTES = {torch.float16: 98_304, torch.bfloat16: 98_304}
 
 

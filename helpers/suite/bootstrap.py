@@ -40,7 +40,7 @@ from helpers.cce.device import detect_platform  # also the profiles' (a cell fun
 from helpers.suite.paths import HELPERS_SOURCE
 
 # What a notebook imports besides torch, helpers and IPython (the kernel itself): {module: pip
-# requirement}, as in requirements.txt (tests/test_bootstrap.py checks); jupytext and papermill are
+# requirement}, as in requirements.txt (tests/suite/test_bootstrap.py checks); jupytext and papermill are
 # the runner's business, not a notebook's. triton is asked for only on Linux, where its wheels are.
 REQUIREMENTS = {
     "numpy": "numpy",

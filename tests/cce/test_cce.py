@@ -28,7 +28,7 @@ from helpers.cce import (  # noqa: E402
     why_unavailable,
 )
 from helpers.compare.inputs import make_inputs as regime_inputs  # noqa: E402
-from helpers.spec import reference_loss, reference_loss_and_grads, relative_error  # noqa: E402
+from helpers.spec import reference_loss_and_grads, relative_error  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N, V, D = 37, 301, 24

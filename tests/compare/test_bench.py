@@ -5,7 +5,7 @@ import torch
 from helpers.compare.bench import bench_table, run_bench
 from helpers.compare.methods import Method, naive_loss
 from helpers.compare.results_file import read_results
-from helpers.compare.sweep import lower_bound_bytes
+from helpers.compare.units import lower_bound_bytes
 
 
 def test_bench_measures_gated_methods_and_writes_as_it_goes(tmp_path):

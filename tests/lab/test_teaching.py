@@ -19,7 +19,6 @@ from helpers.lab.teaching import (
     block_mask,
     check,
     check_exercise,
-    entries_per_row,
     gigabytes,
     masks_agree,
     memory_footprint,
