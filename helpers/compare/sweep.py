@@ -126,7 +126,7 @@ def _ours(N, V, D, b, capability):
     # helpers.cce.gemm_plan says which, with chunk sizes rounded to the BLOCK_V of the configuration
     # tier this capability gets. On the CPU the products run in fp32 ("upcast"): 16-bit operands
     # are copied to fp32 for each product, and the staged dC rows are used even for one row chunk.
-    from helpers.cce.backward_gemm import gemm_plan
+    from helpers.cce.backward.gemm import gemm_plan
     from helpers.cce.kernels.configs import tier_for_capability
 
     dtype = torch.float32 if b == 4 else torch.float16
@@ -142,7 +142,7 @@ def _ours(N, V, D, b, capability):
     if low and capability is None:  # the larger of the two products' fp32 operand copies
         scratch += max(n_chunk * widest + widest * D, n_chunk * staged + n_chunk * D) * 4
     # Per row, fp32: the forward's lse, and the backward's row gradient (w, w / max w and the three
-    # coefficients of G, helpers.cce.gradients.RowGradient).
+    # coefficients of G, helpers.cce.backward.rows.RowGradient).
     per_row = 24 * N
     return (N * D + V * D) * b + scratch + per_row
 

@@ -8,7 +8,7 @@ For a kept row i (target x_i), the loss of ``helpers.cce`` is
 
     G_{i, v} = S_{i, v} (1 + 2 zl lse_i) - (1 - ls) [v = x_i] - ls / V,
 
-times d cap(a) / da = 1 - (z / softcap)^2 under Gemma-2's soft cap (``gradient.py`` forms it, with
+times d cap(a) / da = 1 - (z / softcap)^2 under Gemma-2's soft cap (``gradient_tile.py`` forms it, with
 per-row coefficients from the host). Then dE = G C and dC = G^T E (each scaled by the upstream
 gradient of its row).
 
@@ -31,7 +31,7 @@ keep one gradient exact. Reference: autograd through ``helpers.spec.reference_lo
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.gradient import gradient_tile, grouped_tile
+from helpers.cce.kernels.gradient_tile import gradient_tile, grouped_tile
 
 
 @triton.jit
