@@ -1468,7 +1468,7 @@ for kahan in (False, True):
 #   128 ms. The default ("gemm") backward writes G for one vocabulary chunk at a time
 #   (N × V<sub>c</sub>, in the input dtype, into rows of dC or dE it has not written yet, so a chunk
 #   costs no memory) and hands the two products to cuBLAS as dense GEMMs that write each gradient
-#   element once per chunk (`helpers/cce/backward_gemm.py`). On Hopper the kernel that writes G is
+#   element once per chunk (`helpers/cce/backward/gemm.py`). On Hopper the kernel that writes G is
 #   persistent: one program per multiprocessor walks its tiles in one loop, so the next tile's
 #   loads run while this tile's G is formed and stored (3 ms of the Gemma-2-2B head's backward on
 #   an H200).
@@ -1485,7 +1485,7 @@ for kahan in (False, True):
 #   row, before any logit is rebuilt: the forward keeps one bit per (row, tile) whose softmax mass
 #   may reach ε, the backward gathers each tile's marked rows into packs and computes only those,
 #   with the vocabulary sorted so that the tiles a row needs sit together
-#   (`helpers/cce/backward_sparse.py`). On realistic inputs about a tenth of the pairs are marked
+#   (`helpers/cce/backward/sparse.py`). On realistic inputs about a tenth of the pairs are marked
 #   and it is faster than the default at the Gemma-2-2B and Qwen3 heads, with dE as accurate as
 #   the default's (the README's figures, from its H200 runs). On a flat softmax (an untrained
 #   model) nothing can be skipped and it runs the default. On the softmax of a language model

@@ -16,11 +16,6 @@ TEST_PATH = re.compile(r"(?<![\w/.])tests/[\w/]*?\w+\.py\b")
 
 # Stale when this test was written (2026-12-02), in files of other open branches: the integrator
 # fixes each citation and deletes its entry here; the list is to end empty.
-KNOWN_STALE = {
-    "helpers/cce/kernels/backward_atomic.py: tests/test_cce_configs.py",
-    "helpers/cce/kernels/backward_gemm.py: tests/test_cce.py",
-    "helpers/cce/kernels/configs.py: tests/test_cce_configs.py",
-}
 
 
 def cited_test_paths(text: str) -> list[str]:
@@ -44,11 +39,5 @@ def missing_citations() -> set[str]:
 
 
 def test_every_test_file_cited_in_helpers_and_scripts_exists():
-    new = sorted(missing_citations() - KNOWN_STALE)
-    assert not new, "cited test files that do not exist:\n" + "\n".join(new)
-
-
-def test_the_known_stale_citations_are_still_stale():
-    """A fixed citation leaves KNOWN_STALE, so the list only shrinks."""
-    fixed = sorted(KNOWN_STALE - missing_citations())
-    assert not fixed, "fixed: delete from KNOWN_STALE:\n" + "\n".join(fixed)
+    missing = sorted(missing_citations())
+    assert not missing, "cited test files that do not exist:\n" + "\n".join(missing)

@@ -1,11 +1,11 @@
 """The library: our Cut Cross-Entropy in Triton, the loss of a linear head without its logits.
-``linear_cross_entropy`` (autograd), its forward, two backward versions ("gemm", "atomic"), options,
-device limits and kernels. It imports nothing of the package but ``helpers.spec``; start at ``api``."""
+``linear_cross_entropy`` (autograd), its forward, three backward versions ("gemm", "atomic",
+"sparse"; the ``backward`` package), options, device limits and kernels. It imports nothing of the package but ``helpers.spec``; start at ``api``."""
 
 from helpers.cce.api import LinearCrossEntropy, LinearCrossEntropyFunction, linear_cross_entropy
 from helpers.cce.backward import cce_backward
-from helpers.cce.backward_atomic import atomic_chunks
-from helpers.cce.backward_gemm import gemm_chunks, gemm_plan, product_mode
+from helpers.cce.backward.atomic import atomic_chunks
+from helpers.cce.backward.gemm import gemm_chunks, gemm_plan, product_mode
 from helpers.cce.forward import cce_forward
 from helpers.cce.options import (
     ACCUMULATIONS,

@@ -8,7 +8,7 @@ coef_max (see ``helpers/cce/kernels/lse_forward.py``: the forward compares again
 the row's sum, so the bits over-mark and never miss). The backward decides from the bits alone which
 work to skip, and applies the exact rule to what it computes.
 
-Why eps / coef_max. The filter judges G = a S - b [v = x] (``helpers.cce.gradients.RowGradient``):
+Why eps / coef_max. The filter judges G = a S - b [v = x] (``helpers.cce.backward.rows.RowGradient``):
 outside the target's tile a row's |G| mass is |a| times its softmax mass (times the soft cap's
 1 - t^2 <= 1), so bits made at eps / coef_max miss no tile the rule keeps while |a| <= coef_max. With
 g the loss's upstream gradient and h the lse's, a = (g (1 + 2 zl lse) + h) / max(|g|, |h|), so
@@ -20,7 +20,7 @@ Memory: N * ceil(V / block_v / 8) bytes: 2.0 MB at the Gemma-2-2B head (N = 8,19
 128-column tiles), 19.5 MB at the Qwen3 head with N = 131,072 (0.034 LB), plus the order (V int64).
 
 This module also holds the host-side bit arithmetic both sides share: marked tiles per row, and the
-fix-up that marks a pair; the list of marked pairs is built on the device (``helpers.cce.pair_index``).
+fix-up that marks a pair; the list of marked pairs is built on the device (``helpers.cce.backward.pair_index``).
 """
 
 from __future__ import annotations

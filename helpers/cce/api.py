@@ -20,15 +20,15 @@ plus the options: Gemma-2's soft cap z = s tanh(z / s), PaLM's z-loss (+ zl * ls
 (ls / V) sum_v z_{i, v}) and ``ignore_index``, reduced exactly as ``F.cross_entropy`` does on fp32
 logits (``helpers.spec`` is the specification).
 
-Where each part lives: ``forward`` (Algorithms 1-2), ``backward`` (Algorithms 3-4, two
-implementations), ``options`` (what a call may ask, and where it runs), ``kernels/`` (the Triton
+Where each part lives: ``forward`` (Algorithms 1-2), ``backward`` (Algorithms 3-4, three
+implementations, one module each), ``options`` (what a call may ask, and where it runs), ``kernels/`` (the Triton
 kernels and their launch configurations, by shared memory per block).
 
 Gradient filter (paper section 4.2): a tile whose |G| sums to less than eps in every row skips
 its products; eps is per 256 vocabulary columns (a tile of BLOCK_V columns is held to
 eps * BLOCK_V / 256), so narrower tiles on smaller GPUs drop about what 256-column ones drop
 (``helpers.cce.options.tile_eps``). The paper bounds each entry; bounding the row mass also holds
-on a flat softmax, where every entry is tiny and their sum is not (``helpers/cce/kernels/backward_atomic.py``). eps
+on a flat softmax, where every entry is tiny and their sum is not (``helpers/cce/kernels/atomic_gradients.py``). eps
 defaults from the dtype ("auto"): 2^-12 for bf16 as in the paper (2^-5 of bf16's machine
 epsilon), the same 2^-5 of fp16's (2^-15), off for fp32; off with label smoothing, whose uniform
 -ls/V term sits below eps in every tile. ``full_c`` / ``full_e`` (the paper's CCE-Kahan-FullC/FullE)
@@ -36,12 +36,12 @@ keep the filter for one gradient only. In the "gemm" backward the filter zeroes 
 cuBLAS products still multiply them, so it saves no time there (docs/PERFORMANCE.md).
 
 Vocabulary sort (paper section 4.3): ``sort_vocab=True`` orders the vocabulary by average logit
-(``helpers.cce.gradients.vocabulary_order``), so large softmax entries share tiles and more tiles
+(``helpers.cce.shared.vocabulary_order``), so large softmax entries share tiles and more tiles
 pass the filter. Off by default: it only pays when the filter has something to skip.
 
 The "sparse" backward (``backward_impl="sparse"``, opt-in) makes the filter save time: the forward
 also writes one activity bit per (row, vocabulary tile) (``helpers.cce.activity``), and the backward
-rebuilds and multiplies only the marked pairs, per row (``helpers/cce/backward_sparse.py``). Its
+rebuilds and multiplies only the marked pairs, per row (``helpers/cce/backward/sparse.py``). Its
 "auto" eps bounds what a row loses: B / T for T tiles per row, B = 2^-7 (bf16), 2^-10 (fp16). With
 ``sort_vocab`` the forward walks the sorted vocabulary. It computes what "gemm" computes (a bias and
 db, per-row upstream gradients, a gradient into the returned lse, only the gradients asked for),
@@ -59,9 +59,9 @@ from __future__ import annotations
 import torch
 
 from helpers.cce.backward import cce_backward
-from helpers.cce.backward_sparse import options_need_every_pair, sparse_auto_eps, too_small
+from helpers.cce.backward.sparse import options_need_every_pair, sparse_auto_eps, too_small
 from helpers.cce.forward import cce_forward
-from helpers.cce.gradients import read_later
+from helpers.cce.shared import read_later
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import (
     CCEOptions,

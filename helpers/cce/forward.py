@@ -24,7 +24,7 @@ import triton
 from helpers.cce.activity import Activity, coef_bound
 from helpers.cce.descriptors import operand_descriptors
 from helpers.cce.device import device_info
-from helpers.cce.gradients import vocabulary_order
+from helpers.cce.shared import vocabulary_order
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
 from helpers.cce.kernels.lse_forward import lse_forward_kernel

@@ -537,7 +537,7 @@ def _ours_reason(device, dtype, softcap) -> Reason:
 def _ours_gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, capability: tuple[int, int] | None):
     """helpers.cce's chunk plan for the "gemm" backward, with the BLOCK_V of the configuration tier
     ``capability`` gets: the one place the registry reads cce's planning internals."""
-    from helpers.cce.backward_gemm import gemm_plan
+    from helpers.cce.backward.gemm import gemm_plan
     from helpers.cce.kernels.configs import tier_for_capability
 
     block_v = tier_for_capability(capability).backward_gemm_for(dtype).BLOCK_V
@@ -563,7 +563,7 @@ def ours_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] 
     if low and capability is None:  # the larger of the two products' fp32 operand copies
         scratch += max(n_chunk * widest + widest * D, n_chunk * staged + n_chunk * D) * 4
     # Per row, fp32: the forward's lse, and the backward's row gradient (w, w / max w and the three
-    # coefficients of G, helpers.cce.gradients.RowGradient).
+    # coefficients of G, helpers.cce.backward.rows.RowGradient).
     per_row = 24 * N
     return (N * D + V * D) * b + scratch + per_row
 

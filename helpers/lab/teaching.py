@@ -405,7 +405,7 @@ def block_mask(G: torch.Tensor, block_n: int, block_v: int, eps: float) -> torch
 
 def row_mass_mask(G: torch.Tensor, block_n: int, block_v: int, eps: float) -> torch.Tensor:
     """True where a tile of G has a row whose |G| entries in it sum to at least eps: the tiles the
-    production kernel computes (its row-mass rule, ``helpers/cce/kernels/backward_gemm.py``).
+    production kernel computes (its row-mass rule, ``helpers/cce/kernels/gradient_chunk.py``).
 
     Stricter than ``block_mask``: on a flat softmax every entry is below eps while a row's mass in a
     tile is not, so this rule keeps the tiles the paper's would drop with the whole softmax.

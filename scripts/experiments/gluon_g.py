@@ -21,7 +21,7 @@ a (64, 256) tile: 128 fp32 accumulator registers a thread, and the filter keeps 
 bound as the shipped 128-row tiles).
 
 Scope: bf16/fp16 inputs, no soft cap, no bias, no sorted vocabulary, E and C readable by the copy
-engine; what the shipped kernel (``helpers/cce/kernels/backward_gemm.py``) does for those inputs,
+engine; what the shipped kernel (``helpers/cce/kernels/gradient_chunk.py``) does for those inputs,
 with the same arithmetic (``gradient_tile``'s formula). Not wired into the package: this script
 checks it against the shipped kernel and times both, at the Gemma-2-2B head and the Qwen3 head
 with N = 16,384, on one G chunk of each shape's widest in-place width. ``--compile-only`` compiles
@@ -68,7 +68,7 @@ MAXNREG = 168  # 168 x 12 warps x 32 <= 64 K registers: what the partitions' bud
 @gluon.jit
 def _tile_coords(tile, N, v_count, BN: gl.constexpr, BV: gl.constexpr, GN: gl.constexpr):
     """(first row, first column of the chunk) of ``tile`` in grouped order (Triton tutorial 03):
-    ``helpers.cce.kernels.gradient.grouped_tile``'s, repeated because Gluon cannot call Triton's
+    ``helpers.cce.kernels.gradient_tile.grouped_tile``'s, repeated because Gluon cannot call Triton's
     jit functions."""
     num_n = gl.cdiv(N, BN)
     num_v = gl.cdiv(v_count, BV)
@@ -380,7 +380,7 @@ def compile_for_sm90() -> dict:
 def _shipped_chunk(E, C, x, lse, coef, v_begin, v_count, eps, G, kept, cfg):
     """The shipped G kernel (``gradient_chunk_kernel``) on one chunk, launched as ``backward_gemm`` launches it."""
     from helpers.cce.descriptors import block_descriptor, operand_descriptors
-    from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
+    from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
 
     N, D = E.shape
     E_desc, C_desc, _ = operand_descriptors(E, C, cfg, gathered=False)
@@ -400,7 +400,7 @@ def run_on_gpu(out: str) -> int:
     the shipped kernel's with the filter off (the same tiles' products and formula), the tiles each
     kept with it on, and both kernels' median times."""
     from helpers.cce import cce_forward, resolve_options
-    from helpers.cce.gradients import RowGradient
+    from helpers.cce.backward.rows import RowGradient
     from helpers.cce.kernels.configs import select_configs
     from helpers.cce.options import tile_eps
     from helpers.compare.inputs import make_inputs

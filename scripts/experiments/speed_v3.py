@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from _common import Checker, finish, script_setup
 
-import helpers.cce.backward_sparse as sparse_backward
+import helpers.cce.backward.sparse as sparse_backward
 from helpers.cce import linear_cross_entropy, why_unavailable
 from helpers.compare.inputs import make_inputs
 from helpers.compare.results_file import read_results

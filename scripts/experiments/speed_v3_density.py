@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/experiments/speed_v3_density.py [--quick] [--out density.jsonl]
 
 For each shape, regime (``helpers.compare.inputs``) and vocabulary order (as given, or sorted by
-C . mean(E) as ``helpers.cce.gradients.vocabulary_order`` does), the fp32 softmax is formed row chunk
+C . mean(E) as ``helpers.cce.shared.vocabulary_order`` does), the fp32 softmax is formed row chunk
 by row chunk and reduced to the |G| mass of every (row, vocabulary tile), G = S - onehot(x):
 
 - active (row, tile) pairs under the tile rule (mass >= eps, the rule of our filter), for tiles of

@@ -200,14 +200,14 @@ def host_ms(run, repeats, cuda) -> float:
     return round(sorted(times)[len(times) // 2], 2)
 
 
-# The in-place G chunk's cap (``helpers.cce.backward_gemm.G_IN_PLACE_BYTES``) swept, MiB; 0: every
+# The in-place G chunk's cap (``helpers.cce.backward.gemm.G_IN_PLACE_BYTES``) swept, MiB; 0: every
 # chunk at the scratch budget's width (the layout before G moved into dC's rows).
 IN_PLACE_MIB = (0, 64, 128, 256, 512, 1024)
 
 
 def chunk_width_sweep(case, base, repeats, cuda):
     """The "gemm" backward per in-place cap: median ms, host ms, peak / LB, launches, GPU time."""
-    import helpers.cce.backward_gemm as gemm_host
+    import helpers.cce.backward.gemm as gemm_host
 
     lb = (case.N + case.V) * case.D * case.dtype.itemsize
     records = []
@@ -234,7 +234,7 @@ def small_n_sweep(N, V, D, dtype, device, repeats, cuda):
     """Forward+backward through autograd, as the bench times it, at a small N where the host's
     launches bound the time: as shipped, with every G chunk at the scratch budget's width
     (in place 0), without G-kernel descriptors, and with them for every chunk."""
-    import helpers.cce.backward_gemm as gemm_host
+    import helpers.cce.backward.gemm as gemm_host
 
     E, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=N)
     E.requires_grad_(True)
@@ -286,7 +286,7 @@ def cublas_logits(case, repeats):
         Z = torch.empty(N, width, dtype=torch.float32, device=case.device)
         G = torch.empty(N, width, dtype=case.dtype, device=case.device)
 
-        def products(epilogue=None):
+        def products(epilogue=None, Z=Z, width=width):
             for v0 in range(0, V, width):
                 cols = min(V, v0 + width) - v0
                 z = Z[:, :cols]
@@ -294,7 +294,7 @@ def cublas_logits(case, repeats):
                 if epilogue:
                     epilogue(z, v0, cols)
 
-        def to_g(z, v0, cols):
+        def to_g(z, v0, cols, G=G):
             g = G[:, :cols]
             g_from_logits_kernel[(triton.cdiv(N, 64), triton.cdiv(cols, 128))](
                 z, case.lse, case.x, g, N, cols, v0, -100, z.stride(0), g.stride(0),
@@ -350,7 +350,7 @@ def end_to_end(case, tiers, repeats):
 def sparse_forward_sweep(case, base, candidates, repeats):
     """The forward of the "sparse" backward (activity bits, sorted vocabulary) per candidate, and
     its bits and lse against the first candidate's (the same tiles give the same bits)."""
-    from helpers.cce.backward_sparse import sparse_auto_eps
+    from helpers.cce.backward.sparse import sparse_auto_eps
 
     eps = sparse_auto_eps(case.dtype, case.V, base.sparse_for(case.dtype).BLOCK_V)
     options = resolve_options(case.dtype, filter_eps=eps, sort_vocab=True)
@@ -509,7 +509,7 @@ def host_sweep(case, base, repeats, cuda):
     GPU still working) per G-kernel variant: pointer loads, descriptor loads with a pointer G
     store, descriptor loads and store, at the shipped tiles and the tiles before. Where the host
     time reaches the wall time, the launches bound the backward."""
-    import helpers.cce.backward_gemm as gemm_host
+    import helpers.cce.backward.gemm as gemm_host
 
     variants = [("pointers 128x256 s4", L(128, 256, 64, 8, 4), True),
                 ("pointers 128x128 w4 s3", L(128, 128, 64, 4, 3), True),
@@ -542,7 +542,7 @@ def forward_order_sweep(case, base, repeats):
     """The LSE grid's vocabulary splits (None: ``helpers.cce.forward.lse_splits``'s choice; the grid
     split-major), for the plain forward and the sorted one with activity bits; the lse against
     the rule's."""
-    from helpers.cce.backward_sparse import sparse_auto_eps
+    from helpers.cce.backward.sparse import sparse_auto_eps
 
     eps = sparse_auto_eps(case.dtype, case.V, base.sparse_for(case.dtype).BLOCK_V)
     sorted_options = resolve_options(case.dtype, filter_eps=eps, sort_vocab=True)

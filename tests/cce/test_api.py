@@ -64,7 +64,7 @@ def test_leading_dimensions_bias_and_shift(dtype, reduction):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_bias_with_the_filter_the_sort_and_several_chunks(dtype, monkeypatch):
-    import helpers.cce.backward_gemm as gemm
+    import helpers.cce.backward.gemm as gemm
 
     monkeypatch.setattr(gemm, "gemm_chunks", lambda *shape: (7, 32))  # 3 row chunks x 4 vocabulary chunks
     E, C, x, bias = inputs(dtype)

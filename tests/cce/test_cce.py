@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-import helpers.cce.backward_gemm  # noqa: E402
+import helpers.cce.backward.gemm  # noqa: E402
 from helpers.cce import (  # noqa: E402
     CCEOptions,
     cce_backward,
@@ -60,7 +60,7 @@ def backward_impl(request, monkeypatch):
     24, below a tile), so chunks narrower than a tile land in the buffer and partial tiles abound."""
     chunks = {"gemm": (16, 64), "gemm/G_in_dE": (16, 16)}.get(request.param)
     if chunks:
-        monkeypatch.setattr(helpers.cce.backward_gemm, "gemm_chunks", lambda *shape: chunks)
+        monkeypatch.setattr(helpers.cce.backward.gemm, "gemm_chunks", lambda *shape: chunks)
     return request.param.split("/")[0]
 
 
@@ -282,7 +282,7 @@ def test_gemm_products_as_on_a_gpu(monkeypatch, mode, n_chunk):
     with an fp32 output, or as a fallback ("rounded") fp16 products, and with one row chunk writes
     dC in fp16 straight from the GEMM: the paths run here with "rounded", whose fp16 matmuls stand
     in for cuBLAS's. Rows with different upstream gradients and ignored rows (g_rel E operand)."""
-    monkeypatch.setattr(helpers.cce.backward_gemm, "product_mode", lambda device, dtype: mode)
+    monkeypatch.setattr(helpers.cce.backward.gemm, "product_mode", lambda device, dtype: mode)
     E, C, x = make_inputs(torch.float16, d=64, ignore=[3, 20])  # D >= BLOCK_V: dE's rows hold a chunk
     go = upstream("none")
     options = resolve_options(torch.float16, filter_eps=None)
@@ -312,7 +312,7 @@ def test_gemm_plan_keeps_G_where_nothing_is_live(monkeypatch, N, V, D, block_v, 
     free row), in dC's rows after its own chunk (first row chunk only), or in the buffer; the chunks
     cover the vocabulary in order, tile-aligned but the last; 16-bit inputs with dE wanted never
     need the buffer when D holds a tile."""
-    gemm = helpers.cce.backward_gemm
+    gemm = helpers.cce.backward.gemm
     monkeypatch.setattr(gemm, "gemm_chunks", lambda *shape: (rows_chunk, v_chunk))
     monkeypatch.setattr(gemm, "G_IN_PLACE_BYTES", max_cols * rows_chunk * dtype.itemsize)
     plan = gemm.gemm_plan(N, V, D, dtype, block_v, need_dE=need_dE)
@@ -346,9 +346,9 @@ def test_gemm_plan_keeps_G_where_nothing_is_live(monkeypatch, N, V, D, block_v, 
 ])
 def test_every_place_of_G_gives_the_reference(monkeypatch, mode, dtype, need, n_chunk):
     """Wide chunks in place (``G_IN_PLACE_BYTES`` small enough for several), against float64."""
-    monkeypatch.setattr(helpers.cce.backward_gemm, "product_mode", lambda device, dtype: mode)
-    monkeypatch.setattr(helpers.cce.backward_gemm, "gemm_chunks", lambda *shape: (n_chunk or 61, 32))
-    monkeypatch.setattr(helpers.cce.backward_gemm, "G_IN_PLACE_BYTES", 61 * 96 * dtype.itemsize)
+    monkeypatch.setattr(helpers.cce.backward.gemm, "product_mode", lambda device, dtype: mode)
+    monkeypatch.setattr(helpers.cce.backward.gemm, "gemm_chunks", lambda *shape: (n_chunk or 61, 32))
+    monkeypatch.setattr(helpers.cce.backward.gemm, "G_IN_PLACE_BYTES", 61 * 96 * dtype.itemsize)
     E, C, x = make_inputs(dtype, n=61, v=701, d=64, ignore=[3, 20])
     bias = torch.randn(701, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE) if need[2] else None
     go = upstream("none", n=61)

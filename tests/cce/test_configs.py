@@ -11,7 +11,7 @@ Also shown: Apple's CCE backward (the ``cut_cross_entropy`` package) does not fi
 And a guard for a Hopper miscompile: when the backward kernel's dE product took the logit tile's
 accumulator (cast to fp16/bf16) as a register operand of sm_90's wgmma across its D loop, ptxas
 reused those registers inside the loop and dE came out wrong on the H200 (see
-``helpers/cce/kernels/backward_atomic.py``). The sm_90 compiles here must keep no accumulator as an operand.
+``helpers/cce/kernels/atomic_gradients.py``). The sm_90 compiles here must keep no accumulator as an operand.
 """
 
 import json
@@ -44,7 +44,7 @@ KERNEL_FLAGS = {
                                    E_DESC=True, G_DESC=True),
     ("backward_gemm", "all"): dict(HAS_SOFTCAP=True, FILTER=True, SPLIT_G=True, SORTED=True),
     ("backward_gemm", "none"): dict(HAS_SOFTCAP=False, FILTER=False, SPLIT_G=False, SORTED=False),
-    # backward_impl="sparse" (helpers/cce/kernels/backward_sparse.py).
+    # backward_impl="sparse" (helpers/cce/kernels/pair_gradients.py).
     ("sparse_dE_pack", "all"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SORTED=True, STATS=True),
     ("sparse_dE_pack", "none"): dict(HAS_SOFTCAP=False, HAS_BIAS=False, SORTED=False, STATS=False),
     ("sparse_dE_reduce", "all"): dict(),
@@ -53,7 +53,7 @@ KERNEL_FLAGS = {
     ("sparse_dC", "all"): dict(SORTED=True, NEED_DC=True, NEED_DB=True, PARTIAL=True, ACCUMULATE=True),
     ("sparse_dC", "none"): dict(SORTED=False, NEED_DC=False, NEED_DB=False, PARTIAL=False, ACCUMULATE=False),
     ("sparse_dC_finish", "all"): dict(SORTED=True, NEED_DC=True, NEED_DB=True),
-    # Its pair index (helpers/cce/kernels/pair_index.py).
+    # Its pair index (helpers/cce/kernels/pair_list.py).
     ("count_pairs", "all"): dict(HAS_LIVE=True, POPCOUNT=True),
     ("write_pairs", "all"): dict(HAS_LIVE=True, SLOTS=True),
 }
@@ -120,11 +120,11 @@ def compile_ours(request):
 
     from helpers.cce.kernels import backward_sparse as S
     from helpers.cce.kernels import configs as K
-    from helpers.cce.kernels.backward_atomic import backward_atomic_kernel
-    from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
+    from helpers.cce.kernels.atomic_gradients import backward_atomic_kernel
+    from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
     from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
     from helpers.cce.kernels.lse_forward import lse_forward_kernel
-    from helpers.cce.kernels.pair_index import count_pairs_kernel, write_pairs_kernel
+    from helpers.cce.kernels.pair_list import count_pairs_kernel, write_pairs_kernel
 
     kernels = {"lse_forward": lse_forward_kernel, "backward": backward_atomic_kernel,
                "indexed_dot": indexed_dot_kernel, "backward_gemm": gradient_chunk_kernel,
@@ -142,7 +142,7 @@ def compile_ours(request):
         cfg = tier.sparse[size]
         constexprs = {"BLOCK_R": 256}  # the host's choice on a GPU
     elif request["kernel"] in INDEX_KERNELS:
-        from helpers.cce.pair_index import SEGMENT_ROWS
+        from helpers.cce.backward.pair_index import SEGMENT_ROWS
 
         cfg = tier.sparse[size]
         constexprs = {"ROWS": SEGMENT_ROWS}

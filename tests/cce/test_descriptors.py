@@ -17,8 +17,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import helpers.cce.backward_gemm  # noqa: E402
-import helpers.cce.backward_sparse as sparse  # noqa: E402
+import helpers.cce.backward.gemm  # noqa: E402
+import helpers.cce.backward.sparse as sparse  # noqa: E402
 import helpers.cce.forward as forward  # noqa: E402
 from helpers.cce import linear_cross_entropy  # noqa: E402
 from helpers.cce.descriptors import operand_descriptors, tma_ready  # noqa: E402
@@ -59,7 +59,7 @@ def _run(E, C, x, configs, **options):
 def small_shapes(monkeypatch):
     """The sparse path runs at this size (no fallback to "gemm", a pilot launch of 64 positions),
     and the G kernel takes descriptors at any chunk size (G written into dE's and dC's rows)."""
-    monkeypatch.setattr(helpers.cce.backward_gemm, "TMA_MIN_CHUNK_FLOP", 0.0)
+    monkeypatch.setattr(helpers.cce.backward.gemm, "TMA_MIN_CHUNK_FLOP", 0.0)
     monkeypatch.setattr(forward, "PILOT_COLUMNS", 64)
     monkeypatch.setattr(sparse, "DENSE_FALLBACK", 1.0)
     monkeypatch.setattr(sparse, "SPARSE_MIN_PAIRS", 0)

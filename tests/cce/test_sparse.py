@@ -18,11 +18,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import helpers.cce.backward_sparse as sparse  # noqa: E402
+import helpers.cce.backward.sparse as sparse  # noqa: E402
 import helpers.cce.forward as forward  # noqa: E402
 from helpers.cce import cce_backward, cce_forward, linear_cross_entropy, resolve_options  # noqa: E402
-import helpers.cce.pair_index as pair_index  # noqa: E402
-from helpers.cce.gradients import vocabulary_order  # noqa: E402
+import helpers.cce.backward.pair_index as pair_index  # noqa: E402
+from helpers.cce.shared import vocabulary_order  # noqa: E402
 from helpers.cce.kernels.configs import tier  # noqa: E402
 from helpers.compare.inputs import make_inputs  # noqa: E402
 from helpers.spec import reference_logits, reference_loss, reference_loss_and_grads, relative_error  # noqa: E402
@@ -65,7 +65,7 @@ def filtered_reference(E, C, x, go, eps, order, block_v, *, reduction="mean", so
                        bias=None, grad_lse=None):
     """(dE, dC, db) in float64 with the sparse rule applied exactly. Row i's gradient with respect to
     its logits is w_i G_i with G_i = a_i S - b_i [v = x_i] (times the soft cap's chain rule) and the
-    coefficients of ``helpers.cce.gradients.RowGradient``: g_i the loss's upstream gradient, h_i the
+    coefficients of ``helpers.cce.backward.rows.RowGradient``: g_i the loss's upstream gradient, h_i the
     lse's (``grad_lse``), w = max(|g|, |h|), a = (g (1 + 2 zl lse) + h) / w, b = g / w. A row's G in a
     tile (of sorted positions when ``order``) is dropped when its |G| mass there is below eps."""
     n, v = E.shape[0], C.shape[0]

@@ -52,7 +52,7 @@ def test_a_method_that_fails_the_gate_is_not_timed(temporary_method):
 def test_bench_says_which_backward_ran(monkeypatch):
     """A method whose backward can take another path says which it took: the sparse preset at the
     tiny shape runs "gemm" (too few pairs), and with that rule lifted it runs sparse and counts."""
-    import helpers.cce.backward_sparse as sparse
+    import helpers.cce.backward.sparse as sparse
     from helpers.compare.bench import backward_note
     from helpers.compare.inputs import make_inputs
 

@@ -154,10 +154,10 @@ def test_chunked_theory_with_several_chunks_matches_the_meter(monkeypatch):
     (256, 300, 64, (256, 64)),  # V_c = D: each G chunk lives in dE, 11% of the peak
 ], ids=["G_scratch", "G_in_dE"])
 def test_ours_theory_with_chunks_matches_the_meter(monkeypatch, N, V, D, chunks):
-    import helpers.cce.backward_gemm
+    import helpers.cce.backward.gemm
 
     # D large enough that the O(N) per-row vectors the formula leaves out stay under 1%.
-    monkeypatch.setattr(helpers.cce.backward_gemm, "gemm_chunks", lambda N, V, D, dtype, block_v: chunks)
+    monkeypatch.setattr(helpers.cce.backward.gemm, "gemm_chunks", lambda N, V, D, dtype, block_v: chunks)
     E, C, x = make_inputs(N, V, D, torch.float16, "cpu", requires_grad=True)
     step = loss_step("ours", E, C, x)
     step()

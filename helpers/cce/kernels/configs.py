@@ -5,7 +5,7 @@ num_stages * (BLOCK_N + BLOCK_V) * BLOCK_D * bytes for the logit loop, plus the 
 backward pass feeds back into tl.dot. A launch asking for more than the device's
 ``shared_memory_per_block_optin`` fails at run time ("out of resource: shared memory"), which is
 why Apple's CCE cannot run on a T4 (64 KB per block). So the configuration is chosen from the
-device's shared memory, not its name, and ``tests/test_cce_configs.py`` compiles each tier for a
+device's shared memory, not its name, and ``tests/cce/test_configs.py`` compiles each tier for a
 GPU of that tier (on a CPU) and checks the bytes the compiler asks for.
 
 Tiers (opt-in shared memory per block):
@@ -61,16 +61,16 @@ class CCEConfigs:
     # are gathered, which favours taller tiles (each gathered C block feeds more rows); empty: ``forward``.
     forward_sorted: dict[int, LaunchConfig] = field(default_factory=dict)
     backward: dict[int, LaunchConfig] = field(default_factory=dict)
-    # The "gemm" backward's G kernel (backward_gemm.py): one logit loop then a store of G, no second
+    # The "gemm" backward's G kernel (gradient_chunk.py): one logit loop then a store of G, no second
     # product, so the forward's tiles fit it; its products run in cuBLAS, which picks its own.
     backward_gemm: dict[int, LaunchConfig] = field(default_factory=dict)
     indexed_dot: LaunchConfig = LaunchConfig(64, 1, 128, 4, 1)
-    # The "sparse" backward's kernels (backward_sparse.py): BLOCK_N = rows per pack (the active rows
+    # The "sparse" backward's kernels (pair_gradients.py): BLOCK_N = rows per pack (the active rows
     # of one vocabulary tile, gathered), BLOCK_V = the tile's width, which is also the width of the
     # forward's activity bits (a divisor of the forward's BLOCK_V, 1-8 bits per forward tile).
     sparse: dict[int, LaunchConfig] = field(default_factory=dict)
     # The "sparse" backward runs "gemm" when the forward's bits mark more than this share of the
-    # (row, tile) pairs: where its kernels stop paying at this tier's tiles (``backward_sparse``).
+    # (row, tile) pairs: where its kernels stop paying at this tier's tiles (``helpers.cce.backward.sparse``).
     dense_fallback: float = 0.15
 
     def for_dtype(self, dtype) -> tuple[LaunchConfig, LaunchConfig, LaunchConfig]:

@@ -12,7 +12,7 @@ programs would leave most SMs idle); the host merges them with a logsumexp over 
 With a bias, z = E C^T + b. With label smoothing the kernel also sums the logits of each row (the smoothing term needs
 sum_v z_{i, v}). Reference: ``torch.logsumexp(reference_logits(E, C, softcap), dim=1)``.
 
-Activity bits (EMIT_BITS, for the "sparse" backward, ``helpers/cce/backward_sparse.py``). For
+Activity bits (EMIT_BITS, for the "sparse" backward, ``helpers/cce/backward/sparse.py``). For
 every row and every sub-tile of BLOCK_V / SUB columns the kernel writes one bit: whether the
 sub-tile's softmax mass may reach eps. It cannot know the final sum yet, so it compares against a
 lower bound of it, in the running scale m':

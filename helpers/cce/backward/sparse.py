@@ -15,8 +15,8 @@ backward's eps = 2^-12 per tile, applied per row, dropped up to 2% of a row's ma
 and put dE 5-9x the naive bf16 path's error (notes); a number passed as ``filter_eps`` is used as
 given, per tile. ``stats`` reports the softmax mass each row lost.
 
-The work (kernels: ``helpers/cce/kernels/backward_sparse.py``; the pair lists:
-``helpers.cce.pair_index``, built on the GPU, so the backward's one host sync is in its plan):
+The work (kernels: ``helpers/cce/kernels/pair_gradients.py``; the pair lists:
+``helpers.cce.backward.pair_index``, built on the GPU, so the backward's one host sync is in its plan):
 
 1. Each row's G = a S - b [v = x] and weight w come from ``RowGradient`` (per-row upstream
    gradients, z-loss, a gradient into the returned lse), the same G as "gemm"'s. Fix-up of the bits
@@ -70,11 +70,11 @@ import numpy as np
 import torch
 import triton
 
-from helpers.cce import pair_index
+from helpers.cce.backward import pair_index
 from helpers.cce.activity import Activity, popcount_rows, set_bits
-from helpers.cce.backward_gemm import backward_gemm
-from helpers.cce.gradients import MiB, RowGradient
-from helpers.cce.kernels.backward_sparse import (
+from helpers.cce.backward.rows import RowGradient
+from helpers.cce.shared import MiB
+from helpers.cce.kernels.pair_gradients import (
     sparse_dC_finish_kernel,
     sparse_dC_kernel,
     sparse_dE_pack_kernel,
@@ -145,34 +145,28 @@ def why_dense(activity: Activity | None, o: CCEOptions, block_v: int, N: int, V:
     return reason
 
 
-def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity | None, o: CCEOptions,
-                    configs: CCEConfigs, n_chunk: int | None, v_chunk: int | None, stats: dict | None,
-                    bias=None, need: tuple[bool, bool, bool] = (True, True, False)):
-    """(dE, dC, db) from the marked pairs, or from ``backward_gemm`` when the bits mark too much
-    (the tier's ``dense_fallback``), the options need every pair, or a row's softmax coefficient
-    exceeds what the forward's bits were made for (``Activity.coef_max``); arguments as ``cce_backward``'s
-    (``n_chunk`` and ``v_chunk`` reach only the fallback). A gradient ``need`` (dE, dC, db) does
-    not ask for is not computed: no dE pass without dE, dC's pass without its products for db
-    alone, none for neither."""
-    if not any(need):
-        return None, None, None
-    dtype = E.dtype
-    cfg = configs.sparse_for(dtype)
+def sparse_plan(E, C, x, lse, up: RowGradient, activity: Activity | None, o: CCEOptions,
+                configs: CCEConfigs, need: tuple[bool, bool, bool]) -> tuple[str | None, dict | None]:
+    """(why "gemm" must run instead, or None; the plan ``backward_sparse`` runs, or the counts so far):
+    the options need every pair, the problem is too small, the forward made no bits for these tiles
+    and eps, the bits mark more than the tier's ``dense_fallback`` of the pairs, or a row's softmax
+    coefficient exceeds what the forward's bits were made for (``Activity.coef_max``). The caller
+    (``helpers.cce.backward``) runs "gemm" when there is a reason."""
+    cfg = configs.sparse_for(E.dtype)
     reason = why_dense(activity, o, cfg.BLOCK_V, E.shape[0], C.shape[0])
-    plan = None
-    if reason is None:
-        limit = DENSE_FALLBACK if DENSE_FALLBACK is not None else configs.dense_fallback
-        plan = _plan(E, C, x, lse, up, activity, o, cfg, need, limit)
-        reason = plan.get("dense")
     if reason is not None:
-        # Unsorted: the sort serves the filter, and this eps (a row's budget over its tiles) skips
-        # next to nothing of a dense softmax; sorted, "gemm" gathers C's rows, +4 ms at the Gemma head.
-        grads = backward_gemm(E, C, x, lse, up, None, o, configs.backward_gemm_for(dtype),
-                              n_chunk, v_chunk, stats, bias, need)
-        if stats is not None:
-            stats.update(fallback=reason, density=plan["density"] if plan else None)
-        return grads
-    return _sparse(E, C, x, lse, up, activity, o, cfg, plan, stats, bias, need)
+        return reason, None
+    limit = DENSE_FALLBACK if DENSE_FALLBACK is not None else configs.dense_fallback
+    plan = _plan(E, C, x, lse, up, activity, o, cfg, need, limit)
+    return plan.get("dense"), plan
+
+
+def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity, o: CCEOptions, configs: CCEConfigs,
+                    plan: dict, stats: dict | None, bias=None, need: tuple[bool, bool, bool] = (True, True, False)):
+    """(dE, dC, db) from the marked pairs, by ``sparse_plan``'s plan; arguments as ``cce_backward``'s.
+    A gradient ``need`` (dE, dC, db) does not ask for is not computed: no dE pass without dE, dC's
+    pass without its products for db alone, none for neither."""
+    return _sparse(E, C, x, lse, up, activity, o, configs.sparse_for(E.dtype), plan, stats, bias, need)
 
 
 def _plan(E, C, x, lse, up, activity, o, cfg, need, dense_fallback: float) -> dict:

@@ -5,11 +5,11 @@
     G_{i, v} = a_i S_{i, v} - b_i [v = x_i] - c_i / V,    S = exp(z - lse),
 
 times 1 - (z / softcap)^2 under the soft cap. The row coefficients come from the host
-(``helpers.cce.gradients.RowGradient``): for the loss alone a = 1 + 2 zl lse, b = 1 - ls, c = ls,
+(``helpers.cce.backward.rows.RowGradient``): for the loss alone a = 1 + 2 zl lse, b = 1 - ls, c = ls,
 each divided by the row's weight w (its upstream gradient, applied after the products); a gradient
 flowing into the returned lse adds to a; ignored rows and padding have a = b = c = 0. The "atomic" kernel
-(``backward_atomic.py``), the "gemm" backward's G kernel (``backward_gemm.py``) and the "sparse"
-backward's kernels (``backward_sparse.py``, through ``gradient_and_softmax_tile``, which also returns
+(``atomic_gradients.py``), the "gemm" backward's G kernel (``gradient_chunk.py``) and the "sparse"
+backward's kernels (``pair_gradients.py``, through ``gradient_and_softmax_tile``, which also returns
 S) call this one function, so all compute the same G to the bit. ``grouped_tile`` orders their programs as Triton
 tutorial 03 does. Reference: autograd through ``helpers.spec.reference_loss``.
 """
@@ -55,7 +55,7 @@ def gradient_tile(
     row0=0, col0=0,
 ):
     """G = dloss_i / dz_{i, v} / w_i for the tile, (BLOCK_N, BLOCK_V) fp32; 0 at ignored rows and
-    padding. Shared by every backward kernel (this file's callers and ``backward_sparse.py``'s,
+    padding. Shared by every backward kernel (this file's callers and ``pair_gradients.py``'s,
     through ``gradient_and_softmax_tile``), so all compute the same G."""
     G, S = gradient_and_softmax_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols,
                                      row_mask, col_mask, V, D,

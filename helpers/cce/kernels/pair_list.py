@@ -7,7 +7,7 @@ the Qwen3 head with N = 131,072: 321 ms of 473). Here the lists come from two ke
 scans over small tables, with no host sync, for many row blocks at once.
 
 The bits are (T8, N) uint8, byte b holding tiles 8b..8b+7 of every row. Rows are cut into
-segments of at most ROWS rows (host: ``helpers.cce.pair_index``), segments into groups (the
+segments of at most ROWS rows (host: ``helpers.cce.backward.pair_index``), segments into groups (the
 "sparse" backward's row blocks for dE; one group of every row for dC). The pairs are listed by
 (group, tile, row):
 

@@ -1,6 +1,6 @@
 """The "gemm" backward's kernel: G written per vocabulary chunk, its two products left to cuBLAS.
 
-Why. The "atomic" backward (``backward_atomic.py``) forms each (BLOCK_N, BLOCK_V) block of G on chip and adds
+Why. The "atomic" backward (``atomic_gradients.py``) forms each (BLOCK_N, BLOCK_V) block of G on chip and adds
 G C_tile into dE and G^T E_tile into dC with fp32 atomics: every tile adds (BLOCK_N + BLOCK_V) * D
 values. At the Gemma-2-2B head (N = 8,192, V = 256,000, D = 2,304, 128 x 128 tiles) that is
 128,000 tiles x 256 x 2,304 = 7.5e10 atomic adds, ~300 GB of read-modify-write through L2 for a
@@ -18,14 +18,14 @@ The bytes: G_c is written once and read twice (3 N V itemsize bytes over the who
 (2 N D 4 bytes per chunk), against 300 GB of atomics. The arithmetic is unchanged: the logit
 product here plus the two products, 3 of the 4 N x V x D products of a recomputing backward.
 
-G is the "atomic" kernel's, to the bit: ``gradient_tile`` (``gradient.py``, shared by both) rebuilds the logits and
+G is the "atomic" kernel's, to the bit: ``gradient_tile`` (``gradient_tile.py``, shared by every backward) rebuilds the logits and
 forms G = S (1 + 2 zl lse) - (1 - ls) [v = x] - ls / V (times 1 - (z / softcap)^2 under the soft
 cap), 0 at ignored rows. The upstream gradient g_i stays out of G, as in the "atomic" kernel and for the same
 reason (fp16: g = 1/N_kept times S ~ 1e-6 underflows): dE is scaled per row after its product,
 and dC's product takes g_rel E (g_rel = g / max|g|, |g_rel| <= 1) with g_scale = max|g| as the
 GEMM's alpha; for a mean or sum, g_rel is 1 at every kept row and the host passes E itself.
 
-Gradient filter (paper section 4.2, the row-mass rule of ``gradient.py``'s callers): a tile whose rows each hold less than eps of |G|
+Gradient filter (paper section 4.2, the row-mass rule of ``gradient_tile.py``'s callers): a tile whose rows each hold less than eps of |G|
 mass writes zeros and records itself in ``tile_kept`` (0 = skipped), so that the GEMMs could skip
 it; they do not yet (dense cuBLAS products read the zeros). FULL_C / FULL_E (one gradient exact)
 use SPLIT_G: the kernel writes the real G to ``G_exact_ptr`` as well, and the host feeds the exact
@@ -33,7 +33,7 @@ gradient's product from it, the filtered one's from ``G_ptr``.
 
 Tensor descriptors (E_DESC, G_DESC; ``helpers.cce.descriptors``): on the Hopper tier E and C come
 through the copy engine and G leaves through it, for chunks large enough that the descriptors'
-host time per launch is hidden (``helpers.cce.backward_gemm.TMA_MIN_CHUNK_FLOP``); same bits.
+host time per launch is hidden (``helpers.cce.backward.gemm.TMA_MIN_CHUNK_FLOP``); same bits.
 
 Persistent walk (PERSISTENT, ``LaunchConfig.persistent``; the Hopper tier): a program per
 multiprocessor takes tiles pid, pid + programs, ... in one loop that the compiler fuses with the
@@ -42,14 +42,14 @@ while this tile's G is formed, filtered and stored, and the copy engine's store 
 before the next one. One program per tile instead refills its pipeline and drains its store each
 time. Same tiles, same arithmetic: the same bits.
 
-Reference: autograd through ``helpers.spec.reference_loss`` (tests/test_cce.py runs every
+Reference: autograd through ``helpers.spec.reference_loss`` (tests/cce/test_cce.py runs every
 option with ``backward_impl="gemm"``, the default); the host function is ``helpers.cce.cce_backward``.
 """
 
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.gradient import gradient_tile, grouped_tile
+from helpers.cce.kernels.gradient_tile import gradient_tile, grouped_tile
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """The "atomic" backward: one kernel rebuilds each logit tile, forms G, and adds G C_tile into dE
-and G^T E_tile into dC with fp32 atomics (``helpers/cce/kernels/backward_atomic.py``).
+and G^T E_tile into dC with fp32 atomics (``helpers/cce/kernels/atomic_gradients.py``).
 
 The paper's structure, kept for teaching and comparison. Scratch: fp32 accumulators per row chunk
 of dE and vocabulary chunk of dC for fp16/bf16 inputs (``atomic_chunks``: max(64 MiB, LB / 10)
@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from helpers.cce.gradients import MiB, RowGradient, fold_dC
-from helpers.cce.kernels.backward_atomic import backward_atomic_kernel
+from helpers.cce.backward.rows import RowGradient, fold_dC
+from helpers.cce.shared import MiB
+from helpers.cce.kernels.atomic_gradients import backward_atomic_kernel
 from helpers.cce.kernels.configs import LaunchConfig
 from helpers.cce.options import CCEOptions, dot_precision, tile_eps
 

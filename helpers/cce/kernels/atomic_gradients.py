@@ -8,7 +8,7 @@ For a kept row i (target x_i), the loss of ``helpers.cce`` is
 
     G_{i, v} = S_{i, v} (1 + 2 zl lse_i) - (1 - ls) [v = x_i] - ls / V,
 
-times d cap(a) / da = 1 - (z / softcap)^2 under Gemma-2's soft cap (``gradient.py`` forms it, with
+times d cap(a) / da = 1 - (z / softcap)^2 under Gemma-2's soft cap (``gradient_tile.py`` forms it, with
 per-row coefficients from the host). Then dE = G C and dC = G^T E (each scaled by the upstream
 gradient of its row).
 
@@ -31,7 +31,7 @@ keep one gradient exact. Reference: autograd through ``helpers.spec.reference_lo
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.gradient import gradient_tile, grouped_tile
+from helpers.cce.kernels.gradient_tile import gradient_tile, grouped_tile
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def accumulate_grads(
             # (for the scaled dE tile and dC's operand) without restoring them: on Hopper every D
             # block after the first multiplied c by stale values (relative error 1.0-1.4 at every
             # shape, fp16 and bf16; the interpreter has no registers and was right).
-            # tests/test_cce_configs.py checks the sm_90 compile keeps no accumulator as operand.
+            # tests/cce/test_configs.py checks the sm_90 compile keeps no accumulator as operand.
             dE_tile = tl.trans(tl.dot(tl.trans(c), tl.trans(G_dE), input_precision=DOT_PRECISION))
             dE_tile = dE_tile * dE_scale  # (BLOCK_N, BLOCK_D)
             tl.atomic_add(dE_ptr + rows[:, None] * stride_dEn + d[None, :] * stride_dEd, dE_tile,

@@ -2,8 +2,8 @@
 
 ``build`` lists the pairs of a block of rows (cut into groups: the dE pass's row blocks) and a range
 of the bits' bytes (8 tiles each) by (group, tile, row), with each group's packs of ``pack_rows``
-consecutive pairs of one tile (kernels and layout: ``helpers/cce/kernels/pair_index.py``). The host
-knows every size beforehand (the pair counts of ``helpers.cce.backward_sparse``'s plan), so a
+consecutive pairs of one tile (kernels and layout: ``helpers/cce/kernels/pair_list.py``). The host
+knows every size beforehand (the pair counts of ``helpers.cce.backward.sparse``'s plan), so a
 backward pays one sync, in its plan, and the host runs ahead of the GPU from there.
 
 Memory: 4 bytes per pair (8 with slots), 4 per (row, byte of bits) with slots, and ~28 per
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from helpers.cce.kernels.pair_index import count_pairs_kernel, write_pairs_kernel
+from helpers.cce.kernels.pair_list import count_pairs_kernel, write_pairs_kernel
 
 # Rows per segment: a segment's rows of one tile are ranked by one tl.cumsum.
 SEGMENT_ROWS = 128

@@ -1,7 +1,7 @@
 """The "sparse" backward's kernels: only the (row, vocabulary tile) pairs the forward marked.
 
 The forward marked, per row, the tiles whose softmax mass may reach eps (``lse_forward.py``, bits
-in ``helpers.cce.activity``). ``pair_index.py`` lists the marked pairs by (row block, tile, row) on
+in ``helpers.cce.activity``). ``pair_list.py`` lists the marked pairs by (row block, tile, row) on
 the GPU; a pack is BLOCK_N consecutive pairs of one tile (``locate_pack``), and these kernels
 compute only packs. Every kernel writes each gradient element once, in a fixed order: no atomics
 on the gradients, which are bitwise repeatable (the optional stats are summed with atomics).
@@ -11,7 +11,7 @@ the tile's rows of C (plus the tile's bias) and forms G (``gradient_and_softmax_
 then applies the exact filter rule per row: a row whose |G| mass in the tile is below eps gets
 G = 0 (the bits over-mark; what they let through is judged here, exactly).
 
-dE, per block of rows (host: ``helpers.cce.backward_sparse``), a segmented reduction:
+dE, per block of rows (host: ``helpers.cce.backward.sparse``), a segmented reduction:
 
     sparse_dE_pack_kernel     Y[slot] = G_row C_tile         (one row of D per marked pair, fp16 for
                               16-bit inputs; a row's slots are consecutive, in tile order)
@@ -34,8 +34,8 @@ percent of the pairs. Reference: autograd through ``helpers.spec.reference_loss`
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.gradient import gradient_and_softmax_tile
-from helpers.cce.kernels.pair_index import locate_pack
+from helpers.cce.kernels.gradient_tile import gradient_and_softmax_tile
+from helpers.cce.kernels.pair_list import locate_pack
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def sparse_dE_pack_kernel(
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
     pack_off_ptr, pair_off_ptr, pair_cnt_ptr, pair_row_ptr,  # the pair index (``locate_pack``)
     pair_slot_ptr,  # (pairs,) int32: each pair's row of Y
-    Y_ptr,  # (slots, D) fp16 or fp32 (``helpers.cce.backward_sparse.y_dtype``): G_row C_tile of each marked pair
+    Y_ptr,  # (slots, D) fp16 or fp32 (``helpers.cce.backward.sparse.y_dtype``): G_row C_tile of each marked pair
     kept_ptr, accounted_ptr,  # (1,) int32, (N,) fp32: ``add_stats`` (STATS only)
     group, tiles, search_steps,  # the row block's group in the index; the index's tiles
     V, D,
@@ -127,7 +127,7 @@ def sparse_dE_pack_kernel(
             c = tl.load(C_ptr + cols[:, None] * stride_Cv + d[None, :] * stride_Cd,
                         mask=col_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_V, BLOCK_D)
             # (c^T G^T)^T, not tl.dot(G_dt, c): the form that keeps the logit accumulator's cast out
-            # of sm_90's register operands across this loop (see ``backward_atomic.py``: ptxas reused
+            # of sm_90's register operands across this loop (see ``atomic_gradients.py``: ptxas reused
             # those registers and dE came out wrong on the H200).
             y = tl.trans(tl.dot(tl.trans(c), tl.trans(G_dt), input_precision=DOT_PRECISION))
             tl.store(Y_ptr + slots[:, None] * stride_Y + d[None, :], y.to(Y_ptr.dtype.element_ty),
@@ -138,7 +138,7 @@ def sparse_dE_pack_kernel(
 def sparse_dE_reduce_kernel(
     Y_ptr,  # (slots, D) fp16 or fp32
     row_slot_ptr,  # (N + 1,) int64: row i's slots are [row_slot[i], row_slot[i + 1]) - slot0, in tile order
-    w_ptr,  # (N,) fp32 each row's weight w (``helpers.cce.gradients.RowGradient``)
+    w_ptr,  # (N,) fp32 each row's weight w (``helpers.cce.backward.rows.RowGradient``)
     dE_ptr,  # (N, D) in E's dtype
     row0, slot0, D,
     stride_Y, stride_dEn, stride_dEd,

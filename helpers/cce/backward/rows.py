@@ -1,5 +1,4 @@
-"""What both backward implementations share: each row's gradient, the vocabulary order, and the
-fold of dC's fp32 rows into dC.
+"""What the three backwards share: each row's gradient, and the fold of dC's fp32 rows into dC.
 
 Each row's gradient. Row i's loss carries an upstream gradient g_i (1/N_kept for a mean, the
 caller's vector for "none", 0 at ignored rows) and, when the caller backpropagates through the
@@ -16,14 +15,11 @@ take w_rel E (w_rel = w / max w, exact for a mean or a sum) with max w applied t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from helpers.cce.options import CCEOptions
-
-MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -54,14 +50,6 @@ class RowGradient:
         return cls(w, w_rel, w_scale, uniform, coef)
 
 
-def vocabulary_order(E: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
-    """(V,) int64, C's rows by average logit, largest first (paper section 4.3): the average of
-    E_i . C_v over i is C_v . mean_i E_i, one (V, D) @ (D,) product, no logits. The sort ignores
-    the soft cap, which is monotone."""
-    E_mean = E.mean(dim=0, dtype=torch.float32).to(E.dtype)
-    return torch.argsort(torch.mv(C, E_mean).float(), descending=True)
-
-
 def fold_dC(dC, dC_rows, where, first, compensation):
     """dC[where] (+)= dC_rows (fp32), rounded to dC's dtype; ``compensation`` (Kahan) carries what
     each rounding lost to the next fold. dC_rows is used as scratch."""
@@ -73,21 +61,3 @@ def fold_dC(dC, dC_rows, where, first, compensation):
     dC[where] = rounded
     if compensation is not None:
         compensation[where] = dC_rows.sub_(rounded).to(dC.dtype)
-
-
-def read_later(t: torch.Tensor) -> Callable[[], float | bool]:
-    """A function that returns the one-element ``t`` as a Python number. On a GPU the copy to the
-    host is queued now and waited for only when called (up to ``t``'s own work, not the work queued
-    after it), so a host that launches more work first never leaves the GPU idle; on the CPU, at once."""
-    if t.device.type != "cuda":
-        return lambda: t.item()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
-
-    def value() -> float | bool:
-        copied.synchronize()
-        return host.item()
-
-    return value

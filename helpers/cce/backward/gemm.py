@@ -8,7 +8,7 @@ Per row chunk (rows of dE's fp32 accumulator) and vocabulary chunk [v0, v1) of V
     dE        = g * dE_acc, rounded once                                after the last chunk
 
 Why it beats the "atomic" backward, the kernel that computes G, and the filter's place in it: the
-docstring of ``helpers/cce/kernels/backward_gemm.py``. Memory beyond dE and dC: for 16-bit inputs
+docstring of ``helpers/cce/kernels/gradient_chunk.py``. Memory beyond dE and dC: for 16-bit inputs
 dE's fp32 accumulator (rows sized by ``gemm_chunks``); G_c lives in the rows of dE or dC that the
 backward has not yet written, so a chunk can be far wider than a scratch budget would allow
 (fewer launches, fewer passes over the accumulator) at no memory, and only where neither has room
@@ -25,8 +25,9 @@ import triton
 
 from helpers.cce.descriptors import block_descriptor, operand_descriptors
 from helpers.cce.device import device_info
-from helpers.cce.gradients import MiB, RowGradient, fold_dC, read_later
-from helpers.cce.kernels.backward_gemm import gradient_chunk_kernel
+from helpers.cce.backward.rows import RowGradient, fold_dC
+from helpers.cce.shared import MiB, read_later
+from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
 from helpers.cce.kernels.configs import LaunchConfig
 from helpers.cce.options import CCEOptions, dot_precision, tile_eps
 

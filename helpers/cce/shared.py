@@ -1,0 +1,37 @@
+"""What the forward and the backward both use, at the bottom of the package so that neither imports
+the other: the vocabulary order of the sort (paper section 4.3), a deferred read of a device scalar,
+and ``MiB``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+MiB = 1024 * 1024
+
+
+def vocabulary_order(E: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+    """(V,) int64, C's rows by average logit, largest first (paper section 4.3): the average of
+    E_i . C_v over i is C_v . mean_i E_i, one (V, D) @ (D,) product, no logits. The sort ignores
+    the soft cap, which is monotone."""
+    E_mean = E.mean(dim=0, dtype=torch.float32).to(E.dtype)
+    return torch.argsort(torch.mv(C, E_mean).float(), descending=True)
+
+
+def read_later(t: torch.Tensor) -> Callable[[], float | bool]:
+    """A function that returns the one-element ``t`` as a Python number. On a GPU the copy to the
+    host is queued now and waited for only when called (up to ``t``'s own work, not the work queued
+    after it), so a host that launches more work first never leaves the GPU idle; on the CPU, at once."""
+    if t.device.type != "cuda":
+        return lambda: t.item()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def value() -> float | bool:
+        copied.synchronize()
+        return host.item()
+
+    return value
