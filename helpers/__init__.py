@@ -18,7 +18,7 @@ from helpers import env  # noqa: F401  (first: the environment, before any kerne
 from helpers.cce import linear_cross_entropy
 from helpers.cce.device import device_info, pretend_t4
 from helpers.compare.gate import GateCase, GateReport, gate_cases, run_gate
-from helpers.compare.methods import METHODS, Method, MethodUnavailable, available_methods, get_method
+from helpers.compare.methods import METHODS, Method, MethodUnavailable, get_method
 from helpers.spec import reference_loss, reference_loss_and_grads, relative_error, validate_inputs
 
 __version__ = "0.1.0"
@@ -28,7 +28,6 @@ __all__ = [
     "METHODS",
     "Method",
     "MethodUnavailable",
-    "available_methods",
     "get_method",
     "GateCase",
     "GateReport",

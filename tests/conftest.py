@@ -63,3 +63,27 @@ def facts_kit():
     H200 bf16 run as measured (Liger lighter than ours at 16k and faster from 65k; Apple CCE lighter
     still but failing the gate)."""
     return types.SimpleNamespace(sweep=_sweep, trained=_trained, h200=_h200_facts)
+
+
+@pytest.fixture
+def softmax_stats():
+    """What the softmax of inputs looks like: entries per row above ``threshold``, mean loss, and
+    the mean sorted-probability curve (the paper's Figure 3), computed in row chunks: how the tests
+    check that ``helpers.compare.inputs`` makes the regimes it promises."""
+    import torch
+
+    def stats(E, C, x, threshold: float = 2.0**-12, rows: int = 1024) -> dict:
+        above, loss, curve = 0, 0.0, None
+        for start in range(0, E.shape[0], rows):
+            z = E[start : start + rows].float() @ C.float().T
+            logp = torch.log_softmax(z, dim=1)
+            p = logp.exp()
+            above += int((p > threshold).sum())
+            loss += float(-logp.gather(1, x[start : start + rows, None]).sum())
+            sorted_p = p.sort(dim=1, descending=True).values.sum(0)
+            curve = sorted_p if curve is None else curve + sorted_p
+        n = E.shape[0]
+        return {"entries_above_threshold_per_row": above / n, "threshold": threshold, "mean_loss": loss / n,
+                "sorted_probability_curve": (curve / n).cpu()}
+
+    return stats

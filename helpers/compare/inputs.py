@@ -95,26 +95,3 @@ def sample_targets(E: torch.Tensor, C: torch.Tensor, generator=None, rows: int =
         z = E[start : start + rows].detach().float() @ C.detach().float().T
         out[start : start + rows] = torch.multinomial(torch.softmax(z, dim=1), 1, generator=generator)[:, 0]
     return out
-
-
-def softmax_stats(
-    E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, threshold: float = 2.0**-12, rows: int = 1024
-) -> dict:
-    """What the softmax looks like: entries per row above ``threshold``, mean loss, and the mean
-    sorted-probability curve (the paper's Figure 3), computed in row chunks."""
-    above, loss, curve = 0, 0.0, None
-    for start in range(0, E.shape[0], rows):
-        z = E[start : start + rows].float() @ C.float().T
-        logp = torch.log_softmax(z, dim=1)
-        p = logp.exp()
-        above += int((p > threshold).sum())
-        loss += float(-logp.gather(1, x[start : start + rows, None]).sum())
-        sorted_p = p.sort(dim=1, descending=True).values.sum(0)
-        curve = sorted_p if curve is None else curve + sorted_p
-    n = E.shape[0]
-    return {
-        "entries_above_threshold_per_row": above / n,
-        "threshold": threshold,
-        "mean_loss": loss / n,
-        "sorted_probability_curve": (curve / n).cpu(),
-    }

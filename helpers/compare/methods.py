@@ -129,10 +129,6 @@ def availability(
     return {n: get_method(n).why_unavailable(device, dtype) for n in (names or primary_methods())}
 
 
-def available_methods(device: torch.device | str, dtype: torch.dtype) -> list[str]:
-    return [n for n, reason in availability(device, dtype).items() if reason is None]
-
-
 # ---------------------------------------------------------------------------------------------
 # Availability rules shared by several methods
 # ---------------------------------------------------------------------------------------------
@@ -715,7 +711,6 @@ __all__ = [
     "get_method",
     "primary_methods",
     "availability",
-    "available_methods",
     "apple_cce_impls",
     "chunk_rows",
 ]

@@ -54,14 +54,6 @@ def install_cold_start_cell(py_path: str | Path, sync: bool = True) -> bool:
     return write_notebook_source(py_path, text, new, sync)
 
 
-def first_code_cell(py_path: str | Path) -> str:
-    """The source of the first code cell of a percent notebook, as jupytext reads it."""
-    import jupytext
-
-    notebook = jupytext.read(py_path)
-    return next(c.source for c in notebook.cells if c.cell_type == "code")
-
-
 def write_notebook_source(py_path: Path, old: str, new: str, sync: bool) -> bool:
     """Write ``new`` over a notebook's .py when it differs from ``old`` (then, with ``sync``, update
     the paired .ipynb); return whether it changed."""

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from helpers.compare.inputs import make_inputs, softmax_stats
+from helpers.compare.inputs import make_inputs
 
 
-def test_realistic_softmax_is_sparse_with_a_trained_models_loss():
+def test_realistic_softmax_is_sparse_with_a_trained_models_loss(softmax_stats):
     E, C, x = make_inputs(128, 32768, 48, regime="realistic", seed=1)
     stats = softmax_stats(E, C, x)
     assert 20 <= stats["entries_above_threshold_per_row"] <= 100  # paper's Fig. 3: ~50 of 256k
@@ -26,7 +26,7 @@ def test_realistic_significant_entries_are_shared_across_rows():
     assert top[: 8192 // 8].sum() > 0.9 * hits.sum()
 
 
-def test_uniform_is_dense_and_seeded():
+def test_uniform_is_dense_and_seeded(softmax_stats):
     E, C, x = make_inputs(64, 4099, 32, seed=3)
     assert softmax_stats(E, C, x)["entries_above_threshold_per_row"] > 300
     E2, C2, x2 = make_inputs(64, 4099, 32, seed=3)

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from helpers.compare import trained
-from helpers.compare.inputs import make_inputs, softmax_stats
+from helpers.compare.inputs import make_inputs
 
 V, D = 3000, 24  # V below the small corpus's types: the rare ones fold into <unk>
 
 
-def test_the_model_learned_something():
+def test_the_model_learned_something(softmax_stats):
     """Trained, not initialized: the training loss fell by nats, and on positions it never trained on
     (the validation split) the model's loss is far below log V, a uniform guess's."""
     facts = trained.describe(V, D)

@@ -24,13 +24,21 @@ from helpers.suite.bootstrap import (
     find_checkout,
     find_wheels,
 )
-from helpers.suite.cells import first_code_cell, install_cold_start_cell
+from helpers.suite.cells import install_cold_start_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
 EVERYTHING = {"helpers", "torch", *REQUIREMENTS}
 VERSIONS = {"torch": "2.6.0+cu124", "triton": "3.2.0"}
 PEERS = {"liger_kernel", "cut_cross_entropy"}
+
+
+def first_code_cell(py_path: str | Path) -> str:
+    """The source of the first code cell of a percent notebook, as jupytext reads it."""
+    import jupytext
+
+    notebook = jupytext.read(py_path)
+    return next(c.source for c in notebook.cells if c.cell_type == "code")
 
 
 def test_platform_detection():
