@@ -124,8 +124,9 @@ def _record_key(record: dict) -> tuple:
 
 
 def load_points(store: str | Path) -> dict[tuple, dict]:
-    """The points already in ``store`` (JSONL), by key; the last line for a key wins. A torn last
-    line (a run killed while writing) is ignored."""
+    """The points already in ``store`` (the one results format, ``helpers.compare.results_file``:
+    JSON Lines, a meta record first; a store written before it has no meta record), by key; the
+    last line for a key wins. A torn last line (a run killed while writing) is ignored."""
     points = {}
     path = Path(store)
     if path.exists():
@@ -134,15 +135,24 @@ def load_points(store: str | Path) -> dict[tuple, dict]:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if record.get("record") == "meta":
+                continue
+            record.pop("record", None)
             points[_record_key(record)] = record
     return points
 
 
 def _append_point(store: Path, record: dict) -> None:
+    """Append one point, as it is measured (a run that dies keeps what it measured); a new store
+    starts with the results format's meta record (device, versions, command)."""
+    from helpers.compare.results_file import run_meta
+
     store.parent.mkdir(parents=True, exist_ok=True)
+    if not store.exists() or store.stat().st_size == 0:
+        store.write_text(json.dumps(run_meta(what="memory sweep points"), default=str) + "\n")
     record = {k: v for k, v in record.items() if k != "reused"}  # a property of a run, not of the point
     with store.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps({"record": "result", **record}) + "\n")
 
 
 def quick_gate(methods: list[str], dtype: torch.dtype | str, shapes: list[tuple[int, int, int]],
