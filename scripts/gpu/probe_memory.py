@@ -3,7 +3,7 @@ bitwise repeat at the Qwen3 head with N = 131,072 (split and windowed tiles), on
 
     python3 scripts/gpu/probe_memory.py OUT.json
 
-A short check of a change to the sparse backward's memory budgets (``GC_BYTES``, ``INDEX_BYTES``,
+A short check of a change to the sparse backward's memory budgets (``HostTuning.gc_bytes``, ``index_bytes``,
 the split sums) before a full ``python -m helpers bench``; it reuses ``speed_v3.py``'s measurement.
 """
 

@@ -18,7 +18,9 @@ Tiers (opt-in shared memory per block):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,60 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
+class HostTuning:
+    """How the host launchers cut the work: every knob that is not a kernel's tile, one field each.
+    A tier carries one (``CCEConfigs.host``); tests and ``scripts/gpu/tune.py`` pass a changed copy
+    (``CCEConfigs.tuned``) as ``configs``, never a patched module global."""
+
+    # The "gemm" backward (``helpers.cce.backward.gemm``).
+    # (rows per dE accumulator, columns per G chunk) in place of ``gemm_chunks``'s budgets; None: the budgets.
+    gemm_chunks: tuple[int, int] | None = None
+    # The widest G chunk kept in place (in dE's or dC's rows not yet written, ``vocab_chunks``): wider
+    # chunks mean fewer launches (the host bounds the Qwen3 head's backward) and fewer passes over dE's
+    # fp32 accumulator (its read-add-write per chunk costs the dE product ~20% at the Gemma-2-2B head),
+    # at no memory. Measured on an H200: docs/PERFORMANCE.md, "G in place".
+    g_in_place_bytes: int = 256 * MiB
+    # The G kernel reads E and C and writes G through tensor descriptors (``LaunchConfig.tma``) only
+    # for vocabulary chunks whose three products (6 rows v_chunk D FLOP) take longer than the host's
+    # launches for the chunk: on an H200 the host spends ~0.2-0.3 ms a chunk (a Triton launch, two
+    # cuBLAS calls), and descriptor arguments add ~50 us, while descriptors save ~20% of the G
+    # kernel's time. 2e11 FLOP is ~0.3 ms of products there: the Gemma-2-2B head (8,192 rows x 2,304
+    # x 2,304, 2.6e11) uses them, saving 3-5 ms a backward; the Qwen3 head (16,384 x 1,024 x 1,024,
+    # 1.0e11), whose backward the host's launches bound, does not (scripts/gpu/tune.py, "host").
+    tma_min_chunk_flop: float = 2e11
+    # G leaves the G kernel through a descriptor whenever E and C come through one; False: a pointer
+    # store (scripts/gpu/tune.py's "host" section compares the two).
+    g_store_tma: bool = True
+    # How the fp32-output products are made (``helpers.cce.backward.gemm.PRODUCT_MODES``); None: the
+    # first that works on the device (``product_mode``).
+    product_mode: str | None = None
+
+    # The "sparse" backward (``helpers.cce.backward.sparse``).
+    # Fewer (row, tile) pairs than this run "gemm": between N = 1,024 (sparse 1.7x slower than
+    # "gemm" on an H200) and 16,384 (1.25x faster) at the Qwen3 head's 1,187 tiles.
+    sparse_min_pairs: int = 2**23
+    y_lanes: int | None = None  # rows of Y (marked pairs) in dC's memory; None: all that fit
+    gc_bytes: int | None = None  # Gc's bytes; None: max(LB / 20, 4 MiB) (a tile of more packs: in windows)
+    index_bytes: int | None = None  # the pair index's bytes (``pair_index``); None: max(LB / 32, 4 MiB)
+    # dC programs worth having in flight: a range with fewer (tiles x D blocks) splits its tiles' packs
+    # (``sparse_dC_kernel``'s PARTIAL); None: 4 per SM on a GPU, no splits on the CPU. Their fp32 sums
+    # take at most max(LB / 64, 4 MiB).
+    dc_programs: int | None = None
+    # Rows per segment of the pair index: a segment's rows of one tile are ranked by one tl.cumsum
+    # (a power of two, the kernels' ROWS).
+    segment_rows: int = 128
+    # Rows at a time in ``helpers.cce.activity.popcount_rows``: torch sums a uint8 tensor into int64
+    # by casting it whole first, 8 bytes per byte of bits (156 MB at the Qwen3 head with N = 131,072,
+    # measured as 0.27 LB of peak on the H200 by an earlier count over the whole bits); in slices of
+    # this many rows the cast is at most ~10 MB.
+    count_rows: int = 8192
+
+    # The forward with activity bits (``helpers.cce.forward``): sorted vocabulary positions the pilot
+    # launch walks first (rounded to whole bytes of bits).
+    pilot_columns: int = 1024
+
+
+@dataclass(frozen=True)
 class CCEConfigs:
     """The configurations of one shared-memory tier, per kernel and per input element size."""
 
@@ -70,8 +126,20 @@ class CCEConfigs:
     # forward's activity bits (a divisor of the forward's BLOCK_V, 1-8 bits per forward tile).
     sparse: dict[int, LaunchConfig] = field(default_factory=dict)
     # The "sparse" backward runs "gemm" when the forward's bits mark more than this share of the
-    # (row, tile) pairs: where its kernels stop paying at this tier's tiles (``helpers.cce.backward.sparse``).
+    # (row, tile) pairs (of the rows with a gradient): where its kernels stop paying at this tier's
+    # tiles (``helpers.cce.backward.sparse``). On an H200: at 9-11% marked (bf16, realistic; tile
+    # products 14-17% of gemm's) the sparse backward took 0.5-0.6x gemm's time; at 21-27% (a trained
+    # model's softmax, 128-column tiles) 0.77-1.02x; at 21% with the T4's 64-column tiles (fp16, 36%
+    # of the products) 1.7x.
     dense_fallback: float = 0.15
+    # The host's knobs (chunk widths, in-place caps, budgets, split counts).
+    host: HostTuning = HostTuning()
+
+    def tuned(self, **host) -> CCEConfigs:
+        """This tier with some host knobs changed (``HostTuning``'s fields) and, for ``dense_fallback``,
+        the density limit: what tests and tuning scripts pass as ``configs``."""
+        fallback = host.pop("dense_fallback", self.dense_fallback)
+        return replace(self, dense_fallback=fallback, host=replace(self.host, **host))
 
     def for_dtype(self, dtype) -> tuple[LaunchConfig, LaunchConfig, LaunchConfig]:
         """(forward, backward, indexed_dot) for inputs of ``dtype``."""
