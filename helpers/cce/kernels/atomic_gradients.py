@@ -70,7 +70,7 @@ def accumulate_grads(
             # (for the scaled dE tile and dC's operand) without restoring them: on Hopper every D
             # block after the first multiplied c by stale values (relative error 1.0-1.4 at every
             # shape, fp16 and bf16; the interpreter has no registers and was right).
-            # tests/test_cce_configs.py checks the sm_90 compile keeps no accumulator as operand.
+            # tests/cce/test_configs.py checks the sm_90 compile keeps no accumulator as operand.
             dE_tile = tl.trans(tl.dot(tl.trans(c), tl.trans(G_dE), input_precision=DOT_PRECISION))
             dE_tile = dE_tile * dE_scale  # (BLOCK_N, BLOCK_D)
             tl.atomic_add(dE_ptr + rows[:, None] * stride_dEn + d[None, :] * stride_dEd, dE_tile,

@@ -5,7 +5,7 @@ num_stages * (BLOCK_N + BLOCK_V) * BLOCK_D * bytes for the logit loop, plus the 
 backward pass feeds back into tl.dot. A launch asking for more than the device's
 ``shared_memory_per_block_optin`` fails at run time ("out of resource: shared memory"), which is
 why Apple's CCE cannot run on a T4 (64 KB per block). So the configuration is chosen from the
-device's shared memory, not its name, and ``tests/test_cce_configs.py`` compiles each tier for a
+device's shared memory, not its name, and ``tests/cce/test_configs.py`` compiles each tier for a
 GPU of that tier (on a CPU) and checks the bytes the compiler asks for.
 
 Tiers (opt-in shared memory per block):

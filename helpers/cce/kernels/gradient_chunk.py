@@ -42,7 +42,7 @@ while this tile's G is formed, filtered and stored, and the copy engine's store 
 before the next one. One program per tile instead refills its pipeline and drains its store each
 time. Same tiles, same arithmetic: the same bits.
 
-Reference: autograd through ``helpers.spec.reference_loss`` (tests/test_cce.py runs every
+Reference: autograd through ``helpers.spec.reference_loss`` (tests/cce/test_cce.py runs every
 option with ``backward_impl="gemm"``, the default); the host function is ``helpers.cce.cce_backward``.
 """
 
