@@ -17,11 +17,24 @@ Importing sets a few environment variables, in ``helpers.env`` only (see there).
 from helpers import env  # noqa: F401  (first: the environment, before any kernel is defined)
 from helpers.cce import linear_cross_entropy
 from helpers.cce.device import device_info, pretend_t4
-from helpers.compare.gate import GateCase, GateReport, gate_cases, run_gate
-from helpers.compare.methods import METHODS, Method, MethodUnavailable, get_method
 from helpers.spec import reference_loss, reference_loss_and_grads, relative_error, validate_inputs
 
 __version__ = "0.1.0"
+
+# The comparison layer's names load on first use, so that ``import helpers.cce`` (which imports
+# this package first) loads the library and the spec, not the registry of peers and the gate.
+_LAZY = {name: "helpers.compare.gate" for name in ("GateCase", "GateReport", "gate_cases", "run_gate")}
+_LAZY |= {name: "helpers.compare.methods" for name in ("METHODS", "Method", "MethodUnavailable", "get_method")}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'helpers' has no attribute {name!r}")
 
 __all__ = [
     "linear_cross_entropy",

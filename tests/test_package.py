@@ -173,3 +173,18 @@ def test_notebooks_are_found_in_the_repository_not_the_working_folder(tmp_path, 
     assert "01_someone_elses" not in [p.stem for p in found]
     with pytest.raises(SystemExit, match="starts with"):
         find_notebooks(["99"])
+
+
+def test_the_library_imports_without_the_comparison_the_gate_or_the_suite():
+    """``helpers.cce`` can be copied out alone: importing it (which imports the package first) loads
+    the library and the spec, not the registry of peers, the gate, the lab or the suite."""
+    import subprocess
+    import sys
+
+    code = ("import sys, helpers.cce; print(' '.join(m for m in sys.modules if m.startswith('helpers.') "
+            "and m.split('.')[1] in ('compare', 'lab', 'suite', 'hf')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", done.stdout
+    # and the package's face still offers the registry and the gate, loaded on first use
+    assert helpers.get_method("naive").name == "naive" and callable(helpers.run_gate)

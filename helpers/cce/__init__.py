@@ -1,6 +1,7 @@
 """The library: our Cut Cross-Entropy in Triton, the loss of a linear head without its logits.
 ``linear_cross_entropy`` (autograd), its forward, three backward versions ("gemm", "atomic",
-"sparse"; the ``backward`` package), options, device limits and kernels. It imports nothing of the package but ``helpers.spec``; start at ``api``."""
+"sparse"; the ``backward`` package), options, device limits and kernels. It imports nothing of
+the package but ``helpers.spec``; start at ``api``."""
 
 from helpers.cce.api import LinearCrossEntropy, LinearCrossEntropyFunction, linear_cross_entropy
 from helpers.cce.backward import cce_backward

@@ -48,33 +48,27 @@ class Activity:
         return self.bits.numel() + (self.order.numel() * self.order.element_size() if self.order is not None else 0)
 
 
-def coef_bound(z_loss: float, lse_grad: bool) -> float:
+def coef_bound(z_loss: float, return_lse: bool) -> float:
     """The |a| the forward's bits are made for (module doc): 1, plus 1 under z-loss, plus 1 when a
     gradient may flow into the lse."""
-    return 1.0 + (1.0 if z_loss else 0.0) + (1.0 if lse_grad else 0.0)
+    return 1.0 + (1.0 if z_loss else 0.0) + (1.0 if return_lse else 0.0)
 
 
 # ``live`` below: (N,) bool or None, the rows whose bits count (the others carry no gradient in this
 # backward: their bits stay as the forward left them, for a later backward through the same graph).
 
 
-# Rows at a time in ``popcount_rows``: torch sums a uint8 tensor into int64 by casting it whole
-# first, 8 bytes per byte of bits (156 MB at the Qwen3 head with N = 131,072, measured as 0.27 LB
-# of peak on the H200 by an earlier count over the whole bits); in slices of this many rows the
-# cast is at most ~10 MB.
-COUNT_ROWS = 8192
-
-
-def popcount_rows(bits: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+def popcount_rows(bits: torch.Tensor, live: torch.Tensor | None = None, *, count_rows: int) -> torch.Tensor:
     """(N,) int64: marked tiles of each row (0 where not ``live``), by SWAR popcount of the bytes
-    (no N x T temporary)."""
+    (no N x T temporary), ``count_rows`` rows at a time (``HostTuning.count_rows``: torch casts the
+    bytes it sums to int64 whole)."""
     counts = torch.empty(bits.shape[1], dtype=torch.int64, device=bits.device)
-    for n0 in range(0, bits.shape[1], COUNT_ROWS):
-        b = bits[:, n0:n0 + COUNT_ROWS]
+    for n0 in range(0, bits.shape[1], count_rows):
+        b = bits[:, n0:n0 + count_rows]
         b = b - ((b >> 1) & 0x55)
         b = (b & 0x33) + ((b >> 2) & 0x33)
         b = (b + (b >> 4)) & 0x0F
-        torch.sum(b, dim=0, dtype=torch.int64, out=counts[n0:n0 + COUNT_ROWS])
+        torch.sum(b, dim=0, dtype=torch.int64, out=counts[n0:n0 + count_rows])
     return counts if live is None else counts * live
 
 

@@ -58,44 +58,32 @@ from __future__ import annotations
 
 import torch
 
-from helpers.cce.backward import cce_backward
-from helpers.cce.backward.sparse import options_need_every_pair, sparse_auto_eps, too_small
+from helpers.cce.backward import run_backward
 from helpers.cce.forward import cce_forward
-from helpers.cce.shared import read_later
 from helpers.cce.kernels.configs import CCEConfigs
-from helpers.cce.options import (
-    CCEOptions,
-    check_backward_impl,
-    resolve_configs,
-    resolve_options,
-    why_unavailable,
-)
+from helpers.cce.options import CCEPlan, plan_call
+from helpers.cce.shared import read_later
 from helpers.spec import raise_for_targets, targets_out_of_range, validate_inputs
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
-    """(loss, lse) of CE(E C^T + b, x) with the CCE kernels, E (N, D) and x (N,); backward
-    recomputes the logits (it saves only lse) and computes only the gradients autograd asks for."""
+    """(loss, lse) of CE(E C^T + b, x) with the CCE kernels, E (N, D) and x (N,), by a ``CCEPlan``
+    (``helpers.cce.options.plan_call``); backward recomputes the logits (it saves only lse) and
+    computes only the gradients the plan says are wanted."""
 
     @staticmethod
-    def forward(ctx, E, C, x, bias, options: CCEOptions, configs, backward_impl="gemm", stats=None,
-                lse_grad=False):
-        activity = None
-        # The sparse backward needs the forward's activity bits, when its options can skip at all
-        # and a backward will run (E, C or the bias needs a gradient).
-        wants_bits = backward_impl == "sparse" and (any(ctx.needs_input_grad[:2])
-                                                    or (bias is not None and ctx.needs_input_grad[3]))
-        block_v = resolve_configs(configs, E.device).sparse_for(E.dtype).BLOCK_V
+    def forward(ctx, E, C, x, bias, plan: CCEPlan, stats=None):
+        options = plan.options
         # The targets' range, read once the forward's kernels are queued (they read row 0 for a
         # target out of range), so that on a GPU checking does not leave it idle.
         V = C.shape[0]
         out_of_range = read_later(targets_out_of_range(x, V, options.ignore_index))
-        if (wants_bits and options_need_every_pair(options) is None
-                and too_small(E.shape[0], V, block_v) is None):
-            loss_rows, lse, activity = cce_forward(E, C, x, options, configs, bias=bias, emit_activity=True,
-                                                   lse_grad=lse_grad)
+        activity = None
+        if plan.emit_activity:  # the "sparse" backward's bits (``CCEPlan.emit_activity``)
+            loss_rows, lse, activity = cce_forward(E, C, x, options, plan.configs, bias=bias, emit_activity=True,
+                                                   return_lse=plan.return_lse)
         else:
-            loss_rows, lse = cce_forward(E, C, x, options, configs, bias=bias)
+            loss_rows, lse = cce_forward(E, C, x, options, plan.configs, bias=bias)
         raise_for_targets(x, V, options.ignore_index, out_of_range())
         kept = x != options.ignore_index
         n_kept = kept.sum()
@@ -106,8 +94,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             loss = loss_rows.sum() / n_kept  # 0 / 0 = NaN when every token is ignored, as torch
         ctx.save_for_backward(E, C, x, lse, n_kept, bias)
-        ctx.options, ctx.configs, ctx.backward_impl, ctx.stats = options, configs, backward_impl, stats
-        ctx.activity = activity
+        ctx.plan, ctx.stats, ctx.activity = plan, stats, activity
         ctx.set_materialize_grads(False)  # an output nobody uses gets None, not a tensor of zeros
         ctx.mark_non_differentiable(n_kept)
         return loss, lse
@@ -116,24 +103,23 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, grad_lse):
         E, C, x, lse, n_kept, bias = ctx.saved_tensors
-        o = ctx.options
-        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
-        if not any(need) or (grad_loss is None and grad_lse is None):
-            return None, None, None, None, None, None, None, None, None
+        plan = ctx.plan
+        if not any(plan.need) or (grad_loss is None and grad_lse is None):
+            return None, None, None, None, None, None
         N = x.shape[0]
+        reduction = plan.options.reduction
         if grad_loss is None:
             grad_rows = torch.zeros(N, dtype=torch.float32, device=E.device)
-        elif o.reduction == "none":
+        elif reduction == "none":
             grad_rows = grad_loss.to(torch.float32)
-        elif o.reduction == "sum":
+        elif reduction == "sum":
             grad_rows = grad_loss.to(torch.float32).expand(N)
         else:
             # All ignored: torch's gradients are 0, not NaN, so divide by at least 1.
             grad_rows = (grad_loss.to(torch.float32) / n_kept.clamp(min=1)).expand(N)
-        dE, dC, db = cce_backward(E, C, x, lse, grad_rows, o, ctx.configs, stats=ctx.stats,
-                                  backward_impl=ctx.backward_impl, grad_lse=grad_lse, bias=bias, need=need,
+        dE, dC, db = run_backward(E, C, x, lse, grad_rows, plan, stats=ctx.stats, grad_lse=grad_lse, bias=bias,
                                   activity=ctx.activity)
-        return dE, dC, None, db, None, None, None, None, None
+        return dE, dC, None, db, None, None
 
 
 def linear_cross_entropy(
@@ -183,7 +169,8 @@ def linear_cross_entropy(
         brings it back for a V * D buffer in the input dtype (docs/PERFORMANCE.md has the numbers).
         full_c / full_e: filter only dE / only dC.
     configs: a ``CCEConfigs`` or tier name from ``helpers.cce.kernels.configs``; None picks by the
-        device's shared memory per block.
+        device's shared memory per block. The tier carries the kernels' tiles and the host's knobs
+        (``HostTuning``: chunk widths, budgets); ``tier.tuned(...)`` changes knobs for one call.
     backward_impl: "gemm" (the default: G per vocabulary chunk in scratch, its two products in
         cuBLAS), "atomic" (fp32 atomics in one kernel, slower; no bias gradient) or "sparse"
         (opt-in: the forward marks the (row, tile) pairs that may carry gradient, the backward
@@ -199,12 +186,14 @@ def linear_cross_entropy(
                     leading_dims=True, check_targets=False)  # x's range: the forward checks it
     if not isinstance(shift, bool) or not isinstance(return_lse, bool):
         raise ValueError(f"shift and return_lse must be True or False, got {shift!r} and {return_lse!r}")
-    check_backward_impl(backward_impl)
-    if backward_impl == "sparse" and isinstance(filter_eps, str) and filter_eps == "auto":
-        block_v = resolve_configs(configs, E.device).sparse_for(E.dtype).BLOCK_V
-        filter_eps = sparse_auto_eps(E.dtype, C.shape[0], block_v, label_smoothing)
-    options = resolve_options(
-        E.dtype,
+    grad = torch.is_grad_enabled()
+    plan = plan_call(
+        E, C,
+        backward_impl=backward_impl,
+        configs=configs,
+        return_lse=return_lse,
+        need=(grad and E.requires_grad, grad and C.requires_grad, grad and bias is not None and bias.requires_grad),
+        wants_db=bias is not None and bias.requires_grad,
         filter_eps=filter_eps,
         ignore_index=ignore_index,
         reduction=reduction,
@@ -216,12 +205,6 @@ def linear_cross_entropy(
         z_loss=z_loss,
         label_smoothing=label_smoothing,
     )
-    if bias is not None and bias.requires_grad and backward_impl == "atomic":
-        raise ValueError('a bias that requires grad needs backward_impl="gemm" or "sparse" '
-                         '(the "atomic" backward has no db)')
-    reason = why_unavailable(E.device, E.dtype, softcap)
-    if reason:
-        raise RuntimeError(f"helpers.linear_cross_entropy cannot run here: {reason}")
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
     lead = x.shape
@@ -229,8 +212,7 @@ def linear_cross_entropy(
         shifted = torch.full_like(x, ignore_index)
         shifted[..., :-1] = x[..., 1:]
         x = shifted
-    loss, lse = LinearCrossEntropyFunction.apply(E.reshape(-1, E.shape[-1]), C, x.reshape(-1), bias, options,
-                                                 configs, backward_impl, stats, return_lse)
+    loss, lse = LinearCrossEntropyFunction.apply(E.reshape(-1, E.shape[-1]), C, x.reshape(-1), bias, plan, stats)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, lse.reshape(lead)) if return_lse else loss

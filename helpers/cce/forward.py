@@ -11,7 +11,7 @@ For the "sparse" backward (``emit_activity``) the LSE kernel also writes activit
 eps, judged against a lower bound of the row's final sum. Two things keep that bound close to the
 final sum, so that the bits mark little more than the exact rule would (docs/speed_v3_notes.md):
 the target logit seeds every split (exp(z_x) is one term of the sum; Algorithm 1 runs first), and,
-with the vocabulary sorted, a pilot launch walks the first ``PILOT_COLUMNS`` sorted positions (the
+with the vocabulary sorted, a pilot launch walks the first ``HostTuning.pilot_columns`` sorted positions (the
 frequent tokens, most of the mass) in one split whose lse then seeds every other split. Without
 the pilot each split's running sum starts from nothing and its first tiles are always marked.
 """
@@ -31,9 +31,6 @@ from helpers.cce.kernels.lse_forward import lse_forward_kernel
 from helpers.cce.options import CCEOptions, dot_precision, resolve_configs
 
 
-# Sorted vocabulary positions the pilot launch walks first (rounded to whole bytes of bits).
-PILOT_COLUMNS = 1024
-
 
 def cce_forward(
     E: torch.Tensor,
@@ -44,15 +41,16 @@ def cce_forward(
     v_splits: int | None = None,
     bias: torch.Tensor | None = None,
     emit_activity: bool = False,
-    lse_grad: bool = False,
+    return_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Activity]:
     """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32), from Algorithms 1 and 2; with
     ``emit_activity``, a third element: the ``Activity`` the "sparse" backward needs (the options
     must have a filter: ``options.filter_eps``; ``options.sort_vocab`` walks the sorted vocabulary).
-    ``lse_grad``: a gradient may flow into the lse (it is returned to the caller), so the bits are
+    ``return_lse``: the lse is returned to the caller, so a gradient may flow into it and the bits are
     made for a larger softmax coefficient (``helpers.cce.activity.coef_bound``).
 
-    ``v_splits``: vocabulary splits of the LSE grid; None picks enough to fill the device.
+    ``configs``: a ``CCEConfigs`` (``linear_cross_entropy`` passes its plan's), a tier's name, or None
+    for the device's tier. ``v_splits``: vocabulary splits of the LSE grid; None picks enough to fill the device.
     ``bias``: the head's bias (V,), added to every row's logits; None for none.
     """
     N, D = E.shape
@@ -96,7 +94,7 @@ def cce_forward(
         activity = None
     else:
         lse_split, logit_sum_split, activity = _lse_with_activity(
-            E, C, bias, x, target_logit, o, configs, v_splits, softcap, lse_grad)
+            E, C, bias, x, target_logit, o, configs, v_splits, softcap, return_lse)
     lse = torch.logsumexp(lse_split, dim=0) if lse_split.shape[0] > 1 else lse_split[0]
 
     loss = lse - (1.0 - o.label_smoothing) * target_logit
@@ -143,10 +141,9 @@ def lse_splits(n_blocks: int, multiprocessors: int, l2_bytes: int | None, strip_
     strips (``strip_bytes``: BLOCK_N rows x D) of the row blocks running at once, min(n_blocks,
     multiprocessors / s) of them in the split-major grid, fit in 0.8 of L2. Each split re-reads
     its row block's strip per tile and every split adds a row of the lse merge, so fewer is
-    better once both hold. On an H200 (bf16, scripts/gpu/tune.py "order"): the Gemma-2-2B head
-    2 splits, 13.2 ms, against 15.9 with 9; its sorted forward 4, 15.7 against 17.5 with 17;
-    the Qwen3 head with N = 131,072, sorted, 2, 77 ms, against 101 with 1 (its 132 strips,
-    66 MB, overflowed L2) -- each the fastest of 1, 2, 4 and 8 splits or within 1%."""
+    better once both hold. On an H200 this rule picked the fastest of 1, 2, 4 and 8 splits, or one
+    within 1%, at the Gemma-2-2B head (plain and sorted) and the Qwen3 head at N = 131,072, where one
+    split's strips overflowed L2 (scripts/experiments/tune.py "order"; docs/performance-history.md)."""
     sms = max(1, multiprocessors)
     for s in range(1, 1025):
         programs = n_blocks * s
@@ -168,7 +165,7 @@ def _launch_flags(cfg, o: CCEOptions, bias, dtype, n_blocks: int, e_desc: bool) 
     )
 
 
-def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_splits, softcap, lse_grad):
+def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_splits, softcap, return_lse):
     """Algorithm 2 with activity bits: (lse_split, logit_sum_split, Activity); the module doc says
     how the bits' lower bound is kept tight (target seed; pilot launch when sorted)."""
     if o.filter_eps is None:
@@ -189,7 +186,7 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
     # The bits' threshold: eps, a hair lower for the rounding of the seeds, over the largest
     # coefficient of S in G the backward may meet (z-loss's 1 + 2 zl lse, a gradient into the lse),
     # which the forward cannot know (the backward checks every row's against coef_max).
-    coef_max = coef_bound(o.z_loss, lse_grad)
+    coef_max = coef_bound(o.z_loss, return_lse)
     eps = o.filter_eps / coef_max * (1 - 1e-3)
     kept = x != o.ignore_index
     # The target logit is one term of the row's sum (minus a margin for the two kernels' rounding).
@@ -198,7 +195,7 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
     pilot = 0
     if order is not None:
         align = fwd.BLOCK_V * byte_blocks
-        pilot = min(V, triton.cdiv(PILOT_COLUMNS, align) * align)
+        pilot = min(V, triton.cdiv(configs.host.pilot_columns, align) * align)
     v_blocks = triton.cdiv(V - pilot, fwd.BLOCK_V)
     blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks))) if v_blocks else byte_blocks
     blocks_per_split = triton.cdiv(blocks_per_split, byte_blocks) * byte_blocks

@@ -1,9 +1,16 @@
-"""What ``linear_cross_entropy`` accepts, and where it can run.
+"""What ``linear_cross_entropy`` accepts, where it can run, and the one plan a call resolves to.
 
 ``resolve_options`` checks every option that ``helpers.spec.validate_inputs`` does not know and
 resolves the gradient filter's threshold for the dtype; ``why_unavailable`` says, in a sentence,
 why our kernels cannot run on a device in a dtype (None when they can). The comparison's registry
 asks the same function, so the two can never disagree.
+
+``plan_call`` (``linear_cross_entropy``'s entry) and ``plan_for`` (``cce_backward``'s, given resolved
+options) validate a call and resolve it, once, into a ``CCEPlan``: the options with the filter's
+final threshold, the backward, the configuration tier with its host knobs, whether a gradient may
+flow into the lse, which gradients are wanted, and whether the "sparse" backward's forward makes
+its bits. The forward and the backward only read the plan. Each option's one owner:
+``tests/cce/test_plan.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ BACKWARD_IMPLS = ("gemm", "atomic", "sparse")
 # The paper's eps = 2^-12 for bf16 is 2^-5 of bf16's machine epsilon (2^-7): an entry that small
 # moves a sum of O(1) gradients by less than its own rounding. The same ratio for fp16 (eps 2^-10).
 FILTER_EPS_AUTO = {torch.bfloat16: 2.0**-12, torch.float16: 2.0**-15, torch.float32: None}
+# "auto" for the "sparse" backward, whose filter is per row: at most this much of a row's |G| mass is
+# dropped (eps = B / T for T tiles a row; ``helpers.cce.backward.sparse`` says why).
+SPARSE_ROW_BUDGET = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: None}
 # The dense backwards' filter compares a row's |G| mass in a tile of BLOCK_V columns with
 # eps * BLOCK_V / FILTER_COLUMNS: eps is per 256 vocabulary columns, so that narrower tiles (the
 # T4's 64, consumer Ampere's 128) drop about what 256-column ones drop. In float64 on the realistic
@@ -114,7 +124,7 @@ def resolve_options(dtype: torch.dtype, *, filter_eps="auto", **options) -> CCEO
     if isinstance(filter_eps, str):
         if filter_eps != "auto":
             raise ValueError(f"filter_eps must be 'auto', None or a number >= 0, got {filter_eps!r}")
-        eps = None if label_smoothing else FILTER_EPS_AUTO[dtype]
+        eps = auto_filter_eps(dtype, label_smoothing)
     elif filter_eps is None:
         eps = None
     elif isinstance(filter_eps, (int, float)) and not isinstance(filter_eps, bool) and filter_eps >= 0:
@@ -136,6 +146,25 @@ def resolve_options(dtype: torch.dtype, *, filter_eps="auto", **options) -> CCEO
     return CCEOptions(filter_eps=eps, **options)
 
 
+def auto_filter_eps(dtype: torch.dtype, label_smoothing: float = 0.0, *, vocabulary: int | None = None,
+                    block_v: int | None = None) -> float | None:
+    """What ``filter_eps="auto"`` means, the one place that says it: off (None) with label smoothing
+    and for fp32; for the dense backwards ``FILTER_EPS_AUTO`` per tile; for the "sparse" backward
+    (given its ``vocabulary`` V and tiles of ``block_v`` columns) B / T, T = ceil(V / block_v) tiles
+    a row, B = ``SPARSE_ROW_BUDGET``."""
+    if label_smoothing:
+        return None
+    if vocabulary is None:
+        return FILTER_EPS_AUTO[dtype]
+    budget = SPARSE_ROW_BUDGET[dtype]
+    return None if budget is None else budget / triton.cdiv(vocabulary, block_v)
+
+
+def sparse_auto_eps(dtype: torch.dtype, V: int, block_v: int, label_smoothing: float = 0.0) -> float | None:
+    """The "sparse" backward's "auto" threshold (``auto_filter_eps``)."""
+    return auto_filter_eps(dtype, label_smoothing, vocabulary=V, block_v=block_v)
+
+
 def check_backward_impl(backward_impl) -> str:
     if backward_impl not in BACKWARD_IMPLS:
         raise ValueError(f"backward_impl must be one of {BACKWARD_IMPLS}, got {backward_impl!r}")
@@ -153,3 +182,89 @@ def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input_precision: fp32 inputs get real fp32 products (a GPU's default for an
     fp32 dot is tf32, a 10-bit mantissa); for fp16/bf16 operands the setting has no effect."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_bias_gradient(backward_impl: str, wants_db: bool) -> None:
+    if wants_db and backward_impl == "atomic":
+        raise ValueError('a bias that requires grad needs backward_impl="gemm" or "sparse" '
+                         '(the "atomic" backward has no db)')
+
+
+def options_need_every_pair(o: CCEOptions) -> str | None:
+    """Why these options leave nothing for the "sparse" backward to skip (None: they do not)."""
+    if o.filter_eps is None:
+        return "the filter is off (fp32 'auto', filter_eps=None or label smoothing)"
+    if o.full_c or o.full_e:
+        return "FullC / FullE keep one gradient exact: every pair"
+    if o.label_smoothing:
+        return "label smoothing puts -ls/V in every entry"
+    return None
+
+
+def too_small(N: int, V: int, block_v: int, min_pairs: int) -> str | None:
+    """Why a problem is too small for the "sparse" backward (None when it is not): its plan, index and
+    launches took 7.7 ms of host time at the Qwen3 head with N = 1,024 on an H200, where the whole
+    "gemm" backward takes 3.0 ms; at N = 16,384 its forward+backward was 1.25x faster than "gemm"'s
+    (``HostTuning.sparse_min_pairs``)."""
+    pairs = N * triton.cdiv(V, block_v)
+    if pairs < min_pairs:
+        return f"N x tiles = {pairs:,} (row, tile) pairs, fewer than the {min_pairs:,} that pay for the sparse index"
+    return None
+
+
+@dataclass(frozen=True)
+class CCEPlan:
+    """One call of the loss, validated and resolved once at its entry; the forward and the backward
+    only read it."""
+
+    options: CCEOptions  # every loss option; filter_eps final (None: off)
+    configs: CCEConfigs  # the tier for the device, with its host knobs (``HostTuning``)
+    backward_impl: str  # "gemm", "atomic" or "sparse"
+    return_lse: bool  # the lse is returned: a gradient may flow into it (the sparse forward's bits allow for it)
+    need: tuple[bool, bool, bool]  # (dE, dC, db): the gradients a backward computes
+    # "sparse" only: why no (row, tile) pair can be skipped before any bit is made (the options need
+    # every pair, or the problem is too small), so the forward makes no bits and "gemm" runs; None otherwise.
+    sparse_reason: str | None = None
+
+    @property
+    def emit_activity(self) -> bool:
+        """Whether the forward writes activity bits: "sparse", a gradient wanted, nothing against it."""
+        return self.backward_impl == "sparse" and any(self.need) and self.sparse_reason is None
+
+
+def _plan(E: torch.Tensor, C: torch.Tensor, o: CCEOptions, configs: CCEConfigs | str | None, backward_impl: str,
+          return_lse: bool, need: tuple[bool, bool, bool]) -> CCEPlan:
+    configs = resolve_configs(configs, E.device)
+    reason = None
+    if backward_impl == "sparse":
+        reason = options_need_every_pair(o) or too_small(E.shape[0], C.shape[0], configs.sparse_for(E.dtype).BLOCK_V,
+                                                         configs.host.sparse_min_pairs)
+    return CCEPlan(o, configs, backward_impl, return_lse, tuple(need), reason)
+
+
+def plan_call(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, configs: CCEConfigs | str | None,
+              return_lse: bool, need: tuple[bool, bool, bool], wants_db: bool, filter_eps="auto",
+              **options) -> CCEPlan:
+    """``linear_cross_entropy``'s plan: the backward's name, the options (``resolve_options``; "auto"
+    by ``auto_filter_eps``, per row for "sparse"), the bias's gradient against the backward
+    (``wants_db``: the bias requires grad), the device and dtype (``why_unavailable``), then the
+    tier. E (N, D) and C (V, D) give the device, the dtype and the sizes."""
+    check_backward_impl(backward_impl)
+    if backward_impl == "sparse" and isinstance(filter_eps, str) and filter_eps == "auto":
+        configs = resolve_configs(configs, E.device)
+        filter_eps = auto_filter_eps(E.dtype, options.get("label_smoothing", 0.0), vocabulary=C.shape[0],
+                                     block_v=configs.sparse_for(E.dtype).BLOCK_V)
+    o = resolve_options(E.dtype, filter_eps=filter_eps, **options)
+    check_bias_gradient(backward_impl, wants_db)
+    reason = why_unavailable(E.device, E.dtype, o.softcap)
+    if reason:
+        raise RuntimeError(f"helpers.linear_cross_entropy cannot run here: {reason}")
+    return _plan(E, C, o, configs, backward_impl, return_lse, need)
+
+
+def plan_for(E: torch.Tensor, C: torch.Tensor, options: CCEOptions, configs: CCEConfigs | str | None,
+             backward_impl: str, *, return_lse: bool, need: tuple[bool, bool, bool]) -> CCEPlan:
+    """The plan of a call of the host functions (``cce_backward``) with options already resolved."""
+    check_backward_impl(backward_impl)
+    check_bias_gradient(backward_impl, need[2])
+    return _plan(E, C, options, configs, backward_impl, return_lse, need)

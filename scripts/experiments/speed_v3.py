@@ -58,8 +58,8 @@ import torch
 import torch.nn.functional as F
 from _common import Checker, finish, script_setup
 
-import helpers.cce.backward.sparse as sparse_backward
 from helpers.cce import linear_cross_entropy, why_unavailable
+from helpers.cce.options import resolve_configs
 from helpers.compare.inputs import make_inputs
 from helpers.compare.results_file import read_results
 from helpers.spec import reference_loss_and_grads, relative_error
@@ -102,17 +102,23 @@ def inputs(N, V, D, dtype, regime, device):
     return make_inputs(N, V, D, dtype, device, regime=regime, seed=0)
 
 
+# Host knobs (``HostTuning``) this run gives every variant's tier: ``--tiny`` lets the sparse path run
+# at shapes far too small to pay for it.
+HOST_KNOBS: dict = {}
+
+
 @contextmanager
-def script_options(options: dict):
-    """The variant's options for ``linear_cross_entropy``, with this script's own popped and applied
-    for the call: ``dense_fallback`` (the sparse backward's ``DENSE_FALLBACK``)."""
+def script_options(options: dict, device):
+    """The variant's options for ``linear_cross_entropy``: its tier (``configs``: a name, a
+    ``CCEConfigs`` or None for the device's) with this run's ``HOST_KNOBS`` and the variant's own
+    ``dense_fallback`` (the sparse backward's density limit), passed as ``configs``."""
     options = dict(options)
-    saved = sparse_backward.DENSE_FALLBACK
-    sparse_backward.DENSE_FALLBACK = options.pop("dense_fallback", saved)
-    try:
-        yield options
-    finally:
-        sparse_backward.DENSE_FALLBACK = saved
+    knobs = dict(HOST_KNOBS)
+    if "dense_fallback" in options:
+        knobs["dense_fallback"] = options.pop("dense_fallback")
+    if knobs:
+        options["configs"] = resolve_configs(options.get("configs"), torch.device(device)).tuned(**knobs)
+    yield options
 
 
 def describe_trained(shape, V, D, device):
@@ -134,7 +140,7 @@ def naive_grads(E, C, x):
 def ours(E, C, x, stats=None, **options):
     E_ = E.detach().clone().requires_grad_(True)
     C_ = C.detach().clone().requires_grad_(True)
-    with script_options(options) as options:
+    with script_options(options, E.device) as options:
         loss = linear_cross_entropy(E_, C_, x, stats=stats, **options)
         loss.backward()
     return loss.detach(), E_.grad, C_.grad
@@ -191,7 +197,7 @@ def measure(shape, N, V, D, regime, variant, dtype, device, tiny):
     E, C, x = inputs(N, V, D, dtype, regime, device)
     E.requires_grad_(True)
     C.requires_grad_(True)
-    with script_options(VARIANTS[variant]) as options:
+    with script_options(VARIANTS[variant], device) as options:
         return _measure(shape, N, V, D, regime, variant, dtype, E, C, x, options, device == "cuda", tiny)
 
 
@@ -260,7 +266,8 @@ def profile_backward(shape, N, V, D, regime, dtype, device, variant="sparse", ti
     E, C, x = inputs(N, V, D, dtype, regime, device)
     E.requires_grad_(True)
     C.requires_grad_(True)
-    options = with_sparse(device, dtype, **tiles) if tiles else VARIANTS[variant]
+    with script_options(with_sparse(device, dtype, **tiles) if tiles else VARIANTS[variant], device) as options:
+        pass
     if tiles:
         variant += " " + ",".join(f"{k}={v}" for k, v in tiles.items())
     cuda = device == "cuda"
@@ -303,8 +310,10 @@ def repeats_bitwise(shape, N, V, D, regime, dtype, device):
     E.requires_grad_(True)
     C.requires_grad_(True)
     grads, stats = [], {}
+    with script_options(VARIANTS["sparse"], device) as sparse:
+        pass
     for _ in range(2):
-        linear_cross_entropy(E, C, x, stats=stats, **VARIANTS["sparse"]).backward()
+        linear_cross_entropy(E, C, x, stats=stats, **sparse).backward()
         grads.append((E.grad, C.grad))
         E.grad = C.grad = None
     same = all(torch.equal(a, b) for a, b in zip(*grads))
@@ -334,8 +343,8 @@ def main():
                                  choices=["accuracy", "time", "profile", "checks", "trained"]))
     dtype = torch.bfloat16 if cuda else torch.float16  # the interpreter cannot do bf16
     if args.tiny:
-        sparse_backward.DENSE_FALLBACK = 0.95  # tiny shapes mark most pairs: run the kernels anyway
-        sparse_backward.SPARSE_MIN_PAIRS = 0  # and are far too small to pay for them
+        HOST_KNOBS.update(dense_fallback=0.95,  # tiny shapes mark most pairs: run the kernels anyway
+                          sparse_min_pairs=0)  # and are far too small to pay for them
     gemma = (scale(256_000, 600), scale(2304, 36))
     qwen = (scale(151_936, 400), scale(1024, 24))
     n = {k: scale(k, lo) for k, lo in ((1024, 24), (8192, 40), (16_384, 48), (131_072, 64))}

@@ -1,6 +1,6 @@
 """Where our CCE's time goes on a GPU, and what would shorten it: a sweep of launch configurations.
 
-    python scripts/gpu/tune.py [--out $OUT/tune.json] [--budget-s 240] [--tiny]
+    python scripts/experiments/tune.py [--out $OUT/tune.json] [--budget-s 240] [--tiny]
 
 Written for an H200 (torch 2.11, triton 3.6), bf16, at the Gemma-2-2B head (N=8,192,
 V=256,000, D=2,304) and the Qwen3 head at N=16,384 (V=151,936, D=1,024). In order:
@@ -10,7 +10,7 @@ V=256,000, D=2,304) and the Qwen3 head at N=16,384 (V=151,936, D=1,024). In orde
 2. the "gemm" backward's G kernel per candidate: the kernel's own GPU time over one backward
    (torch.profiler, summed over its launches) and the whole backward's median;
 3. the "gemm" backward's vocabulary chunks: its median, host time, peak memory, launches and GPU
-   time per cap on a G chunk kept in dE's or dC's unwritten rows (``G_IN_PLACE_BYTES``, 0 to 1 GiB;
+   time per cap on a G chunk kept in dE's or dC's unwritten rows (``HostTuning.g_in_place_bytes``, 0 to 1 GiB;
    0: chunks at the scratch budget's width, as before G moved there), also at the Qwen3 head with
    N = 1,024, 4,096 and 131,072;
 4. the cuBLAS alternative to our Triton logit products: per vocabulary chunk an fp32-output
@@ -45,9 +45,7 @@ Triton interpreter, to check the script (timings meaningless there).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from unittest import mock
 
 import torch
 import triton
@@ -92,11 +90,6 @@ SPARSE_FORWARD_CANDIDATES = [L(256, 128, 64, 8, 3, **T), L(128, 256, 64, 8, 3), 
                              L(256, 128, 128, 8, 2, **T), L(256, 128, 64, 8, 3, GROUP_N=4, **T)]
 SECTIONS = ("forward", "g_kernel", "host", "order", "sparse_forward", "e2e_hopper", "chunks", "small_n", "dense",
             "timeline", "cublas", "realistic")
-
-
-def patched(module, **values):
-    """``module``'s attributes set to ``values`` for a ``with`` block (none: nothing changes)."""
-    return mock.patch.multiple(module, **values) if values else contextlib.nullcontext()
 
 
 def label(cfg: LaunchConfig) -> str:
@@ -200,30 +193,29 @@ def host_ms(run, repeats, cuda) -> float:
     return round(sorted(times)[len(times) // 2], 2)
 
 
-# The in-place G chunk's cap (``helpers.cce.backward.gemm.G_IN_PLACE_BYTES``) swept, MiB; 0: every
+# The in-place G chunk's cap (``HostTuning.g_in_place_bytes``) swept, MiB; 0: every
 # chunk at the scratch budget's width (the layout before G moved into dC's rows).
 IN_PLACE_MIB = (0, 64, 128, 256, 512, 1024)
 
 
 def chunk_width_sweep(case, base, repeats, cuda):
     """The "gemm" backward per in-place cap: median ms, host ms, peak / LB, launches, GPU time."""
-    import helpers.cce.backward.gemm as gemm_host
-
     lb = (case.N + case.V) * case.D * case.dtype.itemsize
+    shipped = select_configs(torch.device(case.device))  # the device's tier, as the backward picks it
     records = []
     for mib in IN_PLACE_MIB if cuda else (0, 1):
         rec = dict(case=f"chunks/{case.name}/in_place={mib}MiB", status="ok")
         try:
-            with patched(gemm_host, G_IN_PLACE_BYTES=mib * 2**20 if cuda else mib * 4096):
-                stats = {}
-                case.backward(stats=stats)
-                run = lambda: case.backward()  # noqa: E731
-                _, peak = peak_memory(run, device=case.device)  # dE, dC and the scratch, inputs excluded
-                rec.update(bwd_ms=round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2),
-                           host_ms=host_ms(run, repeats, cuda), bwd_peak_over_lb=round(peak / lb, 3),
-                           launches=stats["launches"], places=stats["g_places"])
-                if cuda:
-                    rec.update(g_kernel_ms=kernel_ms(run, "gradient_chunk_kernel"), gpu_ms=kernel_ms(run, ""))
+            configs = shipped.tuned(g_in_place_bytes=mib * 2**20 if cuda else mib * 4096)
+            stats = {}
+            case.backward(stats=stats, configs=configs)
+            run = lambda: case.backward(configs=configs)  # noqa: E731
+            _, peak = peak_memory(run, device=case.device)  # dE, dC and the scratch, inputs excluded
+            rec.update(bwd_ms=round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2),
+                       host_ms=host_ms(run, repeats, cuda), bwd_peak_over_lb=round(peak / lb, 3),
+                       launches=stats["launches"], places=stats["g_places"])
+            if cuda:
+                rec.update(g_kernel_ms=kernel_ms(run, "gradient_chunk_kernel"), gpu_ms=kernel_ms(run, ""))
         except Exception as error:  # noqa: BLE001
             rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
         records.append(rec)
@@ -234,27 +226,27 @@ def small_n_sweep(N, V, D, dtype, device, repeats, cuda):
     """Forward+backward through autograd, as the bench times it, at a small N where the host's
     launches bound the time: as shipped, with every G chunk at the scratch budget's width
     (in place 0), without G-kernel descriptors, and with them for every chunk."""
-    import helpers.cce.backward.gemm as gemm_host
-
     E, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=N)
     E.requires_grad_(True)
     C.requires_grad_(True)
+    shipped = select_configs(torch.device(device))
 
-    def step():
+    def step(configs):
         E.grad = C.grad = None
-        linear_cross_entropy(E, C, x).backward()
+        linear_cross_entropy(E, C, x, configs=configs).backward()
 
-    variants = [("shipped", {}), ("in_place=0", dict(G_IN_PLACE_BYTES=0)),
-                ("no G descriptors", dict(TMA_MIN_CHUNK_FLOP=float("inf"))),
-                ("descriptors every chunk", dict(TMA_MIN_CHUNK_FLOP=0.0))]
+    variants = [("shipped", {}), ("in_place=0", dict(g_in_place_bytes=0)),
+                ("no G descriptors", dict(tma_min_chunk_flop=float("inf"))),
+                ("descriptors every chunk", dict(tma_min_chunk_flop=0.0))]
     records = []
-    for name, constants in variants:
+    for name, knobs in variants:
         rec = dict(case=f"small_n/qwen3-{N}/{name}", status="ok")
+        configs = shipped.tuned(**knobs)
         try:
-            with patched(gemm_host, **constants):
-                step()
-                rec.update(ms=round(latency(step, warmup=2, repeats=2 * repeats, device=device).median_ms, 2),
-                           host_ms=host_ms(step, repeats, cuda))
+            step(configs)
+            run = lambda: step(configs)  # noqa: E731
+            rec.update(ms=round(latency(run, warmup=2, repeats=2 * repeats, device=device).median_ms, 2),
+                       host_ms=host_ms(run, repeats, cuda))
         except Exception as error:  # noqa: BLE001
             rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
         records.append(rec)
@@ -350,7 +342,7 @@ def end_to_end(case, tiers, repeats):
 def sparse_forward_sweep(case, base, candidates, repeats):
     """The forward of the "sparse" backward (activity bits, sorted vocabulary) per candidate, and
     its bits and lse against the first candidate's (the same tiles give the same bits)."""
-    from helpers.cce.backward.sparse import sparse_auto_eps
+    from helpers.cce.options import sparse_auto_eps
 
     eps = sparse_auto_eps(case.dtype, case.V, base.sparse_for(case.dtype).BLOCK_V)
     options = resolve_options(case.dtype, filter_eps=eps, sort_vocab=True)
@@ -509,8 +501,6 @@ def host_sweep(case, base, repeats, cuda):
     GPU still working) per G-kernel variant: pointer loads, descriptor loads with a pointer G
     store, descriptor loads and store, at the shipped tiles and the tiles before. Where the host
     time reaches the wall time, the launches bound the backward."""
-    import helpers.cce.backward.gemm as gemm_host
-
     variants = [("pointers 128x256 s4", L(128, 256, 64, 8, 4), True),
                 ("pointers 128x128 w4 s3", L(128, 128, 64, 4, 3), True),
                 ("tma loads 128x256 s4", L(128, 256, 64, 8, 4, **T), False),
@@ -523,15 +513,14 @@ def host_sweep(case, base, repeats, cuda):
     for name, cfg, g_store in variants:
         rec = dict(case=f"host/{case.name}/{name}", status="ok")
         try:
-            with patched(gemm_host, **({} if g_store else dict(block_descriptor=lambda *a: None))):
-                configs = with_config(base, "backward_gemm", cfg)
-                run = lambda: case.backward(configs=configs)  # noqa: E731
-                run()
-                rec["bwd_ms"] = round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2)
-                rec["host_ms"] = host_ms(run, repeats, cuda)
-                if cuda:
-                    rec["g_kernel_ms"] = kernel_ms(run, "gradient_chunk_kernel")
-                    rec["gpu_ms"] = kernel_ms(run, "")  # every kernel of the backward
+            configs = with_config(base, "backward_gemm", cfg).tuned(g_store_tma=g_store)
+            run = lambda: case.backward(configs=configs)  # noqa: E731
+            run()
+            rec["bwd_ms"] = round(latency(run, warmup=1, repeats=repeats, device=case.device).median_ms, 2)
+            rec["host_ms"] = host_ms(run, repeats, cuda)
+            if cuda:
+                rec["g_kernel_ms"] = kernel_ms(run, "gradient_chunk_kernel")
+                rec["gpu_ms"] = kernel_ms(run, "")  # every kernel of the backward
         except Exception as error:  # noqa: BLE001
             rec.update(status="error", error=f"{type(error).__name__}: {str(error)[:200]}")
         records.append(rec)
@@ -542,7 +531,7 @@ def forward_order_sweep(case, base, repeats):
     """The LSE grid's vocabulary splits (None: ``helpers.cce.forward.lse_splits``'s choice; the grid
     split-major), for the plain forward and the sorted one with activity bits; the lse against
     the rule's."""
-    from helpers.cce.backward.sparse import sparse_auto_eps
+    from helpers.cce.options import sparse_auto_eps
 
     eps = sparse_auto_eps(case.dtype, case.V, base.sparse_for(case.dtype).BLOCK_V)
     sorted_options = resolve_options(case.dtype, filter_eps=eps, sort_vocab=True)

@@ -63,13 +63,14 @@ def test_leading_dimensions_bias_and_shift(dtype, reduction):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_bias_with_the_filter_the_sort_and_several_chunks(dtype, monkeypatch):
-    import helpers.cce.backward.gemm as gemm
+def test_bias_with_the_filter_the_sort_and_several_chunks(dtype):
+    from helpers.cce.options import resolve_configs
 
-    monkeypatch.setattr(gemm, "gemm_chunks", lambda *shape: (7, 32))  # 3 row chunks x 4 vocabulary chunks
+    # 3 row chunks x 4 vocabulary chunks
+    configs = resolve_configs(None, torch.device("cpu")).tuned(gemm_chunks=(7, 32))
     E, C, x, bias = inputs(dtype)
     Eg, Cg, bg = leaves(E, C, bias)
-    linear_cross_entropy(Eg, Cg, x, bias=bg, sort_vocab=True, filter_eps=None).backward()
+    linear_cross_entropy(Eg, Cg, x, bias=bg, sort_vocab=True, filter_eps=None, configs=configs).backward()
     _, _, rdE, rdC, rdb = reference(E, C, x, bias)
     for got, want in ((Eg.grad, rdE), (Cg.grad, rdC), (bg.grad, rdb)):
         assert relative_error(got, want) < TOL[dtype]

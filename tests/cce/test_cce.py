@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 import helpers.cce.backward.gemm  # noqa: E402
+from helpers.cce.kernels.configs import HostTuning  # noqa: E402
+from helpers.cce.options import resolve_configs  # noqa: E402
 from helpers.cce import (  # noqa: E402
     CCEOptions,
     cce_backward,
@@ -53,15 +55,18 @@ def upstream(reduction, n=N, seed=1):
 
 
 @pytest.fixture(params=["atomic", "gemm", "gemm/G_in_dE"])
-def backward_impl(request, monkeypatch):
+def backward_impl(request):
     """Each backward in turn; "gemm" with small chunks: 3 row chunks of 16 at N=37, G in dC's and
     dE's unwritten rows (``gemm_plan``) in chunks as wide as those allow, dC staged 64 columns at a
     time, a buffer of 64 where no place has room; "gemm/G_in_dE": a budget of 16 columns (V_c <= D =
     24, below a tile), so chunks narrower than a tile land in the buffer and partial tiles abound."""
     chunks = {"gemm": (16, 64), "gemm/G_in_dE": (16, 16)}.get(request.param)
-    if chunks:
-        monkeypatch.setattr(helpers.cce.backward.gemm, "gemm_chunks", lambda *shape: chunks)
-    return request.param.split("/")[0]
+    return dict(backward_impl=request.param.split("/")[0], configs=tier_with(gemm_chunks=chunks))
+
+
+def tier_with(**knobs):
+    """The device's tier with some host knobs changed (``HostTuning``)."""
+    return resolve_configs(None, torch.device(DEVICE)).tuned(**knobs)
 
 
 def run_ours(E, C, x, grad_output, **options):
@@ -113,7 +118,7 @@ def test_against_reference(case, dtype, backward_impl):
         x = x.int()
     go = upstream(opts.get("reduction", "mean"))
     spec = {k: opts[k] for k in ("ignore_index", "reduction", "softcap") if k in opts}
-    check(run_ours(E, C, x, go, backward_impl=backward_impl, **opts),
+    check(run_ours(E, C, x, go, **backward_impl, **opts),
           reference_loss_and_grads(E, C, x, go, **spec), dtype)
 
 
@@ -135,7 +140,7 @@ def test_z_loss_and_label_smoothing(case, dtype, backward_impl):
     E, C, x = make_inputs(dtype, ignore=opts.pop("ignore", ()))
     go = upstream(opts.get("reduction", "mean"))
     ref_opts = {k: opts[k] for k in ("reduction", "softcap", "z_loss", "label_smoothing") if k in opts}
-    check(run_ours(E, C, x, go, backward_impl=backward_impl, **opts),
+    check(run_ours(E, C, x, go, **backward_impl, **opts),
           reference_loss_and_grads(E, C, x, go, **ref_opts), dtype)
 
 
@@ -144,7 +149,7 @@ def test_all_ignored(reduction, backward_impl):
     """torch: mean over zero kept tokens is NaN with zero gradients; sum is 0; none is zeros."""
     E, C, x = make_inputs(torch.float32, ignore=range(N))
     go = upstream(reduction)
-    loss, dE, dC = run_ours(E, C, x, go, reduction=reduction, backward_impl=backward_impl)
+    loss, dE, dC = run_ours(E, C, x, go, reduction=reduction, **backward_impl)
     rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction=reduction)
     torch.testing.assert_close(loss.double(), rloss, equal_nan=True)
     assert torch.isnan(loss).any().item() == (reduction == "mean")
@@ -159,7 +164,7 @@ def test_non_contiguous_inputs(dtype, backward_impl):
     x_view = torch.stack([x[:N], x[N:]], dim=1)[:, 0]  # (N,), stride 2
     assert not (E_view.is_contiguous() or C_view.is_contiguous() or x_view.is_contiguous())
     go = upstream("mean")
-    check(run_ours(E_view, C_view, x_view, go, backward_impl=backward_impl),
+    check(run_ours(E_view, C_view, x_view, go, **backward_impl),
           reference_loss_and_grads(E_view, C_view, x_view, go), dtype)
 
 
@@ -223,7 +228,7 @@ def test_filter_skips_tiles_when_the_softmax_is_peaked(dtype, backward_impl):
         options = resolve_options(dtype, filter_eps=eps, sort_vocab=sort)
         _, lse = cce_forward(E, C, x, options)
         stats = {}
-        dE, dC, _ = cce_backward(E, C, x, lse, go, options, stats=stats, backward_impl=backward_impl)
+        dE, dC, _ = cce_backward(E, C, x, lse, go, options, stats=stats, **backward_impl)
         skipped[name] = stats["skipped"] / stats["tiles"]
         # What the filter drops is below eps per entry, ~1e-6 here: under fp16's rounding, and a
         # visible 3e-5 in fp32 (where "auto" keeps the filter off).
@@ -233,7 +238,7 @@ def test_filter_skips_tiles_when_the_softmax_is_peaked(dtype, backward_impl):
     # and after the sort they share the first one.
     assert skipped["off"] == 0 and skipped["on"] >= 0.5, skipped
     assert skipped["sorted"] >= 0.85 and skipped["sorted"] > skipped["on"], skipped
-    print(f"tiles skipped, {dtype}, {backward_impl}: {skipped}")
+    print(f"tiles skipped, {dtype}, {backward_impl['backward_impl']}: {skipped}")
 
 
 def test_filter_keeps_a_flat_softmax_whose_entries_are_each_below_eps(backward_impl):
@@ -244,7 +249,7 @@ def test_filter_keeps_a_flat_softmax_whose_entries_are_each_below_eps(backward_i
     E, C, x = make_inputs(torch.float16, n=37, v=2053, d=24)
     go = upstream("mean", n=37)
     _, rdE, rdC = reference_loss_and_grads(E, C, x, go, softcap=0.5)
-    _, dE, dC = run_ours(E, C, x, go, softcap=0.5, filter_eps=1e-3, backward_impl=backward_impl)
+    _, dE, dC = run_ours(E, C, x, go, softcap=0.5, filter_eps=1e-3, **backward_impl)
     assert relative_error(dE, rdE) < TOL[torch.float16] and relative_error(dC, rdC) < TOL[torch.float16]
 
 
@@ -254,7 +259,7 @@ def test_full_c_and_full_e_keep_one_gradient_exact(full, backward_impl):
     E, C, x = make_inputs(torch.float32, scale=2.0)
     go = upstream("mean")
     _, rdE, rdC = reference_loss_and_grads(E, C, x, go)
-    _, dE, dC = run_ours(E, C, x, go, filter_eps=0.5, backward_impl=backward_impl,
+    _, dE, dC = run_ours(E, C, x, go, filter_eps=0.5, **backward_impl,
                          **{full: True})  # drops real row mass
     exact, filtered = (dC, dE) if full == "full_c" else (dE, dC)
     ref_exact, ref_filtered = (rdC, rdE) if full == "full_c" else (rdE, rdC)
@@ -270,26 +275,25 @@ def test_fp16_accuracy_matches_the_naive_path(backward_impl):
     En = E.clone().requires_grad_(True)
     Cn = C.clone().requires_grad_(True)
     F.cross_entropy((En @ Cn.T).float(), x).backward(go)
-    _, dE, dC = run_ours(E, C, x, go, filter_eps=None, backward_impl=backward_impl)
+    _, dE, dC = run_ours(E, C, x, go, filter_eps=None, **backward_impl)
     assert relative_error(dE, rdE) <= 1.5 * relative_error(En.grad, rdE)
     assert relative_error(dC, rdC) <= 1.5 * relative_error(Cn.grad, rdC)
 
 
 @pytest.mark.parametrize("mode", ["rounded", "upcast"])
 @pytest.mark.parametrize("n_chunk", [None, 16])
-def test_gemm_products_as_on_a_gpu(monkeypatch, mode, n_chunk):
+def test_gemm_products_as_on_a_gpu(mode, n_chunk):
     """On the CPU "gemm" makes its products from fp32 copies ("upcast"). On a GPU it uses cuBLAS
     with an fp32 output, or as a fallback ("rounded") fp16 products, and with one row chunk writes
     dC in fp16 straight from the GEMM: the paths run here with "rounded", whose fp16 matmuls stand
     in for cuBLAS's. Rows with different upstream gradients and ignored rows (g_rel E operand)."""
-    monkeypatch.setattr(helpers.cce.backward.gemm, "product_mode", lambda device, dtype: mode)
     E, C, x = make_inputs(torch.float16, d=64, ignore=[3, 20])  # D >= BLOCK_V: dE's rows hold a chunk
     go = upstream("none")
     options = resolve_options(torch.float16, filter_eps=None)
     _, lse = cce_forward(E, C, x, options)
     stats = {}
-    dE, dC, _ = cce_backward(E, C, x, lse, go, options, n_chunk=n_chunk, v_chunk=64, stats=stats,
-                          backward_impl="gemm")
+    dE, dC, _ = cce_backward(E, C, x, lse, go, options, tier_with(product_mode=mode), n_chunk=n_chunk, v_chunk=64,
+                             stats=stats, backward_impl="gemm")
     # Chunks at most 64 wide (5 or more a row chunk), G never in a buffer (fp16, dE wanted).
     assert stats["products"] == mode and stats["launches"] >= (3 if n_chunk else 1) * 5
     assert stats["g_places"]["buffer"] == 0 and stats["g_places"]["dE"] + stats["g_places"]["dC"] == stats["launches"]
@@ -306,16 +310,14 @@ def test_gemm_products_as_on_a_gpu(monkeypatch, mode, n_chunk):
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("need_dE", [True, False])
-def test_gemm_plan_keeps_G_where_nothing_is_live(monkeypatch, N, V, D, block_v, v_chunk, max_cols, rows_chunk,
-                                                 dtype, need_dE):
+def test_gemm_plan_keeps_G_where_nothing_is_live(N, V, D, block_v, v_chunk, max_cols, rows_chunk, dtype, need_dE):
     """Each G chunk of ``gemm_plan`` lies in dE's rows not yet written (from the row chunk's first
     free row), in dC's rows after its own chunk (first row chunk only), or in the buffer; the chunks
     cover the vocabulary in order, tile-aligned but the last; 16-bit inputs with dE wanted never
     need the buffer when D holds a tile."""
     gemm = helpers.cce.backward.gemm
-    monkeypatch.setattr(gemm, "gemm_chunks", lambda *shape: (rows_chunk, v_chunk))
-    monkeypatch.setattr(gemm, "G_IN_PLACE_BYTES", max_cols * rows_chunk * dtype.itemsize)
-    plan = gemm.gemm_plan(N, V, D, dtype, block_v, need_dE=need_dE)
+    host = HostTuning(gemm_chunks=(rows_chunk, v_chunk), g_in_place_bytes=max_cols * rows_chunk * dtype.itemsize)
+    plan = gemm.gemm_plan(N, V, D, dtype, block_v, need_dE=need_dE, host=host)
     places = set()
     for n0, n1, chunks in plan.row_chunks:
         rows = n1 - n0
@@ -344,18 +346,17 @@ def test_gemm_plan_keeps_G_where_nothing_is_live(monkeypatch, N, V, D, block_v, 
     (torch.float32, (True, True, False), None),  # no room in dE: dC's rows, then the buffer
     (torch.float16, (False, True, False), None),  # a frozen body: no dE
 ])
-def test_every_place_of_G_gives_the_reference(monkeypatch, mode, dtype, need, n_chunk):
-    """Wide chunks in place (``G_IN_PLACE_BYTES`` small enough for several), against float64."""
-    monkeypatch.setattr(helpers.cce.backward.gemm, "product_mode", lambda device, dtype: mode)
-    monkeypatch.setattr(helpers.cce.backward.gemm, "gemm_chunks", lambda *shape: (n_chunk or 61, 32))
-    monkeypatch.setattr(helpers.cce.backward.gemm, "G_IN_PLACE_BYTES", 61 * 96 * dtype.itemsize)
+def test_every_place_of_G_gives_the_reference(mode, dtype, need, n_chunk):
+    """Wide chunks in place (``HostTuning.g_in_place_bytes`` small enough for several), against float64."""
+    configs = tier_with(product_mode=mode, gemm_chunks=(n_chunk or 61, 32), g_in_place_bytes=61 * 96 * dtype.itemsize)
     E, C, x = make_inputs(dtype, n=61, v=701, d=64, ignore=[3, 20])
     bias = torch.randn(701, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE) if need[2] else None
     go = upstream("none", n=61)
     options = resolve_options(dtype, filter_eps=None)
     _, lse = cce_forward(E, C, x, options, bias=bias)
     stats = {}
-    dE, dC, db = cce_backward(E, C, x, lse, go, options, stats=stats, backward_impl="gemm", bias=bias, need=need)
+    dE, dC, db = cce_backward(E, C, x, lse, go, options, configs, stats=stats, backward_impl="gemm", bias=bias,
+                              need=need)
     E64, C64 = E.double().requires_grad_(need[0]), C.double().requires_grad_(True)
     b64 = bias.double().requires_grad_(True) if bias is not None else None
     logits = E64 @ C64.T + (b64 if b64 is not None else 0)

@@ -142,10 +142,8 @@ def compile_ours(request):
         cfg = tier.sparse[size]
         constexprs = {"BLOCK_R": 256}  # the host's choice on a GPU
     elif request["kernel"] in INDEX_KERNELS:
-        from helpers.cce.backward.pair_index import SEGMENT_ROWS
-
         cfg = tier.sparse[size]
-        constexprs = {"ROWS": SEGMENT_ROWS}
+        constexprs = {"ROWS": tier.host.segment_rows}
     elif request["kernel"] == "sparse_dC_finish":
         cfg = tier.sparse[size]
         constexprs = cfg.tiles("BLOCK_V", "BLOCK_D")

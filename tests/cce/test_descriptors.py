@@ -17,9 +17,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import helpers.cce.backward.gemm  # noqa: E402
-import helpers.cce.backward.sparse as sparse  # noqa: E402
-import helpers.cce.forward as forward  # noqa: E402
 from helpers.cce import linear_cross_entropy  # noqa: E402
 from helpers.cce.descriptors import operand_descriptors, tma_ready  # noqa: E402
 from helpers.cce.kernels.configs import LaunchConfig, tier  # noqa: E402
@@ -41,10 +38,15 @@ def _with_tma(configs, on: bool):
 
 
 def _base():
+    """The device's tier with the host knobs this file needs (``HostTuning``): the sparse path runs at
+    this size (no fallback to "gemm", a pilot launch of 64 positions), and the G kernel takes
+    descriptors at any chunk size (G written into dE's and dC's rows)."""
     if DEVICE == "cpu":
-        return tier("interpreter")
-    from helpers.cce.kernels.configs import select_configs
-    return select_configs(torch.device(DEVICE))
+        base = tier("interpreter")
+    else:
+        from helpers.cce.kernels.configs import select_configs
+        base = select_configs(torch.device(DEVICE))
+    return base.tuned(tma_min_chunk_flop=0.0, pilot_columns=64, dense_fallback=1.0, sparse_min_pairs=0)
 
 
 def _run(E, C, x, configs, **options):
@@ -53,16 +55,6 @@ def _run(E, C, x, configs, **options):
     loss = linear_cross_entropy(E, C, x, configs=configs, **options)
     loss.backward()
     return loss.detach(), E.grad, C.grad
-
-
-@pytest.fixture(autouse=True)
-def small_shapes(monkeypatch):
-    """The sparse path runs at this size (no fallback to "gemm", a pilot launch of 64 positions),
-    and the G kernel takes descriptors at any chunk size (G written into dE's and dC's rows)."""
-    monkeypatch.setattr(helpers.cce.backward.gemm, "TMA_MIN_CHUNK_FLOP", 0.0)
-    monkeypatch.setattr(forward, "PILOT_COLUMNS", 64)
-    monkeypatch.setattr(sparse, "DENSE_FALLBACK", 1.0)
-    monkeypatch.setattr(sparse, "SPARSE_MIN_PAIRS", 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

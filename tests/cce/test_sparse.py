@@ -18,12 +18,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import helpers.cce.backward.sparse as sparse  # noqa: E402
-import helpers.cce.forward as forward  # noqa: E402
-from helpers.cce import cce_backward, cce_forward, linear_cross_entropy, resolve_options  # noqa: E402
 import helpers.cce.backward.pair_index as pair_index  # noqa: E402
-from helpers.cce.shared import vocabulary_order  # noqa: E402
+from helpers.cce import cce_backward, cce_forward, linear_cross_entropy, resolve_options  # noqa: E402
 from helpers.cce.kernels.configs import tier  # noqa: E402
+from helpers.cce.options import resolve_configs, sparse_auto_eps  # noqa: E402
+from helpers.cce.shared import vocabulary_order  # noqa: E402
 from helpers.compare.inputs import make_inputs  # noqa: E402
 from helpers.spec import reference_logits, reference_loss, reference_loss_and_grads, relative_error  # noqa: E402
 
@@ -34,14 +33,13 @@ TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 EPS = 2.0**-12  # coarse enough that the realistic regime skips most pairs at this size
 
 
-@pytest.fixture(autouse=True)
-def small_shapes(monkeypatch):
-    """A pilot of 128 sorted positions, so that both forward launches (pilot, splits) run; the
-    dense fallback at 90% of the pairs (at these sizes the realistic regime marks 30-60%); and no
-    size too small for the sparse path."""
-    monkeypatch.setattr(forward, "PILOT_COLUMNS", 128)
-    monkeypatch.setattr(sparse, "DENSE_FALLBACK", 0.9)
-    monkeypatch.setattr(sparse, "SPARSE_MIN_PAIRS", 0)
+def small(**knobs):
+    """The device's tier with the host knobs these shapes need (``HostTuning``): a pilot of 128 sorted
+    positions, so that both forward launches (pilot, splits) run; the dense fallback at 90% of the
+    pairs (at these sizes the realistic regime marks 30-60%); and no size too small for the sparse
+    path; then ``knobs``."""
+    return resolve_configs(None, torch.device(DEVICE)).tuned(
+        **{"pilot_columns": 128, "dense_fallback": 0.9, "sparse_min_pairs": 0, **knobs})
 
 
 def inputs(dtype, regime="realistic", n=N, v=V, d=D, ignore=(), seed=1):
@@ -116,19 +114,21 @@ def lse_gradient(n=N, seed=4):
 
 
 def run_sparse(E, C, x, go, *, eps=EPS, sort=False, reduction="mean", stats=None, bias=None, grad_lse=None,
-               need=None, **options):
+               need=None, configs=None, **options):
     """(dE, dC, db, activity) from the sparse backward through cce_forward / cce_backward (so the
-    test holds the bits); ``need`` (dE, dC, db) defaults to every gradient there is."""
+    test holds the bits); ``need`` (dE, dC, db) defaults to every gradient there is; ``configs``
+    defaults to ``small()``."""
     dtype = E.dtype
+    configs = configs or small()
     o = resolve_options(dtype, filter_eps=eps, sort_vocab=sort, reduction=reduction, **options)
-    _, lse, activity = cce_forward(E, C, x, o, v_splits=3, bias=bias, emit_activity=True,
-                                   lse_grad=grad_lse is not None)
+    _, lse, activity = cce_forward(E, C, x, o, configs, v_splits=3, bias=bias, emit_activity=True,
+                                   return_lse=grad_lse is not None)
     grad_rows = go.float().expand(E.shape[0]) if go.dim() == 0 else go.float()
     if reduction == "mean":
         grad_rows = grad_rows / (x != -100).sum().clamp(min=1)
     need = need or (True, True, bias is not None)
-    dE, dC, db = cce_backward(E, C, x, lse, grad_rows, o, stats=stats, backward_impl="sparse", activity=activity,
-                              bias=bias, grad_lse=grad_lse, need=need)
+    dE, dC, db = cce_backward(E, C, x, lse, grad_rows, o, configs, stats=stats, backward_impl="sparse",
+                              activity=activity, bias=bias, grad_lse=grad_lse, need=need)
     return dE, dC, db, activity
 
 
@@ -209,22 +209,19 @@ def test_uniform_hands_over_to_gemm(dtype):
     dE, dC, _, _ = run_sparse(E, C, x, go, stats=stats)
     assert stats["fallback"] and "mark" in stats["fallback"] and stats["density"] > 0.9
     o = resolve_options(dtype, filter_eps=EPS)
-    _, lse = cce_forward(E, C, x, o, v_splits=3)
-    gE, gC, _ = cce_backward(E, C, x, lse, go.float().expand(N) / N, o, backward_impl="gemm")
+    _, lse = cce_forward(E, C, x, o, small(), v_splits=3)
+    gE, gC, _ = cce_backward(E, C, x, lse, go.float().expand(N) / N, o, small(), backward_impl="gemm")
     assert torch.equal(dE, gE) and torch.equal(dC, gC)
 
 
 @pytest.mark.parametrize("limit, runs_sparse", [(0.01, False), (0.99, True)])
-def test_the_tiers_density_limit_decides_when_none_is_set(limit, runs_sparse, monkeypatch):
-    """With no ``DENSE_FALLBACK`` set, the tier's ``dense_fallback`` decides (Hopper's is not the T4's)."""
-    from dataclasses import replace
-
-    monkeypatch.setattr(sparse, "DENSE_FALLBACK", None)
+def test_the_tiers_density_limit_decides(limit, runs_sparse):
+    """The tier's ``dense_fallback`` decides (Hopper's is not the T4's)."""
     E, C, x = inputs(torch.float16)
     E.requires_grad_(True)
     C.requires_grad_(True)
     stats = {}
-    configs = replace(tier("interpreter"), dense_fallback=limit)
+    configs = small(dense_fallback=limit)
     linear_cross_entropy(E, C, x, backward_impl="sparse", filter_eps=EPS, configs=configs, stats=stats).backward()
     assert (stats["fallback"] is None) == runs_sparse, stats["fallback"]
     if not runs_sparse:
@@ -232,32 +229,30 @@ def test_the_tiers_density_limit_decides_when_none_is_set(limit, runs_sparse, mo
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_uniform_forced_sparse_equals_gemm(dtype, monkeypatch):
+def test_uniform_forced_sparse_equals_gemm(dtype):
     """Forced past the fallback on a dense softmax, the sparse kernels compute every pair and agree
     with the "gemm" backward within rounding (nothing is below eps on this softmax)."""
-    monkeypatch.setattr(sparse, "DENSE_FALLBACK", 1.01)
     E, C, x = inputs(dtype, regime="uniform", ignore=[4])
     go = upstream("none")
     stats = {}
-    dE, dC, _, _ = run_sparse(E, C, x, go, reduction="none", stats=stats)
+    dE, dC, _, _ = run_sparse(E, C, x, go, reduction="none", stats=stats, configs=small(dense_fallback=1.01))
     assert stats["fallback"] is None and stats["kept_pairs"] == stats["pairs"]
     o = resolve_options(dtype, filter_eps=EPS, reduction="none")
-    _, lse = cce_forward(E, C, x, o)
-    gE, gC, _ = cce_backward(E, C, x, lse, go.float(), o, backward_impl="gemm")
+    _, lse = cce_forward(E, C, x, o, small())
+    gE, gC, _ = cce_backward(E, C, x, lse, go.float(), o, small(), backward_impl="gemm")
     assert relative_error(dE, gE) < TOL[dtype] and relative_error(dC, gC) < TOL[dtype]
     _, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
     assert relative_error(dE, rdE) < TOL[dtype] and relative_error(dC, rdC) < TOL[dtype]
 
 
-def test_a_trained_models_softmax_forced_sparse_matches_the_filtered_float64_gradient(monkeypatch):
+def test_a_trained_models_softmax_forced_sparse_matches_the_filtered_float64_gradient():
     """The "trained" regime (``helpers.compare.trained``): a softmax no generator of ours shaped. At
     these sizes its bits mark most pairs, so it would run "gemm"; forced past the fallback, the
     sparse kernels match the filtered float64 gradient on it, sorted, with an ignored row."""
-    monkeypatch.setattr(sparse, "DENSE_FALLBACK", 1.01)
     E, C, x = inputs(torch.float16, regime="trained", ignore=[3])
     go = upstream("mean")
     stats = {}
-    dE, dC, _, act = run_sparse(E, C, x, go, sort=True, stats=stats)
+    dE, dC, _, act = run_sparse(E, C, x, go, sort=True, stats=stats, configs=small(dense_fallback=1.01))
     assert stats["fallback"] is None and 0 < stats["kept_pairs"] <= stats["marked"]
     rdE, rdC, _ = filtered_reference(E, C, x, go, EPS, act.order, act.block_v)
     assert relative_error(dE, rdE) < TOL[torch.float16], relative_error(dE, rdE)
@@ -273,8 +268,8 @@ def test_forward_bits_never_miss_a_tile(sort, bias):
     E, C, x = inputs(torch.float32, ignore=[9])
     bias = head_bias(torch.float32) if bias else None
     o = resolve_options(torch.float32, filter_eps=EPS, sort_vocab=sort, softcap=20.0)
-    loss, lse, act = cce_forward(E, C, x, o, v_splits=3, bias=bias, emit_activity=True)
-    loss0, lse0 = cce_forward(E, C, x, o, v_splits=3, bias=bias)
+    loss, lse, act = cce_forward(E, C, x, o, small(), v_splits=3, bias=bias, emit_activity=True)
+    loss0, lse0 = cce_forward(E, C, x, o, small(), v_splits=3, bias=bias)
     torch.testing.assert_close(lse, lse0, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=1e-5)
     z = reference_logits(E, C, 20.0, bias=bias)
@@ -316,7 +311,7 @@ def row_invariant_dot(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16], ids=str)  # fp32 takes the same paths (CI's minutes)
-def test_blocks_do_not_change_a_bit(dtype, monkeypatch, row_invariant_dot):
+def test_blocks_do_not_change_a_bit(dtype, row_invariant_dot):
     """Small Y (many row blocks) and small Gc (many tile ranges): the same bits as one of each, and
     two runs give the same bits (deterministic). The packs differ between the two, so a row's
     products sit beside other rows: ``row_invariant_dot`` makes the interpreter's dot indifferent
@@ -326,11 +321,11 @@ def test_blocks_do_not_change_a_bit(dtype, monkeypatch, row_invariant_dot):
     first = run_sparse(E, C, x, go, reduction="none", sort=True, stats=(s1 := {}))
     again = run_sparse(E, C, x, go, reduction="none", sort=True)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
-    monkeypatch.setattr(sparse, "Y_LANES", 1)  # the floor: one row's packs
-    monkeypatch.setattr(sparse, "GC_BYTES", 1)  # the floor: one pack, a tile of more in windows
-    monkeypatch.setattr(sparse, "INDEX_BYTES", 1)  # the floor: one row block, one byte of tiles
-    monkeypatch.setattr(pair_index, "SEGMENT_ROWS", 4)  # several segments per row block
-    blocked = run_sparse(E, C, x, go, reduction="none", sort=True, stats=(s2 := {}))
+    floors = small(y_lanes=1,  # the floor: one row's packs
+                   gc_bytes=1,  # the floor: one pack, a tile of more in windows
+                   index_bytes=1,  # the floor: one row block, one byte of tiles
+                   segment_rows=4)  # several segments per row block
+    blocked = run_sparse(E, C, x, go, reduction="none", sort=True, stats=(s2 := {}), configs=floors)
     assert s2["row_blocks"] > s1["row_blocks"] and s2["tile_ranges"] > s1["tile_ranges"]
     assert s2["gc_windows"] > 0 and s1["gc_windows"] == 0
     assert s2["index_batches"] > s1["index_batches"]
@@ -339,19 +334,19 @@ def test_blocks_do_not_change_a_bit(dtype, monkeypatch, row_invariant_dot):
 
 @pytest.mark.parametrize("gc", ["whole", "windows"])
 @pytest.mark.parametrize("which", ["dC_db", "db_only"])
-def test_split_tiles_match_the_reference_and_repeat(which, gc, monkeypatch):
+def test_split_tiles_match_the_reference_and_repeat(which, gc):
     """Tiles whose packs are split over programs (as the Qwen3 head's at N = 131,072, where every
     row marks the first tiles), summed in a second pass: the filtered float64 gradient within
     rounding, the same bits on a second run, and db from the same sums. "windows": Gc holds one
     pack, so every tile of more comes window by window, each split going on from its sum so far."""
-    monkeypatch.setattr(sparse, "DC_PROGRAMS", 4096)
-    monkeypatch.setattr(sparse, "GC_BYTES", 1 if gc == "windows" else None)
+    configs = small(dc_programs=4096, gc_bytes=1 if gc == "windows" else None)
     E, C, x = inputs(torch.float32, ignore=[3])
     bias = head_bias(torch.float32)
     go = upstream("none")
     need = (True, True, True) if which == "dC_db" else (False, False, True)
-    first = run_sparse(E, C, x, go, reduction="none", sort=True, bias=bias, need=need, stats=(stats := {}))
-    again = run_sparse(E, C, x, go, reduction="none", sort=True, bias=bias, need=need)
+    first = run_sparse(E, C, x, go, reduction="none", sort=True, bias=bias, need=need, stats=(stats := {}),
+                       configs=configs)
+    again = run_sparse(E, C, x, go, reduction="none", sort=True, bias=bias, need=need, configs=configs)
     assert stats["split_ranges"] > 0 and (stats["gc_windows"] > 0) == (gc == "windows"), stats
     for a, b in zip(first[:3], again[:3]):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -370,25 +365,25 @@ def test_bits_past_the_last_tile_are_ignored():
     E, C, x = inputs(torch.float32)
     go = upstream("mean")
     o = resolve_options(torch.float32, filter_eps=EPS)
-    _, lse, act = cce_forward(E, C, x, o, v_splits=3, emit_activity=True)
+    _, lse, act = cce_forward(E, C, x, o, small(), v_splits=3, emit_activity=True)
     assert act.tiles % 8
     act.bits[-1] |= 0xFF << (act.tiles % 8) & 0xFF
     grad_rows = go.float().expand(N) / (x != -100).sum()
     stats = {}
-    dE, dC, _ = cce_backward(E, C, x, lse, grad_rows, o, stats=stats, backward_impl="sparse", activity=act)
+    dE, dC, _ = cce_backward(E, C, x, lse, grad_rows, o, small(), stats=stats, backward_impl="sparse", activity=act)
     assert stats["fallback"] is None
     rdE, rdC, _ = filtered_reference(E, C, x, go, EPS, act.order, act.block_v)
     assert relative_error(dE, rdE) < TOL[torch.float32] and relative_error(dC, rdC) < TOL[torch.float32]
 
 
-def test_too_small_a_problem_runs_gemm_without_bits(monkeypatch):
-    """Below SPARSE_MIN_PAIRS the index costs more than it saves: no bits in the forward, "gemm"."""
-    monkeypatch.setattr(sparse, "SPARSE_MIN_PAIRS", N * 1000)
+def test_too_small_a_problem_runs_gemm_without_bits():
+    """Below ``HostTuning.sparse_min_pairs`` the index costs more than it saves: no bits in the forward, "gemm"."""
     E, C, x = inputs(torch.float32)
     E.requires_grad_(True)
     C.requires_grad_(True)
     stats = {}
-    loss = linear_cross_entropy(E, C, x, backward_impl="sparse", filter_eps=EPS, stats=stats)
+    loss = linear_cross_entropy(E, C, x, backward_impl="sparse", filter_eps=EPS, stats=stats,
+                                configs=small(sparse_min_pairs=N * 1000))
     loss.backward()
     assert "pairs, fewer than" in stats["fallback"], stats
     ref = reference_loss_and_grads(E.detach(), C.detach(), x)
@@ -420,7 +415,7 @@ def test_options_that_need_every_pair_run_gemm(options, why):
     stats = {}
     E_, C_ = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
     opts = dict(dict(filter_eps=EPS), **options)
-    linear_cross_entropy(E_, C_, x, backward_impl="sparse", stats=stats, **opts).backward(go)
+    linear_cross_entropy(E_, C_, x, backward_impl="sparse", configs=small(), stats=stats, **opts).backward(go)
     assert why in stats["fallback"]
     spec = {k: v for k, v in options.items() if k == "label_smoothing"}
     _, rdE, rdC = reference_loss_and_grads(E, C, x, go, **spec)
@@ -446,7 +441,7 @@ def test_trainer_inputs_through_autograd(dtype):
     Eg, Cg, bg = (t.clone().requires_grad_(True) for t in (E.reshape(B, T, D), C, bias))
     stats = {}
     linear_cross_entropy(Eg, Cg, x.reshape(B, T), bias=bg, shift=True, backward_impl="sparse", filter_eps=EPS,
-                         sort_vocab=True, stats=stats).backward()
+                         sort_vocab=True, stats=stats, configs=small()).backward()
     assert stats["fallback"] is None, stats["fallback"]
     shifted = torch.full((B, T), -100, dtype=x.dtype, device=DEVICE)
     shifted[:, :-1] = x.reshape(B, T)[:, 1:]
@@ -466,7 +461,7 @@ def test_a_loss_on_the_returned_lse(dtype):
     Eg, Cg = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
     stats = {}
     loss, lse = linear_cross_entropy(Eg, Cg, x, return_lse=True, backward_impl="sparse", filter_eps=EPS,
-                                     sort_vocab=True, stats=stats)
+                                     sort_vocab=True, stats=stats, configs=small())
     (loss + 1e-2 * (lse**2).mean()).backward()
     assert stats["fallback"] is None, stats["fallback"]
     h = 2e-2 * lse.detach() / N  # autograd's gradient into the lse, in fp32 as the backward gets it
@@ -482,7 +477,7 @@ def test_only_the_lse_gets_a_gradient():
     Eg, Cg, bg = (t.clone().requires_grad_(True) for t in (E, C, bias))
     stats = {}
     _, lse = linear_cross_entropy(Eg, Cg, x, bias=bg, return_lse=True, backward_impl="sparse", filter_eps=EPS,
-                                  stats=stats)
+                                  stats=stats, configs=small())
     lse.sum().backward()
     assert stats["fallback"] is None, stats["fallback"]
     rdE, rdC, rdb = filtered_reference(E, C, x, torch.tensor(0.0), EPS, None, stats["block_v"], bias=bias,
@@ -496,12 +491,12 @@ def test_a_coefficient_past_the_forwards_bound_runs_gemm():
     |a| reaches 2, the bits may miss tiles, so "gemm" runs, and its result is gemm's to the bit."""
     E, C, x = inputs(torch.float32)
     o = resolve_options(torch.float32, filter_eps=EPS, reduction="sum")
-    _, lse, act = cce_forward(E, C, x, o, emit_activity=True)
+    _, lse, act = cce_forward(E, C, x, o, small(), emit_activity=True)
     g, h = torch.ones(N), torch.full((N,), 0.5)
     stats = {}
-    got = cce_backward(E, C, x, lse, g, o, stats=stats, backward_impl="sparse", activity=act, grad_lse=h)
+    got = cce_backward(E, C, x, lse, g, o, small(), stats=stats, backward_impl="sparse", activity=act, grad_lse=h)
     assert "exceeds the 1 the forward's bits were made for" in stats["fallback"]
-    want = cce_backward(E, C, x, lse, g, o, backward_impl="gemm", grad_lse=h)
+    want = cce_backward(E, C, x, lse, g, o, small(), backward_impl="gemm", grad_lse=h)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -511,7 +506,8 @@ def test_rows_without_a_gradient_keep_their_bits():
     E, C, x = inputs(torch.float32, ignore=[3])
     Eg, Cg = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
     stats = {}
-    loss = linear_cross_entropy(Eg, Cg, x, reduction="none", backward_impl="sparse", filter_eps=EPS, stats=stats)
+    loss = linear_cross_entropy(Eg, Cg, x, reduction="none", backward_impl="sparse", filter_eps=EPS, stats=stats,
+                                configs=small())
     half = upstream("none") * (torch.arange(N, device=DEVICE) % 2 == 0)
     for go in (half, upstream("none")):
         Eg.grad = Cg.grad = None
@@ -543,7 +539,7 @@ def test_only_the_gradients_asked_for(which, dtype):
     leaves = [t.clone().requires_grad_(n) for t, n in zip((E, C, bias), need)]
     stats, full = {}, {}
     loss = linear_cross_entropy(*leaves[:2], x, bias=leaves[2], reduction="sum", backward_impl="sparse",
-                                filter_eps=EPS, sort_vocab=True, stats=stats)
+                                filter_eps=EPS, sort_vocab=True, stats=stats, configs=small())
     loss.backward()
     assert stats["fallback"] is None, stats["fallback"]
     assert (stats["row_blocks"] > 0) == need[0] and (stats["tile_ranges"] > 0) == (need[1] or need[2])
@@ -562,7 +558,7 @@ def test_only_the_gradients_asked_for(which, dtype):
 def test_all_ignored():
     E, C, x = inputs(torch.float32, ignore=range(N))
     E_, C_ = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
-    loss = linear_cross_entropy(E_, C_, x, backward_impl="sparse", filter_eps=EPS)
+    loss = linear_cross_entropy(E_, C_, x, backward_impl="sparse", configs=small(), filter_eps=EPS)
     loss.backward()
     assert torch.isnan(loss) and not E_.grad.any() and not C_.grad.any()
 
@@ -571,14 +567,14 @@ def test_auto_eps_is_a_row_budget_over_the_tiles():
     """ "auto" under "sparse": B / T per tile (2^-10 / T in fp16: at most 2^-10 of a row's mass);
     fp32 "auto" stays off (and so runs "gemm")."""
     block_v = tier("interpreter").sparse_for(torch.float16).BLOCK_V
-    assert sparse.sparse_auto_eps(torch.float16, V, block_v) == 2.0**-10 / 44
-    assert sparse.sparse_auto_eps(torch.bfloat16, 256_000, 128) == 2.0**-7 / 2000
-    assert sparse.sparse_auto_eps(torch.float32, V, block_v) is None
-    assert sparse.sparse_auto_eps(torch.float16, V, block_v, label_smoothing=0.1) is None
+    assert sparse_auto_eps(torch.float16, V, block_v) == 2.0**-10 / 44
+    assert sparse_auto_eps(torch.bfloat16, 256_000, 128) == 2.0**-7 / 2000
+    assert sparse_auto_eps(torch.float32, V, block_v) is None
+    assert sparse_auto_eps(torch.float16, V, block_v, label_smoothing=0.1) is None
     E, C, x = inputs(torch.float16)
     stats = {}
     E_, C_ = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
-    linear_cross_entropy(E_, C_, x, backward_impl="sparse", stats=stats, sort_vocab=True).backward()
+    linear_cross_entropy(E_, C_, x, backward_impl="sparse", configs=small(), stats=stats, sort_vocab=True).backward()
     assert stats["eps"] == 2.0**-10 / 44
     assert stats["fallback"] is None or "mark" in stats["fallback"]
     assert stats["fallback"] is not None or stats["skipped_mass_max"] <= 2.0**-10 * 1.01
@@ -588,7 +584,7 @@ def test_through_autograd_twice_with_retained_graph():
     """The backward fixes the bits up in place; a second backward through the graph sees the same."""
     E, C, x = inputs(torch.float16, ignore=[2])
     E_, C_ = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
-    loss = linear_cross_entropy(E_, C_, x, backward_impl="sparse", filter_eps=EPS, sort_vocab=True,
+    loss = linear_cross_entropy(E_, C_, x, backward_impl="sparse", configs=small(), filter_eps=EPS, sort_vocab=True,
                                 reduction="sum")
     loss.backward(retain_graph=True)
     first = E_.grad.clone(), C_.grad.clone()
@@ -618,9 +614,9 @@ def test_no_bits_without_a_backward(monkeypatch):
     real = api.cce_forward
     monkeypatch.setattr(api, "cce_forward", lambda *a, **k: asked.append(k.get("emit_activity", False)) or real(*a, **k))
     E, C, x = inputs(torch.float32)
-    with_grad = linear_cross_entropy(E.clone().requires_grad_(True), C, x, backward_impl="sparse",
+    with_grad = linear_cross_entropy(E.clone().requires_grad_(True), C, x, backward_impl="sparse", configs=small(),
                                      filter_eps=EPS)
-    plain = linear_cross_entropy(E, C, x, backward_impl="sparse", filter_eps=EPS)
+    plain = linear_cross_entropy(E, C, x, backward_impl="sparse", configs=small(), filter_eps=EPS)
     assert asked == [True, False] and with_grad.grad_fn is not None
     torch.testing.assert_close(plain, with_grad.detach())
 
@@ -634,10 +630,9 @@ def random_bits(T, N, seed=0):
 
 
 @pytest.mark.parametrize("rows", [1, 4, 128], ids=lambda r: f"segments_of_{r}")
-def test_the_pair_index_lists_every_marked_pair_by_group_tile_row(rows, monkeypatch):
+def test_the_pair_index_lists_every_marked_pair_by_group_tile_row(rows):
     """``pair_index.build`` against the unpacked bits: positions, counts, rows, the dE pass's
     row-major slots and the packs, for row blocks of odd sizes and a range of bytes."""
-    monkeypatch.setattr(pair_index, "SEGMENT_ROWS", rows)
     T, N, P = 21, 37, 3
     bits, live = random_bits(T, N)
     marked = unpack(bits, T) * live  # (T, N)
@@ -645,9 +640,9 @@ def test_the_pair_index_lists_every_marked_pair_by_group_tile_row(rows, monkeypa
     torch.cumsum(marked.sum(0), 0, out=row_slot[1:])
     live8 = live.to(torch.uint8)
     blocks = [(0, 10), (10, 11), (11, 30), (30, 37)]
-    seg_start, seg_group = pair_index.segments(blocks)
+    seg_start, seg_group = pair_index.segments(blocks, rows)
     index = pair_index.build(bits, live8, seg_start, seg_group, 0, bits.shape[0], int(marked.sum()), P,
-                             row_slot=row_slot, group_slot0=[int(row_slot[n0]) for n0, _ in blocks])
+                             row_slot=row_slot, group_slot0=[int(row_slot[n0]) for n0, _ in blocks], segment_rows=rows)
     pos = packs = 0
     for g, (n0, n1) in enumerate(blocks):
         for t in range(index.tiles):
@@ -662,24 +657,23 @@ def test_the_pair_index_lists_every_marked_pair_by_group_tile_row(rows, monkeypa
             packs += -(-len(rows_t) // P)
     assert int(index.pack_off[-1]) == packs
     # The dC pass's: every row in one group, bytes [1, 3) (tiles 8..23, those past T empty).
-    cnt, seg_start, seg_group = pair_index.tile_counts(bits, live8, N)
+    cnt, seg_start, seg_group = pair_index.tile_counts(bits, live8, N, rows)
     assert torch.equal(cnt.sum(0)[:T].long(), marked.sum(1))
     index = pair_index.build(bits, live8, seg_start, seg_group, 1, 2, int(marked[8:].sum()), P,
-                             cnt=cnt[:, 8:24])
+                             cnt=cnt[:, 8:24], segment_rows=rows)
     want = [r for t in range(8, T) for r in range(N) if marked[t, r]]
     assert index.tile0 == 8 and index.pair_row.tolist() == want
 
 
-def test_the_popcount_of_rows_agrees_with_the_unpacked_bits_in_any_slicing(monkeypatch):
+def test_the_popcount_of_rows_agrees_with_the_unpacked_bits_in_any_slicing():
     import helpers.cce.activity as activity
 
     T, N = 21, 37
     bits, live = random_bits(T, N)
     marked = unpack(bits, T)
     for rows in (5, 8192):  # slices that split the rows, and one that holds them all
-        monkeypatch.setattr(activity, "COUNT_ROWS", rows)
-        assert torch.equal(activity.popcount_rows(bits), marked.sum(0))
-        assert torch.equal(activity.popcount_rows(bits, live), marked.sum(0) * live)
+        assert torch.equal(activity.popcount_rows(bits, count_rows=rows), marked.sum(0))
+        assert torch.equal(activity.popcount_rows(bits, live, count_rows=rows), marked.sum(0) * live)
 
 
 @pytest.mark.parametrize("sort", [False, True], ids=["unsorted", "sorted"])

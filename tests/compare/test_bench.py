@@ -2,6 +2,8 @@
 
 import torch
 
+from helpers.cce import linear_cross_entropy
+
 from helpers.compare.bench import bench_table, run_bench
 from helpers.compare.methods import Method, naive_loss
 from helpers.compare.results_file import read_results
@@ -49,20 +51,27 @@ def test_a_method_that_fails_the_gate_is_not_timed(temporary_method):
     assert timed[0].status == "ok" and timed[0].gate == "fail (timed anyway)"
 
 
-def test_bench_says_which_backward_ran(monkeypatch):
+def test_bench_says_which_backward_ran(temporary_method):
     """A method whose backward can take another path says which it took: the sparse preset at the
-    tiny shape runs "gemm" (too few pairs), and with that rule lifted it runs sparse and counts."""
-    import helpers.cce.backward.sparse as sparse
+    tiny shape runs "gemm" (too few pairs), and with that rule lifted (a tier whose host knobs let
+    any size run sparse) it runs sparse and counts."""
+    import dataclasses
+
+    from helpers.cce.options import resolve_configs
     from helpers.compare.bench import backward_note
     from helpers.compare.inputs import make_inputs
+    from helpers.compare.methods import get_method
 
     fell_back = run_bench(["ours_sparse"], ["tiny"], ["realistic"], (torch.float16,), Ns=[64], warmup=0, repeats=1,
                           device="cpu", progress=False)[0]
     assert fell_back.status == "ok" and fell_back.note.startswith("ran the gemm backward: N x tiles")
     assert "| ours_sparse |" in bench_table([fell_back])
-    monkeypatch.setattr(sparse, "SPARSE_MIN_PAIRS", 0)
-    monkeypatch.setattr(sparse, "DENSE_FALLBACK", 1.0)
+    configs = resolve_configs(None, torch.device("cpu")).tuned(sparse_min_pairs=0, dense_fallback=1.0)
+    preset = get_method("ours_sparse")
+    temporary_method(dataclasses.replace(preset, name="ours_sparse_any_size", implementation=lambda E, C, x, **kw:
+                                         linear_cross_entropy(E, C, x, backward_impl="sparse", sort_vocab=True,
+                                                              configs=configs, **kw)))
     E, C, x = make_inputs(48, 700, 24, torch.float16, "cpu", regime="realistic", seed=0)
-    note = backward_note("ours_sparse", E.requires_grad_(True), C.requires_grad_(True), x)
+    note = backward_note("ours_sparse_any_size", E.requires_grad_(True), C.requires_grad_(True), x)
     assert note.startswith("sparse: marked"), note
     assert backward_note("ours", E, C, x) == ""  # a method with one backward has nothing to say

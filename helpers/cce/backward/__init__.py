@@ -20,11 +20,11 @@ import torch
 from helpers.cce.activity import Activity
 from helpers.cce.backward.atomic import backward_atomic
 from helpers.cce.backward.gemm import backward_gemm
-from helpers.cce.backward.sparse import backward_sparse, sparse_plan
 from helpers.cce.backward.rows import RowGradient
-from helpers.cce.shared import vocabulary_order
+from helpers.cce.backward.sparse import backward_sparse, sparse_plan
 from helpers.cce.kernels.configs import CCEConfigs
-from helpers.cce.options import CCEOptions, check_backward_impl, resolve_configs
+from helpers.cce.options import CCEOptions, CCEPlan, plan_for
+from helpers.cce.shared import vocabulary_order
 
 
 def cce_backward(
@@ -58,6 +58,8 @@ def cce_backward(
     "pairs", "marked", "kept_pairs", "skipped_mass_max" / "_mean" (|G| mass a row lost, the quantity the rule bounds),
     "work_fraction" (tile products against "gemm"'s), "extra_bytes"; "tiles" and "skipped" count
     (row, tile) pairs there.
+    configs: a ``CCEConfigs``, a tier's name, or None for the device's tier; its ``host`` knobs (chunk
+    widths, budgets) are the ones the backward reads.
     n_chunk, v_chunk: "gemm": rows per dE accumulator, and the widest G chunk (None: chunks as wide
     as the unwritten rows of dE and dC allow, ``gemm_plan``); "atomic": rows of dE's and of dC's
     fp32 scratch (fp16/bf16 only). None: ``gemm_chunks`` or ``atomic_chunks``.
@@ -67,29 +69,34 @@ def cce_backward(
     G chunks lived in dE's rows, dC's rows and the buffer, and "dead_chunks",
     the launches whose every tile the filter skipped (their GEMMs multiply zeros).
     """
-    check_backward_impl(backward_impl)
-    if need[2] and backward_impl == "atomic":
-        raise ValueError('the bias\'s gradient is not computed by backward_impl="atomic"')
-    o = options
-    configs = resolve_configs(configs, E.device)
+    plan = plan_for(E, C, options, configs, backward_impl, return_lse=grad_lse is not None, need=need)
+    return run_backward(E, C, x, lse, grad_rows, plan, n_chunk, v_chunk, stats, grad_lse=grad_lse, bias=bias,
+                        activity=activity)
+
+
+def run_backward(E, C, x, lse, grad_rows, plan: CCEPlan, n_chunk: int | None = None, v_chunk: int | None = None,
+                 stats: dict | None = None, *, grad_lse=None, bias=None, activity: Activity | None = None):
+    """``cce_backward`` by a resolved ``CCEPlan`` (``helpers.cce.options``): the dispatch to the
+    plan's backward, and the "sparse" backward's hand-over to "gemm" (``stats["fallback"]`` says why)."""
+    o, configs, need = plan.options, plan.configs, plan.need
     up = RowGradient.of(grad_rows, grad_lse, x != o.ignore_index, lse, o)
-    if backward_impl == "sparse":
+    if plan.backward_impl == "sparse":
         if not any(need):
             return None, None, None
-        reason, plan = sparse_plan(E, C, x, lse, up, activity, o, configs, need)
+        reason, sparse = sparse_plan(E, C, x, lse, up, activity, o, configs, need, plan.sparse_reason)
         if reason is None:
-            return backward_sparse(E, C, x, lse, up, activity, o, configs, plan, stats, bias, need)
+            return backward_sparse(E, C, x, lse, up, activity, o, configs, sparse, stats, bias, need)
         # Unsorted: the sort serves the filter, and this eps (a row's budget over its tiles) skips
-        # next to nothing of a dense softmax; sorted, "gemm" gathers C's rows, +4 ms at the Gemma head.
+        # next to nothing of a dense softmax; sorted, "gemm" would gather C's rows, which costs it time.
         grads = backward_gemm(E, C, x, lse, up, None, o, configs.backward_gemm_for(E.dtype), n_chunk, v_chunk,
-                              stats, bias, need)
+                              stats, bias, need, host=configs.host)
         if stats is not None:
-            stats.update(fallback=reason, density=plan["density"] if plan else None)
+            stats.update(fallback=reason, density=sparse["density"] if sparse else None)
         return grads
     order = vocabulary_order(E, C) if o.sort_vocab else None
-    if backward_impl == "gemm":
+    if plan.backward_impl == "gemm":
         return backward_gemm(E, C, x, lse, up, order, o, configs.backward_gemm_for(E.dtype), n_chunk, v_chunk,
-                             stats, bias, need)
+                             stats, bias, need, host=configs.host)
     dE, dC = backward_atomic(E, C, x, lse, up, order, o, configs.for_dtype(E.dtype)[1], n_chunk, v_chunk, stats,
                              bias, need[:2])
     return dE, dC, None

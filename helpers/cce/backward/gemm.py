@@ -28,18 +28,8 @@ from helpers.cce.device import device_info
 from helpers.cce.backward.rows import RowGradient, fold_dC
 from helpers.cce.shared import MiB, read_later
 from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
-from helpers.cce.kernels.configs import LaunchConfig
+from helpers.cce.kernels.configs import HostTuning, LaunchConfig
 from helpers.cce.options import CCEOptions, dot_precision, tile_eps
-
-
-# The G kernel reads E and C and writes G through tensor descriptors (``LaunchConfig.tma``) only
-# for vocabulary chunks whose three products (6 rows v_chunk D FLOP) take longer than the host's
-# launches for the chunk: on an H200 the host spends ~0.2-0.3 ms a chunk (a Triton launch, two
-# cuBLAS calls), and descriptor arguments add ~50 us, while descriptors save ~20% of the G
-# kernel's time. 2e11 FLOP is ~0.3 ms of products there: the Gemma-2-2B head (8,192 rows x 2,304
-# x 2,304, 2.6e11) uses them, saving 3-5 ms a backward; the Qwen3 head (16,384 x 1,024 x 1,024,
-# 1.0e11), whose backward the host's launches bound, does not (scripts/gpu/tune.py, "host").
-TMA_MIN_CHUNK_FLOP = 2e11
 
 
 def gemm_chunks(N: int, V: int, D: int, dtype: torch.dtype, block_v: int) -> tuple[int, int]:
@@ -58,12 +48,6 @@ def gemm_chunks(N: int, V: int, D: int, dtype: torch.dtype, block_v: int) -> tup
     v_chunk = max(block_v, v_chunk // block_v * block_v)
     return n_chunk, min(V, v_chunk)
 
-
-# The widest G chunk kept in place (in dE's or dC's rows not yet written, ``vocab_chunks``): wider
-# chunks mean fewer launches (the host bounds the Qwen3 head's backward) and fewer passes over dE's
-# fp32 accumulator (its read-add-write per chunk costs the dE product ~20% at the Gemma-2-2B head),
-# at no memory. Measured on an H200: docs/PERFORMANCE.md, "G in place".
-G_IN_PLACE_BYTES = 256 * MiB
 
 # Where a G chunk lives (``vocab_chunks``).
 G_PLACES = ("dE", "dC", "buffer")
@@ -124,16 +108,17 @@ class GemmPlan:
 
 def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk: int | None = None,
               v_chunk: int | None = None, *, need_dE: bool = True, need_dC: bool = True,
-              sorted_vocab: bool = False, split: bool = False) -> GemmPlan:
-    """The ``GemmPlan`` of a backward; ``n_chunk``, ``v_chunk`` None: ``gemm_chunks``'s. In place,
-    chunks go up to ``G_IN_PLACE_BYTES`` wide, but never past v_chunk where the caller chose it or
-    a scratch follows the width (the sort's gathered C, FullC/FullE's unfiltered G: ``split``).
-    dC's rows are free for G only in the first row chunk of an unsorted vocabulary."""
-    default_n, default_v = gemm_chunks(N, V, D, dtype, block_v)
+              sorted_vocab: bool = False, split: bool = False, host: HostTuning = HostTuning()) -> GemmPlan:
+    """The ``GemmPlan`` of a backward; ``n_chunk``, ``v_chunk`` None: ``host.gemm_chunks``, or
+    ``gemm_chunks``'s budgets. In place, chunks go up to ``host.g_in_place_bytes`` wide, but never
+    past v_chunk where the caller chose it or a scratch follows the width (the sort's gathered C,
+    FullC/FullE's unfiltered G: ``split``). dC's rows are free for G only in the first row chunk of
+    an unsorted vocabulary."""
+    default_n, default_v = host.gemm_chunks or gemm_chunks(N, V, D, dtype, block_v)
     n_chunk = min(N, n_chunk or default_n)
     max_cols = (v_chunk if v_chunk else
                 default_v if sorted_vocab or split else
-                max(default_v, G_IN_PLACE_BYTES // (n_chunk * dtype.itemsize)))
+                max(default_v, host.g_in_place_bytes // (n_chunk * dtype.itemsize)))
     v_chunk = min(V, v_chunk or default_v)
     row_chunks = []
     for n0 in range(0, N, n_chunk):
@@ -200,13 +185,13 @@ def _product(out, a, b, *, alpha: float, accumulate: bool, mode: str):
 
 def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg: LaunchConfig,
                   n_chunk: int | None, v_chunk: int | None, stats: dict | None, bias=None,
-                  need: tuple[bool, bool, bool] = (True, True, False)):
+                  need: tuple[bool, bool, bool] = (True, True, False), *, host: HostTuning):
     """(dE, dC, db), each None where ``need`` (dE, dC, db) says it is not wanted: per (row chunk,
     vocabulary chunk), G_c from ``gradient_chunk_kernel``, then dC[v0:v1] = w_scale G_c^T (w_rel E),
     db[v0:v1] = w_scale G_c^T w_rel and dE_acc += G_c C[v0:v1] in cuBLAS; the other arguments are
     ``helpers.cce.backward.cce_backward``'s. A product whose gradient is not wanted is not made.
 
-    G_c lives in dE's or dC's rows not yet written (``vocab_chunks``), up to ``G_IN_PLACE_BYTES``
+    G_c lives in dE's or dC's rows not yet written (``vocab_chunks``), up to ``host.g_in_place_bytes``
     wide (an explicit ``v_chunk`` caps every chunk instead). Memory beyond LB, fp16/bf16: dE_acc
     (n_chunk * D * 4) + a G buffer only where no place is free (``GemmPlan.buffer_elements``: none for
     16-bit inputs with dE wanted; the unfiltered G once more with FullC/FullE and the filter) +
@@ -224,10 +209,10 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # FullC / FullE with the filter: the kernel also writes the unfiltered G, for the exact side.
     split = filtering and (o.full_c or o.full_e)
     plan = gemm_plan(N, V, D, dtype, cfg.BLOCK_V, n_chunk, v_chunk, need_dE=need_dE, need_dC=need_dC,
-                     sorted_vocab=vocab_order is not None, split=split)
+                     sorted_vocab=vocab_order is not None, split=split, host=host)
     n_chunk, v_chunk, widest = plan.n_chunk, plan.v_chunk, plan.widest
     n_chunks = len(plan.row_chunks)
-    mode = product_mode(device, dtype)
+    mode = host.product_mode or product_mode(device, dtype)
     # dC rows in fp32 before they land in dC (v_chunk at a time): folds (several row chunks), the
     # sort's scatter, the CPU's "upcast" products.
     staged = vocab_order is not None or (low_precision and (n_chunks > 1 or mode == "upcast"))
@@ -290,12 +275,12 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
             counters["launches"] += 1
             counters["g_places"][place] += 1
             # 1. G_c: the logit tiles rebuilt, G formed and filtered, written in the dtype.
-            tma = descriptors and 6 * rows * cols * D >= TMA_MIN_CHUNK_FLOP
+            tma = descriptors and 6 * rows * cols * D >= host.tma_min_chunk_flop
             E_arg, C_arg = (E_desc, C_desc) if tma else (E_rows, C)
             key = (G.data_ptr(), cols)
-            if tma and not split and key not in G_descs:
+            if tma and host.g_store_tma and not split and key not in G_descs:
                 G_descs[key] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V // cfg.g_subtile)
-            G_desc = G_descs.get(key) if tma else None
+            G_desc = G_descs.get(key) if tma and host.g_store_tma else None
             gradient_chunk_kernel[(min(tiles, cfg.persistent * programs) if cfg.persistent else tiles,)](
                 E_arg, C_arg, x[n0:n1], lse[n0:n1], coef, bias if bias is not None else lse,
                 vocab_order if vocab_order is not None else tile_kept,

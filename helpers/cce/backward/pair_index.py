@@ -18,9 +18,6 @@ import torch
 
 from helpers.cce.kernels.pair_list import count_pairs_kernel, write_pairs_kernel
 
-# Rows per segment: a segment's rows of one tile are ranked by one tl.cumsum.
-SEGMENT_ROWS = 128
-
 
 @dataclass
 class PairIndex:
@@ -46,10 +43,14 @@ def upload(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
     return t.to(device)
 
 
-def segments(bounds: list[tuple[int, int]], rows: int = None) -> tuple[list[int], list[int]]:
+# ``segment_rows`` below: rows per segment, a segment's rows of one tile ranked by one tl.cumsum
+# (``HostTuning.segment_rows``, a power of two).
+
+
+def segments(bounds: list[tuple[int, int]], segment_rows: int) -> tuple[list[int], list[int]]:
     """(seg_start, seg_group) for consecutive groups of rows ``bounds`` [(n0, n1), ...]: each group
-    cut into segments of at most ``rows`` rows; seg_start has one more entry, the last row's end."""
-    rows = rows or SEGMENT_ROWS
+    cut into segments of at most ``segment_rows`` rows; seg_start has one more entry, the last row's end."""
+    rows = segment_rows
     seg_start, seg_group = [], []
     for g, (n0, n1) in enumerate(bounds):
         for r in range(n0, n1, rows):
@@ -59,14 +60,14 @@ def segments(bounds: list[tuple[int, int]], rows: int = None) -> tuple[list[int]
     return seg_start, seg_group
 
 
-def index_bytes(pairs: int, rows: int, byte_count: int, slots: bool) -> int:
+def index_bytes(pairs: int, rows: int, byte_count: int, slots: bool, segment_rows: int) -> int:
     """Device memory ``build`` takes for this many pairs, rows and bytes of bits (module doc)."""
-    segs = -(-rows // SEGMENT_ROWS) + 1
+    segs = -(-rows // segment_rows) + 1
     return pairs * (8 if slots else 4) + (8 * rows * byte_count if slots else 0) + 28 * segs * 8 * byte_count
 
 
 def count(bits: torch.Tensor, live: torch.Tensor | None, seg_start: torch.Tensor, byte0: int, byte_count: int,
-          popcount_of: tuple[int, int] | None = None):
+          popcount_of: tuple[int, int] | None = None, *, segment_rows: int):
     """(cnt (S, 8 byte_count) int32: marked live rows per (segment, tile), popcount (byte_count, rows)
     int32 of each row's marked tiles per byte for the rows ``popcount_of`` = (row0, rows), or None)."""
     S = seg_start.numel() - 1
@@ -78,13 +79,14 @@ def count(bits: torch.Tensor, live: torch.Tensor | None, seg_start: torch.Tensor
     count_pairs_kernel[(byte_count, S)](
         bits, live if live is not None else bits, seg_start, cnt, pc if pc is not None else cnt,
         byte0, row0, bits.stride(0), cnt.stride(0), pc.stride(0) if pc is not None else 0,
-        HAS_LIVE=live is not None, POPCOUNT=pc is not None, ROWS=SEGMENT_ROWS)
+        HAS_LIVE=live is not None, POPCOUNT=pc is not None, ROWS=segment_rows)
     return cnt, pc
 
 
 def build(bits: torch.Tensor, live: torch.Tensor | None, seg_start: list[int], seg_group: list[int],
           byte0: int, byte_count: int, pairs: int, pack_rows: int, cnt: torch.Tensor | None = None,
-          row_slot: torch.Tensor | None = None, group_slot0: list[int] | None = None) -> PairIndex:
+          row_slot: torch.Tensor | None = None, group_slot0: list[int] | None = None, *,
+          segment_rows: int) -> PairIndex:
     """The pairs of rows [seg_start[0], seg_start[-1]) and bytes [byte0, byte0 + byte_count) of
     ``bits`` ((T8, N) uint8), ``live`` ((N,) uint8 or None: every row). ``pairs``: their number
     (the host knows it). ``cnt``: ``count``'s, when the caller has it. With ``row_slot`` ((N,) int64:
@@ -96,7 +98,8 @@ def build(bits: torch.Tensor, live: torch.Tensor | None, seg_start: list[int], s
     pc = None
     if cnt is None or slots:
         cnt, pc = count(bits, live, seg_start_t, byte0, byte_count,
-                        (seg_start[0], seg_start[-1] - seg_start[0]) if slots else None)
+                        (seg_start[0], seg_start[-1] - seg_start[0]) if slots else None,
+                        segment_rows=segment_rows)
     S, Tp = cnt.shape
     groups = seg_group[-1] + 1
     # Pairs of each tile in the segments before, within the group: an exclusive scan over segments.
@@ -129,14 +132,16 @@ def build(bits: torch.Tensor, live: torch.Tensor | None, seg_start: list[int], s
         rank if slots else off, row_slot if slots else off, slot0 if slots else off,
         pair_row, pair_slot if slots else pair_row,
         byte0, seg_start[0], bits.stride(0), off.stride(0), off.stride(1), rank.stride(0) if slots else 0,
-        HAS_LIVE=live is not None, SLOTS=slots, ROWS=SEGMENT_ROWS)
+        HAS_LIVE=live is not None, SLOTS=slots, ROWS=segment_rows)
     return PairIndex(8 * byte0, Tp, pair_row, pair_slot, pair_off, cnt_g.contiguous(), pack_off)
 
 
-def tile_counts(bits: torch.Tensor, live: torch.Tensor | None, N: int) -> tuple[torch.Tensor, list[int], list[int]]:
+def tile_counts(bits: torch.Tensor, live: torch.Tensor | None, N: int,
+                segment_rows: int) -> tuple[torch.Tensor, list[int], list[int]]:
     """(cnt (S, 8 T8) int32, seg_start, seg_group) of every row in segments, for the dC pass; the
     marked rows per tile are cnt.sum(0)."""
-    seg_start, seg_group = segments([(0, N)])
-    cnt, _ = count(bits, live, upload(seg_start, torch.int32, bits.device), 0, bits.shape[0])
+    seg_start, seg_group = segments([(0, N)], segment_rows)
+    cnt, _ = count(bits, live, upload(seg_start, torch.int32, bits.device), 0, bits.shape[0],
+                   segment_rows=segment_rows)
     return cnt, seg_start, seg_group
 

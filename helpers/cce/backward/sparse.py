@@ -8,12 +8,12 @@ and before any logit is rebuilt: from the forward's activity bits (``helpers.cce
 
 The filter's rule, as everywhere: a row's gradient in a tile is dropped when its |G| mass there is
 below eps. A row has T = ceil(V / BLOCK_V) tiles, so at most T * eps of its |G| mass (out of
-sum |G| <= 2, more with z-loss or a gradient into the lse) is dropped. For this backward "auto" picks eps = B / T with B one
-machine epsilon of the dtype (``SPARSE_ROW_BUDGET``: 2^-7 bf16, 2^-10 fp16): at most B of each row's
-gradient mass is dropped, and a flat softmax (every tile ~1/T) keeps every tile. The "gemm"
-backward's eps = 2^-12 per tile, applied per row, dropped up to 2% of a row's mass at V = 256,000
-and put dE 5-9x the naive bf16 path's error (notes); a number passed as ``filter_eps`` is used as
-given, per tile. ``stats`` reports the softmax mass each row lost.
+sum |G| <= 2, more with z-loss or a gradient into the lse) is dropped. For this backward "auto"
+picks eps = B / T with B one machine epsilon of the dtype (``helpers.cce.options.SPARSE_ROW_BUDGET``:
+2^-7 bf16, 2^-10 fp16): at most B of each row's gradient mass is dropped, and a flat softmax (every
+tile ~1/T) keeps every tile. The "gemm" backward's eps = 2^-12 per tile, applied per row, dropped
+up to 2% of a row's mass at V = 256,000 and put dE 5-9x the naive bf16 path's error (notes); a
+number passed as ``filter_eps`` is used as given, per tile. ``stats`` reports the softmax mass each row lost.
 
 The work (kernels: ``helpers/cce/kernels/pair_gradients.py``; the pair lists:
 ``helpers.cce.backward.pair_index``, built on the GPU, so the backward's one host sync is in its plan):
@@ -29,8 +29,9 @@ The work (kernels: ``helpers/cce/kernels/pair_gradients.py``; the pair lists:
    (fp16 for 16-bit inputs, ``y_dtype``), a row's pairs in consecutive rows of Y in tile order;
    then each row sums its Y rows in fp32 and is written once: dE_i = w_i sum Y. Y lives in dC's
    memory (dC is not written yet): V pairs, so no scratch; a row block is as many rows as their
-   pairs fill it, and the pair lists of many blocks are built at once (``INDEX_BYTES``). (When C
-   needs no gradient there is no dC: Y gets its own max(LB / 20, 4 MiB), or all the pairs if fewer.)
+   pairs fill it, and the pair lists of many blocks are built at once (``HostTuning.index_bytes``).
+   (When C needs no gradient there is no dC: Y gets its own max(LB / 20, 4 MiB), or all the pairs
+   if fewer.)
 3. dC, tile range by tile range: every row's packs of those tiles, G again (times w_rel) into Gc,
    then each tile's dC rows = w_scale sum_packs Gc^T E[pack rows], written once. A range with too
    few (tile, D block) programs to fill the GPU (the tiles every row marks) splits each tile's packs
@@ -45,23 +46,21 @@ Deterministic: no atomics on the gradients; every sum runs in an order fixed by 
 then row; splits in order), so two runs give the same bits (checked on an H200 at the Gemma-2-2B
 head and at the Qwen3 head with N = 131,072). The "gemm" backward runs instead, and
 ``stats["fallback"]`` says why, when the problem is too small to pay for the index
-(``SPARSE_MIN_PAIRS``), the bits mark more than the tier's ``dense_fallback`` of the pairs (a
-dense softmax: early training, the ``uniform`` regime), an option needs every pair (label
+(``HostTuning.sparse_min_pairs``), the bits mark more than the tier's ``dense_fallback`` of the
+pairs (a dense softmax: early training, the ``uniform`` regime), an option needs every pair (label
 smoothing, FullC/FullE, no filter), the forward made no bits (or made them for other tiles or
 another eps), or a row's |a| exceeds the bound its bits were made for (a z-loss factor 1 + 2 zl
 lse > 2, or a gradient into an lse the forward was not told would be returned).
 
-Memory beyond dE and dC (LB): the bits (N * T / 8 bytes) and the order (V int64); Gc (``GC_BYTES``,
-max(LB / 20, 4 MiB), fewer when all the packs take less; a tile with more packs than Gc holds, as
-the first tiles at the Qwen3 head with N = 131,072, where every row marks them: 33.6 MB each, comes
+Memory beyond dE and dC (LB): the bits (N * T / 8 bytes) and the order (V int64); Gc
+(``HostTuning.gc_bytes``, max(LB / 20, 4 MiB), fewer when all the packs take less; a tile with more
+packs than Gc holds, as the first tiles at the Qwen3 head with N = 131,072, where every row marks them: 33.6 MB each, comes
 in windows of Gc, each split of its sum going on from where the last window left it); the pair
-index of the blocks or tiles in flight (``INDEX_BYTES``, max(LB / 32, 4 MiB)); the split tiles'
-fp32 sums (max(LB / 64, 4 MiB), when a range splits); the per-(segment, tile) counts of the dC pass
-and O(N). Measured on an H200 (bf16, realistic): 1.06 LB at the Gemma-2-2B head, 1.11 / 1.13 / 1.15
-LB at the Qwen3 head with N = 16,384 / 65,536 / 131,072. Smaller budgets (Gc LB / 64, index LB /
-48, split sums LB / 96) measured 1.03 / 1.07 / 1.10 / 1.12 LB, but 1.5x the time at N = 16,384 and
-1.26x at 131,072: each tile range costs launches, and the host's launches already bound the time
-there (docs/PERFORMANCE.md).
+index of the blocks or tiles in flight (``HostTuning.index_bytes``, max(LB / 32, 4 MiB)); the split
+tiles' fp32 sums (max(LB / 64, 4 MiB), when a range splits); the per-(segment, tile) counts of the dC pass
+and O(N). Smaller budgets lower the peak a little and cost much more time: each tile range costs
+launches, and the host's launches already bound the time there (the measured peaks and times:
+docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -81,63 +80,13 @@ from helpers.cce.kernels.pair_gradients import (
     sparse_dE_reduce_kernel,
     sparse_g_kernel,
 )
-from helpers.cce.kernels.configs import CCEConfigs
+from helpers.cce.kernels.configs import CCEConfigs, HostTuning
 from helpers.cce.options import CCEOptions, dot_precision
 
-# "auto" filter for this backward: at most this much of a row's |G| mass is dropped (eps = B / T).
-SPARSE_ROW_BUDGET = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: None}
-# Marked share of the (row, tile) pairs (of the rows with a gradient) above which "gemm" is run;
-# None: the tier's (``CCEConfigs.dense_fallback``: 0.25 on Hopper, 0.15 elsewhere). On an H200:
-# at 9-11% marked (bf16, realistic; tile products 14-17% of gemm's) the sparse backward took
-# 0.5-0.6x gemm's time; at 21-27% (a trained model's softmax, 128-column tiles) 0.77-1.02x; at 21%
-# with the T4's 64-column tiles (fp16, 36% of the products) 1.7x. Tests set a number.
-DENSE_FALLBACK = None
-# Fewer (row, tile) pairs than this run "gemm" (``too_small``): between N = 1,024 (sparse 1.7x slower
-# than "gemm" on an H200) and 16,384 (1.25x faster) at the Qwen3 head's 1,187 tiles.
-SPARSE_MIN_PAIRS = 2**23
-# Tests shrink these to force several row blocks and tile ranges.
-Y_LANES = None  # rows of Y (marked pairs) in dC's memory; None: all that fit
-GC_BYTES = None  # Gc's bytes; None: max(LB / 20, 4 MiB) (a tile of more packs: in windows)
-INDEX_BYTES = None  # the pair index's bytes (``pair_index``); None: max(LB / 32, 4 MiB)
-# dC programs worth having in flight: a range with fewer (tiles x D blocks) splits its tiles' packs
-# (``sparse_dC_kernel``'s PARTIAL); None: 4 per SM on a GPU, no splits on the CPU. Their fp32 sums
-# take at most max(LB / 64, 4 MiB).
-DC_PROGRAMS = None
 
-
-def sparse_auto_eps(dtype: torch.dtype, V: int, block_v: int, label_smoothing: float = 0.0) -> float | None:
-    """The "auto" filter threshold of the sparse backward: B / T, T = ceil(V / block_v) tiles per row;
-    None (off) for fp32 and with label smoothing, as "auto" is for the other backwards."""
-    budget = SPARSE_ROW_BUDGET[dtype]
-    if budget is None or label_smoothing:
-        return None
-    return budget / triton.cdiv(V, block_v)
-
-
-def options_need_every_pair(o: CCEOptions) -> str | None:
-    """Why these options leave nothing for the sparse backward to skip (None: they do not)."""
-    if o.filter_eps is None:
-        return "the filter is off (fp32 'auto', filter_eps=None or label smoothing)"
-    if o.full_c or o.full_e:
-        return "FullC / FullE keep one gradient exact: every pair"
-    if o.label_smoothing:
-        return "label smoothing puts -ls/V in every entry"
-    return None
-
-
-def too_small(N: int, V: int, block_v: int) -> str | None:
-    """Why a problem is too small for the sparse backward (None when it is not): its plan, index and
-    launches took 7.7 ms of host time at the Qwen3 head with N = 1,024 on an H200, where the whole
-    "gemm" backward takes 3.0 ms; at N = 16,384 its forward+backward was 1.25x faster than "gemm"'s."""
-    pairs = N * triton.cdiv(V, block_v)
-    if pairs < SPARSE_MIN_PAIRS:
-        return f"N x tiles = {pairs:,} (row, tile) pairs, fewer than the {SPARSE_MIN_PAIRS:,} that pay for the sparse index"
-    return None
-
-
-def why_dense(activity: Activity | None, o: CCEOptions, block_v: int, N: int, V: int) -> str | None:
-    """Why the sparse backward cannot run from this forward's state (None when it can)."""
-    reason = options_need_every_pair(o) or too_small(N, V, block_v)
+def why_dense(activity: Activity | None, o: CCEOptions, block_v: int, reason: str | None) -> str | None:
+    """Why the sparse backward cannot run from this forward's state (None when it can); ``reason``: the
+    plan's (``CCEPlan.sparse_reason``: the options need every pair, or the problem is too small)."""
     if reason is None and activity is None:
         reason = "the forward emitted no activity bits"
     if reason is None and (activity.block_v != block_v or activity.eps != o.filter_eps):
@@ -145,19 +94,18 @@ def why_dense(activity: Activity | None, o: CCEOptions, block_v: int, N: int, V:
     return reason
 
 
-def sparse_plan(E, C, x, lse, up: RowGradient, activity: Activity | None, o: CCEOptions,
-                configs: CCEConfigs, need: tuple[bool, bool, bool]) -> tuple[str | None, dict | None]:
+def sparse_plan(E, C, x, lse, up: RowGradient, activity: Activity | None, o: CCEOptions, configs: CCEConfigs,
+                need: tuple[bool, bool, bool], reason: str | None) -> tuple[str | None, dict | None]:
     """(why "gemm" must run instead, or None; the plan ``backward_sparse`` runs, or the counts so far):
     the options need every pair, the problem is too small, the forward made no bits for these tiles
     and eps, the bits mark more than the tier's ``dense_fallback`` of the pairs, or a row's softmax
     coefficient exceeds what the forward's bits were made for (``Activity.coef_max``). The caller
     (``helpers.cce.backward``) runs "gemm" when there is a reason."""
     cfg = configs.sparse_for(E.dtype)
-    reason = why_dense(activity, o, cfg.BLOCK_V, E.shape[0], C.shape[0])
+    reason = why_dense(activity, o, cfg.BLOCK_V, reason)
     if reason is not None:
         return reason, None
-    limit = DENSE_FALLBACK if DENSE_FALLBACK is not None else configs.dense_fallback
-    plan = _plan(E, C, x, lse, up, activity, o, cfg, need, limit)
+    plan = _plan(E, C, x, lse, up, activity, o, cfg, need, configs.dense_fallback, configs.host)
     return plan.get("dense"), plan
 
 
@@ -166,10 +114,11 @@ def backward_sparse(E, C, x, lse, up: RowGradient, activity: Activity, o: CCEOpt
     """(dE, dC, db) from the marked pairs, by ``sparse_plan``'s plan; arguments as ``cce_backward``'s.
     A gradient ``need`` (dE, dC, db) does not ask for is not computed: no dE pass without dE, dC's
     pass without its products for db alone, none for neither."""
-    return _sparse(E, C, x, lse, up, activity, o, configs.sparse_for(E.dtype), plan, stats, bias, need)
+    return _sparse(E, C, x, lse, up, activity, o, configs.sparse_for(E.dtype), configs.host, plan, stats, bias,
+                   need)
 
 
-def _plan(E, C, x, lse, up, activity, o, cfg, need, dense_fallback: float) -> dict:
+def _plan(E, C, x, lse, up, activity, o, cfg, need, dense_fallback: float, host: HostTuning) -> dict:
     """Fix the bits up (step 1 of the module doc), count the marked pairs per row and per tile, and
     decide: {"dense": reason} (more than ``dense_fallback`` of the pairs marked, or a coefficient
     past the bits' bound) or the counts. The backward's one host sync is here: until it, the
@@ -195,7 +144,7 @@ def _plan(E, C, x, lse, up, activity, o, cfg, need, dense_fallback: float) -> di
     set_bits(bits, target // BV, kept)
     if T % 8:  # the last byte's bits past the last tile: clear, or the pair lists outgrow their counts
         bits[-1] &= (1 << (T % 8)) - 1
-    per_row = popcount_rows(bits, live)
+    per_row = popcount_rows(bits, live, count_rows=host.count_rows)
     # Row r's pairs are slots [row_slot[r], row_slot[r + 1]) of the dE pass, counted from row 0.
     row_slot = torch.zeros(N + 1, dtype=torch.int64, device=device)
     torch.cumsum(per_row, 0, out=row_slot[1:])
@@ -206,7 +155,7 @@ def _plan(E, C, x, lse, up, activity, o, cfg, need, dense_fallback: float) -> di
     counts = [torch.stack(head), row_slot[1:].double()]
     tile_cnt = None
     if need[1] or need[2]:
-        tile_cnt, seg_start, seg_group = pair_index.tile_counts(bits, live_u8, N)
+        tile_cnt, seg_start, seg_group = pair_index.tile_counts(bits, live_u8, N, host.segment_rows)
         counts.append(tile_cnt.sum(0, dtype=torch.int64)[:T].double())
     counts = torch.cat(counts).cpu().numpy()  # the sync (float64: every count is exact)
     a_max, n_live, row_lanes = float(counts[0]), int(counts[1]), int(counts[2])
@@ -233,8 +182,8 @@ def _plan(E, C, x, lse, up, activity, o, cfg, need, dense_fallback: float) -> di
 def y_dtype(dtype: torch.dtype) -> torch.dtype:
     """Y's element: fp16 for 16-bit inputs, fp32 for fp32. A partial product G_row C_tile is at most
     2 max|C| (far inside fp16's range for a classifier's weights) and is rounded once to 2^-11, four
-    times finer than the bf16 dE it sums into; fp16 halves Y's traffic (written once, read once:
-    ~4.5 ms of 13 at the Gemma-2-2B head on an H200) and doubles the pairs dC's memory holds."""
+    times finer than the bf16 dE it sums into; fp16 halves Y's traffic (written once, read once, a
+    large share of the sparse backward's time) and doubles the pairs dC's memory holds."""
     return torch.float32 if dtype == torch.float32 else torch.float16
 
 
@@ -274,8 +223,8 @@ def _batches(items: list, cost, budget: int) -> list[list]:
     return batches
 
 
-def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict, stats: dict | None, bias,
-            need: tuple[bool, bool, bool]):
+def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, host: HostTuning, plan: dict,
+            stats: dict | None, bias, need: tuple[bool, bool, bool]):
     N, D = E.shape
     V = C.shape[0]
     dtype, device = E.dtype, E.device
@@ -296,7 +245,8 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
     strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0), up.coef.stride(0))
     options = (o.softcap if o.softcap is not None else 1.0, o.filter_eps)
     # The pair index of the rows or tiles in flight (``pair_index.index_bytes``).
-    index_budget = INDEX_BYTES or max(4 * MiB, lb // 32)
+    index_budget = host.index_bytes or max(4 * MiB, lb // 32)
+    segment_rows = host.segment_rows
     counters = dict(launches=0, row_blocks=0, tile_ranges=0, split_ranges=0, gc_windows=0, index_batches=0,
                     pack_lanes=0, pack_lanes_dC=0)
     kept_pairs = torch.zeros(1, dtype=torch.int32, device=device)
@@ -316,8 +266,8 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         else:
             lanes = max(4 * plan["row_lanes"], min(plan["marked"], max(lb // 20, 4 * MiB) // (ydt.itemsize * D)))
             Y = torch.empty(lanes, D, dtype=ydt, device=device)
-        if Y_LANES:  # tests: as few lanes as one row needs
-            lanes = min(lanes, max(Y_LANES, plan["row_lanes"]))
+        if host.y_lanes:  # tests: as few lanes as one row needs
+            lanes = min(lanes, max(host.y_lanes, plan["row_lanes"]))
         blocks = _row_blocks(ends, lanes)
 
         def block_pairs(block):
@@ -325,12 +275,13 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
 
         block_r = 256 if device.type == "cuda" else 16
         # The pairs of many row blocks listed at once: no host work per block but two launches.
-        for batch in _batches(blocks, lambda b: pair_index.index_bytes(block_pairs(b), b[1] - b[0], T8, True),
+        for batch in _batches(blocks, lambda b: pair_index.index_bytes(block_pairs(b), b[1] - b[0], T8, True,
+                                                                         segment_rows),
                               index_budget):
-            seg_start, seg_group = pair_index.segments(batch)
+            seg_start, seg_group = pair_index.segments(batch, segment_rows)
             slot0 = [int(ends[n0 - 1]) if n0 else 0 for n0, _ in batch]
             index = pair_index.build(bits, live, seg_start, seg_group, 0, T8, sum(map(block_pairs, batch)), P,
-                                     row_slot=plan["row_slot"], group_slot0=slot0)
+                                     row_slot=plan["row_slot"], group_slot0=slot0, segment_rows=segment_rows)
             counters["index_batches"] += 1
             if counting:
                 dE_packs += index.pack_off[-1]
@@ -360,11 +311,11 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
         pack_start = np.concatenate([[0], np.cumsum(packs_per_tile)])  # first pack of each tile
         pack_bytes = P * BV * E.element_size()
         # Gc holds this many packs; a tile with more comes in windows of them (below).
-        gc_packs = max(1, (GC_BYTES or max(lb // 20, 4 * MiB)) // pack_bytes)
+        gc_packs = max(1, (host.gc_bytes or max(lb // 20, 4 * MiB)) // pack_bytes)
         Gc = torch.empty(max(1, min(gc_packs, int(pack_start[-1]))) * P * BV, dtype=dtype, device=device)
         d_blocks = triton.cdiv(D, cfg.BLOCK_D) if need_dC else 1
         dC_arg = dC if need_dC else Gc  # a pointer never written without NEED_DC
-        programs = DC_PROGRAMS if DC_PROGRAMS is not None else (
+        programs = host.dc_programs if host.dc_programs is not None else (
             4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0)
         split_bytes = max(lb // 64, 4 * MiB)
         tile_sums = BV * (D if need_dC else 1) * 4  # one split of one tile
@@ -378,13 +329,14 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, plan: dict
             return sums["dC"], sums["db"]
 
         per_byte = np.pad(per_tile, (0, 8 * T8 - T)).reshape(T8, 8).sum(1)
-        byte_cost = [pair_index.index_bytes(int(c), N, 1, False) for c in per_byte]
+        byte_cost = [pair_index.index_bytes(int(c), N, 1, False, segment_rows) for c in per_byte]
         vocab_args = dict(BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, SORTED=order is not None, NEED_DC=need_dC,
                           NEED_DB=need_db, DOT_PRECISION=dot_precision(dtype), **cfg.launch)
         for batch in _batches(list(range(T8)), lambda b: byte_cost[b], index_budget):
             b0, b1 = batch[0], batch[-1] + 1
             index = pair_index.build(bits, live, plan["seg_start"], plan["seg_group"], b0, b1 - b0,
-                                     int(per_byte[b0:b1].sum()), P, cnt=plan["tile_cnt"][:, 8 * b0: 8 * b1])
+                                     int(per_byte[b0:b1].sum()), P, cnt=plan["tile_cnt"][:, 8 * b0: 8 * b1],
+                                     segment_rows=segment_rows)
             counters["index_batches"] += 1
             ts0, ts1 = 8 * b0, min(8 * b1, T)
             vocab = order if order is not None else index.pack_off

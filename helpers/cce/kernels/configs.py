@@ -18,7 +18,9 @@ Tiers (opt-in shared memory per block):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+MiB = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,58 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True)
+class HostTuning:
+    """How the host launchers cut the work: every knob that is not a kernel's tile, one field each.
+    A tier carries one (``CCEConfigs.host``); tests and ``scripts/experiments/tune.py`` pass a changed copy
+    (``CCEConfigs.tuned``) as ``configs``, never a patched module global."""
+
+    # The "gemm" backward (``helpers.cce.backward.gemm``).
+    # (rows per dE accumulator, columns per G chunk) in place of ``gemm_chunks``'s budgets; None: the budgets.
+    gemm_chunks: tuple[int, int] | None = None
+    # The widest G chunk kept in place (in dE's or dC's rows not yet written, ``vocab_chunks``): wider
+    # chunks mean fewer launches (the host bounds the Qwen3 head's backward) and fewer passes over dE's
+    # fp32 accumulator (a read-add-write per chunk), at no memory. Measured on an H200:
+    # docs/performance-history.md, "G in place".
+    g_in_place_bytes: int = 256 * MiB
+    # The G kernel reads E and C and writes G through tensor descriptors (``LaunchConfig.tma``) only
+    # for vocabulary chunks whose three products (6 rows v_chunk D FLOP) take longer than the host's
+    # launches for the chunk: descriptor arguments cost the host time per launch, and only chunks
+    # with enough products win it back. The Gemma-2-2B head's chunks (2.6e11 FLOP) use them; the
+    # Qwen3 head's (1.0e11), whose backward the host's launches bound, do not. The measurements:
+    # scripts/experiments/tune.py's "host" section, docs/performance-history.md.
+    tma_min_chunk_flop: float = 2e11
+    # G leaves the G kernel through a descriptor whenever E and C come through one; False: a pointer
+    # store (scripts/experiments/tune.py's "host" section compares the two).
+    g_store_tma: bool = True
+    # How the fp32-output products are made (``helpers.cce.backward.gemm.PRODUCT_MODES``); None: the
+    # first that works on the device (``product_mode``).
+    product_mode: str | None = None
+
+    # The "sparse" backward (``helpers.cce.backward.sparse``).
+    # Fewer (row, tile) pairs than this run "gemm": the index costs more than it saves below it (on an
+    # H200 the crossover lay between N = 1,024 and 16,384 at the Qwen3 head; docs/PERFORMANCE.md).
+    sparse_min_pairs: int = 2**23
+    y_lanes: int | None = None  # rows of Y (marked pairs) in dC's memory; None: all that fit
+    gc_bytes: int | None = None  # Gc's bytes; None: max(LB / 20, 4 MiB) (a tile of more packs: in windows)
+    index_bytes: int | None = None  # the pair index's bytes (``pair_index``); None: max(LB / 32, 4 MiB)
+    # dC programs worth having in flight: a range with fewer (tiles x D blocks) splits its tiles' packs
+    # (``sparse_dC_kernel``'s PARTIAL); None: 4 per SM on a GPU, no splits on the CPU. Their fp32 sums
+    # take at most max(LB / 64, 4 MiB).
+    dc_programs: int | None = None
+    # Rows per segment of the pair index: a segment's rows of one tile are ranked by one tl.cumsum
+    # (a power of two, the kernels' ROWS).
+    segment_rows: int = 128
+    # Rows at a time in ``helpers.cce.activity.popcount_rows``: torch sums a uint8 tensor into int64
+    # by casting it whole first, 8 bytes per byte of bits (156 MB at the Qwen3 head with N = 131,072);
+    # in slices of this many rows the cast is at most ~10 MB.
+    count_rows: int = 8192
+
+    # The forward with activity bits (``helpers.cce.forward``): sorted vocabulary positions the pilot
+    # launch walks first (rounded to whole bytes of bits).
+    pilot_columns: int = 1024
+
+
+@dataclass(frozen=True)
 class CCEConfigs:
     """The configurations of one shared-memory tier, per kernel and per input element size."""
 
@@ -70,8 +124,19 @@ class CCEConfigs:
     # forward's activity bits (a divisor of the forward's BLOCK_V, 1-8 bits per forward tile).
     sparse: dict[int, LaunchConfig] = field(default_factory=dict)
     # The "sparse" backward runs "gemm" when the forward's bits mark more than this share of the
-    # (row, tile) pairs: where its kernels stop paying at this tier's tiles (``helpers.cce.backward.sparse``).
+    # (row, tile) pairs (of the rows with a gradient): where its kernels stop paying at this tier's
+    # tiles (``helpers.cce.backward.sparse``): narrower tiles mark more of the products for the same
+    # softmax, so a tier with narrow tiles stops paying at a lower share (the measurements per tier:
+    # docs/PERFORMANCE.md).
     dense_fallback: float = 0.15
+    # The host's knobs (chunk widths, in-place caps, budgets, split counts).
+    host: HostTuning = HostTuning()
+
+    def tuned(self, **host) -> CCEConfigs:
+        """This tier with some host knobs changed (``HostTuning``'s fields) and, for ``dense_fallback``,
+        the density limit: what tests and tuning scripts pass as ``configs``."""
+        fallback = host.pop("dense_fallback", self.dense_fallback)
+        return replace(self, dense_fallback=fallback, host=replace(self.host, **host))
 
     def for_dtype(self, dtype) -> tuple[LaunchConfig, LaunchConfig, LaunchConfig]:
         """(forward, backward, indexed_dot) for inputs of ``dtype``."""
@@ -108,8 +173,8 @@ INTERPRETER = CCEConfigs(
 TIERS: tuple[CCEConfigs, ...] = (
     CCEConfigs(
         "turing-64k", 64 * 1024, (7, 5),
-        # fp16: the fastest of 8 candidates under 64 KB, timed on the H200 (scripts/gpu/tune.py
-        # --tier turing-64k; docs/PERFORMANCE.md): a proxy, no T4 was available to time on.
+        # fp16: the fastest of 8 candidates under 64 KB, timed on an H200 (scripts/experiments/tune.py
+        # --tier turing-64k): a proxy, no T4 was available to time on.
         forward={2: _L(128, 128, 32, 8, 3), 4: _L(64, 64, 32, 4, 2)},
         backward={2: _L(64, 64, 32, 4, 2), 4: _L(64, 64, 16, 4, 2)},
         backward_gemm={2: _L(128, 64, 32, 4, 3), 4: _L(64, 64, 32, 4, 2)},
@@ -132,27 +197,21 @@ TIERS: tuple[CCEConfigs, ...] = (
     ),
     CCEConfigs(
         "hopper-227k", 227 * 1024, (9, 0),
-        # 16-bit: E and C through tensor descriptors (TMA). On an H200 (bf16, scripts/gpu/tune.py):
-        # the forward 20.1 -> 15.5 ms at the Gemma-2-2B head (pointer loads -> TMA, same tiles),
-        # 9.8 -> 7.8 at the Qwen3 head with N = 16,384; the sorted walk, whose C rows are gathered,
-        # 19.7 -> 16.6 with 256-row tiles (each gathered C block feeds twice the rows); the G
-        # kernel 23.0 -> 21.1 (Gemma). Its 128 x 128 tiles were faster still (17.1-18.2 ms) but
-        # the "gemm" filter's rule is per tile, and 128-column tiles drop ~4x the |G| mass of
-        # 256-column ones on the realistic regime (float64, 1,024 rows at the Gemma head: dE
-        # 7.0e-3 from the filter against 1.8e-3): the G kernel keeps 256 columns. Persistent (one
-        # program per SM walking its tiles, the next tile's loads under this one's epilogue; 3
-        # stages, 209 KB): the backward 47.9-48.5 -> 44.8 ms at the Gemma head, 28.9-29.2 -> 27.1
-        # at Qwen3 16k, G kernel 13.1-13.4 -> 11.4 ms there; two programs per SM at 64 x 256 or
-        # 128 x 128 were slower (docs/PERFORMANCE.md, fifth pass).
+        # 16-bit: E and C through tensor descriptors (TMA), faster than pointer loads with the same
+        # tiles; the sorted walk, whose C rows are gathered, with 256-row tiles (each gathered C block
+        # feeds twice the rows). The G kernel keeps 256 columns although 128 x 128 tiles were faster:
+        # the "gemm" filter's rule is per tile, and 128-column tiles drop ~4x the |G| mass on the
+        # realistic regime. Persistent (one program per SM walking its tiles, the next tile's loads
+        # under this one's epilogue; 3 stages, 209 KB); two programs per SM were slower. Timed with
+        # scripts/experiments/tune.py; the figures: docs/performance-history.md, fifth pass.
         forward={2: _L(128, 256, 64, 8, 3, tma=True), 4: _L(128, 64, 32, 8, 3)},
         forward_sorted={2: _L(256, 128, 64, 8, 3, tma=True)},
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
         backward_gemm={2: _L(128, 256, 64, 8, 3, GROUP_N=16, tma=True, persistent=1), 4: _L(128, 64, 32, 8, 3)},
         # Not tuned (no GPU run yet): packs of 64 rows x 128 columns, two bits per forward tile.
         sparse={2: _L(64, 128, 64, 4, 3), 4: _L(64, 64, 32, 4, 3)},
-        # On an H200 (bf16, a trained model's softmax, forced past the fallback): 21% marked 0.77x
-        # "gemm"'s time at the Gemma-2-2B head, 23% 0.84x at the Qwen3 head with N = 131,072, 27%
-        # 1.02x with N = 16,384.
+        # Where the sparse backward stopped beating "gemm" on an H200 with a trained model's softmax
+        # (docs/PERFORMANCE.md).
         dense_fallback=0.25,
     ),
 )

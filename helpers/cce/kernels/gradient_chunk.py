@@ -33,7 +33,7 @@ gradient's product from it, the filtered one's from ``G_ptr``.
 
 Tensor descriptors (E_DESC, G_DESC; ``helpers.cce.descriptors``): on the Hopper tier E and C come
 through the copy engine and G leaves through it, for chunks large enough that the descriptors'
-host time per launch is hidden (``helpers.cce.backward.gemm.TMA_MIN_CHUNK_FLOP``); same bits.
+host time per launch is hidden (``HostTuning.tma_min_chunk_flop``, ``helpers.cce.kernels.configs``); same bits.
 
 Persistent walk (PERSISTENT, ``LaunchConfig.persistent``; the Hopper tier): a program per
 multiprocessor takes tiles pid, pid + programs, ... in one loop that the compiler fuses with the

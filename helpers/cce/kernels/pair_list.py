@@ -1,10 +1,10 @@
 """The marked (row, tile) pairs of the forward's activity bits, listed on the GPU, by tile.
 
 The "sparse" backward computes packs: BLOCK_N rows of one vocabulary tile, all marked in the
-forward's bits (``helpers.cce.activity``). Building those lists with torch ops cost ~0.86 ms of
-host time per row block on the H200 (~30 small ops and a sync each; 373 blocks and tile ranges at
-the Qwen3 head with N = 131,072: 321 ms of 473). Here the lists come from two kernels and a few
-scans over small tables, with no host sync, for many row blocks at once.
+forward's bits (``helpers.cce.activity``). Building those lists with torch ops cost host time per row
+block (~30 small ops and a sync each), which at long contexts took most of the backward (measured:
+docs/performance-history.md). Here the lists come from two kernels and a few scans over small
+tables, with no host sync, for many row blocks at once.
 
 The bits are (T8, N) uint8, byte b holding tiles 8b..8b+7 of every row. Rows are cut into
 segments of at most ROWS rows (host: ``helpers.cce.backward.pair_index``), segments into groups (the
