@@ -179,15 +179,6 @@ def pretend_t4() -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, T4_MEMORY_BYTES / total), index)
 
 
-def detect_platform(environ, modules):
-    """'kaggle', 'colab' or 'local', from the environment variables and the imported modules."""
-    if "KAGGLE_KERNEL_RUN_TYPE" in environ:  # "Interactive" in the editor, "Batch" in Save & Run All
-        return "kaggle"
-    if "google.colab" in modules:
-        return "colab"
-    return "local"
-
-
 @contextmanager
 def pretend_t4_scope() -> Iterator[None]:
     """Within the block this process is a pretend T4, as after ``pretend_t4()``; after it, what it
@@ -224,7 +215,6 @@ __all__ = [
     "DeviceInfo",
     "check_fits_t4",
     "default_device",
-    "detect_platform",
     "device_info",
     "enforce_t4_shared_memory",
     "pretend_t4",

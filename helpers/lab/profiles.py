@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from helpers.cce.device import detect_platform, device_info, pretending_t4
+from helpers.cce.device import device_info, pretending_t4
 from helpers.compare.heads import QWEN3
 
 
@@ -263,6 +263,15 @@ def _in_fp16(cpu: Profile) -> Profile:
 
 
 PROFILES["cpu-t4"] = _in_fp16(PROFILES["cpu"])
+
+
+def detect_platform(environ, modules):
+    """'kaggle', 'colab' or 'local', from the environment variables and the imported modules."""
+    if "KAGGLE_KERNEL_RUN_TYPE" in environ:  # "Interactive" in the editor, "Batch" in Save & Run All
+        return "kaggle"
+    if "google.colab" in modules:
+        return "colab"
+    return "local"
 
 
 def detect_profile_name(device: torch.device | str | None = None) -> str:

@@ -36,7 +36,7 @@ import re
 import shlex
 import subprocess
 import sys
-from helpers.cce.device import detect_platform  # also the profiles' (a cell function, kept stdlib-only)
+from helpers.lab.profiles import detect_platform  # also the profiles' (a cell function, kept stdlib-only)
 from helpers.suite.paths import HELPERS_SOURCE
 
 # What a notebook imports besides torch, helpers and IPython (the kernel itself): {module: pip
