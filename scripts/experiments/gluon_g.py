@@ -403,6 +403,7 @@ def run_on_gpu(out: str) -> int:
     from helpers.cce.backward.rows import RowGradient
     from helpers.cce.kernels.configs import select_configs
     from helpers.cce.options import tile_eps
+    from helpers.compare.heads import GEMMA2, QWEN3
     from helpers.compare.inputs import make_inputs
     from helpers.compare.measure import latency
     from helpers.compare.results_file import ResultsWriter, run_meta
@@ -414,7 +415,7 @@ def run_on_gpu(out: str) -> int:
     cfg = select_configs(device).backward_gemm_for(torch.bfloat16)
     writer = ResultsWriter(out, run_meta(device))
     records = []
-    for name, N, V, D, cols in (("gemma2", 8192, 256_000, 2304, 16_384), ("qwen3-16k", 16_384, 151_936, 1024, 8192)):
+    for name, N, V, D, cols in (("gemma2", 8192, GEMMA2.V, GEMMA2.D, 16_384), ("qwen3-16k", 16_384, QWEN3.V, QWEN3.D, 8192)):
         rec = {"case": name, "N": N, "V": V, "D": D, "chunk_columns": cols, "shipped": repr(cfg)}
         try:
             E, C, x = make_inputs(N, V, D, torch.bfloat16, device, regime="uniform", seed=N)

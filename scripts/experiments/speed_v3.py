@@ -63,6 +63,7 @@ from helpers.cce.options import resolve_configs
 from helpers.compare.inputs import make_inputs
 from helpers.compare.results_file import read_results
 from helpers.spec import reference_loss_and_grads, relative_error
+from helpers.compare.heads import GEMMA2, QWEN3
 
 # torch.compile's forward+backward on an H200, bf16: the bench of 2026-11-30, not re-measured here.
 TORCH_COMPILE_RUN = Path(__file__).resolve().parents[2] / "docs/measurements/h200-2026-11-30/bench.jsonl"
@@ -345,8 +346,8 @@ def main():
     if args.tiny:
         HOST_KNOBS.update(dense_fallback=0.95,  # tiny shapes mark most pairs: run the kernels anyway
                           sparse_min_pairs=0)  # and are far too small to pay for them
-    gemma = (scale(256_000, 600), scale(2304, 36))
-    qwen = (scale(151_936, 400), scale(1024, 24))
+    gemma = (scale(GEMMA2.V, 600), scale(GEMMA2.D, 36))
+    qwen = (scale(QWEN3.V, 400), scale(QWEN3.D, 24))
     n = {k: scale(k, lo) for k, lo in ((1024, 24), (8192, 40), (16_384, 48), (131_072, 64))}
     if args.tiny:
         n[131_072] = 64  # the interpreter's minutes: N / 256 would be 512 rows

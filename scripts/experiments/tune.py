@@ -56,6 +56,7 @@ from helpers.cce import cce_backward, cce_forward, gemm_chunks, linear_cross_ent
 from helpers.cce.kernels.configs import LaunchConfig, select_configs, tier
 from helpers.compare.inputs import make_inputs
 from helpers.compare.measure import latency, peak_memory, release_memory
+from helpers.compare.heads import GEMMA2, QWEN3
 
 L = LaunchConfig
 T = dict(tma=True)  # E and C (and G) through tensor descriptors: the copy engine (Hopper and later)
@@ -594,8 +595,8 @@ def main():
         forward_candidates = [L(16, 32, 16, 1, 1), L(32, 16, 16, 1, 1, GROUP_N=2)]
         g_candidates = forward_candidates + [L(16, 32, 16, 1, 1, persistent=1)]  # the forward has no walk
         base = tier("interpreter")
-    gemma = ("gemma2", scale(8192, 40), scale(256_000, 500), scale(2304, 36))
-    qwen = ("qwen3-16k", scale(16_384, 64), scale(151_936, 301), scale(1024, 24))
+    gemma = ("gemma2", scale(8192, 40), scale(GEMMA2.V, 500), scale(GEMMA2.D, 36))
+    qwen = ("qwen3-16k", scale(16_384, 64), scale(QWEN3.V, 301), scale(QWEN3.D, 24))
     repeats = 2 if args.tiny else 7
     c = Checker(args.budget_s, device)
     print(f"swept tier: {base.name}", flush=True)
@@ -631,7 +632,7 @@ def main():
         for name in first_only(cases):
             c.run(f"chunks/{name}", chunk_width_sweep, cases[name], base, repeats, cuda)
         for N in (1024, 4096, 131_072) if cuda else ():  # one row chunk with a small N; eight
-            case = Case(f"qwen3-{N // 1024}k", N, 151_936, 1024, dtype, device)
+            case = Case(f"qwen3-{N // 1024}k", N, QWEN3.V, QWEN3.D, dtype, device)
             c.run(f"chunks/{case.name}", chunk_width_sweep, case, base, repeats, cuda)
             del case
             release_memory(device)
@@ -645,7 +646,7 @@ def main():
             c.run(f"timeline/{name}", timeline, cases[name], os.path.dirname(os.path.abspath(args.out)))
     if not args.tier and "small_n" in sections:
         for N in (1024, 4096) if cuda else (scale(1024, 24),):
-            c.run(f"small_n/{N}", small_n_sweep, N, scale(151_936, 301), scale(1024, 24), dtype, device, repeats,
+            c.run(f"small_n/{N}", small_n_sweep, N, scale(QWEN3.V, 301), scale(QWEN3.D, 24), dtype, device, repeats,
                   cuda)
     if cuda and not args.tier and "cublas" in sections:
         for name in cases:
@@ -662,8 +663,8 @@ def main():
             del case
             release_memory(device)
     if not args.tier and "order" in sections:
-        for shape in first_only((gemma, qwen, ("qwen3-131k", scale(131_072, 256), scale(151_936, 301),
-                                               scale(1024, 24)))):
+        for shape in first_only((gemma, qwen, ("qwen3-131k", scale(131_072, 256), scale(QWEN3.V, 301),
+                                               scale(QWEN3.D, 24)))):
             case = Case(*shape, dtype, device, regime="realistic")
             c.run(f"order/{shape[0]}", forward_order_sweep, case, base, repeats)
             del case

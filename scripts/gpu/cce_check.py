@@ -36,6 +36,7 @@ from helpers.cce import linear_cross_entropy, resolve_options, why_unavailable
 from helpers.cce.kernels.configs import select_configs
 from helpers.compare.inputs import ignore_targets, make_inputs as regime_inputs
 from helpers.spec import reference_loss_and_grads, relative_error
+from helpers.compare.heads import GEMMA2, QWEN3
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -227,9 +228,9 @@ def measure(shape_name, N, V, D, dtype_name, device, configs=None, **options):
 
 def main():
     args, cuda, device, scale = script_setup(__doc__, "cce_check.jsonl", 330.0)
-    qwen = (scale(2048, 37), scale(151_936, 301), scale(1024, 24))
-    gemma = (scale(8192, 40), scale(256_000, 500), scale(2304, 36))
-    big = (scale(131_072, 512), scale(151_936, 301), scale(1024, 24))
+    qwen = (scale(2048, 37), scale(QWEN3.V, 301), scale(QWEN3.D, 24))
+    gemma = (scale(8192, 40), scale(GEMMA2.V, 500), scale(GEMMA2.D, 36))
+    big = (scale(131_072, 512), scale(QWEN3.V, 301), scale(QWEN3.D, 24))
     odd = (scale(1031, 37), scale(32_011, 301), scale(520, 24))
     chunk = 64 if args.tiny else 4096
     low = ["fp16"] if args.tiny else ["bf16", "fp16"]  # the interpreter cannot do bf16

@@ -34,6 +34,7 @@ import time
 # helpers first: on a machine without CUDA it switches the Triton interpreter on (helpers.env).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import helpers  # noqa: E402,F401
+from helpers.compare.heads import QWEN3  # noqa: E402
 from helpers.compare.results_file import ResultsWriter, run_meta  # noqa: E402
 from helpers.hf import patch, unpatch  # noqa: E402
 
@@ -41,7 +42,7 @@ import torch  # noqa: E402
 
 QWEN3_06B = dict(
     hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-    head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+    head_dim=128, intermediate_size=3072, vocab_size=QWEN3.V, tie_word_embeddings=True,
     max_position_embeddings=40960, rms_norm_eps=1e-6,
 )
 TINY = dict(

@@ -31,6 +31,7 @@ from helpers.cce import (  # noqa: E402
 )
 from helpers.compare.inputs import make_inputs as regime_inputs  # noqa: E402
 from helpers.spec import reference_loss_and_grads, relative_error  # noqa: E402
+from helpers.compare.heads import GEMMA2, QWEN3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N, V, D = 37, 301, 24
@@ -302,9 +303,9 @@ def test_gemm_products_as_on_a_gpu(mode, n_chunk):
 
 
 @pytest.mark.parametrize("N, V, D, block_v, v_chunk, max_cols, rows_chunk", [
-    (8192, 256_000, 2304, 256, 2304, 16_384, 8192),  # the Gemma-2-2B head
-    (16_384, 151_936, 1024, 256, 1024, 8192, 16_384),  # Qwen3, one row chunk
-    (131_072, 151_936, 1024, 256, 2048, 8192, 16_384),  # Qwen3, eight row chunks
+    (8192, GEMMA2.V, GEMMA2.D, 256, 2304, 16_384, 8192),  # the Gemma-2-2B head
+    (16_384, QWEN3.V, QWEN3.D, 256, 1024, 8192, 16_384),  # Qwen3, one row chunk
+    (131_072, QWEN3.V, QWEN3.D, 256, 2048, 8192, 16_384),  # Qwen3, eight row chunks
     (37, 301, 24, 32, 64, 10_000, 16),  # the tests' shape: D below a tile
     (100, 1031, 64, 16, 48, 100, 32),  # ragged row chunks, a small cap
 ])
@@ -380,13 +381,13 @@ def test_gemm_chunks_bound_the_scratch():
     of 2,304 columns (37.7 MB <= LB / 32); a long Qwen3 batch splits its rows."""
     from helpers.cce import gemm_chunks
 
-    N, V, D = 8192, 256_000, 2304
+    N, V, D = 8192, GEMMA2.V, GEMMA2.D
     lb = (N + V) * D * 2
     n_chunk, v_chunk = gemm_chunks(N, V, D, torch.bfloat16, 256)
     assert (n_chunk, v_chunk) == (8192, 2304)
     assert n_chunk * D * 4 <= lb / 16 and n_chunk * v_chunk * 2 <= lb / 32
-    n_chunk, v_chunk = gemm_chunks(131_072, 151_936, 1024, torch.bfloat16, 256)
-    lb = (131_072 + 151_936) * 1024 * 2
+    n_chunk, v_chunk = gemm_chunks(131_072, QWEN3.V, QWEN3.D, torch.bfloat16, 256)
+    lb = (131_072 + QWEN3.V) * QWEN3.D * 2
     assert n_chunk < 131_072 and n_chunk * 1024 * 4 <= max(64 * 2**20, lb / 16) and v_chunk % 256 == 0
     assert n_chunk * v_chunk * 2 <= max(32 * 2**20, lb / 32)
 
