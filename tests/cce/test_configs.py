@@ -118,7 +118,7 @@ def compile_ours(request):
     """Runs in the subprocess: compile one kernel for one target, return its shared memory."""
     import triton
 
-    from helpers.cce.kernels import backward_sparse as S
+    from helpers.cce.kernels import pair_gradients as S
     from helpers.cce.kernels import configs as K
     from helpers.cce.kernels.atomic_gradients import backward_atomic_kernel
     from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
