@@ -110,6 +110,11 @@ def register(method: Method) -> Method:
     return method
 
 
+def method_label(name: str) -> str:
+    """A registered method's label (its name where it is not registered): the one name a person reads."""
+    return METHODS[name].label if name in METHODS else name
+
+
 def get_method(name: str) -> Method:
     if name not in METHODS:
         raise KeyError(f"no method {name!r}; registered: {', '.join(METHODS)}")
@@ -709,6 +714,7 @@ __all__ = [
     "REDUCTIONS",
     "register",
     "get_method",
+    "method_label",
     "primary_methods",
     "availability",
     "apple_cce_impls",

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from helpers.compare.methods import METHODS, method_label
+
 # ---------------------------------------------------------------------------------------------
 # Margins
 # ---------------------------------------------------------------------------------------------
@@ -360,15 +362,7 @@ EVIDENCE = {"01_correctness": "01 (gradients against float64)", "02_memory_sweep
             "03_convergence": "03 (training against exact)", "05_fits": "05 (whole training steps)"}
 
 
-def _label(method: str) -> str:
-    from helpers.compare.methods import METHODS
-
-    return METHODS[method].label if method in METHODS else method
-
-
 def _kind(method: str) -> str:
-    from helpers.compare.methods import METHODS
-
     return METHODS[method].kind if method in METHODS else "peer"
 
 
@@ -406,7 +400,7 @@ def _ms(seconds: float) -> str:
 
 
 def _names(methods: list[str]) -> str:
-    return " and ".join(", ".join(_label(m) for m in methods).rsplit(", ", 1)) if methods else ""
+    return " and ".join(", ".join(method_label(m) for m in methods).rsplit(", ", 1)) if methods else ""
 
 
 def regime_sentences(methods: dict[str, dict], trained: bool) -> list[str]:
@@ -433,7 +427,7 @@ def regime_sentences(methods: dict[str, dict], trained: bool) -> list[str]:
         if not ok:
             lightest, fastest = least(peaks, MEMORY_TIE), least(times, SPEED_TIE)
             out.append(f"{head}: nothing is recommended, because no method that ran has every verdict it needs "
-                       f"({'; '.join(f'{_label(m)}: {why_not_recommended(m, methods[m], dtype, trained)}' for m in here)}). "
+                       f"({'; '.join(f'{method_label(m)}: {why_not_recommended(m, methods[m], dtype, trained)}' for m in here)}). "
                        f"Measured: least memory {_names(lightest)}, {format_bytes(peaks[lightest[0]])}; fastest "
                        f"{_names(fastest)}, {_ms(times[fastest[0]])}.")
             continue
@@ -448,7 +442,7 @@ def regime_sentences(methods: dict[str, dict], trained: bool) -> list[str]:
             t = efficient[fast_efficient[0]]
             others = sorted((m for m in efficient if m not in fast_efficient), key=efficient.get)
             parts.append(f"fastest at near-least memory (within {NEAR_LEAST_MEMORY:g}x): {_names(fast_efficient)}, "
-                         f"{_ms(t)}" + (f" ({', '.join(f'{_label(m)} {_ms(efficient[m])}' for m in others)})" if others else ""))
+                         f"{_ms(t)}" + (f" ({', '.join(f'{method_label(m)} {_ms(efficient[m])}' for m in others)})" if others else ""))
         if fastest and fastest[0] not in efficient:
             f0 = fastest[0]
             parts.append(f"fastest overall: {_names(fastest)}, {_ms(times[f0])} at {format_bytes(peaks[f0])}, "
@@ -457,7 +451,7 @@ def regime_sentences(methods: dict[str, dict], trained: bool) -> list[str]:
         lighter = [m for m in here if m not in ok and peaks[m] < low * (1 - MEMORY_TIE)]
         if lighter:
             sentence += " Lighter, but not recommended: " + "; ".join(
-                f"{_label(m)} {format_bytes(peaks[m])} ({why_not_recommended(m, methods[m], dtype, trained)})"
+                f"{method_label(m)} {format_bytes(peaks[m])} ({why_not_recommended(m, methods[m], dtype, trained)})"
                 for m in lighter) + "."
         out.append(sentence)
     return out + crossovers(methods, trained)
@@ -496,9 +490,9 @@ def crossovers(methods: dict[str, dict], trained: bool) -> list[str]:
                 continue
             from_n = next(n for n, w in faster if w == last and all(w2 in (last, None) for n2, w2 in faster if n2 >= n))
             loser = first
-            out.append(f"{_label(last)} is faster than {_label(loser)} from {from_n:,} tokens "
+            out.append(f"{method_label(last)} is faster than {method_label(loser)} from {from_n:,} tokens "
                        f"({_ms(series[last][from_n])} against {_ms(series[loser][from_n])}); "
-                       f"{_label(loser)} is faster below.")
+                       f"{method_label(loser)} is faster below.")
     return out
 
 
@@ -523,7 +517,7 @@ def whole_step_sentence(methods: dict[str, dict]) -> str | None:
                 "logits are gone, the loss no longer decides a step's memory; choose on accuracy, speed and features.")
     order = sorted(peaks, key=peaks.get)
     return (f"In a whole training step at {tokens:,} tokens (05): " + ", ".join(
-        f"{_label(m)} {format_bytes(peaks[m])} at {speeds[m]:,.0f} tokens/s" for m in order) + f"{against}.")
+        f"{method_label(m)} {format_bytes(peaks[m])} at {speeds[m]:,.0f} tokens/s" for m in order) + f"{against}.")
 
 
 def recommend(methods: dict[str, dict], ran: list[str], *, t4: bool) -> list[str]:
@@ -551,7 +545,7 @@ def recommend(methods: dict[str, dict], ran: list[str], *, t4: bool) -> list[str
             out.append(f"On a T4 (fp16), at 16,384 tokens: {_names(lightest)}, "
                        f"{format_bytes(fit[lightest[0]]['t4_peak_bytes_16k'])}, the least memory among the losses "
                        "that run there, pass the fp16 gate and train like exact in fp16.")
-        cannot = [f"{_label(m)} ({f['runs_on_t4']})" for m, f in methods.items() if isinstance(f.get("runs_on_t4"), str)]
+        cannot = [f"{method_label(m)} ({f['runs_on_t4']})" for m, f in methods.items() if isinstance(f.get("runs_on_t4"), str)]
         if cannot:
             out.append("Cannot run on a T4: " + "; ".join(cannot) + ".")
     most = {m: f["largest_step_tokens_16gb"] for m, f in methods.items() if f.get("largest_step_tokens_16gb")}
@@ -569,12 +563,12 @@ def recommend(methods: dict[str, dict], ran: list[str], *, t4: bool) -> list[str
     for m, f in methods.items():
         failing = [d for d, v in f.get("gradients", {}).items() if v == "fail"]
         if failing:
-            out.append(f"Avoid {_label(m)} in {', '.join(failing)}: its gradients fail the float64 gate (01).")
+            out.append(f"Avoid {method_label(m)} in {', '.join(failing)}: its gradients fail the float64 gate (01).")
         for dtype, c in f.get("convergence", {}).items():
             if c.get("verdict") in (WORSE, DIFFERENT):
                 parts = [Outcome.from_dict(p) for p in c.get("parts", [])]
                 why = "; ".join(p.describe() for p in parts if p.verdict != EQUIVALENT)
-                out.append(f"Avoid {_label(m)} for training in {dtype}: it {TRAINS[c['verdict']]} ({why}) (03).")
+                out.append(f"Avoid {method_label(m)} for training in {dtype}: it {TRAINS[c['verdict']]} ({why}) (03).")
     return out or ["Too little was measured in this run to recommend a method."]
 
 

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocator
 
-from helpers.compare.methods import METHODS
+from helpers.compare.methods import METHODS, method_label
 from helpers.compare.units import GB
 from helpers.lab.profiles import SMOKE_NOTE
 from helpers.lab.convergence import paired_difference
@@ -40,10 +40,6 @@ def method_markers() -> dict[str, str]:
     """One marker per registered method, so that lines lying on top of each other stay visible."""
     shapes = "os^Dv<>P*h"
     return {name: shapes[i % len(shapes)] for i, name in enumerate(METHODS)}
-
-
-def method_label(name: str) -> str:
-    return METHODS[name].label if name in METHODS else name
 
 
 def token_axis(ax, Ns: list[int]) -> None:

@@ -123,12 +123,6 @@ def load_facts(results: Path, runs: list[dict], stamp: dict | None = None,
     return methods, headlines, smoke, read, earlier
 
 
-def _label(method: str) -> str:
-    from helpers.compare.methods import METHODS
-
-    return METHODS[method].label if method in METHODS else method
-
-
 def _fmt_gb(n) -> str:
     if isinstance(n, str):
         return "out of memory" if n == "oom" else n
@@ -166,6 +160,7 @@ def recommendation(methods: dict[str, dict], smoke: bool = False, ran: list[str]
     verdicts, then the "use X when" sentences (``helpers.compare.verdicts.recommend``) that the
     notebooks that ran (``ran``) support."""
     from helpers.compare import verdicts
+    from helpers.compare.methods import method_label
 
     lines = ["## Which loss to use", ""]
     if smoke:
@@ -189,7 +184,7 @@ def recommendation(methods: dict[str, dict], smoke: bool = False, ran: list[str]
               "|---|" + "".join(f"{c[1]}|" for c in columns)]
     for m in order:
         f = methods[m]
-        cells = [_label(m)]
+        cells = [method_label(m)]
         for _, _, key, cell, get in columns:
             value = get(f)
             if value is None:
@@ -197,7 +192,7 @@ def recommendation(methods: dict[str, dict], smoke: bool = False, ran: list[str]
             elif key == "caveats":
                 cells.append(caveat_cell(value, footnotes))
             elif key == "runs_on_t4" and isinstance(value, str) and len(value) > 60:
-                footnotes.append(f"{_label(m)} on a T4: {value}")
+                footnotes.append(f"{method_label(m)} on a T4: {value}")
                 cells.append(f"no [{len(footnotes)}]")
             else:
                 cells.append(cell(value))
