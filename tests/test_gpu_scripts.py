@@ -43,7 +43,7 @@ def test_gpu_script_runs_tiny_on_cpu(script, tmp_path):
 
 
 def test_the_gluon_g_kernel_compiles_for_hopper_within_its_shared_memory():
-    """``scripts/experiments/gluon_g.py`` (the warp-specialized G kernel, an experiment for the H200) cannot
+    """The Hopper tier's G kernel (``helpers/cce/kernels/gradient_chunk_pingpong.py``, through ``scripts/experiments/gluon_g.py``) cannot
     run here: Gluon has no interpreter. What a CPU can prove is that it compiles for sm_90 with this
     Triton, fits 227 KB of shared memory per block and spills no registers."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}

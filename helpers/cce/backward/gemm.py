@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from helpers.cce.descriptors import block_descriptor, operand_descriptors
+from helpers.cce.descriptors import block_descriptor, operand_descriptors, tma_ready
 from helpers.cce.device import device_info
 from helpers.cce.backward.rows import RowGradient, fold_dC
 from helpers.cce.shared import MiB, read_later
@@ -224,7 +224,17 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     alpha = None
     G_buf = torch.empty(plan.buffer_elements, dtype=dtype, device=device) if plan.buffer_elements else None
     G_exact_buf = torch.empty(n_chunk * widest, dtype=dtype, device=device) if split else None
-    tiles_max = triton.cdiv(n_chunk, cfg.BLOCK_N) * triton.cdiv(widest, cfg.BLOCK_V)
+    # Hopper, 16-bit, no soft cap or bias: the warp-specialized G kernel, for the chunks whose
+    # operands the copy engine can read (its 64-row tiles: twice the filter's tile records).
+    pingpong = None
+    if host.g_pingpong and device.type == "cuda":
+        from helpers.cce.kernels import gradient_chunk_pingpong as pingpong
+
+        if pingpong.pingpong_reason(device, dtype, device_info(device).capability, sorted_vocab=vocab_order is not None,
+                                    split=split, softcap=o.softcap is not None, bias=bias is not None):
+            pingpong = None
+    block_n = min(cfg.BLOCK_N, pingpong.BLOCK_N) if pingpong else cfg.BLOCK_N
+    tiles_max = triton.cdiv(n_chunk, block_n) * triton.cdiv(widest, cfg.BLOCK_V)
     tile_kept = torch.empty(tiles_max if filtering else 1, dtype=torch.int8, device=device)
     skipped = torch.zeros((), dtype=torch.int64, device=device)
     dead_chunks = torch.zeros((), dtype=torch.int64, device=device)  # chunks with every tile skipped
@@ -245,7 +255,8 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     )
     # The multiprocessors a persistent G kernel's programs fill (the interpreter: a few, so each walks several tiles).
     programs = device_info(device).multiprocessors if device.type == "cuda" else 3
-    counters = {"tiles": 0, "launches": 0, "g_places": dict.fromkeys(G_PLACES, 0)}
+    counters = {"tiles": 0, "launches": 0, "g_places": dict.fromkeys(G_PLACES, 0),
+                "g_kernels": {"triton": 0, "pingpong": 0}}
 
     for chunk, (n0, n1, chunks) in enumerate(plan.row_chunks):
         rows = n1 - n0
@@ -262,6 +273,9 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         # (descriptor arguments add host time to every launch); E's and C's made once.
         E_desc, C_desc, descriptors = operand_descriptors(E_rows, C, cfg, gathered=vocab_order is not None)
         G_descs = {}
+        pp_descs = ({"E": pingpong.pingpong_descriptor(E_rows, pingpong.BLOCK_N, pingpong.BLOCK_D),
+                     "C": pingpong.pingpong_descriptor(C, pingpong.BLOCK_V, pingpong.BLOCK_D)}
+                    if pingpong and descriptors else None)
         for v0, v1, place in chunks:
             cols = v1 - v0
             # G_c's storage (``vocab_chunks``): dE's rows from the first not yet written, dC's
@@ -270,34 +284,45 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                      dC.view(-1)[v1 * D:] if place == "dC" else G_buf)
             G = store[: rows * cols].view(rows, cols)  # (rows, V_c)
             G_exact = G_exact_buf[: rows * cols].view(rows, cols) if split else G
-            tiles = triton.cdiv(rows, cfg.BLOCK_N) * triton.cdiv(cols, cfg.BLOCK_V)
-            counters["tiles"] += tiles
             counters["launches"] += 1
             counters["g_places"][place] += 1
             # 1. G_c: the logit tiles rebuilt, G formed and filtered, written in the dtype.
             tma = descriptors and 6 * rows * cols * D >= host.tma_min_chunk_flop
-            E_arg, C_arg = (E_desc, C_desc) if tma else (E_rows, C)
             key = (G.data_ptr(), cols)
-            if tma and host.g_store_tma and not split and key not in G_descs:
-                G_descs[key] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V // cfg.g_subtile)
-            G_desc = G_descs.get(key) if tma and host.g_store_tma else None
-            gradient_chunk_kernel[(min(tiles, cfg.persistent * programs) if cfg.persistent else tiles,)](
-                E_arg, C_arg, x[n0:n1], lse[n0:n1], coef, bias if bias is not None else lse,
-                vocab_order if vocab_order is not None else tile_kept,
-                G if G_desc is None else G_desc, G_exact, tile_kept,
-                rows, V, D, v0, cols,
-                E_rows.stride(0), E_rows.stride(1), C.stride(0), C.stride(1), x.stride(0),
-                G.stride(0), G.stride(1), coef.stride(0),
-                o.softcap if o.softcap is not None else 1.0, tile_eps(o.filter_eps, cfg.BLOCK_V),
-                HAS_SOFTCAP=o.softcap is not None,
-                HAS_BIAS=bias is not None,
-                FILTER=filtering,
-                SPLIT_G=split,
-                SORTED=vocab_order is not None,
-                DOT_PRECISION=dot_precision(dtype),
-                E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=cfg.persistent > 0,
-                **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
-            )
+            # The Gluon kernel for every chunk whose G the copy engine can write: its descriptors are
+            # made once per row chunk (E, C) and per place (G), so narrow chunks pay no more host time.
+            if pp_descs is not None and tma_ready(G):
+                if key not in G_descs:
+                    G_descs[key] = pingpong.pingpong_descriptor(G, pingpong.BLOCK_N, pingpong.BLOCK_V)
+                tiles = pingpong.launch_gradient_chunk_pingpong(
+                    pp_descs["E"], pp_descs["C"], G_descs[key], x[n0:n1], lse[n0:n1], coef, tile_kept,
+                    rows, V, D, v0, cols, tile_eps(o.filter_eps, pingpong.BLOCK_V) if filtering else 0.0, programs)
+                counters["g_kernels"]["pingpong"] += 1
+            else:
+                tiles = triton.cdiv(rows, cfg.BLOCK_N) * triton.cdiv(cols, cfg.BLOCK_V)
+                counters["g_kernels"]["triton"] += 1
+                E_arg, C_arg = (E_desc, C_desc) if tma else (E_rows, C)
+                if tma and host.g_store_tma and not split and key not in G_descs:
+                    G_descs[key] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V // cfg.g_subtile)
+                G_desc = G_descs.get(key) if tma and host.g_store_tma else None
+                gradient_chunk_kernel[(min(tiles, cfg.persistent * programs) if cfg.persistent else tiles,)](
+                    E_arg, C_arg, x[n0:n1], lse[n0:n1], coef, bias if bias is not None else lse,
+                    vocab_order if vocab_order is not None else tile_kept,
+                    G if G_desc is None else G_desc, G_exact, tile_kept,
+                    rows, V, D, v0, cols,
+                    E_rows.stride(0), E_rows.stride(1), C.stride(0), C.stride(1), x.stride(0),
+                    G.stride(0), G.stride(1), coef.stride(0),
+                    o.softcap if o.softcap is not None else 1.0, tile_eps(o.filter_eps, cfg.BLOCK_V),
+                    HAS_SOFTCAP=o.softcap is not None,
+                    HAS_BIAS=bias is not None,
+                    FILTER=filtering,
+                    SPLIT_G=split,
+                    SORTED=vocab_order is not None,
+                    DOT_PRECISION=dot_precision(dtype),
+                    E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=cfg.persistent > 0,
+                    **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
+                )
+            counters["tiles"] += tiles
             if stats is not None and filtering:
                 skipped += (tile_kept[:tiles] == 0).sum()
                 dead_chunks += (tile_kept[:tiles] == 0).all()

@@ -75,6 +75,10 @@ class HostTuning:
     # G leaves the G kernel through a descriptor whenever E and C come through one; False: a pointer
     # store (scripts/experiments/tune.py's "host" section compares the two).
     g_store_tma: bool = True
+    # The G kernel of 16-bit chunks on sm_90 without a soft cap or bias is the warp-specialized Gluon
+    # kernel (``gradient_chunk_pingpong.py``, where its reasons and measurements are) when True: the
+    # Hopper tier's; False: the Triton kernel everywhere (its A/B, and every other tier).
+    g_pingpong: bool = False
     # How the fp32-output products are made (``helpers.cce.backward.gemm.PRODUCT_MODES``); None: the
     # first that works on the device (``product_mode``).
     product_mode: str | None = None
@@ -213,6 +217,7 @@ TIERS: tuple[CCEConfigs, ...] = (
         # Where the sparse backward stopped beating "gemm" on an H200 with a trained model's softmax
         # (docs/PERFORMANCE.md).
         dense_fallback=0.25,
+        host=HostTuning(g_pingpong=True),
     ),
 )
 

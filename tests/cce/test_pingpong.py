@@ -1,0 +1,49 @@
+"""The Hopper G kernel (``helpers/cce/kernels/gradient_chunk_pingpong.py``) on a CPU: Gluon kernels do not
+run under the Triton interpreter, so what the CPU checks is when the backward may use it. Its sm_90
+compile and its barrier protocol: ``tests/test_gpu_scripts.py``; its bits against the Triton kernel's
+on an H200: ``scripts/experiments/gluon_g.py``."""
+
+import torch
+
+from helpers.cce.kernels import gradient_chunk_pingpong as pingpong
+from helpers.cce.kernels.configs import INTERPRETER, TIERS, tier
+
+CUDA = torch.device("cuda")
+OK = dict(sorted_vocab=False, split=False, softcap=False, bias=False)
+
+
+def test_only_the_hopper_tier_asks_for_the_gluon_g_kernel():
+    asking = [t.name for t in (INTERPRETER, *TIERS) if t.host.g_pingpong]
+    assert asking == ["hopper-227k"]
+    assert not tier("hopper-227k").tuned(g_pingpong=False).host.g_pingpong  # the A/B of gluon_g.py
+
+
+def test_the_gluon_g_kernel_takes_only_sm90_16_bit_plain_chunks():
+    if pingpong.GLUON_ERROR:  # an older Triton: never used, and the reason says so
+        assert pingpong.pingpong_reason(CUDA, torch.bfloat16, (9, 0), **OK) == pingpong.GLUON_ERROR
+        return
+    assert pingpong.pingpong_reason(CUDA, torch.bfloat16, (9, 0), **OK) is None
+    assert pingpong.pingpong_reason(CUDA, torch.float16, (9, 0), **OK) is None
+    refused = {
+        "cpu": pingpong.pingpong_reason(torch.device("cpu"), torch.bfloat16, None, **OK),
+        "blackwell": pingpong.pingpong_reason(CUDA, torch.bfloat16, (10, 0), **OK),
+        "a100": pingpong.pingpong_reason(CUDA, torch.bfloat16, (8, 0), **OK),
+        "fp32": pingpong.pingpong_reason(CUDA, torch.float32, (9, 0), **OK),
+        "sorted": pingpong.pingpong_reason(CUDA, torch.bfloat16, (9, 0), **{**OK, "sorted_vocab": True}),
+        "split": pingpong.pingpong_reason(CUDA, torch.bfloat16, (9, 0), **{**OK, "split": True}),
+        "softcap": pingpong.pingpong_reason(CUDA, torch.bfloat16, (9, 0), **{**OK, "softcap": True}),
+        "bias": pingpong.pingpong_reason(CUDA, torch.bfloat16, (9, 0), **{**OK, "bias": True}),
+    }
+    assert all(isinstance(why, str) and why for why in refused.values()), refused
+
+
+def test_the_cpu_backward_counts_its_g_kernels_and_uses_the_triton_one():
+    from helpers.cce import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    E = torch.randn(40, 24, generator=g, requires_grad=True)
+    C = torch.randn(97, 24, generator=g, requires_grad=True)
+    x = torch.randint(0, 97, (40,), generator=g)
+    stats = {}
+    linear_cross_entropy(E, C, x, backward_impl="gemm", stats=stats).backward()
+    assert stats["g_kernels"]["pingpong"] == 0 and stats["g_kernels"]["triton"] == stats["launches"] > 0
