@@ -14,6 +14,8 @@ A method that cannot run on the device at hand says why, in a sentence, through
 Each entry also carries its memory theory (``peak_bytes``, ``peak_formula``): the bytes above
 the inputs it holds at its peak, from the arithmetic and from reading its code; written beside
 its loss so that a change to one is seen next to the other. ``helpers.compare.theory`` asks them.
+A formula takes the options of its loss that change its memory, under the loss's own names
+(chunked's ``rows``, ours' launch ``configs``): a test passes the same value to both.
 
 Presets are methods too: a registered method with other options (``ours_nofilter``: our loss with
 the filter off; ``exact``: the naive loss on inputs upcast to fp32, the convergence A/B's
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.cce import linear_cross_entropy, triton_reason, why_unavailable
+from helpers.cce.kernels.configs import CCEConfigs, tier_for_capability
 from helpers.compare.units import dtype_bytes
 from helpers.spec import REDUCTIONS, reference_logits, validate_inputs
 
@@ -45,8 +48,9 @@ class MethodUnavailable(RuntimeError):
 
 
 Reason = str | None  # None: the method can run; otherwise a sentence saying why not
-# (N, V, D, bytes per element of E and C, CUDA compute capability or None for the CPU) -> bytes
-PeakFormula = Callable[[int, int, int, int, "tuple[int, int] | None"], int]
+# (N, V, D, bytes per element of E and C, CUDA compute capability or None for the CPU, **the options
+# of the loss that change its memory, as the loss names them) -> bytes
+PeakFormula = Callable[..., int]
 
 
 @dataclass(frozen=True)
@@ -67,12 +71,15 @@ class Method:
     peak_formula: str = ""
 
     def predicted_peak_bytes(self, N: int, V: int, D: int, dtype: torch.dtype | str,
-                             capability: tuple[int, int] | None = None) -> int | None:
+                             capability: tuple[int, int] | None = None, **options) -> int | None:
         """Peak bytes above the inputs one forward+backward should need (None: no formula here).
-        ``capability``: the CUDA compute capability whose code path runs (None: the CPU's)."""
+        ``capability``: the CUDA compute capability whose code path runs (None: the CPU's);
+        ``options``: the loss's own options that change its memory (chunked's ``rows``, ours'
+        ``configs``), None or left out for its defaults."""
         if self.peak_bytes is None:
             return None
-        return int(self.peak_bytes(N, V, D, dtype_bytes(dtype), tuple(capability) if capability else None))
+        return int(self.peak_bytes(N, V, D, dtype_bytes(dtype), tuple(capability) if capability else None,
+                                   **options))
 
     def why_unavailable(
         self, device: torch.device | str, dtype: torch.dtype, softcap: float | None = None
@@ -319,13 +326,14 @@ def chunked_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None, 
     return total / (x != ignore_index).sum()  # 0/0 = NaN when every token is ignored, as torch
 
 
-def chunked_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None) -> int:
-    # ChunkedLinearCrossEntropy above. Backward holds dE (N D b), the fp32 accumulator dC32
+def chunked_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None,
+                       rows: int | None = None) -> int:
+    # ChunkedLinearCrossEntropy above, with chunked_loss's ``rows`` (None: chunk_rows(V)). Backward holds dE (N D b), the fp32 accumulator dC32
     # (V D 4), for 16-bit inputs an fp32 copy of C (V D 4) and of the chunk's rows of E, and fp32
     # (rows, V) blocks at the peak: raw logits, (z - lse) and G = exp(z - lse); each chunk's G is
     # freed before the next chunk starts. The last step casts dC32 to the input dtype (V D b) while
     # dC32 and the copy of C are still alive.
-    rows = min(N, chunk_rows(V))
+    rows = min(N, rows or chunk_rows(V))
     blocks = 3
     upcast = b < 4
     per_chunk = N * D * b + V * D * 4 + upcast * (V * D * 4 + rows * D * 4) + blocks * rows * V * 4
@@ -535,17 +543,16 @@ def _ours_reason(device, dtype, softcap) -> Reason:
     return why_unavailable(device, dtype, softcap)
 
 
-def _ours_gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, capability: tuple[int, int] | None):
-    """helpers.cce's chunk plan for the "gemm" backward, with the BLOCK_V of the configuration tier
-    ``capability`` gets: the one place the registry reads cce's planning internals."""
+def _ours_gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, configs: CCEConfigs):
+    """helpers.cce's chunk plan for the "gemm" backward under ``configs`` (its G kernel's BLOCK_V,
+    its host's chunks): the one place the registry reads cce's planning internals."""
     from helpers.cce.backward.gemm import gemm_plan
-    from helpers.cce.kernels.configs import tier_for_capability
 
-    block_v = tier_for_capability(capability).backward_gemm_for(dtype).BLOCK_V
-    return gemm_plan(N, V, D, dtype, block_v)
+    return gemm_plan(N, V, D, dtype, configs.backward_gemm_for(dtype).BLOCK_V, host=configs.host)
 
 
-def ours_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None) -> int:
+def ours_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None,
+                    configs: CCEConfigs | None = None) -> int:
     # helpers.cce with its defaults (backward "gemm"): the forward keeps O(N) (lse per row and vocabulary
     # split); the backward allocates dE and dC, for 16-bit inputs dE's fp32 accumulator (n_chunk, D)
     # and, with several row chunks, dC rows staged in fp32 (v_chunk, D) before each fold. Each G chunk
@@ -553,7 +560,9 @@ def ours_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] 
     # helpers.cce.gemm_plan says which, with chunk sizes rounded to the BLOCK_V of the configuration
     # tier this capability gets. On the CPU the products run in fp32 ("upcast"): 16-bit operands
     # are copied to fp32 for each product, and the staged dC rows are used even for one row chunk.
-    plan = _ours_gemm_plan(N, V, D, torch.float32 if b == 4 else torch.float16, capability)
+    # ``configs``: linear_cross_entropy's launch configurations (None: the tier this capability gets).
+    configs = configs or tier_for_capability(capability)
+    plan = _ours_gemm_plan(N, V, D, torch.float32 if b == 4 else torch.float16, configs)
     n_chunk, widest = plan.n_chunk, plan.widest
     staged = min(plan.v_chunk, widest)  # dC's rows staged in fp32, a piece of a chunk at a time
     low = b < 4

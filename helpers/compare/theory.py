@@ -41,14 +41,16 @@ def predicted_peak_bytes(
     D: int,
     dtype: torch.dtype | str,
     capability: tuple[int, int] | None = None,
+    **options,
 ) -> int | None:
     """Peak bytes above the inputs that ``method`` should need for one forward+backward, or None
     for a method with no formula (or none registered). ``capability``: the CUDA compute capability
-    (None: CPU); it decides which code path Liger takes. The formula is the registry entry's
-    (``Method.peak_bytes``)."""
+    (None: CPU); it decides which code path Liger takes. ``options``: the loss's own options that
+    change its memory (chunked's ``rows``, ours' launch ``configs``; left out: its defaults). The
+    formula is the registry entry's (``Method.peak_bytes``)."""
     if method not in METHODS:
         return None
-    return METHODS[method].predicted_peak_bytes(N, V, D, dtype, capability)
+    return METHODS[method].predicted_peak_bytes(N, V, D, dtype, capability, **options)
 
 
 def has_formula(method: str) -> bool:
