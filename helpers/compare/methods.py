@@ -2,10 +2,12 @@
 
 Every method has one signature,
 
-    method(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None) -> loss
+    method(E, C, x, *, bias=None, ignore_index=-100, reduction="mean", softcap=None) -> loss
 
-with E (N, D), C (V, D), x (N,), and the semantics of ``helpers.spec`` (exactly
+with E (N, D), C (V, D), x (N,), bias (V,) or None, and the semantics of ``helpers.spec`` (exactly
 ``F.cross_entropy`` on the soft-capped fp32 logits). Autograd through the result gives dE and dC.
+What a method can take is a field of its entry, read by every caller that must know: a bias
+(``supports_bias``; a method without one refuses a bias), the skipped tiles (``counts_skips``).
 
 A method that cannot run on the device at hand says why, in a sentence, through
 ``method.why_unavailable(device, dtype, softcap=...)``; calling it anyway raises
@@ -64,6 +66,7 @@ class Method:
     notes: str = ""
     preset_of: str | None = None  # the method this one is a preset of (other options, same code)
     counts_skips: bool = False  # takes stats=, which its backward fills with the tiles it skipped
+    supports_bias: bool = False  # takes bias= (V,), added to the logits; without it a bias is refused
     # Its memory theory (helpers.compare.theory): bytes above the inputs E, C, x at the peak of one
     # forward+backward, from (N, V, D, bytes per element, CUDA capability or None for the CPU), and
     # the formula in words. None: no formula (compared with the floor dE + dC instead).
@@ -92,18 +95,24 @@ class Method:
         C: torch.Tensor,
         x: torch.Tensor,
         *,
+        bias: torch.Tensor | None = None,
         ignore_index: int = -100,
         reduction: str = "mean",
         softcap: float | None = None,
         stats: dict | None = None,
     ) -> torch.Tensor:
-        """The loss; ``stats``, for a method that ``counts_skips``, is filled by its backward with
-        what its gradient filter skipped (other methods leave it empty)."""
-        validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+        """The loss; ``bias``, for a method that ``supports_bias`` (others refuse one); ``stats``, for a
+        method that ``counts_skips``, is filled by its backward with what its gradient filter skipped
+        (other methods leave it empty)."""
+        validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias)
         reason = self.why_unavailable(E.device, E.dtype, softcap)
+        if bias is not None and not self.supports_bias:
+            reason = reason or f"{self.label} takes no bias"
         if reason:
             raise MethodUnavailable(f"{self.name}: {reason}")
         extra = {"stats": stats} if self.counts_skips else {}
+        if self.supports_bias:
+            extra["bias"] = bias
         return self.implementation(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, **extra)
 
 
@@ -164,10 +173,10 @@ def floor_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int]
 # ---------------------------------------------------------------------------------------------
 
 
-def naive_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+def naive_loss(E, C, x, *, bias=None, ignore_index=-100, reduction="mean", softcap=None):
     # (N, V) logits in the input dtype, then (N, V) in fp32: two full copies alive at once, plus
     # the (N, V) softmax gradient in backward. This is the 9.96 GB tensor of the introduction.
-    z = (E @ C.T).float()
+    z = (E @ C.T if bias is None else E @ C.T + bias).float()
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     return F.cross_entropy(z, x.long(), ignore_index=ignore_index, reduction=reduction)
@@ -192,6 +201,7 @@ register(
         "holds the N×V logits twice.",
         implementation=naive_loss,
         availability=lambda device, dtype, softcap: None,
+        supports_bias=True,
         peak_bytes=naive_peak_bytes,
         peak_formula="12·N·V: three fp32 N×V tensors inside log_softmax's backward",
     )
@@ -532,9 +542,9 @@ register(
 
 
 def _ours(**options) -> Callable[..., torch.Tensor]:
-    def loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None, stats=None):
-        return linear_cross_entropy(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
-                                    stats=stats, **options)
+    def loss(E, C, x, *, bias=None, ignore_index=-100, reduction="mean", softcap=None, stats=None):
+        return linear_cross_entropy(E, C, x, bias=bias, ignore_index=ignore_index, reduction=reduction,
+                                    softcap=softcap, stats=stats, **options)
 
     return loss
 
@@ -588,6 +598,7 @@ register(
         availability=_ours_reason,
         kind="ours",
         counts_skips=True,
+        supports_bias=True,
         peak_bytes=ours_peak_bytes,
         peak_formula=("(N·D + V·D)·b + 16-bit: dE's fp32 accumulator + fp32: a G chunk (16-bit G lives "
                  "in dE's and dC's rows not yet written; helpers.cce.gemm_plan) + 24 bytes of per-row state"),
@@ -602,6 +613,7 @@ register(
         availability=_ours_reason,
         kind="ours",
         preset_of="ours",
+        supports_bias=True,
     )
 )
 register(
@@ -616,6 +628,7 @@ register(
         kind="ours",
         preset_of="ours",
         counts_skips=True,
+        supports_bias=True,
     )
 )
 
@@ -625,10 +638,11 @@ register(
 # ---------------------------------------------------------------------------------------------
 
 
-def exact_loss(E, C, x, *, ignore_index=-100, reduction="mean", softcap=None):
+def exact_loss(E, C, x, *, bias=None, ignore_index=-100, reduction="mean", softcap=None):
     # Every arm gets the same low-precision E and C; this one upcasts them and computes fp32 logits,
     # so only the arithmetic differs. (naive multiplies in the input dtype.)
-    return naive_loss(E.float(), C.float(), x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
+    return naive_loss(E.float(), C.float(), x, bias=None if bias is None else bias.float(), ignore_index=ignore_index,
+                      reduction=reduction, softcap=softcap)
 
 
 register(
@@ -639,6 +653,7 @@ register(
         implementation=exact_loss,
         availability=lambda device, dtype, softcap: None,
         preset_of="naive",
+        supports_bias=True,
     )
 )
 

@@ -62,7 +62,8 @@ def capability_for(method: str, info) -> tuple[int, int] | None:
     """The compute capability whose code path ``method`` takes on the device ``info`` describes:
     on a pretend T4 our kernels take the T4's (they choose through ``helpers.cce.device``), every other
     method the real card's (a peer picks its paths from the card itself)."""
-    return info.capability if method == "ours" or not info.pretend_t4 else info.real_capability
+    ours = method in METHODS and METHODS[method].kind == "ours"
+    return info.capability if ours or not info.pretend_t4 else info.real_capability
 
 
 def first_oom_n(
