@@ -13,7 +13,8 @@ from helpers.cce.kernels.configs import INTERPRETER
 from helpers.compare.inputs import make_inputs
 from helpers.compare.heads import QWEN3
 from helpers.compare.measure import MemoryCap, loss_step, peak_memory
-from helpers.compare.methods import Method, chunked_loss, naive_loss
+from helpers.compare.methods.baselines import chunked_loss, naive_loss
+from helpers.compare.methods import Method
 from helpers.compare.sweep import ARTICLE_N, ARTICLE_T4_PEAK_GB, load_points, run_sweep
 from helpers.compare.sweep_results import describe_methods, results_pivot, write_results
 from helpers.compare.theory import (
@@ -300,7 +301,8 @@ def test_points_stored_without_versions_are_measured_again(tmp_path, flat):
 def test_library_versions_change_with_our_code(tmp_path, monkeypatch):
     from helpers.compare import sweep
 
-    for name in ("cce/kernels/a.py", "compare/methods.py", "compare/measure.py", "compare/inputs.py", "spec.py"):
+    for name in ("cce/kernels/a.py", "compare/methods/__init__.py", "compare/measure.py", "compare/inputs.py",
+                 "spec.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(f"# {name}\n")
     monkeypatch.setattr(sweep, "PACKAGE_ROOT", tmp_path)
