@@ -38,8 +38,8 @@ class Method:
     counts_skips: bool = False  # takes stats=, which its backward fills with the tiles it skipped
     supports_bias: bool = False  # takes bias= (V,), added to the logits; without it a bias is refused
     # Its memory theory (helpers.compare.theory): bytes above the inputs E, C, x at the peak of one
-    # forward+backward, from (N, V, D, bytes per element, CUDA capability or None for the CPU), and
-    # the formula in words. None: no formula (compared with the floor dE + dC instead).
+    # forward+backward, from (N, V, D, bytes per element, CUDA capability or None for the CPU) and
+    # the loss's options that change it (PeakFormula), and the formula in words. None: no formula (compared with the floor dE + dC instead).
     peak_bytes: PeakFormula | None = None
     peak_formula: str = ""
 
