@@ -414,9 +414,9 @@ if P.smoke:
     print(SMOKE_NOTE)
 print("\n".join(step_lines))
 problems = [f"{fits.ARMS[n].label}: gradients off the exact loss's ({a['grad_error']:.1e} > {bound:g})"
-            for n, a in agreement.items() if not a["ok"] and fits.ARMS[n].method == "ours"]
+            for n, a in agreement.items() if not a["ok"] and fits.ARMS[n].is_ours]
 problems += [f"{fits.ARMS[n].label}: the first steps differ from the default's ({gaps[n]:.2e} > {allowed:.2e})"
-             for n in gaps if n == "ours" and not agree[n]]
+             for n in gaps if fits.ARMS[n].is_ours and not agree[n]]
 
 results = {
     "profile": P.name, "device": info.as_dict(), "precision": precision, "card": card,

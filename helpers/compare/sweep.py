@@ -89,8 +89,8 @@ def library_versions() -> str:
             return "absent"
 
     root = PACKAGE_ROOT
-    sources = sorted((root / "cce").rglob("*.py")) + [
-        root / "compare" / f"{name}.py" for name in ("methods", "measure", "inputs")] + [root / "spec.py"]
+    sources = sorted((root / "cce").rglob("*.py")) + sorted((root / "compare" / "methods").rglob("*.py")) + [
+        root / "compare" / f"{name}.py" for name in ("measure", "inputs")] + [root / "spec.py"]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in sources)).hexdigest()[:10]
     versions = {package: version(package) for package in VERSIONED_PACKAGES}
     versions["torch"] = torch.__version__  # the build running, whatever the metadata says

@@ -41,14 +41,16 @@ def predicted_peak_bytes(
     D: int,
     dtype: torch.dtype | str,
     capability: tuple[int, int] | None = None,
+    **options,
 ) -> int | None:
     """Peak bytes above the inputs that ``method`` should need for one forward+backward, or None
     for a method with no formula (or none registered). ``capability``: the CUDA compute capability
-    (None: CPU); it decides which code path Liger takes. The formula is the registry entry's
-    (``Method.peak_bytes``)."""
+    (None: CPU); it decides which code path Liger takes. ``options``: the loss's own options that
+    change its memory (chunked's ``rows``, ours' launch ``configs``; left out: its defaults). The
+    formula is the registry entry's (``Method.peak_bytes``)."""
     if method not in METHODS:
         return None
-    return METHODS[method].predicted_peak_bytes(N, V, D, dtype, capability)
+    return METHODS[method].predicted_peak_bytes(N, V, D, dtype, capability, **options)
 
 
 def has_formula(method: str) -> bool:
@@ -60,7 +62,8 @@ def capability_for(method: str, info) -> tuple[int, int] | None:
     """The compute capability whose code path ``method`` takes on the device ``info`` describes:
     on a pretend T4 our kernels take the T4's (they choose through ``helpers.cce.device``), every other
     method the real card's (a peer picks its paths from the card itself)."""
-    return info.capability if method == "ours" or not info.pretend_t4 else info.real_capability
+    ours = method in METHODS and METHODS[method].kind == "ours"
+    return info.capability if ours or not info.pretend_t4 else info.real_capability
 
 
 def first_oom_n(

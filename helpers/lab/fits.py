@@ -65,24 +65,10 @@ def compute_dtype(precision: str) -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 
 
-def _apple_loss(E, C, x, *, bias=None, ignore_index=-100, reduction="mean", softcap=None):
-    from cut_cross_entropy import linear_cross_entropy
-
-    if bias is not None:
-        raise ValueError("Apple CCE takes no bias")
-    return linear_cross_entropy(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap)
-
-
-def _exact_loss(E, C, x, *, bias=None, ignore_index=-100, reduction="mean", softcap=None):
-    """The yardstick: the same cross-entropy from fp32 logits, autocast off (materialises them:
-    only for a check batch)."""
-    with torch.autocast(E.device.type, enabled=False):
-        logits = E.float() @ C.float().T
-        if bias is not None:
-            logits = logits + bias.float()
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        return torch.nn.functional.cross_entropy(logits, x, ignore_index=ignore_index, reduction=reduction)
+def _patch_with(method: str) -> Callable:
+    """hf.patch with the registry's ``method`` as the loss: what it can take (a bias) is the registry
+    entry's to say (``Method.supports_bias``), and hf runs every loss it calls with autocast off."""
+    return lambda model: hf.patch(model, loss=get_method(method))
 
 
 def _apply_liger(model):
@@ -103,19 +89,22 @@ class Arm:
     def why_unavailable(self, device, dtype) -> str | None:
         return get_method(self.method).why_unavailable(device, dtype) if self.method else None
 
+    @property
+    def is_ours(self) -> bool:
+        """Whether this arm's loss is this package's kernel: its failure is our fault, not a finding."""
+        return self.method is not None and get_method(self.method).kind == "ours"
+
 
 ARMS = {
     "hf": Arm("hf", "transformers' default", None, lambda m: None, lambda m: None),
     "liger": Arm("liger", METHODS["liger"].label, "liger", _apply_liger, lambda m: m.__dict__.pop("forward", None)),
     "ours": Arm("ours", METHODS["ours"].label, "ours", hf.patch, hf.unpatch),
-    "apple_cce": Arm("apple_cce", METHODS["apple_cce"].label, "apple_cce",
-                     lambda m: hf.patch(m, loss=_apple_loss), hf.unpatch),
+    "apple_cce": Arm("apple_cce", METHODS["apple_cce"].label, "apple_cce", _patch_with("apple_cce"), hf.unpatch),
 }
 # Not an arm of the comparison: the gradient check's yardstick. It goes through the same patch as
-# ours and Apple's, so it differs from them only in the loss arithmetic (fp32 logits), whatever
-# precision the model's body runs in.
-EXACT = Arm("exact", "exact (fp32 logits, same patch)", None, lambda m: hf.patch(m, loss=_exact_loss),
-            hf.unpatch)
+# ours and Apple's, so it differs from them only in the loss arithmetic (fp32 logits; it
+# materialises them: only for a check batch), whatever precision the model's body runs in.
+EXACT = Arm("exact", "exact (fp32 logits, same patch)", "exact", _patch_with("exact"), hf.unpatch)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ import torch
 from helpers.cce import linear_cross_entropy
 
 from helpers.compare.bench import bench_table, run_bench
-from helpers.compare.methods import Method, naive_loss
+from helpers.compare.methods.baselines import naive_loss
+from helpers.compare.methods import Method
 from helpers.compare.results_file import read_results
 from helpers.compare.units import lower_bound_bytes
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from helpers.compare.gate import GateCase, GateFailure, gate_cases, run_gate
-from helpers.compare.methods import Method, naive_loss
+from helpers.compare.methods.baselines import naive_loss
+from helpers.compare.methods import Method
 
 SHAPES = [(23, 301, 40), (9, 517, 24)]
 CASES = gate_cases(SHAPES)

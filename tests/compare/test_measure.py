@@ -20,7 +20,7 @@ from helpers.compare.measure import (
     measure,
     peak_memory,
 )
-from helpers.compare.methods import chunked_loss, naive_loss
+from helpers.compare.methods.baselines import chunked_loss, naive_loss
 from helpers.compare.inputs import make_inputs
 
 MB = 1024**2

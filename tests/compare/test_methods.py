@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import helpers
-from helpers.compare.methods import MethodUnavailable, chunk_rows, chunked_loss
+from helpers.compare.methods.baselines import chunk_rows, chunked_loss
+from helpers.compare.methods import MethodUnavailable
 from helpers.spec import reference_loss
 
 CPU_METHODS = ["naive", "chunked", "liger", "torch_lce", "ours"]
@@ -112,3 +113,51 @@ def test_non_contiguous_inputs_work():
     for name in CPU_METHODS:
         got = helpers.get_method(name)(E_t, C_t, x)
         torch.testing.assert_close(got, reference_loss(E_t, C_t, x, dtype=torch.float32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", [n for n in helpers.METHODS if helpers.get_method(n).supports_bias
+                                  and helpers.get_method(n).why_unavailable("cpu", torch.float32) is None])
+def test_a_method_that_supports_bias_adds_it_to_the_logits(name):
+    E, C, x = inputs()
+    bias = torch.randn(C.shape[0], generator=torch.Generator().manual_seed(1))
+    got = helpers.get_method(name)(E, C, x, bias=bias, softcap=5.0)
+    torch.testing.assert_close(got, reference_loss(E, C, x, bias=bias, softcap=5.0, dtype=torch.float32))
+
+
+def test_a_method_without_bias_support_refuses_a_bias_and_says_so():
+    assert not helpers.get_method("apple_cce").supports_bias  # Apple's kernel has no bias argument
+    E, C, x = inputs()
+    with pytest.raises(MethodUnavailable, match="chunked: chunked \\(PyTorch\\) takes no bias"):
+        helpers.get_method("chunked")(E, C, x, bias=torch.zeros(C.shape[0]))
+
+
+def test_no_module_outside_the_registry_decides_by_a_method_key():
+    """What a method can do is a field of its registry entry (supports_bias, counts_skips, kind, ...):
+    a module that compares a method's key with a literal name decides on the name instead. naive as
+    the gate's yardstick is a role of the comparison, not a capability, and stays by name."""
+    import ast
+    from pathlib import Path
+
+    yardstick = {"helpers/compare/gate.py", "helpers/compare/verdicts.py"}
+    root = Path(helpers.__file__).resolve().parent.parent
+    keys = set(helpers.METHODS)
+
+    def names_a_key(node) -> set[str]:
+        if isinstance(node, ast.Constant) and node.value in keys:
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return set().union(*(names_a_key(e) for e in node.elts))
+        return set()
+
+    offenders = []
+    for path in sorted((root / "helpers").rglob("*.py")):
+        where = str(path.relative_to(root))
+        if where.startswith("helpers/compare/methods/"):  # the registry and its entries
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            kind = isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "kind"
+            if isinstance(node, ast.Compare) and not kind:  # a kind is named "ours" too
+                named = set().union(*(names_a_key(n) for n in [node.left, *node.comparators]))
+                if named and not (where in yardstick and named == {"naive"}):
+                    offenders.append(f"{where}:{node.lineno} compares with {sorted(named)}")
+    assert not offenders, "\n".join(offenders)

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from helpers.compare import methods
-from helpers.compare.methods import METHODS, apple_cce_impls
+from helpers.compare.methods import peers
+from helpers.compare.methods import METHODS
+from helpers.compare.methods.peers import apple_cce_impls
 
 
 def test_the_presets_are_apple_cces():
@@ -48,21 +50,21 @@ def fake_apple(monkeypatch, impls):
 
     module.linear_cross_entropy = linear_cross_entropy
     monkeypatch.setitem(sys.modules, "cut_cross_entropy", module)
-    monkeypatch.setattr(methods, "_installed", lambda name: True)
+    monkeypatch.setattr(peers, "_installed", lambda name: True)
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "25.1.1")
     return calls
 
 
 def test_without_the_preset_kahan_full_c_says_so_before_anything_else(monkeypatch):
     fake_apple(monkeypatch, ["cce", "torch_compile"])
-    monkeypatch.setattr(methods, "_apple_cce_reason", lambda device, dtype, softcap: None)  # as on a big GPU
+    monkeypatch.setattr(peers, "_apple_cce_reason", lambda device, dtype, softcap: None)  # as on a big GPU
     reason = METHODS["apple_cce_kahan_full_c"].why_unavailable("cpu", torch.bfloat16)
     assert reason.startswith("cut-cross-entropy 25.1.1 has no Kahan-FullC (impl='cce_kahan_full_c'")
 
 
 def test_with_the_preset_each_adapter_asks_apple_for_its_setting(monkeypatch):
     calls = fake_apple(monkeypatch, ["cce", "torch_compile", "cce_kahan_full_c", "cce_exact"])
-    monkeypatch.setattr(methods, "_apple_cce_reason", lambda device, dtype, softcap: None)
+    monkeypatch.setattr(peers, "_apple_cce_reason", lambda device, dtype, softcap: None)
     assert METHODS["apple_cce_kahan_full_c"].why_unavailable("cpu", torch.bfloat16) is None
     E, C, x = torch.randn(5, 8), torch.randn(11, 8), torch.randint(0, 11, (5,))
     METHODS["apple_cce_kahan_full_c"](E, C, x)
@@ -70,5 +72,5 @@ def test_with_the_preset_each_adapter_asks_apple_for_its_setting(monkeypatch):
     assert calls[0]["impl"] == "cce_kahan_full_c" and "filter_eps" not in calls[0]
     assert calls[1]["filter_eps"] is None and "impl" not in calls[1] and calls[1]["reduction"] == "sum"
     # where Apple's own checks stop it (a CPU, a T4's shared memory), the preset says the same
-    monkeypatch.setattr(methods, "_apple_cce_reason", lambda device, dtype, softcap: "needs a CUDA GPU")
+    monkeypatch.setattr(peers, "_apple_cce_reason", lambda device, dtype, softcap: "needs a CUDA GPU")
     assert METHODS["apple_cce_kahan_full_c"].why_unavailable("cpu", torch.bfloat16) == "needs a CUDA GPU"

@@ -8,10 +8,13 @@ import json
 import pytest
 import torch
 
+from helpers.cce import linear_cross_entropy
+from helpers.cce.kernels.configs import INTERPRETER
 from helpers.compare.inputs import make_inputs
 from helpers.compare.heads import QWEN3
 from helpers.compare.measure import MemoryCap, loss_step, peak_memory
-from helpers.compare.methods import Method, chunked_loss, naive_loss
+from helpers.compare.methods.baselines import chunked_loss, naive_loss
+from helpers.compare.methods import Method
 from helpers.compare.sweep import ARTICLE_N, ARTICLE_T4_PEAK_GB, load_points, run_sweep
 from helpers.compare.sweep_results import describe_methods, results_pivot, write_results
 from helpers.compare.theory import (
@@ -133,9 +136,7 @@ def test_theory_matches_the_cpu_meter(method, dtype):
     assert abs(measured / predicted - 1) < 0.02, (measured, predicted)
 
 
-def test_chunked_theory_with_several_chunks_matches_the_meter(monkeypatch):
-    from helpers.compare import methods
-
+def test_chunked_theory_with_several_chunks_matches_the_meter():
     N, V, D, rows = 100, 509, 16, 16  # seven chunks, the last one ragged
     E, C, x = make_inputs(N, V, D, torch.float16, "cpu", requires_grad=True)
 
@@ -144,8 +145,7 @@ def test_chunked_theory_with_several_chunks_matches_the_meter(monkeypatch):
 
     step()
     _, measured = peak_memory(step, device="cpu")
-    monkeypatch.setattr(methods, "chunk_rows", lambda V: rows)  # the formula reads the registry's chunk size
-    predicted = predicted_peak_bytes("chunked", N, V, D, torch.float16)
+    predicted = predicted_peak_bytes("chunked", N, V, D, torch.float16, rows=rows)
     assert abs(measured / predicted - 1) < 0.03, (measured, predicted)
 
 
@@ -153,16 +153,17 @@ def test_chunked_theory_with_several_chunks_matches_the_meter(monkeypatch):
     (100, 1031, 64, (32, 128)),  # 4 row chunks (the last ragged) x 9 vocabulary chunks, G scratch
     (256, 300, 64, (256, 64)),  # V_c = D: each G chunk lives in dE, 11% of the peak
 ], ids=["G_scratch", "G_in_dE"])
-def test_ours_theory_with_chunks_matches_the_meter(monkeypatch, N, V, D, chunks):
-    import helpers.cce.backward.gemm
-
+def test_ours_theory_with_chunks_matches_the_meter(N, V, D, chunks):
     # D large enough that the O(N) per-row vectors the formula leaves out stay under 1%.
-    monkeypatch.setattr(helpers.cce.backward.gemm, "gemm_chunks", lambda N, V, D, dtype, block_v: chunks)
+    configs = INTERPRETER.tuned(gemm_chunks=chunks)
     E, C, x = make_inputs(N, V, D, torch.float16, "cpu", requires_grad=True)
-    step = loss_step("ours", E, C, x)
+
+    def step():
+        return torch.autograd.grad(linear_cross_entropy(E, C, x, configs=configs), (E, C))
+
     step()
     _, measured = peak_memory(step, device="cpu")
-    predicted = predicted_peak_bytes("ours", N, V, D, torch.float16)
+    predicted = predicted_peak_bytes("ours", N, V, D, torch.float16, configs=configs)
     assert abs(measured / predicted - 1) < 0.03, (measured, predicted)
     if chunks[1] <= D:  # the formula must know where G lives: counting it would be off by > 5%
         assert (predicted + chunks[0] * chunks[1] * 2) / measured - 1 > 0.05
@@ -300,7 +301,8 @@ def test_points_stored_without_versions_are_measured_again(tmp_path, flat):
 def test_library_versions_change_with_our_code(tmp_path, monkeypatch):
     from helpers.compare import sweep
 
-    for name in ("cce/kernels/a.py", "compare/methods.py", "compare/measure.py", "compare/inputs.py", "spec.py"):
+    for name in ("cce/kernels/a.py", "compare/methods/__init__.py", "compare/measure.py", "compare/inputs.py",
+                 "spec.py"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(f"# {name}\n")
     monkeypatch.setattr(sweep, "PACKAGE_ROOT", tmp_path)

@@ -10,7 +10,8 @@ import torch
 from helpers.cce.device import PRETEND_T4_ENV, T4_MEMORY_BYTES
 from helpers.compare.gate import GateReport, GateRow
 from helpers.compare.measure import MemoryCap
-from helpers.compare.methods import Method, naive_loss
+from helpers.compare.methods.baselines import naive_loss
+from helpers.compare.methods import Method
 from helpers.compare.heads import QWEN3
 from helpers.compare.sweep import MethodPlan, plan_methods, run_pretend_t4_sweep
 from helpers.compare.sweep_results import describe_methods, headline, memory_order, report_facts, results_pivot

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from helpers.compare.methods import Method, exact_loss
+from helpers.compare.methods.baselines import exact_loss
+from helpers.compare.methods import Method
 from helpers.lab import step_time, training
 
 TIMING = dict(compute_dtype=torch.float32, device="cpu", lr=1e-2)

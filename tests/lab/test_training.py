@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from helpers.compare import verdicts
-from helpers.compare.methods import Method, exact_loss, get_method
+from helpers.compare.methods.baselines import exact_loss
+from helpers.compare.methods import Method, get_method
 from helpers.lab import convergence, training
 from helpers.compare.corpus import build_corpus
 
