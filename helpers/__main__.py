@@ -1,4 +1,4 @@
-"""Command line: ``python -m helpers {run, gate, bench, methods, stage-kaggle}``."""
+"""Command line: ``python -m helpers {run, gate, bench, scale-report, methods, stage-kaggle}``."""
 
 from __future__ import annotations
 
@@ -63,6 +63,20 @@ def _bench(args) -> int:
     if args.output:
         print(f"results appended to {args.output}")
     return 1 if any(r.status == "error" for r in records) else 0
+
+
+def _scale_report(args) -> int:
+    from helpers.lab.scale import write_scale_report
+
+    try:
+        table, figure = write_scale_report(args.bench, args.output_dir, args.shape, args.regime, args.dtype,
+                                           args.matmul_tflops)
+    except ValueError as wrong:  # the file holds no such slice: say what it holds
+        print(wrong, file=sys.stderr)
+        return 2
+    print(table.read_text())
+    print(f"wrote {table} and {figure}")
+    return 0
 
 
 def _methods(args) -> int:
@@ -138,6 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--pretend", choices=list(CARDS), metavar="CARD", help=f"measure {pretend_help}; the "
                        f"results file's meta record names the card. CARD: {', '.join(CARDS)}")
     bench.set_defaults(func=_bench)
+
+    scale = sub.add_parser("scale-report", help="from a bench results file: time against N for every method, and "
+                           "ours against the four-product floor (scale.md, scale.png)")
+    scale.add_argument("bench", help="a results file of `python -m helpers bench --output`")
+    scale.add_argument("--output-dir", required=True, help="folder for scale.md and scale.png")
+    scale.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES), help="the head (default: Qwen3's)")
+    scale.add_argument("--regime", help="input regime (default: the shape's first in the file)")
+    scale.add_argument("--dtype", help="dtype (default: the shape's first in the file)")
+    scale.add_argument("--matmul-tflops", type=float,
+                       help="the matmul rate the floor is drawn at (default: the one the bench measured)")
+    scale.set_defaults(func=_scale_report)
 
     methods = sub.add_parser("methods", help="list the registered methods and whether each runs here")
     methods.add_argument("--pretend", choices=list(CARDS), metavar="CARD", help=f"list them {pretend_help}")
