@@ -310,11 +310,13 @@ def get_profile(name: str = "auto", quick: bool = False) -> Profile:
     card = pretended_card()
     if card is None:
         return profile
-    pretended = ("its configuration tier under the interpreter" if profile.device == "cpu" else
-                 f"its memory, shared memory per block and sm_{card.capability[0]}{card.capability[1]}, "
-                 "this GPU's speed")
-    return replace(profile, description=f"{profile.description}; as a pretend {card.label} ({pretended}, "
-                   f"configuration tier {tier_for_card(card).name})")
+    tier = tier_for_card(card).name
+    if profile.device == "cpu":
+        pretended = f"its configuration tier, {tier}, under the interpreter"
+    else:
+        pretended = (f"{card.a_label}'s memory, shared memory per block, sm_{card.capability[0]}{card.capability[1]} "
+                     f"and configuration tier {tier}; this GPU's speed")
+    return replace(profile, description=f"{profile.description}; as a pretend {card.label} ({pretended})")
 
 
 def _refuse_a_hosted_cpu_session() -> None:
