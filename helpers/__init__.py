@@ -16,7 +16,7 @@ Importing sets a few environment variables, in ``helpers.env`` only (see there).
 
 from helpers import env  # noqa: F401  (first: the environment, before any kernel is defined)
 from helpers.cce import linear_cross_entropy
-from helpers.cce.device import device_info, pretend_t4
+from helpers.cce.device import device_info, pretend, pretend_t4
 from helpers.spec import reference_loss, reference_loss_and_grads, relative_error, validate_inputs
 
 __version__ = "0.1.0"
@@ -51,5 +51,6 @@ __all__ = [
     "relative_error",
     "validate_inputs",
     "device_info",
+    "pretend",
     "pretend_t4",
 ]

@@ -1,18 +1,32 @@
-"""Command line: ``python -m helpers {run, gate, bench, methods, stage-kaggle}``."""
+"""Command line: ``python -m helpers {run, gate, bench, scale-report, methods, stage-kaggle}``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from helpers.cce.device import CARDS
 from helpers.lab.profiles import PROFILES
+
+
+def _pretend(args) -> None:
+    """Under ``--pretend CARD`` this process (and what it starts) is that card (``helpers.cce.device``)."""
+    if getattr(args, "pretend", None):
+        from helpers.cce.device import pretend
+        from helpers.cce.kernels.configs import tier_for_card
+
+        try:
+            card = pretend(args.pretend)
+        except ValueError as refused:  # a GPU smaller than the card
+            raise SystemExit(str(refused)) from None
+        print(f"pretending to be {card.a_label} (configuration tier {tier_for_card(card).name})")
 
 
 def _run(args) -> int:
     from helpers.suite.runner import parse_parameters, run_suite
 
     runs = run_suite(args.profile, args.output, args.only, args.timeout, args.pretend_t4, args.quick,
-                     parse_parameters(args.parameter))
+                     parse_parameters(args.parameter), pretend=args.pretend)
     return 0 if all(r.status == "ok" for r in runs) else 1
 
 
@@ -22,6 +36,7 @@ def _gate(args) -> int:
     from helpers.compare.gate import gate_cases, run_gate
     from helpers.lab.profiles import get_profile
 
+    _pretend(args)
     profile = get_profile(args.profile)
     dtypes = tuple(getattr(torch, d) for d in (args.dtypes or profile.dtypes))
     cases = gate_cases(profile.section("01_correctness")["shapes"])
@@ -39,6 +54,7 @@ def _bench(args) -> int:
 
     from helpers.compare.bench import bench_table, run_bench
 
+    _pretend(args)
     records = run_bench(
         args.methods, args.shapes, args.regimes, tuple(getattr(torch, d) for d in args.dtypes),
         args.N, args.output, args.warmup, args.repeats, args.time_failed,
@@ -49,6 +65,20 @@ def _bench(args) -> int:
     return 1 if any(r.status == "error" for r in records) else 0
 
 
+def _scale_report(args) -> int:
+    from helpers.lab.scale import write_scale_report
+
+    try:
+        table, figure = write_scale_report(args.bench, args.output_dir, args.shape, args.regime, args.dtype,
+                                           args.matmul_tflops)
+    except ValueError as wrong:  # the file holds no such slice: say what it holds
+        print(wrong, file=sys.stderr)
+        return 2
+    print(table.read_text())
+    print(f"wrote {table} and {figure}")
+    return 0
+
+
 def _methods(args) -> int:
     import torch
 
@@ -56,6 +86,7 @@ def _methods(args) -> int:
     from helpers.compare.units import dtype_name
     from helpers.cce.device import default_device, device_info
 
+    _pretend(args)
     device = default_device()
     print(device_info(device).describe())
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -83,9 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--output", default="results", help="folder for executed notebooks and results")
     run.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 01 02")
     run.add_argument("--timeout", type=int, default=None, help="seconds a single cell may run")
-    run.add_argument("--pretend-t4", action="store_true",
-                     help="run every notebook as a free Kaggle/Colab T4 would see it: fp16, a T4's memory cap, "
-                     "shared memory and compute capability (on a CPU: the fp16 smoke run)")
+    pretend_help = ("as the card would see it, on a bigger GPU: its memory cap, shared memory per block, compute "
+                    "capability and configuration tier; not its speed (on a CPU: its configuration tier)")
+    run.add_argument("--pretend", choices=list(CARDS), metavar="CARD",
+                     help=f"run every notebook {pretend_help}; the T4 runs its fp16 profile, the others 'gpu'. "
+                     f"CARD: {', '.join(CARDS)}")
+    run.add_argument("--pretend-t4", action="store_true", help="--pretend t4 (a free Kaggle/Colab T4)")
     run.add_argument("--quick", action="store_true",
                      help="each notebook's short run (a coarser sweep, fewer steps): minutes, not the full picture")
     run.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
@@ -98,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     gate.add_argument("--methods", nargs="*", help="method names (default: all registered)")
     gate.add_argument("--dtypes", nargs="*", choices=["float32", "float16", "bfloat16"])
     gate.add_argument("--output", help="write the report as JSON here")
+    gate.add_argument("--pretend", choices=list(CARDS), metavar="CARD", help=f"run {pretend_help}. CARD: "
+                      f"{', '.join(CARDS)}")
     gate.set_defaults(func=_gate)
 
     from helpers.compare.bench import SHAPES
@@ -113,9 +149,23 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--repeats", type=int, default=7)
     bench.add_argument("--time-failed", action="store_true", help="also time methods that fail the gate")
+    bench.add_argument("--pretend", choices=list(CARDS), metavar="CARD", help=f"measure {pretend_help}; the "
+                       f"results file's meta record names the card. CARD: {', '.join(CARDS)}")
     bench.set_defaults(func=_bench)
 
+    scale = sub.add_parser("scale-report", help="from a bench results file: time against N for every method, and "
+                           "ours against the four-product floor (scale.md, scale.png)")
+    scale.add_argument("bench", help="a results file of `python -m helpers bench --output`")
+    scale.add_argument("--output-dir", required=True, help="folder for scale.md and scale.png")
+    scale.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES), help="the head (default: Qwen3's)")
+    scale.add_argument("--regime", help="input regime (default: the shape's first in the file)")
+    scale.add_argument("--dtype", help="dtype (default: the shape's first in the file)")
+    scale.add_argument("--matmul-tflops", type=float,
+                       help="the matmul rate the floor is drawn at (default: the one the bench measured)")
+    scale.set_defaults(func=_scale_report)
+
     methods = sub.add_parser("methods", help="list the registered methods and whether each runs here")
+    methods.add_argument("--pretend", choices=list(CARDS), metavar="CARD", help=f"list them {pretend_help}")
     methods.set_defaults(func=_methods)
 
     from helpers.suite.kaggle import add_stage_arguments

@@ -8,8 +8,10 @@
   are defined after this module runs, but Triton's own library functions (``tl.max``, ``tl.sum``,
   ...) are defined when triton is imported. If triton came first, they are defined again here so
   that an interpreted kernel can call them.
-- ``HELPERS_PRETEND_T4=1`` (set by ``python -m helpers run --pretend-t4``): this process is a
-  pretend T4, its allocator capped at a T4's memory (``helpers.cce.device.pretend_t4``).
+- ``HELPERS_PRETEND=<card>`` (set by ``python -m helpers run --pretend <card>``; the older
+  ``HELPERS_PRETEND_T4=1`` means ``t4``): this process is a pretend card, its allocator capped at
+  the card's memory and its kernels held to the card's shared memory
+  (``helpers.cce.device.pretend``).
 """
 
 import importlib
@@ -41,7 +43,7 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     if "triton.language" in sys.modules:
         _define_triton_library_for_the_interpreter()
 
-from helpers.cce.device import pretend_t4, pretending_t4  # noqa: E402
+from helpers.cce.device import pretend, pretended_card  # noqa: E402
 
-if pretending_t4():
-    pretend_t4()
+if pretended_card() is not None:
+    pretend(pretended_card())

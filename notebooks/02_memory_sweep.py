@@ -423,8 +423,9 @@ print(f"{len(records)} points: {count['ok']} measured ({reused} of them reused f
 
 # %%
 def latency_caveat(info):
-    if info.pretend_t4:
-        return "pretend T4: a T4's memory, but this GPU's speed"
+    if info.pretend:
+        card = info.pretend_card
+        return f"pretend {card.label}: {card.a_label}'s memory, but this GPU's speed"
     if not info.is_cuda:
         return "CPU: Triton kernels run in the interpreter; these times say nothing about a GPU"
     return "" if info.has_bf16_matmul else "T4 times are not a verdict on the kernels (Liger's fast paths need sm_80+)"
@@ -598,13 +599,13 @@ for name, sentence in reading.items():
 # %%
 meta = {
     "profile": P.name, "smoke": P.smoke, "device": info.as_dict(), "dtype": dtype_name(dtype), "V": V, "D": D,
-    "pretend_t4": info.pretend_t4, "memory_fraction": memory_fraction, "memory_cap_bytes": cap.usable_bytes,
+    "pretend": info.pretend, "memory_fraction": memory_fraction, "memory_cap_bytes": cap.usable_bytes,
     "methods": methods, "failed_gate": plan.failed_gate, "left_out": plan.unavailable, "N": Ns,
     "readings": reading, "versions": sweep.library_versions(),
 }
 files = [*sweep_results.write_results(records, out, stem, meta), out / f"{stem}.png"]
 if t4_pass:
-    t4_meta = {**meta, "device": t4_pass.info.as_dict(), "dtype": t4_pass.dtype, "pretend_t4": True,
+    t4_meta = {**meta, "device": t4_pass.info.as_dict(), "dtype": t4_pass.dtype, "pretend": "t4",
                "memory_cap_bytes": t4_pass.cap.usable_bytes,
                "methods": t4_pass.plan.swept, "failed_gate": t4_pass.plan.failed_gate,
                "left_out": t4_pass.plan.unavailable, "N": t4_pass.Ns, "readings": t4_reading}

@@ -12,8 +12,10 @@ The correctness gate runs first, on small shapes, for the same methods and dtype
 fails it is not timed (``time_failed=True`` times it anyway and marks it, so a peer's speed can be
 reported beside its accuracy problem). Results go to a results file (``helpers.compare.results_file``:
 JSON Lines, one ``BenchRecord`` a line, appended as they come so that a run that dies keeps what it
-measured); its meta record holds the device, the versions, the command, what was asked, the gate
-and, for the "trained" regime, the facts of each model trained for it (``helpers.compare.trained``).
+measured); its meta record holds the device (a pretend card's name too), the versions, the command,
+what was asked, the gate, the matmul rate measured per dtype (``matmul_tflops``: TFLOP/s, null on a
+CPU) and, for the "trained" regime, the facts of each model trained for it
+(``helpers.compare.trained``).
 """
 
 from __future__ import annotations
@@ -166,6 +168,8 @@ def run_bench(
     ]
     records = []
     rates = {dt: matmul_tflops(dt, device) for dt in dtypes}
+    if store:  # the rate each point's fraction is of, and the floor a scale report draws (helpers.lab.scale)
+        store.update_meta(matmul_tflops={dtype_name(dt): rate for dt, rate in rates.items()})
     bar = tqdm(total=len(work) * len(methods), desc="bench", disable=not progress)
     for shape, regime, dtype, N in work:
         V, D, _ = SHAPES[shape]

@@ -14,8 +14,9 @@ every device:
   GPU) against the GPU's busy time: whether ``fn`` is host-bound (``is_host_bound``).
 - ``apply_memory_cap(...)``: the guardrail. On CUDA, ``set_per_process_memory_fraction`` turns an
   over-allocation into a catchable ``torch.OutOfMemoryError`` instead of a machine taken down; with
-  ``pretend_t4`` a big GPU gets a T4's memory. On the CPU a byte budget on the measured peak plays
-  the same part (``MemoryBudgetExceeded``), so tests and the CPU smoke run can hit an OOM wall.
+  a pretend card (``helpers.cce.device.pretend``) a big GPU gets that card's memory. On the CPU a
+  byte budget on the measured peak plays the same part (``MemoryBudgetExceeded``), so tests and the
+  CPU smoke run can hit an OOM wall.
 - ``measure(fn, ...)``: warm-up, peak memory, latency, with an OOM recorded as a result (memory
   released) instead of an exception that ends a sweep.
 - ``loss_step(method, E, C, x)``: the ``fn`` a loss method is measured by (forward, then dE and dC),
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from helpers.cce.device import T4_MEMORY_BYTES, default_device, device_info
+from helpers.cce.device import CARDS, default_device, device_info
 from helpers.compare.methods import get_method
 
 
@@ -398,7 +399,11 @@ class MemoryCap:
     usable_bytes: int | None
     total_bytes: int | None  # the card's memory; None on the CPU
     fraction: float | None  # what set_per_process_memory_fraction was given; None on the CPU
-    pretend_t4: bool = False
+    pretend: str | None = None  # the key of the card (helpers.cce.device.CARDS) whose memory it stands for
+
+    @property
+    def pretend_t4(self) -> bool:
+        return self.pretend == "t4"
 
     def room_for(self, input_bytes: int) -> int | None:
         """Bytes left for one step's peak (above its inputs) once ``input_bytes`` are resident."""
@@ -420,10 +425,11 @@ class MemoryCap:
                 "counts as out of memory"
             )
         raises = "past it an allocation raises torch.OutOfMemoryError"
-        if self.pretend_t4:
+        if self.pretend:
+            card = CARDS[self.pretend]
             return (
-                f"pretending to be a T4: allocator capped at {self.usable_bytes / 1e9:.2f} GB "
-                f"({self.usable_bytes / T4_MEMORY_BYTES:.0%} of a T4's {T4_MEMORY_BYTES / 1e9:.2f} GB) "
+                f"pretending to be {card.a_label}: allocator capped at {self.usable_bytes / 1e9:.2f} GB "
+                f"({self.usable_bytes / card.memory_bytes:.0%} of {card.a_label}'s {card.memory_bytes / 1e9:.2f} GB) "
                 f"on this card's {self.total_bytes / 1e9:.2f} GB; {raises}"
             )
         return (
@@ -444,10 +450,11 @@ def apply_memory_cap(
     CUDA: ``torch.cuda.set_per_process_memory_fraction`` so that an allocation past the cap raises
     a catchable ``torch.OutOfMemoryError`` (the guardrail the article added after an OOM took a
     unified-memory machine down). The usable bytes are ``memory_fraction`` of the card as
-    ``helpers.cce.device.device_info`` sees it: on a pretend T4 (``HELPERS_PRETEND_T4=1``) of a T4's
-    memory, so a bigger GPU hits the wall a T4 reader running this same code would hit, guardrail
-    included. ``memory_fraction=None`` leaves the card (or the pretend T4) uncapped. ``card_bytes``:
-    take the fraction of a card of that size instead (a 16 GB card's wall on a bigger one).
+    ``helpers.cce.device.device_info`` sees it: on a pretend card (``HELPERS_PRETEND=t4``, ...) of
+    that card's memory, so a bigger GPU hits the wall a reader with that card running this same code
+    would hit, guardrail included. ``memory_fraction=None`` leaves the card (or the pretend card)
+    uncapped. ``card_bytes``: take the fraction of a card of that size instead (a 16 GB card's wall
+    on a bigger one; the cap says which card of ``CARDS`` that is, where one has that memory).
 
     CPU: nothing to set; ``cpu_budget_bytes`` (or None) becomes the budget ``peak_memory`` checks.
     """
@@ -463,7 +470,8 @@ def apply_memory_cap(
     # It takes an index: a bare torch.device("cuda") raises ("expected ... a specified index").
     index = device.index if device.index is not None else torch.cuda.current_device()
     torch.cuda.set_per_process_memory_fraction(fraction, index)
-    return MemoryCap("cuda", usable, total, fraction, info.pretend_t4 or bool(card_bytes))
+    sized_like = next((c.key for c in CARDS.values() if c.memory_bytes == card_bytes), None) if card_bytes else None
+    return MemoryCap("cuda", usable, total, fraction, info.pretend if card_bytes is None else sized_like)
 
 
 def is_out_of_memory(error: BaseException) -> bool:

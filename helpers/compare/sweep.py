@@ -35,7 +35,7 @@ from helpers.compare.inputs import make_inputs
 from helpers.compare.measure import MemoryCap, apply_memory_cap, loss_step, measure, release_memory
 from helpers.compare.methods import get_method
 from helpers.compare.theory import capability_for, input_bytes, predicted_peak_bytes, sizes_that_fit
-from helpers.cce.device import DeviceInfo, device_info, pretend_t4_scope, pretending_t4
+from helpers.cce.device import DeviceInfo, device_info, pretend_t4_scope, pretended_card
 
 # The seed article's setting (at the Qwen3-0.6B head, helpers.compare.heads.QWEN3): its token
 # counts, its real micro-batch.
@@ -107,19 +107,23 @@ class SweepConfig:
     D: int
     dtype: str
     device: str  # the device's name, e.g. "NVIDIA H200" (a result from another card is not reused)
-    pretend_t4: bool  # a T4's limits and configurations (on the CPU: the configurations)
+    # The pretended card's key (helpers.cce.device.CARDS): its limits and configurations (on the CPU:
+    # the configurations); None: the device as itself.
+    pretend: str | None
     memory_cap_bytes: int | None
     versions: str  # library_versions(): a point from other library versions is measured again
 
     def key(self, method: str, N: int) -> tuple:
-        return (method, int(N), self.V, self.D, self.dtype, self.device, self.pretend_t4, self.memory_cap_bytes,
+        return (method, int(N), self.V, self.D, self.dtype, self.device, self.pretend, self.memory_cap_bytes,
                 self.versions)
 
 
 def _record_key(record: dict) -> tuple:
+    # A point stored before the pretend cards says only whether it was a pretend T4 ("pretend_t4").
+    pretend = record["pretend"] if "pretend" in record else ("t4" if record.get("pretend_t4") else None)
     return (
         record["method"], int(record["N"]), record["V"], record["D"], record["dtype"],
-        record["device"], record["pretend_t4"], record["memory_cap_bytes"], record.get("versions"),
+        record["device"], pretend, record["memory_cap_bytes"], record.get("versions"),
     )
 
 
@@ -225,7 +229,8 @@ def run_sweep(
     device = torch.device(device)
     dtype = torch_dtype(dtype)
     info = device_info(device)
-    config = SweepConfig(V, D, dtype_name(dtype), info.name, pretending_t4(), memory_cap.usable_bytes,
+    card = pretended_card()
+    config = SweepConfig(V, D, dtype_name(dtype), info.name, card.key if card else None, memory_cap.usable_bytes,
                          library_versions())
     store = Path(store)
     stored = load_points(store)

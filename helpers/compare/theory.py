@@ -60,10 +60,10 @@ def has_formula(method: str) -> bool:
 
 def capability_for(method: str, info) -> tuple[int, int] | None:
     """The compute capability whose code path ``method`` takes on the device ``info`` describes:
-    on a pretend T4 our kernels take the T4's (they choose through ``helpers.cce.device``), every other
-    method the real card's (a peer picks its paths from the card itself)."""
+    on a pretend card our kernels take the card's (they choose through ``helpers.cce.device``), every
+    other method the real card's (a peer picks its paths from the card itself)."""
     ours = method in METHODS and METHODS[method].kind == "ours"
-    return info.capability if ours or not info.pretend_t4 else info.real_capability
+    return info.capability if ours or not info.pretend else info.real_capability
 
 
 def first_oom_n(
@@ -98,7 +98,7 @@ def sizes_that_fit(Ns: Iterable[int], V: int, D: int, dtype, cap: MemoryCap) -> 
 class Card:
     """A card to ask "how many tokens fit?" about: what the process may use on it (``cap``), the
     dtype the loss runs in, and the compute capability whose code paths the methods take
-    (``capabilities``: per method, where one differs, as ours does on a pretend T4)."""
+    (``capabilities``: per method, where one differs, as ours does on a pretend card)."""
 
     label: str
     cap: MemoryCap

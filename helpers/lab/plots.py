@@ -161,6 +161,60 @@ def plot_memory_sweep(
     return fig
 
 
+def plot_scale(s, *, path: str | Path) -> plt.Figure:
+    """How the loss scales with tokens (``helpers.lab.scale``; ``s`` a ``ScaleSlice``). Left:
+    forward+backward time against N, log-log, one line per method (a point not timed is left out:
+    the table says why) and the four-product floor dashed black. Right: ours' fraction of the floor
+    (the floor's time over ours'), 100% being the four products at the measured matmul rate and
+    nothing else. Saved as PNG at ``path``."""
+    colors, markers = method_colors(), method_markers()
+    fig, (ax_time, ax_floor) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    for method in s.methods:
+        timed = [s.ok(method, N) for N in s.Ns if s.ok(method, N)]
+        if timed:
+            failing = any(s.failed_gate(method, p["N"]) for p in timed)
+            ax_time.plot([p["N"] for p in timed], [p["fwd_bwd_ms"] for p in timed], color=colors.get(method, "grey"),
+                         marker=markers.get(method, "o"), lw=2,
+                         label=method_label(method) + (" † (failed the gate, timed anyway)" if failing else ""))
+    if s.matmul_tflops:
+        ax_time.plot(s.Ns, [s.floor_ms(N) for N in s.Ns], "--", color="black", lw=1.2,
+                     label=f"four-product floor ({s.matmul_tflops:,.0f} TFLOP/s)")
+    token_axis(ax_time, s.Ns)
+    ax_time.set_yscale("log")
+    ax_time.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax_time.set_ylabel("forward + backward, ms (median, log)")
+    ax_time.set_title("time against tokens")
+    ax_time.grid(True, which="major", alpha=0.3)
+    ax_time.legend(fontsize=8)
+    top = 0.0
+    for method in s.ours:
+        share = [(N, 100 * s.fraction_of_floor(method, N)) for N in s.Ns if s.fraction_of_floor(method, N)]
+        if share:
+            ax_floor.plot(*zip(*share), color=colors.get(method, "grey"), marker=markers.get(method, "o"), lw=2,
+                          label=method_label(method))
+            top = max(top, *(p for _, p in share))
+    token_axis(ax_floor, s.Ns)
+    if top:
+        ax_floor.axhline(100, color="black", ls="--", lw=1.2, label="the floor: four products, nothing else")
+        ax_floor.set_ylim(0, max(105, 1.1 * top))
+        ax_floor.legend(fontsize=8, loc="lower right")
+    else:
+        ax_floor.text(0.5, 0.5, "no matmul rate on record (or ours not timed):\nno floor to hold ours to",
+                      transform=ax_floor.transAxes, ha="center", va="center", color="dimgrey")
+    ax_floor.set_ylabel("floor time / ours' time, % (the floor's speed reached)")
+    ax_floor.set_title("ours against the four-product floor")
+    ax_floor.grid(True, alpha=0.3)
+    fig.suptitle(f"{s.label} head (V={s.V:,}, D={s.D:,}), {s.dtype}, {s.regime} inputs: "
+                 f"{s.device.get('name', 'unknown device')}")
+    fig.tight_layout(rect=(0, 0.02 if s.smoke else 0, 1, 1))
+    if s.smoke:
+        mark_smoke(fig)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return fig
+
+
 __all__ = [
     "plot_decision",
     "method_colors",
@@ -171,6 +225,7 @@ __all__ = [
     "plot_memory_sweep",
     "plot_pretrain_curves",
     "plot_rank_frequency",
+    "plot_scale",
     "plot_rare_token_diagnostic",
     "running_max_drift",
     "token_axis",

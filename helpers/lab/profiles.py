@@ -10,7 +10,9 @@ A section may hold a ``"quick"`` dict: what a short run changes (merged over the
 deep, when ``quick`` is asked for). "auto" on a CPU-only Kaggle or Colab session is refused with
 what to switch on: the smoke profile there is a choice, not a fallback.
 
-What the hardware is (and the pretend T4) is ``helpers.cce.device``'s business; "auto" asks it.
+What the hardware is (and the pretend card: a T4, an A100, an L4 on a bigger GPU) is
+``helpers.cce.device``'s business; "auto" asks it, and a profile got while pretending names the
+card in its description (``get_profile``).
 
 The runner (``python -m helpers run``) passes the same name to every notebook, so one word decides
 the whole suite's sizes. Sections are plain dicts so that each notebook owns its own keys.
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from helpers.cce.device import device_info, pretending_t4
+from helpers.cce.device import CardSpec, device_info, pretended_card
+from helpers.cce.kernels.configs import tier_for_card
 from helpers.compare.heads import QWEN3
 
 
@@ -274,26 +277,46 @@ def detect_platform(environ, modules):
     return "local"
 
 
+def profile_for_card(card: CardSpec, on_gpu: bool = True) -> str:
+    """The profile a card runs: "gpu" with bf16 tensor cores (an A100, an L4), "t4" without (the
+    T4's fp16 path); on the CPU, under the card's pretence, "cpu" or the T4's fp16 smoke "cpu-t4"."""
+    if on_gpu:
+        return "gpu" if card.bf16 else "t4"
+    return "cpu" if card.bf16 else "cpu-t4"
+
+
 def detect_profile_name(device: torch.device | str | None = None) -> str:
-    """The profile "auto" runs here: "gpu" on Ampere or newer, "t4" on a T4 (or a pretend one),
-    "cpu" on the CPU ("cpu-t4" under ``HELPERS_PRETEND_T4=1``)."""
+    """The profile "auto" runs here: "gpu" on Ampere or newer (a pretend A100 or L4 too), "t4" on a
+    T4 (or a pretend one), "cpu" on the CPU ("cpu-t4" under a pretend T4)."""
     info = device_info(device)
     if not info.is_cuda:
-        return "cpu-t4" if pretending_t4() else "cpu"
+        card = pretended_card()
+        return profile_for_card(card, on_gpu=False) if card else "cpu"
     return "gpu" if info.has_bf16_matmul else "t4"
 
 
 def get_profile(name: str = "auto", quick: bool = False) -> Profile:
     """The profile called ``name`` ("auto": the one for the hardware found), shortened by its
     sections' ``"quick"`` overrides when ``quick``. On a Kaggle or Colab session without a GPU,
-    "auto" raises, saying how to turn one on (or to ask for "cpu" by name)."""
+    "auto" raises, saying how to turn one on (or to ask for "cpu" by name). Under a pretend card
+    its description says which card, and what of it is pretended."""
     if name == "auto":
         name = detect_profile_name()
         if name.startswith("cpu"):
             _refuse_a_hosted_cpu_session()
     if name not in PROFILES:
         raise ValueError(f"profile must be 'auto' or one of {sorted(PROFILES)}, got {name!r}")
-    return PROFILES[name].quick() if quick else PROFILES[name]
+    profile = PROFILES[name].quick() if quick else PROFILES[name]
+    card = pretended_card()
+    if card is None:
+        return profile
+    tier = tier_for_card(card).name
+    if profile.device == "cpu":
+        pretended = f"its configuration tier, {tier}, under the interpreter"
+    else:
+        pretended = (f"{card.a_label}'s memory, shared memory per block, sm_{card.capability[0]}{card.capability[1]} "
+                     f"and configuration tier {tier}; this GPU's speed")
+    return replace(profile, description=f"{profile.description}; as a pretend {card.label} ({pretended})")
 
 
 def _refuse_a_hosted_cpu_session() -> None:

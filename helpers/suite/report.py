@@ -155,10 +155,11 @@ def caveat_cell(caveats: list[str], footnotes: list[str]) -> str:
 
 
 def recommendation(methods: dict[str, dict], smoke: bool = False, ran: list[str] = (), t4: bool = False,
-                   figure: str | None = None, pretend: bool = False) -> list[str]:
+                   figure: str | None = None, pretend: str | bool | None = None) -> list[str]:
     """The report's opening: one row per method with what the notebooks measured and the engine's
     verdicts, then the "use X when" sentences (``helpers.compare.verdicts.recommend``) that the
-    notebooks that ran (``ran``) support."""
+    notebooks that ran (``ran``) support. ``pretend``: the key of the card the run pretended to be
+    (``helpers.cce.device.CARDS``; True: a T4, as the runs before the other cards said)."""
     from helpers.compare import verdicts
     from helpers.compare.methods import method_label
 
@@ -201,12 +202,24 @@ def recommendation(methods: dict[str, dict], smoke: bool = False, ran: list[str]
     if footnotes:
         lines.append("")
     if pretend:
-        lines += ["- Times are this GPU's: a pretend T4 has a T4's memory, shared memory and code paths, not its "
-                  "speed (a T4 multiplies fp16 about twelve times slower than an H200)."]
+        lines += [f"- {_pretend_speed_note('t4' if pretend is True else pretend)}"]
     lines += [f"- {s}" for s in verdicts.recommend(methods, list(ran), t4=t4)] + [""]
     if figure:
         lines += [f"![Time against peak memory, each point marked with its verdicts]({figure})", ""]
     return lines
+
+
+def _pretend_speed_note(key: str) -> str:
+    """What a pretend card's times are: the GPU's that ran them, not the card's."""
+    from helpers.cce.device import card_spec
+
+    card = card_spec(key)
+    if key == "t4":
+        speed = "a T4 multiplies fp16 about twelve times slower than an H200"
+    else:
+        speed = f"{card.a_label}'s datasheet gives {card.dense_16bit_tflops:.0f} TFLOP/s of dense 16-bit matmul"
+    return (f"Times are this GPU's: a pretend {card.label} has {card.a_label}'s memory, shared memory and code "
+            f"paths, not its speed ({speed}).")
 
 
 def _whole_step(w: dict) -> str:
@@ -353,16 +366,34 @@ def _hardware_section(summary: dict | None) -> list[str]:
         lines.append(f"- **compute capability**: sm_{cap[0]}{cap[1]}; bf16 tensor cores: {bf16}")
         if device.get("shared_memory_per_block_bytes"):
             lines.append(f"- **shared memory per block**: {device['shared_memory_per_block_bytes'] // 1024} KiB")
+    card = pretended(summary)
+    if card:
+        from helpers.cce.device import card_spec
+        from helpers.cce.kernels.configs import tier_for_card
+
+        spec = card_spec(card)
+        real = device.get("real_capability")
+        on = f" on a sm_{real[0]}{real[1]} GPU" if real else ""
+        lines.append(f"- **pretended card**: {spec.label}{on}: its memory, shared memory per block, compute capability "
+                     f"and configuration tier (`{tier_for_card(spec).name}`), not its speed")
     lines.append(f"- **profile**: `{summary.get('profile', '?')}`")
     versions = {"python": summary.get("python"), "torch": summary.get("torch"), **summary.get("versions", {})}
     lines.append("- **versions**: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v))
     return lines + [""]
 
 
-def is_t4_run(summary: dict | None) -> bool:
-    """Whether the run is a T4's: a real T4 (sm_75), a pretend one, or the T4 profiles."""
+def pretended(summary: dict | None) -> str | None:
+    """The key of the card the run pretended to be (``helpers.cce.device.CARDS``), or None; a summary
+    written before the other cards says only ``"pretend_t4": true``."""
     device = (summary or {}).get("device", {})
-    return bool(device.get("pretend_t4") or tuple(device.get("capability") or ()) == (7, 5)
+    return device.get("pretend") or ("t4" if device.get("pretend_t4") else None)
+
+
+def is_t4_run(summary: dict | None) -> bool:
+    """Whether the run is a T4's: a real T4 (sm_75), a pretend one, or the T4 profiles. A pretend
+    A100 or L4 is not: it runs the gpu profile, in bf16."""
+    device = (summary or {}).get("device", {})
+    return bool(pretended(summary) == "t4" or tuple(device.get("capability") or ()) == (7, 5)
                 or str((summary or {}).get("profile", "")).startswith(("t4", "cpu-t4")))
 
 
@@ -386,8 +417,7 @@ def render_report(results_dir: str | Path, suite: list[str] | None = None, figur
         f"Run of {when}, profile `{(summary or {}).get('profile', '?')}`, on {device}. "
         f"{len(runs)} notebooks: {len(runs) - len(failed)} ran, {len(failed)} failed.",
         "",
-        *recommendation(methods, smoke, read, is_t4_run(summary), figure,
-                        bool((summary or {}).get("device", {}).get("pretend_t4"))),
+        *recommendation(methods, smoke, read, is_t4_run(summary), figure, pretended(summary)),
         *([f"- {e}" for e in earlier] + [""] if earlier else []),
         "## The notebooks",
         "",

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from helpers.cce.device import PRETEND_T4_ENV, device_info
-from helpers.lab.profiles import get_profile
+from helpers.cce.device import PRETEND_ENV, card_spec, device_info, why_cannot_pretend
+from helpers.lab.profiles import get_profile, profile_for_card
 from helpers.lab.widgets import HEADLESS_ENV
 from helpers.suite.bootstrap import installed_version
 from helpers.suite.paths import find_notebooks
@@ -116,20 +116,35 @@ def run_suite(
     pretend_t4: bool = False,
     quick: bool = False,
     parameters: dict | None = None,
+    pretend: str | None = None,
 ) -> list[NotebookRun]:
     """Execute every notebook (or those in ``only``) and write ``summary.json``; see module doc.
 
-    ``pretend_t4``: every notebook runs as a T4 would see it (``helpers.cce.device``): the T4 profile
-    (``cpu-t4`` on a CPU), a T4's memory cap, shared memory and compute capability in each
-    notebook's process. ``quick``: each notebook's short run (its profile section's ``"quick"``).
-    ``parameters``: more parameters, each given to the notebooks whose parameters cell declares it.
+    ``pretend``: a card of ``helpers.cce.device.CARDS`` ("t4", "a100-40gb", "a100-80gb", "l4"):
+    every notebook runs as that card would see it: the card's profile ("t4" for the T4, "gpu" for the
+    others; on a CPU "cpu-t4" or "cpu"), its memory cap, shared memory, compute capability and
+    configuration tier in each notebook's process. ``pretend_t4``: ``pretend="t4"``. ``quick``: each
+    notebook's short run (its profile section's ``"quick"``). ``parameters``: more parameters, each
+    given to the notebooks whose parameters cell declares it.
     """
     from tqdm.auto import tqdm
 
     if pretend_t4:
-        if profile not in ("auto", "t4", "cpu-t4"):
-            raise SystemExit(f"--pretend-t4 runs the T4's profile; leave --profile at auto, not {profile!r}")
-        os.environ[PRETEND_T4_ENV] = "1"  # inherited by every notebook's kernel process
+        if pretend not in (None, "t4"):
+            raise SystemExit(f"--pretend-t4 and --pretend {pretend} contradict each other")
+        pretend = "t4"
+    if pretend:
+        card = card_spec(pretend)
+        allowed = ("auto", profile_for_card(card), profile_for_card(card, on_gpu=False))
+        if profile not in allowed:
+            flag = "--pretend-t4" if pretend_t4 else f"--pretend {card.key}"
+            raise SystemExit(f"{flag} runs {card.a_label}'s profile ({' or '.join(allowed[1:])}); leave --profile "
+                             f"at auto, not {profile!r}")
+        if torch.cuda.is_available():  # refused here, not in each notebook's process
+            why = why_cannot_pretend(card, torch.cuda.get_device_properties(torch.cuda.current_device()))
+            if why:
+                raise SystemExit(why)
+        os.environ[PRETEND_ENV] = card.key  # inherited by every notebook's kernel process
     os.environ[HEADLESS_ENV] = "1"  # no one to move a slider: widgets stay out (helpers.lab.widgets)
     resolved = get_profile(profile).name  # the notebooks apply quick themselves
     output = Path(output).resolve()

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The whole notebook suite on a GPU box in one call (device time is scarce), in one of three modes:
+# The whole notebook suite on a GPU box in one call (device time is scarce), in one of these modes:
 #   bash scripts/gpu/suite.sh pretend-t4 [seconds] [notebook prefixes...]  every notebook as a T4 sees it
+#   bash scripts/gpu/suite.sh pretend-<card> [seconds] [...]               as another card of helpers.cce.device.CARDS
+#                                                                          sees it: a100-40gb (pretend-a100 for short),
+#                                                                          a100-80gb, l4 (the gpu profile, bf16)
 #   bash scripts/gpu/suite.sh t4 [seconds] [...]                            the T4 profile (fp16), this GPU as itself
 #   bash scripts/gpu/suite.sh gpu [seconds] [...]                           the gpu profile (bf16, full sizes)
 # QUICK=1 in the environment adds --quick (each notebook's short run).
@@ -13,9 +16,10 @@ shift 2 2>/dev/null
 only=()
 [ $# -gt 0 ] && only=(--only "$@")
 case "$mode" in
-  pretend-t4) args=(--pretend-t4) ;;
+  pretend-a100) mode=pretend-a100-40gb; args=(--pretend a100-40gb) ;;
+  pretend-*) args=(--pretend "${mode#pretend-}") ;;
   t4|gpu) args=(--profile "$mode") ;;
-  *) echo "mode must be pretend-t4, t4 or gpu, not $mode"; exit 2 ;;
+  *) echo "mode must be pretend-<card> (t4, a100, a100-40gb, a100-80gb, l4), t4 or gpu, not $mode"; exit 2 ;;
 esac
 R=/tmp/results-$mode
 mkdir -p "$R"

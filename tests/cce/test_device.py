@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import helpers.cce.device as device_module
-from helpers.cce.device import PRETEND_T4_ENV, T4_MEMORY_BYTES, device_info, pretend_t4
+from helpers.cce.device import PRETEND_ENV, PRETEND_T4_ENV, T4_MEMORY_BYTES, device_info, pretend_t4
 from helpers.cce.kernels.configs import select_configs
 from helpers.lab.profiles import detect_profile_name
 
@@ -26,6 +26,7 @@ def h200(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i=None: caps.append((f, i)))
     monkeypatch.delenv(PRETEND_T4_ENV, raising=False)
+    monkeypatch.delenv(PRETEND_ENV, raising=False)
     return caps
 
 
@@ -71,7 +72,8 @@ def test_the_memory_cap_is_a_fraction_of_the_pretend_t4(h200):
 
 
 def test_on_the_cpu_the_variable_selects_the_t4_path(monkeypatch):
-    monkeypatch.setenv(PRETEND_T4_ENV, "1")
+    monkeypatch.delenv(PRETEND_ENV, raising=False)
+    monkeypatch.setenv(PRETEND_T4_ENV, "1")  # the older switch, still read
     assert detect_profile_name("cpu") == "cpu-t4"
     assert select_configs(torch.device("cpu")).name == "turing-64k"
     assert not device_info("cpu").pretend_t4
@@ -95,6 +97,7 @@ def test_the_runner_refuses_a_profile_that_contradicts_pretend_t4(monkeypatch, t
     from helpers.suite.runner import run_suite
 
     monkeypatch.delenv(PRETEND_T4_ENV, raising=False)
+    monkeypatch.delenv(PRETEND_ENV, raising=False)
     with pytest.raises(SystemExit, match="--pretend-t4"):
         run_suite("gpu", tmp_path, pretend_t4=True)
 
@@ -103,6 +106,7 @@ def teardown_function():
     import os
 
     os.environ.pop(PRETEND_T4_ENV, None)
+    os.environ.pop(PRETEND_ENV, None)
     assert device_module.pretending_t4() is False
 
 
@@ -134,9 +138,11 @@ def test_the_hook_checks_every_kernel_load_only_while_pretending(monkeypatch):
     loaded = []
     monkeypatch.setattr(CompiledKernel, "_init_handles", lambda self: loaded.append(self.name))
     monkeypatch.delenv(PRETEND_T4_ENV, raising=False)
+    monkeypatch.delenv(PRETEND_ENV, raising=False)
     assert enforce_t4_shared_memory() and enforce_t4_shared_memory()  # the second call adds nothing
     loader = CompiledKernel._init_handles
-    assert loader._checks_t4_shared_memory and not getattr(loader.__wrapped__, "_checks_t4_shared_memory", False)
+    assert loader._checks_pretend_shared_memory
+    assert not getattr(loader.__wrapped__, "_checks_pretend_shared_memory", False)
 
     big = types.SimpleNamespace(name="big_kernel", metadata=types.SimpleNamespace(shared=98_304))
     small = types.SimpleNamespace(name="small_kernel", metadata=types.SimpleNamespace(shared=16_384))
@@ -154,7 +160,7 @@ def test_pretend_t4_installs_the_check(h200, monkeypatch):
 
     monkeypatch.setattr(CompiledKernel, "_init_handles", lambda self: None)
     pretend_t4()
-    assert CompiledKernel._init_handles._checks_t4_shared_memory
+    assert CompiledKernel._init_handles._checks_pretend_shared_memory
 
 
 _COMPILE_BIG_KERNEL = """

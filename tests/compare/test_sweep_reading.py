@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from helpers.cce.device import PRETEND_T4_ENV, T4_MEMORY_BYTES
+from helpers.cce.device import PRETEND_ENV, PRETEND_T4_ENV, T4_MEMORY_BYTES
 from helpers.compare.gate import GateReport, GateRow
 from helpers.compare.measure import MemoryCap
 from helpers.compare.methods.baselines import naive_loss
@@ -245,17 +245,18 @@ def test_the_pretend_t4_pass_runs_as_a_t4_and_leaves_the_process_as_it_was(tmp_p
     from helpers.compare import sweep
 
     monkeypatch.delenv(PRETEND_T4_ENV, raising=False)
+    monkeypatch.delenv(PRETEND_ENV, raising=False)
     seen = []
     run_sweep = sweep.run_sweep
-    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **kw: seen.append(os.environ.get(PRETEND_T4_ENV)) or
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **kw: seen.append(os.environ.get(PRETEND_ENV)) or
                         run_sweep(*a, **kw))
     settings = {"dtype": "float16", "N": [16, 128], "warmup": 0, "repeats": 1, "gate_shapes": [(37, 257, 24)],
                 "cpu_budget_bytes": 200_000, "seed": 0}
     done = run_pretend_t4_sweep(["naive", "chunked", "apple_cce"], settings, V=257, D=16, device="cpu",
                                 memory_fraction=0.9, store=tmp_path / "points.jsonl", progress=False)
-    assert seen == ["1"] and PRETEND_T4_ENV not in os.environ
+    assert seen == ["t4"] and PRETEND_ENV not in os.environ and PRETEND_T4_ENV not in os.environ
     assert done.dtype == "float16" and done.Ns == [16, 128] and done.cap.usable_bytes == 200_000
     assert done.plan.swept == ["naive", "chunked"] and "apple_cce" in done.plan.unavailable
     status = {(r["method"], r["N"]): r["status"] for r in done.records}
     assert status == {("naive", 16): "ok", ("chunked", 16): "ok", ("naive", 128): "oom", ("chunked", 128): "oom"}
-    assert all(r["pretend_t4"] and r["dtype"] == "float16" for r in done.records)
+    assert all(r["pretend"] == "t4" and r["dtype"] == "float16" for r in done.records)

@@ -192,6 +192,31 @@ def test_the_report_opens_with_which_loss_to_use(tmp_path, facts_kit):
     assert "| gate ([more](#01_correctness)) |" in md
 
 
+PRETEND_A100 = {"kind": "cuda", "name": "NVIDIA H200 as an A100-40GB", "capability": [8, 0], "real_capability": [9, 0],
+                "total_memory_bytes": 40 * 1024**3, "shared_memory_per_block_bytes": 166_912, "multiprocessors": 108,
+                "pretend": "a100-40gb", "description": "NVIDIA H200 as an A100-40GB (sm_80, 40 GiB, 163 KiB shared "
+                "memory per block, 108 SMs; a pretend A100-40GB: an A100-40GB's limits, this GPU's speed)"}
+
+
+def test_a_pretend_a100s_report_names_the_card_and_is_not_a_t4s(tmp_path, facts_kit):
+    from helpers.suite.report import is_t4_run, pretended
+
+    _write_run(tmp_path, _split(facts_kit.h200()), device=PRETEND_A100)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert pretended(summary) == "a100-40gb" and not is_t4_run(summary)
+    md = render_report(tmp_path, suite=[])
+    opening = md[md.index("## Which loss to use"):md.index("## The notebooks")]
+    assert "time at 16k, this GPU's speed" in opening
+    assert ("Times are this GPU's: a pretend A100-40GB has an A100-40GB's memory, shared memory and code paths, "
+            "not its speed (an A100-40GB's datasheet gives 312 TFLOP/s of dense 16-bit matmul)") in opening
+    assert "T4" not in opening  # no T4 column, sentence or note in an A100's run
+    assert "- **pretended card**: A100-40GB on a sm_90 GPU" in md and "`ampere-163k`" in md
+    assert "bf16 tensor cores: yes" in md
+    # a summary from before the other cards, which said only "pretend_t4": its runs were a T4's
+    old = {"device": {"pretend_t4": True, "capability": [7, 5]}, "profile": "t4"}
+    assert pretended(old) == "t4" and is_t4_run(old)
+
+
 def test_a_partial_run_does_not_flip_the_recommendation(tmp_path, facts_kit):
     """A T4 run of 01, 02 and 05 alone once said "use Liger" because 03, which finds Liger drifting
     in fp16, had not run: without 03 nothing is recommended for training."""

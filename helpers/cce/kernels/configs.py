@@ -11,7 +11,7 @@ GPU of that tier (on a CPU) and checks the bytes the compiler asks for.
 Tiers (opt-in shared memory per block):
     interpreter   CPU, TRITON_INTERPRET=1: small tiles, so the tests' tiny shapes span many tiles
     64 KB         Turing (T4, sm_75)
-    99 KB         consumer Ampere / Ada (sm_86, sm_89)
+    99 KB         consumer Ampere / Ada (sm_86, sm_89; the L4)
     163 KB        A100 (sm_80)
     227 KB        Hopper (H100 / H200, sm_90)
 """
@@ -246,12 +246,20 @@ def tier_for_capability(capability: tuple[int, int] | None) -> CCEConfigs:
     return max(fitting, key=lambda t: t.target_capability) if fitting else TIERS[0]
 
 
+def tier_for_card(card) -> CCEConfigs:
+    """The tier a card of ``helpers.cce.device.CARDS`` gets (by its shared memory per block): a T4
+    turing-64k, an L4 ampere-99k, an A100 ampere-163k. What a pretend card runs."""
+    return configs_for_shared_memory(card.shared_memory_per_block_bytes)
+
+
 def select_configs(device) -> CCEConfigs:
     """The tier for ``device`` (a torch.device): the interpreter's on CPU, else by shared memory
-    (a pretend T4's 64 KB, ``helpers.cce.device``). On the CPU under ``HELPERS_PRETEND_T4=1`` the
-    Turing tier, so the interpreter runs the configurations a T4 gets."""
-    from helpers.cce.device import device_info, pretending_t4
+    (a pretend card's, ``helpers.cce.device``: a T4's 64 KB, an A100's 163 KB). On the CPU under
+    ``HELPERS_PRETEND=<card>`` the card's tier, so the interpreter runs the configurations the card
+    gets."""
+    from helpers.cce.device import device_info, pretended_card
 
     if device.type != "cuda":
-        return tier("turing-64k") if pretending_t4() else INTERPRETER
+        card = pretended_card()
+        return tier_for_card(card) if card else INTERPRETER
     return configs_for_shared_memory(device_info(device).shared_memory_per_block_bytes)
