@@ -10,12 +10,18 @@ loss adds (``helpers.cce``), torch's label smoothing ``ls`` and PaLM's z-loss ``
 
     loss_i = lse_i - (1 - ls) z_{i, x_i} - (ls / V) sum_v z_{i, v} + zl * lse_i^2;
 
-then reduces it exactly as ``torch.nn.functional.cross_entropy`` does on fp32 logits:
+with a temperature tau the logits are cap(E @ C^T + b) / tau before all of this, and class weights
+``weight`` are torch's (row i counts w_{x_i}); the loss is then reduced exactly as
+``torch.nn.functional.cross_entropy`` does on fp32 logits:
 
 - ``"none"``: a length-N vector, 0 at ignored tokens;
 - ``"sum"``: the sum over kept tokens (0 when every token is ignored);
 - ``"mean"``: the sum divided by the number of kept tokens (NaN when every token is ignored, as
   torch gives; the gradients are then 0, again as torch gives).
+
+The per-token outputs (``helpers.cce.outputs``) are specified by ``reference_outputs``: each token's
+log-probability of its target, its softmax's entropy H_i = lse_i - sum_v p_{i, v} z_{i, v}, and whether
+its target is among the row's largest logits.
 
 This module holds that specification in two forms: ``validate_inputs`` (what a caller may pass,
 with errors that name the argument) and ``reference_loss`` (the computation, in float64 by
