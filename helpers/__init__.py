@@ -15,7 +15,7 @@ Importing sets a few environment variables, in ``helpers.env`` only (see there).
 """
 
 from helpers import env  # noqa: F401  (first: the environment, before any kernel is defined)
-from helpers.cce import linear_cross_entropy
+from helpers.cce import linear_cross_entropy, linear_cross_entropy_outputs
 from helpers.cce.device import device_info, pretend, pretend_t4
 from helpers.spec import reference_loss, reference_loss_and_grads, relative_error, validate_inputs
 
@@ -38,6 +38,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "linear_cross_entropy",
+    "linear_cross_entropy_outputs",
     "METHODS",
     "Method",
     "MethodUnavailable",

@@ -10,12 +10,18 @@ loss adds (``helpers.cce``), torch's label smoothing ``ls`` and PaLM's z-loss ``
 
     loss_i = lse_i - (1 - ls) z_{i, x_i} - (ls / V) sum_v z_{i, v} + zl * lse_i^2;
 
-then reduces it exactly as ``torch.nn.functional.cross_entropy`` does on fp32 logits:
+with a temperature tau the logits are cap(E @ C^T + b) / tau before all of this, and class weights
+``weight`` are torch's (row i counts w_{x_i}); the loss is then reduced exactly as
+``torch.nn.functional.cross_entropy`` does on fp32 logits:
 
 - ``"none"``: a length-N vector, 0 at ignored tokens;
 - ``"sum"``: the sum over kept tokens (0 when every token is ignored);
 - ``"mean"``: the sum divided by the number of kept tokens (NaN when every token is ignored, as
   torch gives; the gradients are then 0, again as torch gives).
+
+The per-token outputs (``helpers.cce.outputs``) are specified by ``reference_outputs``: each token's
+log-probability of its target, its softmax's entropy H_i = lse_i - sum_v p_{i, v} z_{i, v}, and whether
+its target is among the row's largest logits.
 
 This module holds that specification in two forms: ``validate_inputs`` (what a caller may pass,
 with errors that name the argument) and ``reference_loss`` (the computation, in float64 by
@@ -137,14 +143,17 @@ def raise_for_targets(x: torch.Tensor, V: int, ignore_index: int, bad: torch.Ten
 
 def reference_logits(
     E: torch.Tensor, C: torch.Tensor, softcap: float | None = None, dtype=torch.float64,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, temperature: float = 1.0,
 ) -> torch.Tensor:
-    """z = cap(E @ C^T + bias) in ``dtype``: (N, V). The one place the soft cap's formula lives."""
+    """z = cap(E @ C^T + bias) / temperature in ``dtype``: (N, V). The one place the soft cap's
+    formula lives; the temperature divides the capped logits (an RL sampler's order)."""
     z = E.to(dtype) @ C.to(dtype).T
     if bias is not None:
         z = z + bias.to(dtype)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
+    if temperature != 1.0:
+        z = z / temperature
     return z
 
 
@@ -160,21 +169,55 @@ def reference_loss(
     label_smoothing: float = 0.0,
     bias: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
+    temperature: float = 1.0,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The loss as the specification above defines it, computed in ``dtype`` (float64 by default);
-    ``bias`` (V,) is added to every row's logits before the soft cap.
+    ``bias`` (V,) is added to every row's logits before the soft cap, ``temperature`` divides the
+    capped logits (before the lse and everything after it), ``weight`` (V,) is torch's class weight
+    (``F.cross_entropy(weight=...)``: row i counts w_{x_i}; "mean" divides by the kept rows' weights).
 
     Differentiable: autograd through it gives the reference dE and dC (in ``dtype``; pass leaf
     tensors already upcast when you want their ``.grad``).
     """
-    z = reference_logits(E, C, softcap, dtype, bias)
+    z = reference_logits(E, C, softcap, dtype, bias, temperature)
     x = x.long()
-    loss = F.cross_entropy(z, x, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+    if weight is not None:
+        weight = weight.to(dtype)
+        if z_loss:
+            raise ValueError("the specification defines no z-loss with class weights")
+    loss = F.cross_entropy(z, x, weight=weight, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
     if z_loss:
         kept = x != ignore_index
         square = torch.where(kept, torch.logsumexp(z, dim=1) ** 2, 0.0) * z_loss
         loss = loss + {"none": square, "sum": square.sum(), "mean": square.sum() / kept.sum()}[reduction]
     return loss
+
+
+def reference_outputs(
+    E: torch.Tensor,
+    C: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob, entropy, correct) per token in ``dtype``, of z = cap(E C^T + bias) / temperature:
+    log_softmax(z)[i, x_i], -sum_v p log p of each row, and whether x_i is among the row's largest
+    logits (a tie with the maximum counts as correct); 0, 0 and False at ignored tokens.
+    Differentiable (the first two), as ``reference_loss`` is."""
+    z = reference_logits(E, C, softcap, dtype, bias, temperature)
+    kept = x != ignore_index
+    target = torch.where(kept, x, 0).long()
+    log_p = torch.log_softmax(z, dim=1)
+    logprob = torch.where(kept, log_p.gather(1, target[:, None])[:, 0], 0.0)
+    entropy = torch.where(kept, -(log_p.exp() * log_p).sum(dim=1), 0.0)
+    correct = kept & (z.gather(1, target[:, None])[:, 0] >= z.amax(dim=1))
+    return logprob, entropy, correct
 
 
 def reference_loss_and_grads(
@@ -306,5 +349,6 @@ __all__ = [
     "reference_logits",
     "reference_loss",
     "reference_loss_and_grads",
+    "reference_outputs",
     "relative_error",
 ]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.compare.inputs import make_inputs
-from helpers.spec import reference_loss, reference_loss_and_grads, relative_error
+from helpers.spec import reference_loss, reference_loss_and_grads, reference_outputs, relative_error
 
 OPTION_CASES = {
     "mean": dict(),
@@ -76,3 +76,30 @@ def test_relative_error_over_sequences_is_the_error_of_their_concatenation():
         relative_error(got[:2], refs)
     with pytest.raises(ValueError, match="sequences"):
         relative_error(got[0], refs)
+
+
+def test_temperature_weight_and_outputs_follow_their_definitions():
+    """The temperature divides the capped logits; the weight is torch's; the outputs are
+    log_softmax at the target, lse - sum p z, and the target among the maxima (ties included)."""
+    E, C, x = make_inputs(19, 53, 8, torch.float64, "cpu", regime="uniform", seed=2)
+    x[[1, 4]] = -100
+    z = 2.0 * torch.tanh((E @ C.T) / 2.0) / 0.6
+    w = torch.rand(53, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for reduction in ("mean", "sum", "none"):
+        got = reference_loss(E, C, x, softcap=2.0, temperature=0.6, weight=w, reduction=reduction)
+        torch.testing.assert_close(got, F.cross_entropy(z, x, weight=w, reduction=reduction))
+    kept = x != -100
+    rows = kept.nonzero()[:, 0]
+    mean = (w[x[rows]] * (torch.logsumexp(z[rows], 1) - z[rows, x[rows]])).sum() / w[x[rows]].sum()
+    torch.testing.assert_close(reference_loss(E, C, x, softcap=2.0, temperature=0.6, weight=w), mean)
+    logprob, entropy, correct = reference_outputs(E, C, x, softcap=2.0, temperature=0.6)
+    lse = torch.logsumexp(z, 1)
+    p = torch.softmax(z, 1)
+    torch.testing.assert_close(entropy[rows], (lse - (p * z).sum(1))[rows])
+    torch.testing.assert_close(logprob[rows], (z[rows, x[rows]] - lse[rows]))
+    assert (entropy[~kept] == 0).all() and (logprob[~kept] == 0).all() and not correct[~kept].any()
+    assert torch.equal(correct[rows], z[rows].argmax(1) == x[rows])
+    C[x[0]] = C[z[0].argmax()]  # a tie at row 0: the target is among the maxima
+    assert reference_outputs(E, C, x, softcap=2.0, temperature=0.6)[2][0]
+    with pytest.raises(ValueError, match="no z-loss with class weights"):
+        reference_loss(E, C, x, weight=w, z_loss=0.1)

@@ -7,7 +7,8 @@ from helpers.cce.api import LinearCrossEntropy, LinearCrossEntropyFunction, line
 from helpers.cce.backward import cce_backward
 from helpers.cce.backward.atomic import atomic_chunks
 from helpers.cce.backward.gemm import gemm_chunks, gemm_plan, product_mode
-from helpers.cce.forward import cce_forward
+from helpers.cce.forward import cce_forward, cce_forward_outputs
+from helpers.cce.outputs import TokenOutputs, linear_cross_entropy_outputs
 from helpers.cce.options import (
     ACCUMULATIONS,
     BACKWARD_IMPLS,
@@ -20,9 +21,12 @@ from helpers.cce.options import (
 
 __all__ = [
     "linear_cross_entropy",
+    "linear_cross_entropy_outputs",
+    "TokenOutputs",
     "LinearCrossEntropyFunction",
     "LinearCrossEntropy",
     "cce_forward",
+    "cce_forward_outputs",
     "cce_backward",
     "CCEOptions",
     "resolve_options",

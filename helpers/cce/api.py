@@ -59,6 +59,7 @@ from __future__ import annotations
 import torch
 
 from helpers.cce.backward import run_backward
+from helpers.cce.class_weights import check_weight, weighted_reduction
 from helpers.cce.forward import cce_forward
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import CCEPlan, plan_call
@@ -143,6 +144,8 @@ def linear_cross_entropy(
     configs: CCEConfigs | str | None = None,
     backward_impl: str = "gemm",
     stats: dict | None = None,
+    temperature: float = 1.0,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of the logits E C^T (+ bias) against x, without materialising the logits.
 
@@ -181,11 +184,19 @@ def linear_cross_entropy(
     stats: a dict the backward fills with what its gradient filter did: "tiles" (logit tiles
         rebuilt), "skipped" (tiles whose gradient the filter dropped), "launches"; see
         ``cce_backward``. Counting costs one host sync per backward.
+    temperature: tau > 0; the logits are softcap(E C^T + bias) / tau before everything else (the
+        lse, the z-loss, label smoothing, the returned lse); "sparse" runs "gemm" when tau != 1.
+    weight: (V,) class weights, torch's ``weight=``: row i's loss is scaled by weight[x_i] and "mean"
+        divides by the kept targets' weights (``helpers.cce.class_weights``; not with label
+        smoothing or the z-loss). Per-token log-probabilities, entropies and accuracy:
+        ``helpers.cce.outputs.linear_cross_entropy_outputs``.
     """
     validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias,
                     leading_dims=True, check_targets=False)  # x's range: the forward checks it
     if not isinstance(shift, bool) or not isinstance(return_lse, bool):
         raise ValueError(f"shift and return_lse must be True or False, got {shift!r} and {return_lse!r}")
+    if weight is not None:
+        check_weight(weight, C, label_smoothing=label_smoothing, z_loss=z_loss)
     grad = torch.is_grad_enabled()
     plan = plan_call(
         E, C,
@@ -196,7 +207,7 @@ def linear_cross_entropy(
         wants_db=bias is not None and bias.requires_grad,
         filter_eps=filter_eps,
         ignore_index=ignore_index,
-        reduction=reduction,
+        reduction="none" if weight is not None else reduction,  # weighted after the kernels
         softcap=softcap,
         sort_vocab=sort_vocab,
         accumulation=accumulation,
@@ -204,6 +215,7 @@ def linear_cross_entropy(
         full_e=full_e,
         z_loss=z_loss,
         label_smoothing=label_smoothing,
+        temperature=temperature,
     )
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
@@ -213,6 +225,8 @@ def linear_cross_entropy(
         shifted[..., :-1] = x[..., 1:]
         x = shifted
     loss, lse = LinearCrossEntropyFunction.apply(E.reshape(-1, E.shape[-1]), C, x.reshape(-1), bias, plan, stats)
+    if weight is not None:
+        loss = weighted_reduction(loss, x.reshape(-1), weight, ignore_index, reduction)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, lse.reshape(lead)) if return_lse else loss

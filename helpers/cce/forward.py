@@ -18,6 +18,8 @@ the pilot each split's running sum starts from nothing and its first tiles are a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -66,7 +68,7 @@ def cce_forward(
         E, C, x, target_logit, bias if bias is not None else target_logit,
         N, V, D,
         E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0),
-        o.ignore_index, softcap,
+        o.ignore_index, softcap, 1.0 / o.temperature,
         HAS_SOFTCAP=o.softcap is not None,
         HAS_BIAS=bias is not None,
         **dot_cfg.tiles("BLOCK_N", "BLOCK_D"), **dot_cfg.launch,
@@ -75,22 +77,7 @@ def cce_forward(
     # Algorithm 2: lse over vocabulary splits, (SPLITS, N), then merged.
     smoothing = o.label_smoothing > 0
     if not emit_activity:
-        n_blocks, v_splits = _grid(N, fwd, E.device, v_splits, D, E.element_size())
-        v_blocks = triton.cdiv(V, fwd.BLOCK_V)
-        blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
-        v_splits = triton.cdiv(v_blocks, blocks_per_split)
-        lse_split = torch.empty(v_splits, N, dtype=torch.float32, device=E.device)
-        logit_sum_split = torch.empty_like(lse_split) if smoothing else lse_split
-        E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=False)
-        launch = _launch_flags(fwd, o, bias, E.dtype, n_blocks, e_desc)
-        lse_forward_kernel[_order(n_blocks, v_splits)](
-            E_arg, C_arg, bias if bias is not None else lse_split, lse_split, logit_sum_split,
-            lse_split, lse_split, lse_split, lse_split,  # no bits, seeds or order
-            N, V, D, 0, blocks_per_split,
-            E.stride(0), E.stride(1), C.stride(0), C.stride(1),
-            softcap, 0.0,
-            **launch,
-        )
+        lse_split, logit_sum_split, _ = _lse_splits(E, C, bias, o, fwd, v_splits, softcap)
         activity = None
     else:
         lse_split, logit_sum_split, activity = _lse_with_activity(
@@ -104,6 +91,86 @@ def cce_forward(
         loss = loss + o.z_loss * lse * lse
     loss = torch.where(x != o.ignore_index, loss, 0.0)
     return (loss, lse) if activity is None else (loss, lse, activity)
+
+
+def _lse_splits(E, C, bias, o: CCEOptions, fwd, v_splits, softcap, x=None):
+    """Algorithm 2 without bits: (lse_split, logit_sum_split, row_stats), each split's rows (SPLITS, N);
+    with targets ``x``, row_stats = (entropy_split, max_split, target_split) (``lse_forward_kernel``'s
+    ROW_STATS), else None."""
+    N, D = E.shape
+    V = C.shape[0]
+    n_blocks, v_splits = _grid(N, fwd, E.device, v_splits, D, E.element_size())
+    v_blocks = triton.cdiv(V, fwd.BLOCK_V)
+    blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
+    v_splits = triton.cdiv(v_blocks, blocks_per_split)
+    lse_split = torch.empty(v_splits, N, dtype=torch.float32, device=E.device)
+    logit_sum_split = torch.empty_like(lse_split) if o.label_smoothing > 0 else lse_split
+    stats = None if x is None else tuple(torch.empty_like(lse_split) for _ in range(3))
+    E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=False)
+    launch = _launch_flags(fwd, o, bias, E.dtype, n_blocks, e_desc)
+    lse_forward_kernel[_order(n_blocks, v_splits)](
+        E_arg, C_arg, bias if bias is not None else lse_split, lse_split, logit_sum_split,
+        lse_split, lse_split, lse_split, lse_split,  # no bits, seeds or order
+        x if x is not None else lse_split, *(stats or (lse_split,) * 3),
+        N, V, D, 0, blocks_per_split,
+        E.stride(0), E.stride(1), C.stride(0), C.stride(1),
+        softcap, 0.0, 1.0 / o.temperature,
+        ROW_STATS=x is not None,
+        **launch,
+    )
+    return lse_split, logit_sum_split, stats
+
+
+def cce_forward_outputs(
+    E: torch.Tensor,
+    C: torch.Tensor,
+    x: torch.Tensor,
+    options: CCEOptions = CCEOptions(),
+    configs: CCEConfigs | str | None = None,
+    v_splits: int | None = None,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob, entropy, lse, correct), each (N,), of one pass over the logits
+    z = cap(E C^T + b) / temperature (``options``' soft cap and temperature; the loss options are not
+    read): logprob = z_x - lse, entropy H = lse - sum_v softmax(z)_v z_v, correct = the target is
+    among the row's largest logits. Ignored rows: 0, 0, their lse, False. ``helpers.cce.outputs``
+    gives them gradients."""
+    N = E.shape[0]
+    o = options
+    configs = resolve_configs(configs, E.device)
+    fwd, _, dot_cfg = configs.for_dtype(E.dtype)
+    softcap = o.softcap if o.softcap is not None else 1.0
+    # Algorithm 1: z_{i, x_i} as the loss's forward makes it; the accuracy uses the LSE tiles' own copy.
+    target_logit = torch.empty(N, dtype=torch.float32, device=E.device)
+    indexed_dot_kernel[(triton.cdiv(N, dot_cfg.BLOCK_N),)](
+        E, C, x, target_logit, bias if bias is not None else target_logit,
+        N, C.shape[0], E.shape[1],
+        E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0),
+        o.ignore_index, softcap, 1.0 / o.temperature,
+        HAS_SOFTCAP=o.softcap is not None,
+        HAS_BIAS=bias is not None,
+        **dot_cfg.tiles("BLOCK_N", "BLOCK_D"), **dot_cfg.launch,
+    )
+    lse_split, _, (entropy_split, max_split, target_split) = _lse_splits(
+        E, C, bias, replace(o, label_smoothing=0.0), fwd, v_splits, softcap, x=x)
+    lse, entropy, row_max = merge_row_stats(lse_split, entropy_split, max_split)
+    kept = x != o.ignore_index
+    logprob = torch.where(kept, target_logit - lse, 0.0)
+    # Ties: correct when the target's logit equals the row's largest (the target is among the maxima).
+    correct = kept & (target_split.sum(dim=0) >= row_max)
+    return logprob, torch.where(kept, entropy, 0.0), lse, correct
+
+
+def merge_row_stats(lse_split: torch.Tensor, entropy_split: torch.Tensor, max_split: torch.Tensor):
+    """(lse, entropy, max) of whole rows from their vocabulary splits' (SPLITS, N) each. The softmax
+    of a row is a mixture of its splits' softmaxes with weights w_k = exp(lse_k - lse), over disjoint
+    columns, so H = sum_k w_k (H_k - log w_k) = sum_k w_k (H_k + lse - lse_k)."""
+    if lse_split.shape[0] == 1:
+        return lse_split[0], entropy_split[0], max_split[0]
+    lse = torch.logsumexp(lse_split, dim=0)
+    w = torch.exp(lse_split - lse)
+    entropy = torch.where(w > 0, w * (entropy_split + (lse - lse_split)), 0.0).sum(dim=0)
+    return lse, entropy, max_split.amax(dim=0)
 
 
 # The most row blocks the grid's second dimension takes (CUDA's limit on gridDim.y).
@@ -213,11 +280,12 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
         # The pilot: the first sorted positions in one split, seeded by the target only.
         lse_forward_kernel[_order(n_blocks, 1)](
             E_arg, C_arg, bias_arg, lse_split[0], logit_sum_split[0], bits, seed_add, seed_max, order_arg,
-            *common, 0, triton.cdiv(pilot, fwd.BLOCK_V), *strides, softcap, eps, **flags)
+            *(seed_max,) * 4, *common, 0, triton.cdiv(pilot, fwd.BLOCK_V), *strides, softcap, eps,
+            1.0 / o.temperature, **flags)
         seed_add = lse_split[0]
     if splits:
         lse_forward_kernel[_order(n_blocks, splits)](
             E_arg, C_arg, bias_arg, lse_split[1 if pilot else 0:], logit_sum_split[1 if pilot else 0:], bits,
-            seed_add, seed_max, order_arg,
-            *common, pilot, blocks_per_split, *strides, softcap, eps, **flags)
+            seed_add, seed_max, order_arg, *(seed_max,) * 4,
+            *common, pilot, blocks_per_split, *strides, softcap, eps, 1.0 / o.temperature, **flags)
     return lse_split, logit_sum_split, Activity(bits, bits_v, V, order, o.filter_eps, pilot, coef_max)

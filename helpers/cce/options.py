@@ -15,6 +15,7 @@ its bits. The forward and the backward only read the plan. Each option's one own
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -114,6 +115,16 @@ class CCEOptions:
     full_e: bool = False
     z_loss: float = 0.0
     label_smoothing: float = 0.0
+    temperature: float = 1.0  # z = cap(E C^T + b) / temperature, before the lse and everything after it
+
+
+def check_temperature(temperature) -> float:
+    """``temperature`` as a float, or a ``ValueError`` naming it: a finite number > 0."""
+    if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0 (the logits are divided by it), "
+                         f"got {temperature!r}")
+    return float(temperature)
 
 
 def resolve_options(dtype: torch.dtype, *, filter_eps="auto", **options) -> CCEOptions:
@@ -142,7 +153,8 @@ def resolve_options(dtype: torch.dtype, *, filter_eps="auto", **options) -> CCEO
             raise ValueError(f"{flag} must be True or False, got {options[flag]!r}")
     if options.get("softcap") is not None:
         options["softcap"] = float(options["softcap"])
-    options.update(z_loss=float(z_loss), label_smoothing=float(label_smoothing))
+    options.update(z_loss=float(z_loss), label_smoothing=float(label_smoothing),
+                   temperature=check_temperature(options.get("temperature", 1.0)))
     return CCEOptions(filter_eps=eps, **options)
 
 
@@ -198,6 +210,8 @@ def options_need_every_pair(o: CCEOptions) -> str | None:
         return "FullC / FullE keep one gradient exact: every pair"
     if o.label_smoothing:
         return "label smoothing puts -ls/V in every entry"
+    if o.temperature != 1.0:
+        return "its kernels take no temperature"
     return None
 
 

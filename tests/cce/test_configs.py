@@ -75,7 +75,7 @@ def _signature(kernel_name, fn, dtype):
     if kernel_name.startswith("sparse"):
         # The outputs themselves, not fp32 scratch; the bias in the inputs' dtype.
         pointers.update(dE_ptr=dtype, dC_ptr=dtype, bias_ptr=dtype, Y_ptr="fp32" if dtype == "fp32" else "fp16")
-    floats = {"softcap", "z_loss", "label_smoothing", "eps"}
+    floats = {"softcap", "z_loss", "label_smoothing", "eps", "inv_temperature"}
     sig = {}
     for param in fn.params:
         name = param.name

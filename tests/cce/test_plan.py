@@ -33,6 +33,8 @@ OWNERS = {
     "configs": ("interpreter", "configs"),
     "backward_impl": ("atomic", "backward_impl"),
     "stats": ({}, "api: handed to the backward beside the plan, filled there"),
+    "temperature": (0.5, "options.temperature"),
+    "weight": (None, "api: the kernels' unweighted rows ('none' in the plan) weighted after the autograd function"),
 }
 
 

@@ -118,5 +118,7 @@ def _launch(E, x, lse, rows, dE_acc, dC_acc, v_begin, v_count, *, dc_local, C, b
         DC_LOCAL=dc_local,
         COUNT_SKIPS=count_skips,
         DOT_PRECISION=dot_precision(E.dtype),
+        inv_temperature=1.0 / o.temperature,
+        ENTROPY=up.coef.shape[0] > 3,
         **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
     )

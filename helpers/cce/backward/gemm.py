@@ -227,7 +227,8 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # Hopper, 16-bit, no soft cap or bias: the warp-specialized G kernel, for the chunks whose
     # operands the copy engine can read (its 64-row tiles: twice the filter's tile records).
     pingpong = None
-    if host.g_pingpong and device.type == "cuda":
+    # The Gluon kernel forms the plain G only: no temperature, no entropy term (``gradient_tile``).
+    if host.g_pingpong and device.type == "cuda" and o.temperature == 1.0 and up.coef.shape[0] == 3:
         from helpers.cce.kernels import gradient_chunk_pingpong as pingpong
 
         if pingpong.pingpong_reason(device, dtype, device_info(device).capability, sorted_vocab=vocab_order is not None,
@@ -320,6 +321,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                     SORTED=vocab_order is not None,
                     DOT_PRECISION=dot_precision(dtype),
                     E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=cfg.persistent > 0,
+                    inv_temperature=1.0 / o.temperature, ENTROPY=up.coef.shape[0] > 3,
                     **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
                 )
             counters["tiles"] += tiles

@@ -30,7 +30,7 @@ class RowGradient:
     w_rel: torch.Tensor  # (N,) fp32, w / w_scale
     w_scale: torch.Tensor  # (1,) fp32, max w
     uniform: bool  # every row has the same w: a mean or a sum, no gradient through the lse
-    coef: torch.Tensor  # (3, N) fp32: a, b, c of each row
+    coef: torch.Tensor  # (3, N) fp32: a, b, c of each row; (4, N) with the entropy's d (``of_outputs``)
 
     @classmethod
     def of(cls, grad_rows: torch.Tensor, grad_lse: torch.Tensor | None, kept: torch.Tensor,
@@ -48,6 +48,27 @@ class RowGradient:
         w_rel = torch.where(w_scale > 0, w / w_scale, 0.0)
         uniform = grad_lse is None and (grad_rows.numel() == 1 or grad_rows.stride(0) == 0)
         return cls(w, w_rel, w_scale, uniform, coef)
+
+    @classmethod
+    def of_outputs(cls, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+                   kept: torch.Tensor, entropy: torch.Tensor) -> RowGradient:
+        """The rows of the per-token outputs (``helpers.cce.outputs``): upstream gradients g into
+        logprob = z_x - lse and e into the entropy H = lse - sum_v S_v z_v, each (N,) or None. With
+        dlogprob/dz_v = [v = x] - S_v and dH/dz_v = -S_v (z_v - lse + H),
+
+            G = g [v = x] - (g + e H) S - e S (z - lse) = w (a S - b [v = x] + d S (z - lse)),
+
+        a = -(g + e H) / w, b = -g / w, c = 0, d = -e / w, w = max(|g|, |e|): coef (4, N), whose fourth
+        row the kernels read with ENTROPY (``gradient_tile``)."""
+        zeros = torch.zeros_like(entropy)
+        g = torch.where(kept, grad_logprob.to(torch.float32), 0.0) if grad_logprob is not None else zeros
+        e = torch.where(kept, grad_entropy.to(torch.float32), 0.0) if grad_entropy is not None else zeros
+        w = torch.maximum(g.abs(), e.abs())
+        safe = torch.where(w > 0, w, 1.0)
+        coef = torch.stack([-(g + e * entropy) / safe, -g / safe, zeros, -e / safe])
+        w_scale = w.amax().reshape(1)
+        w_rel = torch.where(w_scale > 0, w / w_scale, 0.0)
+        return cls(w, w_rel, w_scale, False, coef)
 
 
 def fold_dC(dC, dC_rows, where, first, compensation):

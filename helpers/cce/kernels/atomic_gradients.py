@@ -88,7 +88,7 @@ def backward_atomic_kernel(
     # pointers
     E_ptr, C_ptr, x_ptr,  # E (N, D), C (V, D), x (N,) targets
     lse_ptr,  # (N,) fp32 from the forward pass
-    coef_ptr,  # (3, stride_coef) fp32: each row's G coefficients a, b, c (``gradient_tile``)
+    coef_ptr,  # (3 or 4, stride_coef) fp32: each row's G coefficients a, b, c (and d: ENTROPY) (``gradient_tile``)
     bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     g_rel_ptr, g_scale_ptr,  # (N,) fp32 row weight w / g_scale; (1,) fp32 g_scale = max w
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
@@ -119,6 +119,8 @@ def backward_atomic_kernel(
     DC_LOCAL: tl.constexpr,
     COUNT_SKIPS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    inv_temperature=1.0,  # 1 / temperature (``gradient_tile``)
+    ENTROPY: tl.constexpr = False,  # coef has a fourth row: the entropy's term (``gradient_tile``)
 ):
     # 1. [Grouped order, Triton tutorial 03] GROUP_N row blocks in a row take turns over the
     # vocabulary blocks, so a C strip is reused from L2 by GROUP_N programs.
@@ -141,7 +143,8 @@ def backward_atomic_kernel(
     # 2-3. The logit tile, recomputed on chip (Algorithm 3, line 3), and its gradient G.
     G = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
                       V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
-                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION)
+                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
+                      inv_temperature=inv_temperature, ENTROPY=ENTROPY)
 
     g_rel = tl.load(g_rel_ptr + rows, mask=row_mask, other=0.0)
     g_scale = tl.load(g_scale_ptr)

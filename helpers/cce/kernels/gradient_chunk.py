@@ -57,7 +57,7 @@ def gradient_chunk_kernel(
     # pointers
     E_ptr, C_ptr, x_ptr,  # E (N, D), C (V, D), x (N,) targets
     lse_ptr,  # (N,) fp32 from the forward pass
-    coef_ptr,  # (3, stride_coef) fp32: each row's G coefficients a, b, c (``gradient_tile``)
+    coef_ptr,  # (3 or 4, stride_coef) fp32: each row's G coefficients a, b, c (and d: ENTROPY) (``gradient_tile``)
     bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
     G_ptr,  # (N, v_count) in E's dtype: G of this chunk, zeros in skipped tiles
@@ -87,6 +87,8 @@ def gradient_chunk_kernel(
     G_DESC: tl.constexpr = False,  # G_ptr is a tensor descriptor of (BLOCK_N, BLOCK_V // G_SUBTILE) blocks
     G_SUBTILE: tl.constexpr = 1,  # G_DESC: the tile leaves in this many column blocks (1 or 2)
     PERSISTENT: tl.constexpr = False,  # each program walks tiles pid, pid + programs, ... (one flattened loop)
+    inv_temperature=1.0,  # 1 / temperature (``gradient_tile``)
+    ENTROPY: tl.constexpr = False,  # coef has a fourth row: the entropy's term (``gradient_tile``)
 ):
     if PERSISTENT:
         # [Persistent walk] one loop over this program's tiles, flattened with the logit loop inside,
@@ -98,13 +100,15 @@ def gradient_chunk_kernel(
                 tile, E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, G_ptr, G_exact_ptr,
                 tile_kept_ptr, N, V, D, v_begin, v_count, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
                 stride_Gn, stride_Gv, stride_coef, softcap, eps, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N,
-                HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE)
+                HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE,
+                inv_temperature, ENTROPY)
     else:
         _gradient_chunk_tile(
             tl.program_id(0), E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, G_ptr,
             G_exact_ptr, tile_kept_ptr, N, V, D, v_begin, v_count, stride_En, stride_Ed, stride_Cv, stride_Cd,
             stride_x, stride_Gn, stride_Gv, stride_coef, softcap, eps, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N,
-            HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE)
+            HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE,
+            inv_temperature, ENTROPY)
 
 
 @triton.jit
@@ -115,7 +119,7 @@ def _gradient_chunk_tile(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, FILTER: tl.constexpr, SPLIT_G: tl.constexpr,
     SORTED: tl.constexpr, DOT_PRECISION: tl.constexpr, E_DESC: tl.constexpr, G_DESC: tl.constexpr,
-    G_SUBTILE: tl.constexpr,
+    G_SUBTILE: tl.constexpr, inv_temperature, ENTROPY: tl.constexpr,
 ):
     """Tile ``tile`` of the chunk (``gradient_chunk_kernel``'s arguments)."""
     # 1. [Grouped order] the tile's place in the chunk; C strips are shared through L2.
@@ -136,7 +140,8 @@ def _gradient_chunk_tile(
     G = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
                       V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
                       BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
-                      E_DESC, E_DESC and not SORTED, pid_n * BLOCK_N, v_begin + pid_v * BLOCK_V)
+                      E_DESC, E_DESC and not SORTED, pid_n * BLOCK_N, v_begin + pid_v * BLOCK_V,
+                      inv_temperature, ENTROPY)
 
     if G_DESC:
         dtype = G_ptr.dtype

@@ -4,7 +4,10 @@
 
     G_{i, v} = a_i S_{i, v} - b_i [v = x_i] - c_i / V,    S = exp(z - lse),
 
-times 1 - (z / softcap)^2 under the soft cap. The row coefficients come from the host
+times 1 / temperature and 1 - (z / softcap)^2 under the soft cap (z = cap(E C^T + b) / temperature).
+With ENTROPY (per-token outputs with an entropy gradient, ``helpers.cce.outputs``) a fourth row
+coefficient d adds d_i S_{i, v} (z_{i, v} - lse_i): the entropy's gradient -S (z - lse + H) is not of
+the form above (``helpers.cce.backward.rows.RowGradient.of_outputs``). The row coefficients come from the host
 (``helpers.cce.backward.rows.RowGradient``): for the loss alone a = 1 + 2 zl lse, b = 1 - ls, c = ls,
 each divided by the row's weight w (its upstream gradient, applied after the products); a gradient
 flowing into the returned lse adds to a; ignored rows and padding have a = b = c = 0. The "atomic" kernel
@@ -53,6 +56,8 @@ def gradient_tile(
     E_DESC: tl.constexpr = False,
     C_DESC: tl.constexpr = False,
     row0=0, col0=0,
+    inv_temperature=1.0,
+    ENTROPY: tl.constexpr = False,
 ):
     """G = dloss_i / dz_{i, v} / w_i for the tile, (BLOCK_N, BLOCK_V) fp32; 0 at ignored rows and
     padding. Shared by every backward kernel (this file's callers and ``pair_gradients.py``'s,
@@ -61,7 +66,7 @@ def gradient_tile(
                                      row_mask, col_mask, V, D,
                                      stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
                                      softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
-                                     E_DESC, C_DESC, row0, col0)
+                                     E_DESC, C_DESC, row0, col0, inv_temperature, ENTROPY)
     return G
 
 
@@ -82,6 +87,8 @@ def gradient_and_softmax_tile(
     E_DESC: tl.constexpr = False,  # E_ptr (and C_ptr, with C_DESC) are tensor descriptors
     C_DESC: tl.constexpr = False,
     row0=0, col0=0,  # with E_DESC: the tile's first row of E and (C_DESC) of C
+    inv_temperature=1.0,  # 1 / temperature: the logits are cap(E C^T + b) / temperature
+    ENTROPY: tl.constexpr = False,  # coef has a fourth row d: G += d S (z - lse) (module doc)
 ):
     """(G, S): ``gradient_tile``'s G and the softmax S = exp(z - lse) it was formed from, both
     (BLOCK_N, BLOCK_V) fp32 and 0 in padding columns (the "sparse" backward reports the softmax
@@ -99,8 +106,11 @@ def gradient_and_softmax_tile(
     if HAS_SOFTCAP:
         t = tanh(z / softcap)
         z = softcap * t
+    # The temperature divides the capped logit (x * 1.0 is exact: no temperature, the same bits).
+    z = z * inv_temperature
 
-    # G = a S - b [v = x] - c / V, then the soft cap's chain rule.
+    # G = a S - b [v = x] - c / V (+ d S (z - lse)), then the chain rule through the temperature
+    # and the soft cap.
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     a = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
     b = tl.load(coef_ptr + stride_coef + rows, mask=row_mask, other=0.0)
@@ -109,9 +119,15 @@ def gradient_and_softmax_tile(
     # Compared in int32 (a valid target is below V < 2^31; anything else matches no column), so
     # that no int64 column index is held per element of the tile.
     x = tl.where((x >= 0) & (x < V), x, -1).to(tl.int32)
-    S = tl.exp(z - lse[:, None])
+    log_S = z - lse[:, None]
+    S = tl.exp(log_S)
     is_target = x[:, None] == cols.to(tl.int32)[None, :]
     G = a[:, None] * S - tl.where(is_target, b[:, None], 0.0) - c[:, None] / V
+    if ENTROPY:
+        # The entropy's term: -e S (z - lse + H) = d S log S + (-e H) S, the second part already in a.
+        d = tl.load(coef_ptr + 3 * stride_coef + rows, mask=row_mask, other=0.0)
+        G += d[:, None] * S * log_S
+    G = G * inv_temperature
     if HAS_SOFTCAP:
         G = G * (1.0 - t * t)
     # Padding columns contribute nothing, and must not keep a tile from being skipped.

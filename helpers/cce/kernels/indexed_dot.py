@@ -1,4 +1,4 @@
-"""Algorithm 1 of the CCE paper: the indexed dot z_{i, x_i} = cap(E_i . C_{x_i} + b_{x_i}), (N,).
+"""Algorithm 1 of the CCE paper: the indexed dot z_{i, x_i} = cap(E_i . C_{x_i} + b_{x_i}) / temperature, (N,).
 
 The target logit of each row, read without forming the row of logits: one gather of C's target
 row per token, N * D multiply-adds in all. Reference: ``reference_logits(E, C, softcap)[i, x[i]]``.
@@ -20,7 +20,7 @@ def indexed_dot_kernel(
     # strides
     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
     # options
-    ignore_index, softcap,
+    ignore_index, softcap, inv_temperature,
     # meta-parameters
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -47,4 +47,5 @@ def indexed_dot_kernel(
         acc += tl.load(bias_ptr + x, mask=kept, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
         acc = softcap * tanh(acc / softcap)
+    acc = acc * inv_temperature  # the temperature divides the capped logit (1.0: exact, no change)
     tl.store(out_ptr + rows, acc, mask=row_mask)

@@ -9,8 +9,13 @@ running (max m, sum s) pair, the online softmax:
 Global memory written: one lse per (row, split), SPLITS * N * 4 bytes, instead of the N * V
 logits. The splits exist only to give the GPU enough programs when N is small (N / BLOCK_N
 programs would leave most SMs idle); the host merges them with a logsumexp over SPLITS.
-With a bias, z = E C^T + b. With label smoothing the kernel also sums the logits of each row (the smoothing term needs
+With a bias, z = E C^T + b; with a soft cap and a temperature tau, z = cap(E C^T + b) / tau. With label smoothing the kernel also sums the logits of each row (the smoothing term needs
 sum_v z_{i, v}). Reference: ``torch.logsumexp(reference_logits(E, C, softcap), dim=1)``.
+
+Row statistics (ROW_STATS, for ``helpers.cce.outputs``): the entropy of the split's softmax from one
+more running sum t = sum_v exp(z_v - m) (z_v - m), rescaled with s (H = log s - t / s), the split's
+largest logit and the target's logit as the same tile computed it (so that "the target is a maximum"
+compares bits of one computation). The host merges the splits (``helpers.cce.forward.merge_row_stats``).
 
 Activity bits (EMIT_BITS, for the "sparse" backward, ``helpers/cce/backward/sparse.py``). For
 every row and every sub-tile of BLOCK_V / SUB columns the kernel writes one bit: whether the
@@ -51,6 +56,10 @@ def lse_forward_kernel(
     bits_ptr,  # (ceil(T / 8), N) uint8: activity bits of sub-tiles of BLOCK_V / SUB (EMIT_BITS only)
     seed_add_ptr, seed_max_ptr,  # (N,) fp32 lower bounds of each row's lse, -inf for none (EMIT_BITS)
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
+    x_ptr,  # (N,) targets (ROW_STATS only)
+    entropy_split_ptr,  # (SPLITS, N) fp32: the entropy of the split's softmax (ROW_STATS only)
+    max_split_ptr,  # (SPLITS, N) fp32: the largest logit of the split (ROW_STATS only)
+    target_split_ptr,  # (SPLITS, N) fp32: the target's logit if in the split, else 0 (ROW_STATS only)
     # sizes
     N, V, D,
     v_start,  # first vocabulary position of split 0 (the columns before it belong to another launch)
@@ -58,7 +67,7 @@ def lse_forward_kernel(
     # strides
     stride_En, stride_Ed, stride_Cv, stride_Cd,
     # options
-    softcap, eps,
+    softcap, eps, inv_temperature,
     # meta-parameters
     BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -72,6 +81,7 @@ def lse_forward_kernel(
     SUB: tl.constexpr = 1,  # bits per BLOCK_V tile: 1, 2, 4 or 8
     E_DESC: tl.constexpr = False,  # E_ptr is a tensor descriptor (and C_ptr too, unless SORTED)
     SPLIT_MAJOR: tl.constexpr = False,  # grid (SPLITS, N / BLOCK_N) instead of (N / BLOCK_N, SPLITS)
+    ROW_STATS: tl.constexpr = False,  # also the entropy, the max and the target's logit (unsorted only)
 ):
     if SPLIT_MAJOR:  # the splits of one row block are consecutive programs: they share E's strip in L2
         split = tl.program_id(0)
@@ -86,6 +96,10 @@ def lse_forward_kernel(
     m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     logit_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if ROW_STATS:
+        t = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum_v exp(z_v - m) (z_v - m), rescaled with s
+        target = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        x = tl.load(x_ptr + rows, mask=row_mask, other=-1)
     if EMIT_BITS:
         seed_add = tl.load(seed_add_ptr + rows, mask=row_mask, other=float("-inf"))
         seed_max = tl.load(seed_max_ptr + rows, mask=row_mask, other=float("-inf"))
@@ -114,6 +128,7 @@ def lse_forward_kernel(
             z = add_bias(z, bias_ptr, c_rows, cols < V)  # C's rows: the bias follows the sort
         if HAS_SOFTCAP:
             z = softcap * tanh(z / softcap)
+        z = z * inv_temperature  # the temperature divides the capped logit (1.0: exact, no change)
         # Padding columns (the last tile only: a runtime branch, so full tiles carry no masks) are
         # -inf, so they add exp(-inf) = 0 below; the column indices are formed afresh after the
         # product, in int32, so that none stays live in registers across its D loop.
@@ -125,6 +140,15 @@ def lse_forward_kernel(
         # after the first tile.
         m_new = tl.maximum(m, tl.max(z, axis=1))
         p = tl.exp(z - m_new[:, None])
+        if ROW_STATS:
+            # [Entropy] t = sum_v p_v (z_v - m), kept relative to the running max so that H = log s - t / s
+            # never subtracts two logit-sized numbers. On a new max m': sum p' (z - m') =
+            # exp(m - m') (t + (m - m') s); the first tile has s = 0 (and m - m' = -inf). Padding: p = 0.
+            shift = tl.where(s > 0, m - m_new, 0.0) * s  # (-inf) * 0 never formed: no NaN
+            t = tl.exp(m - m_new) * (t + shift) + tl.sum(p * tl.where(p > 0, z - m_new[:, None], 0.0), axis=1)
+            # [Accuracy] the target's logit as this tile computed it: the same bits as the max's.
+            hit = (v0 + tl.arange(0, BLOCK_V))[None, :] == x[:, None]
+            target += tl.sum(tl.where(hit, z, 0.0), axis=1)
         s = s * tl.exp(m - m_new) + tl.sum(p, axis=1)
         m = m_new
         if EMIT_BITS:
@@ -145,3 +169,8 @@ def lse_forward_kernel(
     tl.store(lse_split_ptr + out, m + tl.log(s), mask=row_mask)
     if SUM_LOGITS:
         tl.store(logit_sum_split_ptr + out, logit_sum, mask=row_mask)
+    if ROW_STATS:
+        # H = lse - sum p z = (m + log s) - (m + t / s).
+        tl.store(entropy_split_ptr + out, tl.log(s) - t / s, mask=row_mask)
+        tl.store(max_split_ptr + out, m, mask=row_mask)
+        tl.store(target_split_ptr + out, target, mask=row_mask)
