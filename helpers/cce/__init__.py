@@ -1,15 +1,18 @@
 """The library: our Cut Cross-Entropy in Triton, the loss of a linear head without its logits.
 ``linear_cross_entropy`` (autograd), its forward, three backward versions ("gemm", "atomic",
-"sparse"; the ``backward`` package), options, device limits and kernels. It imports nothing of
-the package but ``helpers.spec``; start at ``api``."""
+"sparse"; the ``backward`` package) and the default "auto" that picks one per call (``auto``),
+options, device limits and kernels. It imports nothing of the package but ``helpers.spec``; start
+at ``api``."""
 
 from helpers.cce.api import LinearCrossEntropy, LinearCrossEntropyFunction, linear_cross_entropy
+from helpers.cce.auto import forget_backward_choices
 from helpers.cce.backward import cce_backward
 from helpers.cce.backward.atomic import atomic_chunks
 from helpers.cce.backward.gemm import gemm_chunks, gemm_plan, product_mode
 from helpers.cce.forward import cce_forward
 from helpers.cce.options import (
     ACCUMULATIONS,
+    BACKWARD_CHOICES,
     BACKWARD_IMPLS,
     FILTER_EPS_AUTO,
     CCEOptions,
@@ -24,11 +27,13 @@ __all__ = [
     "LinearCrossEntropy",
     "cce_forward",
     "cce_backward",
+    "forget_backward_choices",
     "CCEOptions",
     "resolve_options",
     "why_unavailable",
     "triton_reason",
     "ACCUMULATIONS",
+    "BACKWARD_CHOICES",
     "BACKWARD_IMPLS",
     "FILTER_EPS_AUTO",
     "gemm_chunks",
