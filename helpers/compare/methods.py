@@ -707,6 +707,25 @@ register(
 )
 
 
+# ours with the "gemm" backward on every call: "ours" chooses per call (backward_impl="auto"), and the
+# bench times it against both of its choices (this and ours_sparse). Registered last, apart from the
+# other presets of ours: colours and markers go by registration order (helpers.lab.plots), and no
+# earlier method's should move.
+register(
+    Method(
+        name="ours_gemm",
+        label="ours (gemm backward)",
+        summary='ours with backward_impl="gemm" on every call: G per vocabulary chunk, its products in cuBLAS, '
+        "whatever the softmax (ours chooses between it and the sparse backward).",
+        implementation=_ours(backward_impl="gemm"),
+        availability=_ours_reason,
+        kind="ours",
+        preset_of="ours",
+        counts_skips=True,
+    )
+)
+
+
 __all__ = [
     "Method",
     "MethodUnavailable",
