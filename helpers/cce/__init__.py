@@ -1,9 +1,11 @@
 """The library: our Cut Cross-Entropy in Triton, the loss of a linear head without its logits.
 ``linear_cross_entropy`` (autograd), its forward, three backward versions ("gemm", "atomic",
-"sparse"; the ``backward`` package), options, device limits and kernels. It imports nothing of
-the package but ``helpers.spec``; start at ``api``."""
+"sparse"; the ``backward`` package) and the default "auto" that picks one per call (``auto``),
+options, device limits and kernels. It imports nothing of the package but ``helpers.spec``; start
+at ``api``."""
 
 from helpers.cce.api import LinearCrossEntropy, LinearCrossEntropyFunction, linear_cross_entropy
+from helpers.cce.auto import forget_backward_choices
 from helpers.cce.backward import cce_backward
 from helpers.cce.backward.atomic import atomic_chunks
 from helpers.cce.backward.gemm import gemm_chunks, gemm_plan, product_mode
@@ -11,6 +13,7 @@ from helpers.cce.forward import cce_forward, cce_forward_outputs
 from helpers.cce.outputs import TokenOutputs, linear_cross_entropy_outputs
 from helpers.cce.options import (
     ACCUMULATIONS,
+    BACKWARD_CHOICES,
     BACKWARD_IMPLS,
     FILTER_EPS_AUTO,
     CCEOptions,
@@ -28,11 +31,13 @@ __all__ = [
     "cce_forward",
     "cce_forward_outputs",
     "cce_backward",
+    "forget_backward_choices",
     "CCEOptions",
     "resolve_options",
     "why_unavailable",
     "triton_reason",
     "ACCUMULATIONS",
+    "BACKWARD_CHOICES",
     "BACKWARD_IMPLS",
     "FILTER_EPS_AUTO",
     "gemm_chunks",

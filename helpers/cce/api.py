@@ -37,18 +37,25 @@ cuBLAS products still multiply them, so it saves no time there (docs/PERFORMANCE
 
 Vocabulary sort (paper section 4.3): ``sort_vocab=True`` orders the vocabulary by average logit
 (``helpers.cce.shared.vocabulary_order``), so large softmax entries share tiles and more tiles
-pass the filter. Off by default: it only pays when the filter has something to skip.
+pass the filter. "auto" (the default) sorts for the "sparse" backward, whose bits it tightens
+(unsorted they over-mark ~3x), and not for the others, where it only pays when the filter has
+something to skip and costs "gemm" a gather of C's rows.
 
-The "sparse" backward (``backward_impl="sparse"``, opt-in) makes the filter save time: the forward
-also writes one activity bit per (row, vocabulary tile) (``helpers.cce.activity``), and the backward
-rebuilds and multiplies only the marked pairs, per row (``helpers/cce/backward/sparse.py``). Its
-"auto" eps bounds what a row loses: B / T for T tiles per row, B = 2^-7 (bf16), 2^-10 (fp16). With
-``sort_vocab`` the forward walks the sorted vocabulary. It computes what "gemm" computes (a bias and
-db, per-row upstream gradients, a gradient into the returned lse, only the gradients asked for),
-with each row's G filtered on its own. When the bits mark most pairs (a dense softmax), or the
-options need every pair (label smoothing, FullC/FullE, no filter), it runs "gemm" and
+The "sparse" backward makes the filter save time: the forward also writes one activity bit per
+(row, vocabulary tile) (``helpers.cce.activity``), and the backward rebuilds and multiplies only the
+marked pairs, per row (``helpers/cce/backward/sparse.py``). Its "auto" eps bounds what a row loses:
+B / T for T tiles per row, B = 2^-7 (bf16), 2^-10 (fp16). It computes what "gemm" computes (a bias
+and db, per-row upstream gradients, a gradient into the returned lse, only the gradients asked
+for), with each row's G filtered on its own. When the bits mark more than the tier's share of the
+pairs (a dense softmax), or the options need every pair (label smoothing, FullC/FullE, no filter),
+it runs "gemm" as ``backward_impl="gemm"`` would (that backward's eps, unsorted) and
 ``stats["fallback"]`` says why. With ``return_lse`` its forward marks tiles at a lower threshold
 (eps / 2, eps / 3 with z-loss), since a gradient into the lse adds to G's softmax term.
+
+The default backward, "auto", runs "sparse" where its bits pay and "gemm" elsewhere, without paying
+for bits on every call to find out: it remembers, per problem (device, dtype, head, N to a power of
+two, tier, options), what the last sparse backward decided, and makes bits again to look after
+``HostTuning.auto_probe_calls`` calls of "gemm" (``helpers.cce.auto``).
 
 What it does not do: vocabulary parallelism (C sharded across GPUs), and the paper's lock-free
 bf16 atomics (fp32 scratch instead: ~0.06-0.2 LB, for the naive path's accuracy).
@@ -137,12 +144,12 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     return_lse: bool = False,
     filter_eps: float | str | None = "auto",
-    sort_vocab: bool = False,
+    sort_vocab: bool | str = "auto",
     accumulation: str = "fp32",
     full_c: bool = False,
     full_e: bool = False,
     configs: CCEConfigs | str | None = None,
-    backward_impl: str = "gemm",
+    backward_impl: str = "auto",
     stats: dict | None = None,
     temperature: float = 1.0,
     weight: torch.Tensor | None = None,
@@ -163,8 +170,12 @@ def linear_cross_entropy(
     return_lse: also return each row's log-sum-exp (fp32, E's leading shape), differentiable: a
         z-loss the caller computes from it (e.g. ``1e-4 * (lse ** 2).mean()``) backpropagates.
     z_loss: adds z_loss * lse^2 per kept token. label_smoothing: torch's definition, in [0, 1].
-    filter_eps: "auto" (2^-12 bf16, 2^-15 fp16, off for fp32; off with label smoothing), a number
-        (0 = off) or None (off). sort_vocab: order the vocabulary by average logit for the filter.
+    filter_eps: "auto" (for "gemm" and "atomic" per tile: 2^-12 bf16, 2^-15 fp16; for "sparse" per
+        row, below; off for fp32 and with label smoothing), a number (0 = off; per tile, as given, for
+        every backward) or None (off). "auto" follows the backward that runs, also under
+        ``backward_impl="auto"`` and in the sparse backward's hand-over to "gemm".
+    sort_vocab: order the vocabulary by average logit for the filter: "auto" (for "sparse" only),
+        True or False.
     accumulation: "fp32" (fp32 scratch, rounded once per row chunk) or "kahan" (also compensates
         dC's folds across row chunks). With one row chunk (N * D * 4 <= max(64 MiB, LB / 16): all
         N up to 16,384 at the Qwen3 head, 8,192+ at Gemma's) "fp32" keeps bf16 dE and dC within
@@ -174,16 +185,29 @@ def linear_cross_entropy(
     configs: a ``CCEConfigs`` or tier name from ``helpers.cce.kernels.configs``; None picks by the
         device's shared memory per block. The tier carries the kernels' tiles and the host's knobs
         (``HostTuning``: chunk widths, budgets); ``tier.tuned(...)`` changes knobs for one call.
-    backward_impl: "gemm" (the default: G per vocabulary chunk in scratch, its two products in
-        cuBLAS), "atomic" (fp32 atomics in one kernel, slower; no bias gradient) or "sparse"
-        (opt-in: the forward marks the (row, tile) pairs that may carry gradient, the backward
-        computes only those, deterministically; "auto" filter eps = B / T per tile, B = 2^-7 for
-        bf16, 2^-10 for fp16: at most B of a row's |G| mass dropped; "gemm" when most pairs are
-        marked); ``helpers.cce.backward``. fp32 "gemm" products follow torch's fp32 matmul setting
-        (default: no TF32).
-    stats: a dict the backward fills with what its gradient filter did: "tiles" (logit tiles
-        rebuilt), "skipped" (tiles whose gradient the filter dropped), "launches"; see
-        ``cce_backward``. Counting costs one host sync per backward.
+    backward_impl: "auto" (the default: "sparse" where the last calls of this problem saw its bits
+        pay, "gemm" elsewhere; below), "gemm" (G per vocabulary chunk in scratch, its two products
+        in cuBLAS), "atomic" (fp32 atomics in one kernel, slower; no bias gradient) or "sparse" (the
+        forward marks the (row, tile) pairs that may carry gradient, the backward computes only
+        those, deterministically; "auto" filter eps = B / T per tile, B = 2^-7 for bf16, 2^-10 for
+        fp16: at most B of a row's |G| mass dropped; "gemm" when more than the tier's
+        ``dense_fallback`` of the pairs are marked); ``helpers.cce.backward``. fp32 "gemm" products
+        follow torch's fp32 matmul setting (default: no TF32).
+        "auto" decides at the call's entry, from a per-process record per problem (device, dtype,
+        V, D, N rounded up to a power of two, tier, options): with nothing recorded it probes (runs
+        "sparse": the forward makes bits, the backward decides as above, and its decision is
+        recorded); after a "sparse" decision it runs "sparse" again (each backward re-decides);
+        after a "gemm" decision it runs "gemm" with no bits for ``HostTuning.auto_probe_calls``
+        calls (32), then probes again. Where "sparse" cannot skip anything (fp32 "auto", the filter
+        off, label smoothing, FullC/FullE, too few pairs, no gradient wanted) it is "gemm" with no
+        probe. Consecutive calls may thus run different backwards with different filters (both
+        within the accuracy gate); for the same backward on every call pass "gemm" or "sparse".
+        ``helpers.cce.auto`` has the measurements behind it.
+    stats: a dict the backward fills with what it did: "backward" (the one that ran: "gemm",
+        "sparse" or "atomic"), "auto" (why "auto" chose it: "probe: ...", "remembered: ...", or the
+        reason "sparse" cannot run), "tiles" (logit tiles rebuilt), "skipped" (tiles whose gradient
+        the filter dropped), "launches"; see ``cce_backward``. Counting costs one host sync per
+        backward.
     temperature: tau > 0; the logits are softcap(E C^T + bias) / tau before everything else (the
         lse, the z-loss, label smoothing, the returned lse); "sparse" runs "gemm" when tau != 1.
     weight: (V,) class weights, torch's ``weight=``: row i's loss is scaled by weight[x_i] and "mean"

@@ -6,32 +6,37 @@ why our kernels cannot run on a device in a dtype (None when they can). The comp
 asks the same function, so the two can never disagree.
 
 ``plan_call`` (``linear_cross_entropy``'s entry) and ``plan_for`` (``cce_backward``'s, given resolved
-options) validate a call and resolve it, once, into a ``CCEPlan``: the options with the filter's
-final threshold, the backward, the configuration tier with its host knobs, whether a gradient may
-flow into the lse, which gradients are wanted, and whether the "sparse" backward's forward makes
-its bits. The forward and the backward only read the plan. Each option's one owner:
-``tests/cce/test_plan.py``.
+options) validate a call and resolve it, once, into a ``CCEPlan``: the backward ("auto" chooses
+here, ``helpers.cce.auto``), the options as that backward runs them (the filter's final threshold,
+the vocabulary sort), the configuration tier with its host knobs, whether a gradient may flow into
+the lse, which gradients are wanted, whether the "sparse" backward's forward makes its bits, and the
+options "gemm" runs with if the sparse backward hands over to it. The forward and the backward only
+read the plan. Each option's one owner: ``tests/cce/test_plan.py``.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 
+from helpers.cce.auto import RECORD, AutoChoice
 from helpers.cce.device import device_info
 from helpers.cce.kernels.configs import CCEConfigs, select_configs, tier
 from helpers.cce.kernels.logits import logit_tile
 from helpers.spec import SUPPORTED_DTYPES
 
 ACCUMULATIONS = ("fp32", "kahan")
-# The backward implementations, by the one name each has everywhere: "gemm" (the default: G
-# written per vocabulary chunk, its products in cuBLAS), "atomic" (one kernel, fp32 atomics) and
-# "sparse" (opt-in: only the (row, tile) pairs the forward marked; "gemm" when it marks too many).
+# The backward implementations, by the one name each has everywhere: "gemm" (G written per
+# vocabulary chunk, its products in cuBLAS), "atomic" (one kernel, fp32 atomics) and "sparse" (only
+# the (row, tile) pairs the forward marked; "gemm" when it marks too many).
 BACKWARD_IMPLS = ("gemm", "atomic", "sparse")
+# What ``linear_cross_entropy`` accepts: one of them, or "auto" (the default), which runs "sparse"
+# where the last calls of the problem saw its bits pay and "gemm" elsewhere (``helpers.cce.auto``).
+BACKWARD_CHOICES = ("auto", *BACKWARD_IMPLS)
 
 # The paper's eps = 2^-12 for bf16 is 2^-5 of bf16's machine epsilon (2^-7): an entry that small
 # moves a sum of O(1) gradients by less than its own rounding. The same ratio for fp16 (eps 2^-10).
@@ -109,7 +114,7 @@ class CCEOptions:
     reduction: str = "mean"
     softcap: float | None = None
     filter_eps: float | None = None  # resolved: None means off
-    sort_vocab: bool = False
+    sort_vocab: bool = False  # resolved: "auto" is True for the "sparse" backward, False for the others
     accumulation: str = "fp32"
     full_c: bool = False
     full_e: bool = False
@@ -177,10 +182,16 @@ def sparse_auto_eps(dtype: torch.dtype, V: int, block_v: int, label_smoothing: f
     return auto_filter_eps(dtype, label_smoothing, vocabulary=V, block_v=block_v)
 
 
-def check_backward_impl(backward_impl) -> str:
-    if backward_impl not in BACKWARD_IMPLS:
-        raise ValueError(f"backward_impl must be one of {BACKWARD_IMPLS}, got {backward_impl!r}")
+def check_backward_impl(backward_impl, choices: tuple[str, ...] = BACKWARD_IMPLS) -> str:
+    if not isinstance(backward_impl, str) or backward_impl not in choices:
+        hint = ('; "auto" is linear_cross_entropy\'s, which decides before the forward'
+                if backward_impl == "auto" else "")
+        raise ValueError(f"backward_impl must be one of {choices}, got {backward_impl!r}{hint}")
     return backward_impl
+
+
+def _is_auto(value) -> bool:
+    return isinstance(value, str) and value == "auto"
 
 
 def resolve_configs(configs: CCEConfigs | str | None, device: torch.device) -> CCEConfigs:
@@ -231,14 +242,19 @@ class CCEPlan:
     """One call of the loss, validated and resolved once at its entry; the forward and the backward
     only read it."""
 
-    options: CCEOptions  # every loss option; filter_eps final (None: off)
+    options: CCEOptions  # every loss option, as ``backward_impl`` runs them; filter_eps final (None: off)
     configs: CCEConfigs  # the tier for the device, with its host knobs (``HostTuning``)
-    backward_impl: str  # "gemm", "atomic" or "sparse"
+    backward_impl: str  # "gemm", "atomic" or "sparse" ("auto" resolved: ``auto``)
     return_lse: bool  # the lse is returned: a gradient may flow into it (the sparse forward's bits allow for it)
     need: tuple[bool, bool, bool]  # (dE, dC, db): the gradients a backward computes
     # "sparse" only: why no (row, tile) pair can be skipped before any bit is made (the options need
     # every pair, or the problem is too small), so the forward makes no bits and "gemm" runs; None otherwise.
     sparse_reason: str | None = None
+    # "sparse" only: the options "gemm" runs with when the sparse backward hands over to it: "gemm"'s own
+    # "auto" eps (per tile), unsorted (sorted, "gemm" would gather C's rows, which costs it time).
+    fallback: CCEOptions | None = None
+    # backward_impl="auto" only: what it chose and why, and the problem whose record the backward updates.
+    auto: AutoChoice | None = None
 
     @property
     def emit_activity(self) -> bool:
@@ -246,39 +262,77 @@ class CCEPlan:
         return self.backward_impl == "sparse" and any(self.need) and self.sparse_reason is None
 
 
-def _plan(E: torch.Tensor, C: torch.Tensor, o: CCEOptions, configs: CCEConfigs | str | None, backward_impl: str,
-          return_lse: bool, need: tuple[bool, bool, bool]) -> CCEPlan:
-    configs = resolve_configs(configs, E.device)
-    reason = None
-    if backward_impl == "sparse":
-        reason = options_need_every_pair(o) or too_small(E.shape[0], C.shape[0], configs.sparse_for(E.dtype).BLOCK_V,
-                                                         configs.host.sparse_min_pairs)
-    return CCEPlan(o, configs, backward_impl, return_lse, tuple(need), reason)
+def why_sparse_cannot_run(E: torch.Tensor, C: torch.Tensor, o: CCEOptions, configs: CCEConfigs) -> str | None:
+    """Why the "sparse" backward can skip nothing here before any bit is made (``options_need_every_pair``,
+    ``too_small``), None when it may; ``o``: the options as "sparse" runs them."""
+    return options_need_every_pair(o) or too_small(E.shape[0], C.shape[0], configs.sparse_for(E.dtype).BLOCK_V,
+                                                   configs.host.sparse_min_pairs)
+
+
+def problem_key(E: torch.Tensor, C: torch.Tensor, o: CCEOptions, configs: CCEConfigs, return_lse: bool) -> tuple:
+    """What decides whether the sparse backward pays, for "auto"'s record (``helpers.cce.auto``): the
+    device, dtype and head (V, D), N rounded up to a power of two, the tier (its tiles, density limit
+    and host knobs), the options as "sparse" runs them (eps, sort, soft cap, z-loss, ...) and whether
+    the lse is returned (the bits' margin)."""
+    N = E.shape[0]
+    return (str(E.device), E.dtype, C.shape[0], E.shape[1], 1 << max(0, N - 1).bit_length(), configs.name,
+            configs.dense_fallback, configs.sparse_for(E.dtype), configs.host, o, return_lse)
 
 
 def plan_call(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, configs: CCEConfigs | str | None,
               return_lse: bool, need: tuple[bool, bool, bool], wants_db: bool, filter_eps="auto",
-              **options) -> CCEPlan:
+              sort_vocab="auto", **options) -> CCEPlan:
     """``linear_cross_entropy``'s plan: the backward's name, the options (``resolve_options``; "auto"
-    by ``auto_filter_eps``, per row for "sparse"), the bias's gradient against the backward
-    (``wants_db``: the bias requires grad), the device and dtype (``why_unavailable``), then the
-    tier. E (N, D) and C (V, D) give the device, the dtype and the sizes."""
-    check_backward_impl(backward_impl)
-    if backward_impl == "sparse" and isinstance(filter_eps, str) and filter_eps == "auto":
-        configs = resolve_configs(configs, E.device)
-        filter_eps = auto_filter_eps(E.dtype, options.get("label_smoothing", 0.0), vocabulary=C.shape[0],
-                                     block_v=configs.sparse_for(E.dtype).BLOCK_V)
-    o = resolve_options(E.dtype, filter_eps=filter_eps, **options)
+    eps by ``auto_filter_eps``, per row for "sparse"; "auto" sort for "sparse" only), the bias's
+    gradient against the backward (``wants_db``: the bias requires grad), the device and dtype
+    (``why_unavailable``), the tier, then for "auto" the backward (``helpers.cce.auto``). E (N, D) and
+    C (V, D) give the device, the dtype and the sizes."""
+    check_backward_impl(backward_impl, BACKWARD_CHOICES)
+    if not (_is_auto(sort_vocab) or isinstance(sort_vocab, bool)):
+        raise ValueError(f"sort_vocab must be 'auto', True or False, got {sort_vocab!r}")
+    configs = resolve_configs(configs, E.device)
+    block_v = configs.sparse_for(E.dtype).BLOCK_V
+
+    def resolved(backward: str) -> CCEOptions:
+        """The options as ``backward`` runs them."""
+        eps = filter_eps
+        if _is_auto(filter_eps) and backward == "sparse":
+            eps = auto_filter_eps(E.dtype, options.get("label_smoothing", 0.0), vocabulary=C.shape[0], block_v=block_v)
+        sort = backward == "sparse" if _is_auto(sort_vocab) else sort_vocab
+        return resolve_options(E.dtype, filter_eps=eps, sort_vocab=sort, **options)
+
+    dense = resolved("gemm")  # every option checked here
     check_bias_gradient(backward_impl, wants_db)
-    reason = why_unavailable(E.device, E.dtype, o.softcap)
+    reason = why_unavailable(E.device, E.dtype, dense.softcap)
     if reason:
         raise RuntimeError(f"helpers.linear_cross_entropy cannot run here: {reason}")
-    return _plan(E, C, o, configs, backward_impl, return_lse, need)
+    need = tuple(need)
+    if backward_impl in ("gemm", "atomic"):
+        return CCEPlan(dense, configs, backward_impl, return_lse, need)
+    sparse = resolved("sparse")
+    cannot = why_sparse_cannot_run(E, C, sparse, configs)
+    fallback = replace(dense, sort_vocab=False)
+    if backward_impl == "sparse":
+        return CCEPlan(sparse, configs, "sparse", return_lse, need, cannot, fallback)
+    if not any(need):
+        choice = AutoChoice("gemm", "no gradient is wanted")
+    elif cannot:
+        choice = AutoChoice("gemm", cannot)
+    else:
+        choice = RECORD.choose(problem_key(E, C, sparse, configs, return_lse), configs.host.auto_probe_calls)
+    if choice.backward == "gemm":
+        return CCEPlan(dense, configs, "gemm", return_lse, need, auto=choice)
+    return CCEPlan(sparse, configs, "sparse", return_lse, need, None, fallback, choice)
 
 
 def plan_for(E: torch.Tensor, C: torch.Tensor, options: CCEOptions, configs: CCEConfigs | str | None,
              backward_impl: str, *, return_lse: bool, need: tuple[bool, bool, bool]) -> CCEPlan:
-    """The plan of a call of the host functions (``cce_backward``) with options already resolved."""
+    """The plan of a call of the host functions (``cce_backward``) with options already resolved
+    (a number as eps serves "sparse" and its fallback alike)."""
     check_backward_impl(backward_impl)
     check_bias_gradient(backward_impl, need[2])
-    return _plan(E, C, options, configs, backward_impl, return_lse, need)
+    configs = resolve_configs(configs, E.device)
+    if backward_impl != "sparse":
+        return CCEPlan(options, configs, backward_impl, return_lse, tuple(need))
+    return CCEPlan(options, configs, backward_impl, return_lse, tuple(need), why_sparse_cannot_run(E, C, options, configs),
+                   replace(options, sort_vocab=False))

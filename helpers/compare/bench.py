@@ -29,6 +29,7 @@ from helpers.compare.inputs import REGIMES, make_inputs
 from helpers.compare.gate import gate_cases, run_gate
 from helpers.compare.measure import is_out_of_memory, latency, peak_memory, release_memory
 from helpers.compare.methods import get_method
+from helpers.cce import forget_backward_choices
 from helpers.cce.device import default_device
 from helpers.compare.results_file import ResultsWriter, run_meta
 from helpers.compare.heads import GEMMA2, QWEN3
@@ -85,6 +86,10 @@ def bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, 
     rec = BenchRecord(shape, regime, d, method, N, V, D, "ok", gate_status)
     lb = lower_bound_bytes(N, V, D, dtype)
     rec.lower_bound_mb = lb / 1e6
+    # Ours' "auto" remembers, per problem, whether the sparse backward paid (``helpers.cce.auto``): a
+    # point starts from nothing remembered, as a new training run would, not from the decision the
+    # previous regime's softmax left for the same shape.
+    forget_backward_choices()
     try:
         E, C, x = make_inputs(N, V, D, dtype, device, regime=regime, seed=N)
         E.requires_grad_(True)
@@ -115,18 +120,21 @@ def bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, 
 
 def backward_note(method: str, E, C, x) -> str:
     """What a backward that can take another path did (a benchmark of a path that silently fell
-    back would mislead): for ours, the backward that ran, the pairs it marked and its work."""
+    back would mislead): for ours, the backward that ran, why ("auto"'s reason, or the sparse
+    backward's hand-over), the pairs it marked and its work. One more call after the timed ones:
+    for "auto", what its record says by then."""
     if not get_method(method).counts_skips:
         return ""
     stats = {}
     loss = get_method(method)(E, C, x, stats=stats)
     torch.autograd.grad(loss, (E, C))
-    if "fallback" not in stats:
-        return ""
-    if stats["fallback"]:
-        return f"ran the gemm backward: {stats['fallback']}"
-    return (f"sparse: marked {stats['density']:.1%} of the pairs, {stats['work_fraction']:.1%} of gemm's tile "
-            f"products, at most {stats['skipped_mass_max']:.1e} of a row's |G| mass dropped")
+    auto = f"auto, {stats['auto']}" if "auto" in stats else ""
+    if stats.get("backward") == "sparse":
+        return ((f"{auto}; " if auto else "") + f"sparse: marked {stats['density']:.1%} of the pairs, "
+                f"{stats['work_fraction']:.1%} of gemm's tile products, at most {stats['skipped_mass_max']:.1e} "
+                "of a row's |G| mass dropped")
+    why = "; ".join(filter(None, (auto, stats.get("fallback"))))
+    return f"ran the gemm backward: {why}" if why else ""
 
 
 def run_bench(

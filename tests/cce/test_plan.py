@@ -4,16 +4,20 @@ The table below names, per keyword, the field of the plan that carries it (or th
 ``api`` that uses it); a keyword added without an owner fails ``test_every_keyword_has_one_owner``."""
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
 
 import helpers.cce.api as api
 import helpers.cce.options as options_module
-from helpers.cce import linear_cross_entropy
+from helpers.cce import forget_backward_choices, linear_cross_entropy
 from helpers.cce.kernels.configs import tier
 from helpers.cce.options import CCEPlan, auto_filter_eps
 from helpers.compare.inputs import make_inputs
+
+# The interpreter's tier with the sparse backward allowed at these sizes ("auto" may probe).
+SPARSE_HERE = tier("interpreter").tuned(sparse_min_pairs=0)
 
 # keyword -> (a non-default value, where the plan holds it)
 OWNERS = {
@@ -31,7 +35,7 @@ OWNERS = {
     "full_c": (True, "options.full_c"),
     "full_e": (True, "options.full_e"),
     "configs": ("interpreter", "configs"),
-    "backward_impl": ("atomic", "backward_impl"),
+    "backward_impl": ("atomic", "backward_impl"),  # "auto": resolved to one of them, why in ``auto``
     "stats": ({}, "api: handed to the backward beside the plan, filled there"),
     "temperature": (0.5, "options.temperature"),
     "weight": (None, "api: the kernels' unweighted rows ('none' in the plan) weighted after the autograd function"),
@@ -83,20 +87,65 @@ def test_the_configs_are_resolved_once_per_call(monkeypatch):
     real = options_module.select_configs
     monkeypatch.setattr(options_module, "select_configs", lambda device: calls.append(device) or real(device))
     E, C, x = make_inputs(37, 301, 24, torch.float32, "cpu", requires_grad=True)
-    for impl in ("gemm", "atomic", "sparse"):
+    for impl in ("gemm", "atomic", "sparse", "auto"):
         calls.clear()
         linear_cross_entropy(E, C, x, backward_impl=impl, filter_eps="auto").backward()
         assert len(calls) == 1, impl
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("backward_impl", ["gemm", "sparse"])
-def test_auto_filter_eps_has_one_owner(dtype, backward_impl, monkeypatch):
-    """"auto" means ``auto_filter_eps``'s value, per tile for the dense backwards, per row for "sparse"."""
+@pytest.mark.parametrize("backward_impl, configs", [("gemm", None), ("sparse", None), ("auto", None),
+                                                    ("auto", SPARSE_HERE)], ids=str)
+def test_auto_filter_eps_and_sort_have_one_owner(dtype, backward_impl, configs, monkeypatch):
+    """"auto" means ``auto_filter_eps``'s value for the backward that runs, per tile for the dense
+    backwards, per row for "sparse", and "auto" sort means sorted for "sparse" only; "sparse" carries
+    the options "gemm" runs with if it hands over (``CCEPlan.fallback``): "gemm"'s, unsorted.
+    "auto" at the interpreter's tier is too small for "sparse"; with ``SPARSE_HERE`` fp16 probes it."""
+    forget_backward_choices()
     E, C, x = make_inputs(37, 301, 24, dtype, "cpu", requires_grad=True)
-    plan = planned(monkeypatch, E, C, x, backward_impl=backward_impl)
-    sparse = dict(vocabulary=301, block_v=plan.configs.sparse_for(dtype).BLOCK_V) if backward_impl == "sparse" else {}
+    plan = planned(monkeypatch, E, C, x, backward_impl=backward_impl, configs=configs)
+    ran = plan.backward_impl
+    assert ran == (backward_impl if backward_impl != "auto" else
+                   "sparse" if configs and dtype == torch.float16 else "gemm")
+    sparse = dict(vocabulary=301, block_v=plan.configs.sparse_for(dtype).BLOCK_V) if ran == "sparse" else {}
     assert plan.options.filter_eps == auto_filter_eps(dtype, **sparse)
+    assert plan.options.sort_vocab == (ran == "sparse")
+    assert (plan.auto is None) == (backward_impl != "auto")
+    if ran == "sparse":
+        assert plan.fallback == replace(plan.options, filter_eps=auto_filter_eps(dtype), sort_vocab=False)
+    else:
+        assert plan.fallback is None
+    forget_backward_choices()
+
+
+def test_a_number_and_an_explicit_sort_are_used_as_given_by_every_backward(monkeypatch):
+    E, C, x = make_inputs(37, 301, 24, torch.float16, "cpu", requires_grad=True)
+    for impl in ("gemm", "sparse", "auto"):
+        forget_backward_choices()
+        plan = planned(monkeypatch, E, C, x, backward_impl=impl, configs=SPARSE_HERE, filter_eps=2.0**-9,
+                       sort_vocab=False)
+        assert plan.backward_impl == ("gemm" if impl == "gemm" else "sparse")
+        assert plan.options.filter_eps == 2.0**-9 and not plan.options.sort_vocab
+        assert plan.fallback is None or plan.fallback == plan.options
+    forget_backward_choices()
+    with pytest.raises(ValueError, match="sort_vocab"):
+        linear_cross_entropy(E, C, x, sort_vocab="yes")
+    with pytest.raises(ValueError, match="backward_impl"):
+        linear_cross_entropy(E, C, x, backward_impl="fastest")
+
+
+def test_auto_decides_at_the_entry_what_sparse_cannot_skip(monkeypatch):
+    """"auto" with options that need every pair, or no gradient: "gemm" in the plan, no probe."""
+    forget_backward_choices()
+    E, C, x = make_inputs(37, 301, 24, torch.float16, "cpu", requires_grad=True)
+    plan = planned(monkeypatch, E, C, x, configs=SPARSE_HERE, label_smoothing=0.1)
+    assert plan.backward_impl == "gemm" and "label smoothing" in plan.auto.why and plan.auto.key is None
+    with torch.no_grad():
+        plan = planned(monkeypatch, E, C, x, configs=SPARSE_HERE)
+    assert plan.backward_impl == "gemm" and plan.auto.why == "no gradient is wanted" and not plan.emit_activity
+    plan = planned(monkeypatch, E, C, x, configs=SPARSE_HERE)
+    assert plan.backward_impl == "sparse" and plan.emit_activity and plan.auto.why.startswith("probe")
+    forget_backward_choices()
 
 
 def test_the_sparse_decision_before_any_bit_is_made_is_the_plans(monkeypatch):

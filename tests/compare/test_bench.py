@@ -75,4 +75,5 @@ def test_bench_says_which_backward_ran(temporary_method):
     E, C, x = make_inputs(48, 700, 24, torch.float16, "cpu", regime="realistic", seed=0)
     note = backward_note("ours_sparse_any_size", E.requires_grad_(True), C.requires_grad_(True), x)
     assert note.startswith("sparse: marked"), note
-    assert backward_note("ours", E, C, x) == ""  # a method with one backward has nothing to say
+    assert backward_note("ours_gemm", E, C, x) == ""  # a method with one backward has nothing to say
+    assert backward_note("ours", E, C, x).startswith("ran the gemm backward: auto, N x tiles")  # "auto": why

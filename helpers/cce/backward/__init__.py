@@ -6,9 +6,10 @@ For a kept row i the gradient of its loss with respect to a logit is
 
 times d cap(a) / da = 1 - (z / softcap)^2 under the soft cap; dE = g G C and dC = G^T (g E), g the
 upstream gradient of each row. Three implementations compute it, chosen by ``backward_impl``:
-"gemm" (``helpers.cce.backward.gemm``, the default), "atomic" (``helpers.cce.backward.atomic``) and
-"sparse" (``helpers.cce.backward.sparse``, opt-in: only the (row, tile) pairs the forward's activity
-bits mark, "gemm" when they mark too many). All form G in the same code (``gradient_tile``), filter
+"gemm" (``helpers.cce.backward.gemm``), "atomic" (``helpers.cce.backward.atomic``) and "sparse"
+(``helpers.cce.backward.sparse``: only the (row, tile) pairs the forward's activity bits mark, "gemm"
+when they mark too many); ``linear_cross_entropy``'s default "auto" picks "sparse" or "gemm" per call
+before the forward (``helpers.cce.auto``). All form G in the same code (``gradient_tile``), filter
 it by the same rule (a row's |G| mass in a tile below eps: "gemm" and "atomic" drop a tile when every
 row of their row block is below, "sparse" each row on its own) and accumulate in fp32.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from helpers.cce.activity import Activity
+from helpers.cce.auto import RECORD
 from helpers.cce.backward.atomic import backward_atomic
 from helpers.cce.backward.gemm import backward_gemm
 from helpers.cce.backward.rows import RowGradient
@@ -50,10 +52,11 @@ def cce_backward(
 
     grad_rows: (N,) fp32, the upstream gradient of each row's loss (0 at ignored rows is implied).
     grad_lse: (N,) fp32 or None, the gradient flowing into the returned lse (``return_lse``).
-    bias: the head's bias (V,), or None. backward_impl: "gemm", "atomic" or "sparse" (module doc);
-    "atomic" computes no db. activity: the forward's activity bits
-    (``cce_forward(..., emit_activity=True)``), which "sparse" needs (without them it runs "gemm";
-    it fixes them up in place: call it with bits it may change). "sparse" fills ``stats`` with
+    bias: the head's bias (V,), or None. backward_impl: "gemm", "atomic" or "sparse" (module doc;
+    not "auto", which chooses before the forward); "atomic" computes no db. activity: the forward's
+    activity bits (``cce_forward(..., emit_activity=True)``), which "sparse" needs (without them it
+    runs "gemm", unsorted, at the same eps; it fixes them up in place: call it with bits it may
+    change). ``stats["backward"]`` names the backward that ran. "sparse" fills ``stats`` with
     its own counts: "fallback" (None, or why "gemm" ran), "density" (marked share of the pairs),
     "pairs", "marked", "kept_pairs", "skipped_mass_max" / "_mean" (|G| mass a row lost, the quantity the rule bounds),
     "work_fraction" (tile products against "gemm"'s), "extra_bytes"; "tiles" and "skipped" count
@@ -77,22 +80,33 @@ def cce_backward(
 def run_backward(E, C, x, lse, grad_rows, plan: CCEPlan, n_chunk: int | None = None, v_chunk: int | None = None,
                  stats: dict | None = None, *, grad_lse=None, bias=None, activity: Activity | None = None):
     """``cce_backward`` by a resolved ``CCEPlan`` (``helpers.cce.options``): the dispatch to the
-    plan's backward, and the "sparse" backward's hand-over to "gemm" (``stats["fallback"]`` says why)."""
+    plan's backward, the "sparse" backward's hand-over to "gemm" (``stats["fallback"]`` says why),
+    and what "auto"'s record learns from it (``helpers.cce.auto``). ``stats["backward"]``: the
+    backward that ran; ``stats["auto"]``: why "auto" chose as it did."""
     o, configs, need = plan.options, plan.configs, plan.need
     up = RowGradient.of(grad_rows, grad_lse, x != o.ignore_index, lse, o)
+    if stats is not None and plan.auto is not None:
+        stats["auto"] = plan.auto.why
     if plan.backward_impl == "sparse":
         if not any(need):
             return None, None, None
         reason, sparse = sparse_plan(E, C, x, lse, up, activity, o, configs, need, plan.sparse_reason)
+        if plan.auto is not None:
+            RECORD.observe(plan.auto, sparse["density"] if sparse else None, reason)
         if reason is None:
-            return backward_sparse(E, C, x, lse, up, activity, o, configs, sparse, stats, bias, need)
-        # Unsorted: the sort serves the filter, and this eps (a row's budget over its tiles) skips
-        # next to nothing of a dense softmax; sorted, "gemm" would gather C's rows, which costs it time.
-        grads = backward_gemm(E, C, x, lse, up, None, o, configs.backward_gemm_for(E.dtype), n_chunk, v_chunk,
-                              stats, bias, need, host=configs.host)
+            grads = backward_sparse(E, C, x, lse, up, activity, o, configs, sparse, stats, bias, need)
+            if stats is not None:
+                stats["backward"] = "sparse"
+            return grads
+        # "gemm" as backward_impl="gemm" runs it (``CCEPlan.fallback``): its own eps, and unsorted (the
+        # sort serves the filter, which in "gemm" saves no time; sorted, it would gather C's rows).
+        grads = backward_gemm(E, C, x, lse, up, None, plan.fallback, configs.backward_gemm_for(E.dtype), n_chunk,
+                              v_chunk, stats, bias, need, host=configs.host)
         if stats is not None:
-            stats.update(fallback=reason, density=sparse["density"] if sparse else None)
+            stats.update(backward="gemm", fallback=reason, density=sparse["density"] if sparse else None)
         return grads
+    if stats is not None:
+        stats["backward"] = plan.backward_impl
     order = vocabulary_order(E, C) if o.sort_vocab else None
     if plan.backward_impl == "gemm":
         return backward_gemm(E, C, x, lse, up, order, o, configs.backward_gemm_for(E.dtype), n_chunk, v_chunk,

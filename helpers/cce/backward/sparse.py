@@ -1,4 +1,5 @@
-"""The "sparse" backward (opt-in, ``backward_impl="sparse"``): only the marked (row, tile) pairs.
+"""The "sparse" backward (``backward_impl="sparse"``, or chosen by the default "auto" where its bits
+paid on the last calls, ``helpers.cce.auto``): only the marked (row, tile) pairs.
 
 Why. On a trained model's softmax most of a row's vocabulary carries no gradient worth its
 arithmetic, but the rows do not agree on which: in our ``realistic`` regime at the Gemma-2-2B
@@ -44,7 +45,8 @@ the bias does, and for db alone the pass forms Gc and sums it, with no product w
 
 Deterministic: no atomics on the gradients; every sum runs in an order fixed by the data (tile,
 then row; splits in order), so two runs give the same bits (checked on an H200 at the Gemma-2-2B
-head and at the Qwen3 head with N = 131,072). The "gemm" backward runs instead, and
+head and at the Qwen3 head with N = 131,072). The "gemm" backward runs instead, as
+``backward_impl="gemm"`` runs it (its own "auto" eps, unsorted: ``CCEPlan.fallback``), and
 ``stats["fallback"]`` says why, when the problem is too small to pay for the index
 (``HostTuning.sparse_min_pairs``), the bits mark more than the tier's ``dense_fallback`` of the
 pairs (a dense softmax: early training, the ``uniform`` regime), an option needs every pair (label

@@ -101,6 +101,11 @@ class HostTuning:
     # by casting it whole first, 8 bytes per byte of bits (156 MB at the Qwen3 head with N = 131,072);
     # in slices of this many rows the cast is at most ~10 MB.
     count_rows: int = 8192
+    # ``backward_impl="auto"`` (``helpers.cce.auto``): calls of one problem that run "gemm" on a remembered
+    # "the bits marked too many" before a call makes bits again to look. A probe on a flat softmax costs
+    # 5-8% of one step on an H200 (the bits' forward, then "gemm" anyway), 0.2-0.3% over 32 calls; a
+    # softmax that sharpens waits at most this many calls for the sparse backward.
+    auto_probe_calls: int = 32
 
     # The forward with activity bits (``helpers.cce.forward``): sorted vocabulary positions the pilot
     # launch walks first (rounded to whole bytes of bits).

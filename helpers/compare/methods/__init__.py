@@ -37,7 +37,7 @@ import torch
 
 from helpers.compare.methods.baselines import CHUNKED, EXACT, NAIVE, TORCH_COMPILE
 from helpers.compare.methods.entry import Method, MethodUnavailable, Reason
-from helpers.compare.methods.ours import OURS, OURS_NOFILTER, OURS_SPARSE
+from helpers.compare.methods.ours import OURS, OURS_GEMM, OURS_NOFILTER, OURS_SPARSE
 from helpers.compare.methods.peers import APPLE_CCE, APPLE_CCE_KAHAN_FULL_C, APPLE_CCE_NOFILTER, LIGER, TORCH_LCE
 from helpers.spec import REDUCTIONS
 
@@ -76,10 +76,10 @@ def availability(
 
 
 # The registration order is the order of every table and legend, and of the colours
-# (plots.method_colors): the primary methods, then the presets. Apple's presets come last, after
+# (plots.method_colors): the primary methods, then the presets. Later presets come last, after
 # every colour the others already had, so that those stay put.
 for _entry in (NAIVE, TORCH_COMPILE, CHUNKED, LIGER, APPLE_CCE, TORCH_LCE, OURS, OURS_NOFILTER, OURS_SPARSE, EXACT,
-               APPLE_CCE_KAHAN_FULL_C, APPLE_CCE_NOFILTER):
+               APPLE_CCE_KAHAN_FULL_C, APPLE_CCE_NOFILTER, OURS_GEMM):
     register(_entry)
 
 

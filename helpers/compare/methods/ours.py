@@ -71,7 +71,8 @@ OURS = Method(
     name="ours",
     label="ours (Triton CCE)",
     summary="this package's Cut Cross-Entropy in Triton: logits rebuilt tile by tile on chip, "
-    "gradient filter from the dtype, gradients accumulated in fp32.",
+    "gradient filter from the dtype, gradients accumulated in fp32; the backward chosen per problem "
+    '(backward_impl="auto": the sparse one where the softmax lets it skip, else "gemm").',
     implementation=_ours(),
     availability=_ours_reason,
     kind="ours",
@@ -96,8 +97,21 @@ OURS_SPARSE = Method(
     label="ours (sparse backward)",
     summary='ours with backward_impl="sparse": the forward marks the (row, tile) pairs that may carry '
     "gradient, the backward computes only those (a row loses at most 2^-7 of its gradient mass in "
-    "bf16); it runs the default backward when the softmax is too flat to skip.",
-    implementation=_ours(backward_impl="sparse", sort_vocab=True),
+    "bf16); it runs the 'gemm' backward when the softmax is too flat to skip.",
+    implementation=_ours(backward_impl="sparse"),
+    availability=_ours_reason,
+    kind="ours",
+    preset_of="ours",
+    counts_skips=True,
+    supports_bias=True,
+)
+
+OURS_GEMM = Method(
+    name="ours_gemm",
+    label="ours (gemm backward)",
+    summary='ours with backward_impl="gemm" on every call: G per vocabulary chunk, its products in cuBLAS, '
+    "whatever the softmax (ours chooses between it and the sparse backward).",
+    implementation=_ours(backward_impl="gemm"),
     availability=_ours_reason,
     kind="ours",
     preset_of="ours",
@@ -106,4 +120,4 @@ OURS_SPARSE = Method(
 )
 
 
-__all__ = ["OURS", "OURS_NOFILTER", "OURS_SPARSE", "ours_peak_bytes"]
+__all__ = ["OURS", "OURS_GEMM", "OURS_NOFILTER", "OURS_SPARSE", "ours_peak_bytes"]
