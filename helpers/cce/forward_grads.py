@@ -64,7 +64,7 @@ def plan_schedule(E: torch.Tensor, C: torch.Tensor, bias: torch.Tensor | None, p
     reason = schedule_reason(plan.options, return_lse=return_lse, need=plan.need)
     logits_itemsize = None
     if memory_budget != "min" and reason is None and E.dtype == torch.float16:
-        if float(logits_bound(E, C, bias)) > plan.configs.host.fp16_logit_limit:
+        if float(logits_bound(E.detach(), C.detach(), bias.detach() if bias is not None else None)) > plan.configs.host.fp16_logit_limit:
             logits_itemsize = 4
     N, D = E.shape
     return choose_schedule(N, C.shape[0], D, E.dtype, memory_budget, plan.configs, need=plan.need,

@@ -112,7 +112,12 @@ def forward_grads_extra_bytes(N: int, V: int, D: int, itemsize: int, rows: int, 
 def forward_grads_rows(N: int, V: int, D: int, itemsize: int, logits_itemsize: int, budget: int,
                        configs: CCEConfigs, need: tuple[bool, bool, bool] = (True, True, False)) -> int:
     """The most rows a "forward_grads" chunk may take within ``budget`` extra bytes: N when all the
-    rows fit, else a multiple of ``host.row_multiple``; 0 when not even one such chunk fits."""
+    rows fit, else a multiple of ``host.row_multiple``; 0 when not even one such chunk fits.
+    ``host.forward_grads_rows`` instead, when set and it fits."""
+    fixed = configs.host.forward_grads_rows
+    if fixed:
+        fixed = min(fixed, N)
+        return fixed if forward_grads_extra_bytes(N, V, D, itemsize, fixed, logits_itemsize, need=need) <= budget else 0
     if forward_grads_extra_bytes(N, V, D, itemsize, N, logits_itemsize, need=need) <= budget:
         return N
     step = configs.host.row_multiple

@@ -124,6 +124,9 @@ class HostTuning:
     fp16_logit_limit: float = 60000.0
     # Rows per "forward_grads" chunk are a multiple of this (the last chunk takes the rest).
     row_multiple: int = 64
+    # Rows per "forward_grads" chunk in place of the most the budget allows (still held to the budget);
+    # None: the most. For tests and tuning.
+    forward_grads_rows: int | None = None
 
 
 @dataclass(frozen=True)
