@@ -121,12 +121,18 @@ def backward_note(method: str, E, C, x) -> str:
     stats = {}
     loss = get_method(method)(E, C, x, stats=stats)
     torch.autograd.grad(loss, (E, C))
-    if "fallback" not in stats:
-        return ""
-    if stats["fallback"]:
-        return f"ran the gemm backward: {stats['fallback']}"
-    return (f"sparse: marked {stats['density']:.1%} of the pairs, {stats['work_fraction']:.1%} of gemm's tile "
-            f"products, at most {stats['skipped_mass_max']:.1e} of a row's |G| mass dropped")
+    notes = []
+    if stats.get("budget_bytes") is not None:  # under a memory budget: the schedule it chose, predicted
+        chunks = (f", {stats['chunks']} chunk(s) of {stats['rows']:,} rows, {stats['logits_dtype']} logits"
+                  if stats["schedule"] == "forward_grads" else "")
+        notes.append(f"schedule {stats['schedule']}{chunks}; predicted peak {stats['predicted_peak_bytes'] / 1e6:,.1f} "
+                     f"MB, {stats['predicted_ms']:.1f} ms ({stats['why']})")
+    if stats.get("fallback"):
+        notes.append(f"ran the gemm backward: {stats['fallback']}")
+    elif "fallback" in stats:
+        notes.append(f"sparse: marked {stats['density']:.1%} of the pairs, {stats['work_fraction']:.1%} of gemm's "
+                     f"tile products, at most {stats['skipped_mass_max']:.1e} of a row's |G| mass dropped")
+    return "; ".join(notes)
 
 
 def run_bench(

@@ -37,7 +37,14 @@ import torch
 
 from helpers.compare.methods.baselines import CHUNKED, EXACT, NAIVE, TORCH_COMPILE
 from helpers.compare.methods.entry import Method, MethodUnavailable, Reason
-from helpers.compare.methods.ours import OURS, OURS_NOFILTER, OURS_SPARSE
+from helpers.compare.methods.ours import (
+    OURS,
+    OURS_BUDGET_1G,
+    OURS_BUDGET_4G,
+    OURS_BUDGET_256M,
+    OURS_NOFILTER,
+    OURS_SPARSE,
+)
 from helpers.compare.methods.peers import APPLE_CCE, APPLE_CCE_KAHAN_FULL_C, APPLE_CCE_NOFILTER, LIGER, TORCH_LCE
 from helpers.spec import REDUCTIONS
 
@@ -77,9 +84,9 @@ def availability(
 
 # The registration order is the order of every table and legend, and of the colours
 # (plots.method_colors): the primary methods, then the presets. Apple's presets come last, after
-# every colour the others already had, so that those stay put.
+# every colour the others already had, so that those stay put; ours under memory budgets after them.
 for _entry in (NAIVE, TORCH_COMPILE, CHUNKED, LIGER, APPLE_CCE, TORCH_LCE, OURS, OURS_NOFILTER, OURS_SPARSE, EXACT,
-               APPLE_CCE_KAHAN_FULL_C, APPLE_CCE_NOFILTER):
+               APPLE_CCE_KAHAN_FULL_C, APPLE_CCE_NOFILTER, OURS_BUDGET_256M, OURS_BUDGET_1G, OURS_BUDGET_4G):
     register(_entry)
 
 
