@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import textwrap
 import types
@@ -70,6 +71,7 @@ import types
 import torch
 
 from helpers.cce import linear_cross_entropy
+from helpers.cce.schedules import check_memory_budget
 
 # Class name -> (the transformers module that defines it, the config attribute of its final logit
 # soft cap or None). Checked by name and module, so neither importing this module nor patching one
@@ -402,11 +404,13 @@ def is_patched(model) -> bool:
     return _STATE in getattr(model, "__dict__", {})
 
 
-def patch(model, *, allow_unlisted: bool = False, loss=None):
+def patch(model, *, allow_unlisted: bool = False, loss=None, memory_budget="min"):
     """Make ``model`` (this instance only) compute its training loss without logits; returns it.
 
     ``loss``: the linear cross-entropy the patched forward calls, with ``linear_cross_entropy``'s
     signature (E, C, x, *, bias, ignore_index, reduction, softcap); None: ours.
+    ``memory_budget``: ``linear_cross_entropy``'s ("min", a number of bytes beyond the inputs, dE
+    and dC, or "auto"), passed to every call (to ``loss`` too, when it is not "min").
 
     After patching, ``model(..., labels=labels)`` returns the usual output with ``loss`` from
     ``helpers.cce.linear_cross_entropy`` and ``logits=None`` (no logits are computed when labels
@@ -418,6 +422,9 @@ def patch(model, *, allow_unlisted: bool = False, loss=None):
         raise RuntimeError(
             f"{type(model).__name__} is already patched by helpers.hf.patch; call unpatch(model) first"
         )
+    memory_budget = check_memory_budget(memory_budget)
+    if memory_budget != "min":
+        loss = functools.partial(loss or linear_cross_entropy, memory_budget=memory_budget)
     state = dataclasses.replace(check_supported(model, allow_unlisted=allow_unlisted), loss=loss)
 
     def forward(self, *args, **kwargs):

@@ -632,3 +632,10 @@ def test_without_source_a_listed_family_is_trusted_by_name(monkeypatch):
     compare(model, *make_batch())  # the soft cap comes from the table, and still matches
     with pytest.raises(hf.UnsupportedModelError, match="source"):
         hf.patch(olmo2, allow_unlisted=True)
+
+
+def test_patch_takes_a_memory_budget_and_names_a_bad_one():
+    from helpers.hf import patch
+
+    with pytest.raises(ValueError, match="memory_budget"):
+        patch(object(), memory_budget="lots")

@@ -68,8 +68,10 @@ import torch
 from helpers.cce.backward import run_backward
 from helpers.cce.class_weights import check_weight, weighted_reduction
 from helpers.cce.forward import cce_forward
+from helpers.cce.forward_grads import ForwardGradsFunction, plan_schedule
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import CCEPlan, plan_call
+from helpers.cce.schedules import check_memory_budget
 from helpers.cce.shared import read_later
 from helpers.spec import raise_for_targets, targets_out_of_range, validate_inputs
 
@@ -153,6 +155,7 @@ def linear_cross_entropy(
     stats: dict | None = None,
     temperature: float = 1.0,
     weight: torch.Tensor | None = None,
+    memory_budget: str | float = "min",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of the logits E C^T (+ bias) against x, without materialising the logits.
 
@@ -214,6 +217,15 @@ def linear_cross_entropy(
         divides by the kept targets' weights (``helpers.cce.class_weights``; not with label
         smoothing or the z-loss). Per-token log-probabilities, entropies and accuracy:
         ``helpers.cce.outputs.linear_cross_entropy_outputs``.
+    memory_budget: "min" (the default: the recompute design above, its least memory), a number of
+        bytes the call may hold beyond its inputs and the gradients it returns (dE, dC), or "auto"
+        (``helpers.cce.schedules.AUTO_SHARE`` of the device's free memory; "min" on the CPU). The
+        call runs the schedule predicted fastest among those whose predicted memory fits
+        (``helpers.cce.schedules``): "recompute" or "forward_grads" (the gradients made in the
+        forward from chunks of logit rows: three products instead of four; a "mean" or "sum" loss
+        without ``return_lse`` or class weights, ``helpers.cce.forward_grads``). ``stats`` gets
+        "schedule", "predicted_peak_bytes", "predicted_ms" and "why". A number that fits no
+        schedule raises ``helpers.cce.schedules.MemoryBudgetError`` with the numbers.
     """
     validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias,
                     leading_dims=True, check_targets=False)  # x's range: the forward checks it
@@ -243,12 +255,22 @@ def linear_cross_entropy(
     )
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
+    memory_budget = check_memory_budget(memory_budget)
     lead = x.shape
     if shift:
         shifted = torch.full_like(x, ignore_index)
         shifted[..., :-1] = x[..., 1:]
         x = shifted
-    loss, lse = LinearCrossEntropyFunction.apply(E.reshape(-1, E.shape[-1]), C, x.reshape(-1), bias, plan, stats)
+    E_rows = E.reshape(-1, E.shape[-1])
+    schedule = None
+    if memory_budget != "min" or stats is not None:  # "min" without stats: no model to run
+        schedule = plan_schedule(E_rows, C, bias, plan, memory_budget, return_lse=return_lse)
+        if stats is not None:
+            stats.update(schedule.as_stats())
+    if schedule is not None and schedule.name == "forward_grads":
+        loss = ForwardGradsFunction.apply(E_rows, C, x.reshape(-1), bias, plan, schedule, stats)
+        return loss  # a "mean" or a "sum" (class weights make the plan's reduction "none": recompute)
+    loss, lse = LinearCrossEntropyFunction.apply(E_rows, C, x.reshape(-1), bias, plan, stats)
     if weight is not None:
         loss = weighted_reduction(loss, x.reshape(-1), weight, ignore_index, reduction)
     if reduction == "none":

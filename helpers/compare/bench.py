@@ -128,13 +128,22 @@ def backward_note(method: str, E, C, x) -> str:
     stats = {}
     loss = get_method(method)(E, C, x, stats=stats)
     torch.autograd.grad(loss, (E, C))
+    notes = []
+    if stats.get("budget_bytes") is not None:  # under a memory budget: the schedule it chose, predicted
+        chunks = (f", {stats['chunks']} chunk(s) of {stats['rows']:,} rows, {stats['logits_dtype']} logits"
+                  if stats["schedule"] == "forward_grads" else "")
+        notes.append(f"schedule {stats['schedule']}{chunks}; predicted peak {stats['predicted_peak_bytes'] / 1e6:,.1f} "
+                     f"MB, {stats['predicted_ms']:.1f} ms ({stats['why']})")
     auto = f"auto, {stats['auto']}" if "auto" in stats else ""
     if stats.get("backward") == "sparse":
-        return ((f"{auto}; " if auto else "") + f"sparse: marked {stats['density']:.1%} of the pairs, "
-                f"{stats['work_fraction']:.1%} of gemm's tile products, at most {stats['skipped_mass_max']:.1e} "
-                "of a row's |G| mass dropped")
-    why = "; ".join(filter(None, (auto, stats.get("fallback"))))
-    return f"ran the gemm backward: {why}" if why else ""
+        notes.append((f"{auto}; " if auto else "") + f"sparse: marked {stats['density']:.1%} of the pairs, "
+                     f"{stats['work_fraction']:.1%} of gemm's tile products, at most {stats['skipped_mass_max']:.1e} "
+                     "of a row's |G| mass dropped")
+    elif stats.get("backward") == "gemm":
+        why = "; ".join(filter(None, (auto, stats.get("fallback"))))
+        if why:
+            notes.append(f"ran the gemm backward: {why}")
+    return "; ".join(notes)
 
 
 def run_bench(

@@ -56,6 +56,9 @@ KERNEL_FLAGS = {
     # Its pair index (helpers/cce/kernels/pair_list.py).
     ("count_pairs", "all"): dict(HAS_LIVE=True, POPCOUNT=True),
     ("write_pairs", "all"): dict(HAS_LIVE=True, SLOTS=True),
+    # The "forward_grads" schedule's row kernel (helpers/cce/kernels/row_gradient.py).
+    ("row_gradient", "all"): dict(HAS_SOFTCAP=True, SUM_LOGITS=True),
+    ("row_gradient", "none"): dict(HAS_SOFTCAP=False, SUM_LOGITS=False),
 }
 SPARSE_KERNELS = ("sparse_dE_pack", "sparse_dE_reduce", "sparse_g", "sparse_dC", "sparse_dC_finish")
 INDEX_KERNELS = ("count_pairs", "write_pairs")
@@ -70,7 +73,7 @@ def _signature(kernel_name, fn, dtype):
         "bits_ptr": "u8", "live_ptr": "u8", "seg_start_ptr": "i32", "cnt_ptr": "i32", "popcount_ptr": "i32",
         "off_ptr": "i64", "rank_ptr": "i32", "row_slot_ptr": "i64", "seg_slot_base_ptr": "i64",
         "pair_row_ptr": "i32", "pair_slot_ptr": "i32", "pack_off_ptr": "i64", "pair_off_ptr": "i64",
-        "pair_cnt_ptr": "i32", "kept_ptr": "i32", "Gc_ptr": dtype,
+        "pair_cnt_ptr": "i32", "kept_ptr": "i32", "Gc_ptr": dtype, "Z_ptr": dtype,
     }
     if kernel_name.startswith("sparse"):
         # The outputs themselves, not fp32 scratch; the bias in the inputs' dtype.
@@ -125,19 +128,24 @@ def compile_ours(request):
     from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
     from helpers.cce.kernels.lse_forward import lse_forward_kernel
     from helpers.cce.kernels.pair_list import count_pairs_kernel, write_pairs_kernel
+    from helpers.cce.kernels.row_gradient import row_gradient_kernel
 
     kernels = {"lse_forward": lse_forward_kernel, "backward": backward_atomic_kernel,
                "indexed_dot": indexed_dot_kernel, "backward_gemm": gradient_chunk_kernel,
                "sparse_dE_pack": S.sparse_dE_pack_kernel, "sparse_dE_reduce": S.sparse_dE_reduce_kernel,
                "sparse_g": S.sparse_g_kernel, "sparse_dC": S.sparse_dC_kernel,
                "sparse_dC_finish": S.sparse_dC_finish_kernel,
-               "count_pairs": count_pairs_kernel, "write_pairs": write_pairs_kernel}
+               "count_pairs": count_pairs_kernel, "write_pairs": write_pairs_kernel,
+               "row_gradient": row_gradient_kernel}
     tier = K.tier(request["tier"])
     size = 4 if request["dtype"] == "fp32" else 2
     fn = kernels[request["kernel"]]
     if request["kernel"] == "indexed_dot":
         cfg = tier.indexed_dot
         constexprs = cfg.tiles("BLOCK_N", "BLOCK_D")
+    elif request["kernel"] == "row_gradient":
+        cfg = tier.row_gradient
+        constexprs = cfg.tiles("BLOCK_V")
     elif request["kernel"] == "sparse_dE_reduce":
         cfg = tier.sparse[size]
         constexprs = {"BLOCK_R": 256}  # the host's choice on a GPU

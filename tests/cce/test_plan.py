@@ -39,6 +39,7 @@ OWNERS = {
     "stats": ({}, "api: handed to the backward beside the plan, filled there"),
     "temperature": (0.5, "options.temperature"),
     "weight": (None, "api: the kernels' unweighted rows ('none' in the plan) weighted after the autograd function"),
+    "memory_budget": (2**30, "api: checked at the entry, the schedule chosen once (helpers.cce.schedules)"),
 }
 
 

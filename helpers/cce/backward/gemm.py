@@ -137,7 +137,7 @@ _product_mode_cache: dict = {}
 
 
 def product_mode(device: torch.device, dtype: torch.dtype) -> str:
-    """How ``_product`` makes out (fp32) [+]= alpha * a @ b for a, b in ``dtype`` on ``device``.
+    """How ``fp32_product`` makes out (fp32) [+]= alpha * a @ b for a, b in ``dtype`` on ``device``.
 
     "upcast": operands copied to fp32 (fp32 inputs, where it costs nothing; and the CPU, whose
     tests want exact products). On CUDA, the first that works and is right on a small probe:
@@ -159,7 +159,7 @@ def product_mode(device: torch.device, dtype: torch.dtype) -> str:
         for mode in PRODUCT_MODES[1:]:
             try:
                 got = start.clone()
-                _product(got, a, b, alpha=0.5, accumulate=True, mode=mode)
+                fp32_product(got, a, b, alpha=0.5, accumulate=True, mode=mode)
                 if torch.allclose(got, want, rtol=1e-2, atol=1e-1):
                     break
             except (RuntimeError, TypeError):  # this torch lacks the overload, or refuses fp32 self
@@ -168,7 +168,7 @@ def product_mode(device: torch.device, dtype: torch.dtype) -> str:
     return _product_mode_cache[key]
 
 
-def _product(out, a, b, *, alpha: float, accumulate: bool, mode: str):
+def fp32_product(out, a, b, *, alpha: float, accumulate: bool, mode: str):
     """out (fp32) = [out +] alpha * (a @ b), a and b in one dtype; ``mode``: ``product_mode``."""
     beta = 1.0 if accumulate else 0.0  # beta = 0: out's old contents (maybe NaN) are ignored
     if mode == "upcast":
@@ -335,13 +335,13 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                 C_c = (torch.index_select(C, 0, where, out=C_sorted_buf[:cols]) if vocab_order is not None
                        else C[v0:v1])  # (V_c, D)
                 # 2. dE_acc += G_c C_c: (rows, V_c) @ (V_c, D), fp32 output.
-                _product(dE_rows, G_dE, C_c, alpha=1.0, accumulate=True, mode=mode)
+                fp32_product(dE_rows, G_dE, C_c, alpha=1.0, accumulate=True, mode=mode)
             if alpha is None and (need_db or need_dC):
                 alpha = w_scale()
             if need_db:
                 # db[v0:v1] += w_scale G_c^T w_rel: (V_c, rows) @ (rows, 1), fp32.
                 db_rows = db_rows_buf[:cols]
-                _product(db_rows, G_dC.T, w_op, alpha=alpha, accumulate=False, mode=mode)
+                fp32_product(db_rows, G_dC.T, w_op, alpha=alpha, accumulate=False, mode=mode)
                 db_acc.index_add_(0, where if vocab_order is not None else torch.arange(v0, v1, device=device),
                                   db_rows[:, 0])
             if not need_dC:
@@ -357,7 +357,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
             for s0 in range(0, cols, staged_rows):  # (V_c, D) fp32, a piece at a time, then folded
                 s1 = min(cols, s0 + staged_rows)
                 dC_rows = dC_rows_buf[: s1 - s0]
-                _product(dC_rows, G_dC[:, s0:s1].T, E_op, alpha=alpha, accumulate=False, mode=mode)
+                fp32_product(dC_rows, G_dC[:, s0:s1].T, E_op, alpha=alpha, accumulate=False, mode=mode)
                 piece = where[s0:s1] if vocab_order is not None else slice(v0 + s0, v0 + s1)
                 if low_precision:
                     fold_dC(dC, dC_rows, piece, chunk == 0, compensation)

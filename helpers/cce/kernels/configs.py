@@ -111,6 +111,28 @@ class HostTuning:
     # launch walks first (rounded to whole bytes of bits).
     pilot_columns: int = 1024
 
+    # The time model that picks a schedule under a memory budget (``helpers.cce.schedules``): a
+    # schedule's time is its FLOP at the tier's matmul rate plus its extra bytes at the memory's
+    # bandwidth. Rates are a GPU of the tier's, measured where we had one (the H200's bf16 790
+    # TFLOP/s; docs/PERFORMANCE.md), else its datasheet's dense rate; they only rank schedules.
+    matmul_tflops_16bit: float = 790.0
+    matmul_tflops_fp32: float = 50.0  # fp32 without TF32 (torch's default)
+    bandwidth_gbs: float = 4000.0
+    # The share of cuBLAS's rate our Triton logit kernels (the LSE forward, the G kernel) reach: on an
+    # H200 the "gemm" design's 36.3 ms at the Qwen3 head (N 16,384) and 59.5 ms at the Gemma-2-2B head
+    # against their cuBLAS products fit 0.63 and 0.75.
+    triton_share: float = 0.7
+    # Host time per kernel launch, microseconds (a "forward_grads" chunk launches ~5).
+    launch_us: float = 10.0
+    # "forward_grads" with fp16 inputs holds its logits in fp32 where a logit could pass this
+    # (fp16's largest is 65,504): |z| <= max ||E_i|| max ||C_v|| + max |b| (Cauchy-Schwarz).
+    fp16_logit_limit: float = 60000.0
+    # Rows per "forward_grads" chunk are a multiple of this (the last chunk takes the rest).
+    row_multiple: int = 64
+    # Rows per "forward_grads" chunk in place of the most the budget allows (still held to the budget);
+    # None: the most. For tests and tuning.
+    forward_grads_rows: int | None = None
+
 
 @dataclass(frozen=True)
 class CCEConfigs:
@@ -138,6 +160,9 @@ class CCEConfigs:
     # softmax, so a tier with narrow tiles stops paying at a lower share (the measurements per tier:
     # docs/PERFORMANCE.md).
     dense_fallback: float = 0.15
+    # The "forward_grads" schedule's row kernel (row_gradient.py): one program per logit row, walking it
+    # in BLOCK_V columns (BLOCK_N and BLOCK_D unused); no dot, so its shared memory is a reduction's.
+    row_gradient: LaunchConfig = LaunchConfig(1, 1024, 1, 4, 1)
     # The host's knobs (chunk widths, in-place caps, budgets, split counts).
     host: HostTuning = HostTuning()
 
@@ -177,6 +202,7 @@ INTERPRETER = CCEConfigs(
     indexed_dot=_L(16, 1, 16, 1, 1),
     # 16-column bits: two per forward tile, so the interpreter runs the sub-tile path.
     sparse={2: _L(16, 16, 16, 1, 1), 4: _L(16, 16, 16, 1, 1)},
+    row_gradient=_L(1, 32, 1, 1, 1),  # several blocks a row at the tests' V
 )
 
 TIERS: tuple[CCEConfigs, ...] = (
@@ -189,6 +215,9 @@ TIERS: tuple[CCEConfigs, ...] = (
         backward_gemm={2: _L(128, 64, 32, 4, 3), 4: _L(64, 64, 32, 4, 2)},
         # Not tuned (no GPU run yet): 64-column tiles, two bits per forward tile.
         sparse={2: _L(64, 64, 32, 4, 2), 4: _L(32, 64, 32, 4, 2)},
+        # Not timed: a T4's datasheet (65 TFLOP/s fp16 dense, 8 fp32, 320 GB/s).
+        row_gradient=_L(1, 1024, 1, 4, 1),
+        host=HostTuning(matmul_tflops_16bit=65.0, matmul_tflops_fp32=8.0, bandwidth_gbs=320.0),
     ),
     CCEConfigs(
         "ampere-99k", 99 * 1024, (8, 6),
@@ -196,6 +225,9 @@ TIERS: tuple[CCEConfigs, ...] = (
         backward={2: _L(128, 128, 32, 8, 2), 4: _L(64, 64, 32, 4, 2)},
         backward_gemm={2: _L(128, 128, 32, 4, 3), 4: _L(64, 64, 32, 4, 3)},
         sparse={2: _L(64, 128, 32, 4, 2), 4: _L(64, 64, 32, 4, 2)},
+        # Not timed: an L4's datasheet (121 TFLOP/s fp16 dense, 30 fp32, 300 GB/s).
+        row_gradient=_L(1, 2048, 1, 8, 1),
+        host=HostTuning(matmul_tflops_16bit=121.0, matmul_tflops_fp32=30.0, bandwidth_gbs=300.0),
     ),
     CCEConfigs(
         "ampere-163k", 163 * 1024, (8, 0),
@@ -203,6 +235,9 @@ TIERS: tuple[CCEConfigs, ...] = (
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
         backward_gemm={2: _L(128, 256, 64, 8, 3), 4: _L(128, 64, 32, 8, 3)},
         sparse={2: _L(64, 128, 64, 4, 3), 4: _L(64, 64, 32, 4, 3)},
+        # Not timed: an A100's datasheet (312 TFLOP/s 16-bit dense, 19.5 fp32, 1,555-2,039 GB/s).
+        row_gradient=_L(1, 2048, 1, 8, 1),
+        host=HostTuning(matmul_tflops_16bit=280.0, matmul_tflops_fp32=19.5, bandwidth_gbs=1600.0),
     ),
     CCEConfigs(
         "hopper-227k", 227 * 1024, (9, 0),
@@ -222,6 +257,8 @@ TIERS: tuple[CCEConfigs, ...] = (
         # Where the sparse backward stopped beating "gemm" on an H200 with a trained model's softmax
         # (docs/PERFORMANCE.md).
         dense_fallback=0.25,
+        # Not timed yet: the row kernel's blocks as Liger's softmax takes them (wide, many warps).
+        row_gradient=_L(1, 4096, 1, 16, 1),
         host=HostTuning(g_pingpong=True),
     ),
 )

@@ -11,6 +11,7 @@ import torch
 
 from helpers.cce import linear_cross_entropy, why_unavailable
 from helpers.cce.kernels.configs import CCEConfigs, tier_for_capability
+from helpers.cce.schedules import choose_schedule
 from helpers.compare.methods.entry import Method, Reason
 
 
@@ -32,16 +33,8 @@ def _ours_reason(device, dtype, softcap) -> Reason:
     return why_unavailable(device, dtype, softcap)
 
 
-def _ours_gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, configs: CCEConfigs):
-    """helpers.cce's chunk plan for the "gemm" backward under ``configs`` (its G kernel's BLOCK_V,
-    its host's chunks): the one place the registry reads cce's planning internals."""
-    from helpers.cce.backward.gemm import gemm_plan
-
-    return gemm_plan(N, V, D, dtype, configs.backward_gemm_for(dtype).BLOCK_V, host=configs.host)
-
-
 def ours_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None,
-                    configs: CCEConfigs | None = None) -> int:
+                    configs: CCEConfigs | None = None, memory_budget="min") -> int:
     # helpers.cce with its defaults (backward "gemm"): the forward keeps O(N) (lse per row and vocabulary
     # split); the backward allocates dE and dC, for 16-bit inputs dE's fp32 accumulator (n_chunk, D)
     # and, with several row chunks, dC rows staged in fp32 (v_chunk, D) before each fold. Each G chunk
@@ -50,21 +43,15 @@ def ours_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] 
     # tier this capability gets. On the CPU the products run in fp32 ("upcast"): 16-bit operands
     # are copied to fp32 for each product, and the staged dC rows are used even for one row chunk.
     # ``configs``: linear_cross_entropy's launch configurations (None: the tier this capability gets).
+    # ``memory_budget``: the loss's; the schedule it picks and its extra bytes are the loss's own
+    # prediction (helpers.cce.schedules, the one place each schedule's formula lives).
     configs = configs or tier_for_capability(capability)
-    plan = _ours_gemm_plan(N, V, D, torch.float32 if b == 4 else torch.float16, configs)
-    n_chunk, widest = plan.n_chunk, plan.widest
-    staged = min(plan.v_chunk, widest)  # dC's rows staged in fp32, a piece of a chunk at a time
-    low = b < 4
-    several = N > n_chunk
-    scratch = plan.buffer_elements * b + low * n_chunk * D * 4
-    if low and (several or capability is None):
-        scratch += staged * D * 4
-    if low and capability is None:  # the larger of the two products' fp32 operand copies
-        scratch += max(n_chunk * widest + widest * D, n_chunk * staged + n_chunk * D) * 4
-    # Per row, fp32: the forward's lse, and the backward's row gradient (w, w / max w and the three
-    # coefficients of G, helpers.cce.backward.rows.RowGradient).
-    per_row = 24 * N
-    return (N * D + V * D) * b + scratch + per_row
+    dtype = torch.float32 if b == 4 else torch.float16
+    device = torch.device("cuda" if capability is not None else "cpu")
+    if memory_budget == "auto":  # what is free is the device's to say at run time: the least memory
+        memory_budget = "min"
+    schedule = choose_schedule(N, V, D, dtype, memory_budget, configs, need=(True, True, False), device=device)
+    return schedule.predicted_peak_bytes
 
 
 OURS = Method(
@@ -82,6 +69,35 @@ OURS = Method(
     peak_formula=("(N·D + V·D)·b + 16-bit: dE's fp32 accumulator + fp32: a G chunk (16-bit G lives "
              "in dE's and dC's rows not yet written; helpers.cce.gemm_plan) + 24 bytes of per-row state"),
 )
+
+
+def _ours_budget(budget: int, label: str) -> Method:
+    """ours under ``memory_budget=budget``: the fastest schedule whose predicted extra memory (beyond
+    the inputs, dE and dC) fits ``budget`` bytes (helpers.cce.schedules)."""
+
+    def peak(N, V, D, b, capability, configs=None):
+        return ours_peak_bytes(N, V, D, b, capability, configs, memory_budget=budget)
+
+    return Method(
+        name=f"ours_budget_{label}",
+        label=f"ours (budget {label.upper()}iB)",
+        summary=f"ours with memory_budget={label.upper()}iB: the fastest of its schedules whose predicted memory "
+        "beyond dE and dC fits (three products from held logit chunks where they fit, else the recompute design).",
+        implementation=_ours(memory_budget=budget),
+        availability=_ours_reason,
+        kind="ours",
+        preset_of="ours",
+        counts_skips=True,
+        supports_bias=True,
+        peak_bytes=peak,
+        peak_formula="LB + the chosen schedule's extra bytes (helpers.cce.schedules: recompute, or forward_grads "
+        "= R·V·b in one chunk, 4·V·D + max(R·V·b − V·D·b, 0) in several)",
+    )
+
+
+OURS_BUDGET_256M = _ours_budget(2**28, "256m")
+OURS_BUDGET_1G = _ours_budget(2**30, "1g")
+OURS_BUDGET_4G = _ours_budget(2**32, "4g")
 OURS_NOFILTER = Method(
     name="ours_nofilter",
     label="ours (filter off)",
@@ -120,4 +136,5 @@ OURS_GEMM = Method(
 )
 
 
-__all__ = ["OURS", "OURS_GEMM", "OURS_NOFILTER", "OURS_SPARSE", "ours_peak_bytes"]
+__all__ = ["OURS", "OURS_BUDGET_1G", "OURS_BUDGET_256M", "OURS_BUDGET_4G", "OURS_GEMM", "OURS_NOFILTER",
+           "OURS_SPARSE", "ours_peak_bytes"]

@@ -1,0 +1,258 @@
+"""Schedules under a memory budget: which way of computing the loss and its gradients a call runs,
+and the one place that predicts each schedule's memory and time.
+
+Two schedules compute the same loss and gradients:
+
+- "recompute" (the default design, ``memory_budget="min"``): the forward keeps each row's lse, and
+  the backward rebuilds the logits per vocabulary chunk (``helpers.cce.backward``). Four N x V x D
+  products (forward, G, G C, G^T E), two of them in our Triton kernels; memory near LB.
+- "forward_grads" (``helpers.cce.forward_grads``): the gradients are made in the forward, as Liger
+  and torch.compile make them, from the logits of R rows at a time held in memory (Z = E_r C^T + b,
+  cuBLAS). Three products, all in cuBLAS; memory for the logit chunk and dC's fp32 accumulator.
+
+LB = (N + V) D b: the gradients dE and dC themselves (those wanted). A budget counts the bytes a call
+may hold above its inputs and LB. Predicted extra bytes, per schedule (b: the inputs' bytes per
+element; b_z: the logits', b or 4 for fp16 logits that could overflow):
+
+    recompute      = dE's fp32 accumulator (16-bit, n_chunk x D x 4) + its G buffer and staged dC
+                     rows where ``gemm_plan`` needs them + 24 N (per-row state)
+    forward_grads  = R V b_z                               (one chunk: R = N; or fp32 inputs)
+                   = 4 V D + max(R V b_z - V D b, 0)       (16-bit, several chunks: dC's fp32
+                     accumulator, and the chunk's logits beyond the room dC takes only at the end)
+                   + 4 V (db's fp32 accumulator) + 16 N (per-row state)
+
+The time model (constants per tier: ``HostTuning``): FLOP at the tier's matmul rate (Triton kernels
+at ``triton_share`` of it), plus the bytes each schedule moves beyond its products' operands at the
+memory's bandwidth, plus host time per launch:
+
+    recompute      = 2 P / (share rate) + (n_E + n_C) P / rate + 3 N V b / bw      (G written, read twice)
+    forward_grads  = (1 + n_E + n_C) P / rate + 6 N V b_z / bw                      (Z written; read
+                     twice, written once by the row kernel; read by two products)
+                     + chunks x 2 x 4 V D / bw                                      (dC's accumulator)
+
+with P = 2 N V D FLOP per product and n_E, n_C = 1 for each gradient wanted. A call runs the
+fastest schedule whose predicted extra fits its budget (``choose_schedule``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from helpers.cce.backward.gemm import gemm_plan
+from helpers.cce.kernels.configs import CCEConfigs
+
+SCHEDULES = ("recompute", "forward_grads")
+# "auto": this share of the memory free on the device (the driver's free memory plus what torch's
+# allocator holds unused, within a pretend card's memory) once dE and dC are counted. Half: the
+# schedule's extra memory is held only during the loss's forward, while the model's activations
+# are resident, and half of what is free then leaves the rest for fragmentation and for the step's
+# other transients. On the CPU "auto" is "min".
+AUTO_SHARE = 0.5
+# Per-row state of each schedule, bytes (fp32 lse, loss, coefficients, masks).
+RECOMPUTE_ROW_BYTES = 24
+FORWARD_GRADS_ROW_BYTES = 16
+
+
+class MemoryBudgetError(RuntimeError):
+    """No schedule fits the memory budget: the message gives the budget and each schedule's need."""
+
+
+def check_memory_budget(memory_budget) -> str | int:
+    """``memory_budget`` as "min", "auto" or a whole number of bytes; a ``ValueError`` naming it otherwise."""
+    if isinstance(memory_budget, str) and memory_budget in ("min", "auto"):
+        return memory_budget
+    if (isinstance(memory_budget, (int, float)) and not isinstance(memory_budget, bool)
+            and math.isfinite(memory_budget) and memory_budget >= 0):
+        return int(memory_budget)
+    raise ValueError(f"memory_budget must be 'min', 'auto' or a number of bytes >= 0 (extra memory beyond the "
+                     f"inputs, dE and dC), got {memory_budget!r}")
+
+
+def lower_bound_bytes(N: int, V: int, D: int, itemsize: int, need: tuple[bool, bool, bool] = (True, True, False)) -> int:
+    """LB: the bytes of the gradients a call returns, dE (N, D) and dC (V, D) where wanted."""
+    return (need[0] * N + need[1] * V) * D * itemsize
+
+
+def recompute_extra_bytes(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs, *, upcast: bool = False,
+                          need: tuple[bool, bool, bool] = (True, True, False)) -> int:
+    """The "recompute" schedule's predicted bytes above its inputs and LB (its "gemm" backward's plan;
+    the "sparse" and "atomic" backwards hold about as much). ``upcast``: the products copy 16-bit
+    operands to fp32 (the CPU's ``product_mode``): those copies, and dC's staged rows, count too."""
+    dtype = torch.float32 if itemsize == 4 else torch.float16
+    plan = gemm_plan(N, V, D, dtype, configs.backward_gemm_for(dtype).BLOCK_V, host=configs.host,
+                     need_dE=need[0], need_dC=need[1])
+    n_chunk, widest = plan.n_chunk, plan.widest
+    staged = min(plan.v_chunk, widest)  # dC's rows staged in fp32, a piece of a chunk at a time
+    low = itemsize < 4
+    scratch = plan.buffer_elements * itemsize + low * need[0] * n_chunk * D * 4
+    if low and need[1] and (N > n_chunk or upcast):
+        scratch += staged * D * 4
+    if low and upcast:  # the larger of the two products' fp32 operand copies
+        scratch += max(n_chunk * widest + widest * D, n_chunk * staged + n_chunk * D) * 4
+    return scratch + RECOMPUTE_ROW_BYTES * N + need[2] * 4 * V
+
+
+def forward_grads_extra_bytes(N: int, V: int, D: int, itemsize: int, rows: int, logits_itemsize: int, *,
+                              need: tuple[bool, bool, bool] = (True, True, False)) -> int:
+    """The "forward_grads" schedule's predicted bytes above its inputs and LB, with chunks of ``rows``
+    rows and logits of ``logits_itemsize`` bytes (module doc)."""
+    rows = min(rows, N)
+    chunk = rows * V * logits_itemsize
+    if need[1] and itemsize < 4 and rows < N:  # dC's fp32 accumulator; dC itself only at the end
+        extra = 4 * V * D + max(chunk - V * D * itemsize, 0)
+    else:
+        extra = chunk
+    return extra + FORWARD_GRADS_ROW_BYTES * N + need[2] * (4 * V + rows * itemsize)
+
+
+def forward_grads_rows(N: int, V: int, D: int, itemsize: int, logits_itemsize: int, budget: int,
+                       configs: CCEConfigs, need: tuple[bool, bool, bool] = (True, True, False)) -> int:
+    """The most rows a "forward_grads" chunk may take within ``budget`` extra bytes: N when all the
+    rows fit, else a multiple of ``host.row_multiple``; 0 when not even one such chunk fits.
+    ``host.forward_grads_rows`` instead, when set and it fits."""
+    fixed = configs.host.forward_grads_rows
+    if fixed:
+        fixed = min(fixed, N)
+        return fixed if forward_grads_extra_bytes(N, V, D, itemsize, fixed, logits_itemsize, need=need) <= budget else 0
+    if forward_grads_extra_bytes(N, V, D, itemsize, N, logits_itemsize, need=need) <= budget:
+        return N
+    step = configs.host.row_multiple
+    best, low, high = 0, 1, triton.cdiv(N, step) - 1  # chunks of step .. N - 1 rows, in steps
+    while low <= high:
+        middle = (low + high) // 2
+        if forward_grads_extra_bytes(N, V, D, itemsize, middle * step, logits_itemsize, need=need) <= budget:
+            best, low = middle * step, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
+def _rate(itemsize: int, configs: CCEConfigs) -> float:
+    host = configs.host
+    return 1e12 * (host.matmul_tflops_fp32 if itemsize == 4 else host.matmul_tflops_16bit)
+
+
+def recompute_seconds(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs,
+                      need: tuple[bool, bool, bool] = (True, True, False)) -> float:
+    """The "recompute" schedule's predicted time (module doc), seconds."""
+    host, rate = configs.host, _rate(itemsize, configs)
+    P = 2.0 * N * V * D
+    dtype = torch.float32 if itemsize == 4 else torch.float16
+    plan = gemm_plan(N, V, D, dtype, configs.backward_gemm_for(dtype).BLOCK_V, host=host)
+    launches = 3 * sum(len(chunks) for _, _, chunks in plan.row_chunks)
+    return (2 * P / (host.triton_share * rate) + (need[0] + need[1]) * P / rate
+            + 3 * N * V * itemsize / (host.bandwidth_gbs * 1e9) + launches * host.launch_us * 1e-6)
+
+
+def forward_grads_seconds(N: int, V: int, D: int, itemsize: int, rows: int, logits_itemsize: int,
+                          configs: CCEConfigs, need: tuple[bool, bool, bool] = (True, True, False)) -> float:
+    """The "forward_grads" schedule's predicted time with chunks of ``rows`` rows (module doc), seconds."""
+    host, rate = configs.host, _rate(itemsize, configs)
+    chunks = triton.cdiv(N, rows)
+    accumulator = need[1] * (chunks > 1) * 2 * 4 * V * D * chunks
+    return ((1 + need[0] + need[1]) * 2.0 * N * V * D / rate
+            + (6 * N * V * logits_itemsize + accumulator) / (host.bandwidth_gbs * 1e9)
+            + 5 * chunks * host.launch_us * 1e-6)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The schedule a call runs, with what was predicted and why it was chosen (``stats``)."""
+
+    name: str  # "recompute" or "forward_grads"
+    budget_bytes: int | None  # the budget in bytes (None: "min")
+    predicted_extra_bytes: int  # above the inputs and LB: what the budget bounds
+    predicted_peak_bytes: int  # above the inputs: LB + the extra (what the benchmark measures)
+    predicted_ms: float
+    why: str
+    rows: int | None = None  # "forward_grads": rows per chunk
+    logits_dtype: torch.dtype | None = None  # "forward_grads": the dtype its logit chunks are held in
+
+    def as_stats(self) -> dict:
+        return {"schedule": self.name, "budget_bytes": self.budget_bytes,
+                "predicted_extra_bytes": self.predicted_extra_bytes,
+                "predicted_peak_bytes": self.predicted_peak_bytes, "predicted_ms": self.predicted_ms,
+                "why": self.why, "rows": self.rows,
+                "logits_dtype": str(self.logits_dtype).removeprefix("torch.") if self.logits_dtype else None}
+
+
+def auto_budget_bytes(device: torch.device, lb: int) -> int | None:
+    """What ``memory_budget="auto"`` means on ``device``: ``AUTO_SHARE`` of the memory free there
+    beyond LB (None on the CPU: "min")."""
+    if device.type != "cuda":
+        return None
+    from helpers.cce.device import device_info
+
+    free, _ = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    free += torch.cuda.memory_reserved(device) - allocated  # the allocator's cached, unused blocks
+    total = device_info(device).total_memory_bytes  # a pretend card's
+    if total is not None:
+        free = min(free, total - allocated)
+    return max(0, int(AUTO_SHARE * (free - lb)))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n:,} B"
+
+
+def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, configs: CCEConfigs, *,
+                    need: tuple[bool, bool, bool], device: torch.device = torch.device("cpu"),
+                    not_forward_grads: str | None = None, logits_itemsize: int | None = None) -> Schedule:
+    """The fastest schedule whose predicted extra memory fits ``memory_budget`` (checked:
+    ``check_memory_budget``). ``not_forward_grads``: why "forward_grads" cannot run for this call
+    (None: it can); ``logits_itemsize``: its logits' bytes (None: the inputs'). Raises
+    ``MemoryBudgetError`` when a number of bytes fits no schedule."""
+    memory_budget = check_memory_budget(memory_budget)
+    b = dtype.itemsize
+    upcast = device.type != "cuda" and b < 4
+    lb = lower_bound_bytes(N, V, D, b, need)
+    recompute = (recompute_extra_bytes(N, V, D, b, configs, upcast=upcast, need=need),
+                 1e3 * recompute_seconds(N, V, D, b, configs, need))
+
+    def recompute_schedule(budget, why):
+        return Schedule("recompute", budget, recompute[0], lb + recompute[0], recompute[1], why)
+
+    if memory_budget == "min":
+        return recompute_schedule(None, "memory_budget='min': the recompute design, its least memory")
+    budget = memory_budget if memory_budget != "auto" else auto_budget_bytes(device, lb)
+    if budget is None:
+        return recompute_schedule(None, "memory_budget='auto' on the CPU means 'min'")
+    fits_recompute = recompute[0] <= budget
+    if not_forward_grads:
+        if not fits_recompute and memory_budget != "auto":
+            raise MemoryBudgetError(
+                f"memory_budget {_mib(budget)}: the recompute schedule needs {_mib(recompute[0])} beyond the inputs, "
+                f"dE and dC, and the forward_grads schedule cannot run here ({not_forward_grads})")
+        return recompute_schedule(budget, f"forward_grads cannot run: {not_forward_grads}")
+    bz = logits_itemsize or b
+    rows = forward_grads_rows(N, V, D, b, bz, budget, configs, need)
+    if rows:
+        extra = forward_grads_extra_bytes(N, V, D, b, rows, bz, need=need)
+        ms = 1e3 * forward_grads_seconds(N, V, D, b, rows, bz, configs, need)
+        chunks = triton.cdiv(N, rows)
+        if not fits_recompute or ms < recompute[1]:
+            why = (f"forward_grads, {chunks} chunk(s) of {rows:,} rows, fits {_mib(budget)} ({_mib(extra)}) and is "
+                   f"predicted {ms:.2f} ms against recompute's {recompute[1]:.2f} ms")
+            if not fits_recompute:
+                why = f"only forward_grads fits {_mib(budget)} ({_mib(extra)}; recompute needs {_mib(recompute[0])})"
+            return Schedule("forward_grads", budget, extra, lb + extra, ms, why, rows,
+                            torch.float32 if bz == 4 else dtype)
+        return recompute_schedule(budget, f"recompute predicted faster ({recompute[1]:.2f} ms) than forward_grads "
+                                          f"in {chunks} chunk(s) of {rows:,} rows ({ms:.2f} ms)")
+    if fits_recompute:
+        least = forward_grads_extra_bytes(N, V, D, b, min(N, configs.host.row_multiple), bz, need=need)
+        return recompute_schedule(budget, f"forward_grads needs at least {_mib(least)}, more than the budget "
+                                          f"{_mib(budget)}")
+    if memory_budget == "auto":  # too little free: the least memory, and the allocator decides
+        return recompute_schedule(budget, f"memory_budget='auto' ({_mib(budget)} free to take) fits no schedule: "
+                                          "the least memory")
+    least = forward_grads_extra_bytes(N, V, D, b, min(N, configs.host.row_multiple), bz, need=need)
+    raise MemoryBudgetError(
+        f"memory_budget {_mib(budget)} fits no schedule at N={N:,}, V={V:,}, D={D:,} ({str(dtype)[6:]}): recompute "
+        f"needs {_mib(recompute[0])} and forward_grads at least {_mib(least)} beyond the inputs, dE and dC "
+        f"({_mib(lb)}); give a larger budget or 'min'")

@@ -1,0 +1,199 @@
+"""The "forward_grads" schedule and the memory budget (``helpers.cce.schedules``,
+``helpers.cce.forward_grads``) against the float64 reference, on the CPU.
+
+Under the Triton interpreter in fp32 and fp16 (bf16 is wrong there; the GPU gate covers it), on a
+tiny irregular shape (N=37, V=301, D=24 against the interpreter's 32-column row blocks), in one chunk
+and in chunks of 16 rows (the budget chosen so that the chooser gives them), with fp16's logits held
+in 16 bits and, as where fp16 could overflow, in fp32. Gradients must stay within the gate's bound:
+max(the dtype's floor, 2 x the naive path's error) (``helpers.compare.verdicts.gate_bound``).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers.cce import linear_cross_entropy  # noqa: E402
+from helpers.cce.kernels.configs import tier  # noqa: E402
+from helpers.cce.schedules import (  # noqa: E402
+    MemoryBudgetError,
+    choose_schedule,
+    forward_grads_extra_bytes,
+    recompute_extra_bytes,
+)
+from helpers.compare.inputs import make_inputs as regime_inputs  # noqa: E402
+from helpers.compare.methods.baselines import naive_loss  # noqa: E402
+from helpers.compare.verdicts import gate_bound  # noqa: E402
+from helpers.spec import reference_loss_and_grads, relative_error  # noqa: E402
+
+N, V, D = 37, 301, 24
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+ROWS = 16
+# The interpreter's tier: "one" chunk, "several" of ROWS rows, and several with fp16 logits held in
+# fp32 (the limit at 0). At this shape one fp16 chunk takes less memory than dC's fp32 accumulator,
+# so the chunks are fixed (``HostTuning.forward_grads_rows``) rather than left to the budget. No host
+# time per launch and no time per byte: at D = 24 either would rightly make recompute the faster.
+FREE = tier("interpreter").tuned(launch_us=0.0, bandwidth_gbs=1e12)
+CONFIGS = {"one": FREE,
+           "several": FREE.tuned(forward_grads_rows=ROWS),
+           "fp32_logits": FREE.tuned(forward_grads_rows=ROWS, fp16_logit_limit=0.0)}
+
+
+def inputs(dtype, ignore=(), scale=1.0, bias=False):
+    E, C, x = regime_inputs(N, V, D, torch.float32, "cpu", regime="uniform", seed=0)
+    x[list(ignore)] = -100
+    b = torch.randn(V, generator=torch.Generator().manual_seed(2)).to(dtype) if bias else None
+    return (scale * E).to(dtype), C.to(dtype), x, b
+
+
+def budget_for(dtype, rows, logits_itemsize=None, bias=False):
+    """The least budget whose chunks take ``rows`` rows (``forward_grads_extra_bytes``)."""
+    b = dtype.itemsize
+    return forward_grads_extra_bytes(N, V, D, b, rows, logits_itemsize or b, need=(True, True, bias))
+
+
+def run(E, C, x, bias, go, **options):
+    E = E.clone().requires_grad_(True)
+    C = C.clone().requires_grad_(True)
+    b = bias.clone().requires_grad_(True) if bias is not None else None
+    stats = {}
+    loss = linear_cross_entropy(E, C, x, bias=b, stats=stats, **options)
+    loss.backward(go)
+    return loss.detach(), E.grad, C.grad, (b.grad if b is not None else None), stats
+
+
+CASES = {
+    "mean": dict(),
+    "sum": dict(reduction="sum"),
+    "ignore_some": dict(ignore=[0, 7, 36]),
+    "softcap": dict(softcap=2.5, scale=4.0),
+    "bias": dict(bias=True),
+    "z_loss": dict(z_loss=0.1, reduction="sum"),
+    "label_smoothing": dict(label_smoothing=0.2),
+    "temperature": dict(temperature=0.7),
+    "everything": dict(z_loss=0.05, label_smoothing=0.2, softcap=3.0, ignore=[1, 2, 30], bias=True,
+                       reduction="sum"),
+}
+
+
+@pytest.mark.parametrize("chunks", ["one", "several", "fp32_logits"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_forward_grads_against_reference(case, dtype, chunks):
+    if chunks == "fp32_logits" and dtype != torch.float16:
+        pytest.skip("fp32 logits are for fp16 inputs")
+    opts = dict(CASES[case])
+    E, C, x, bias = inputs(dtype, opts.pop("ignore", ()), opts.pop("scale", 1.0), opts.pop("bias", False))
+    rows = N if chunks == "one" else ROWS
+    z_bytes = 4 if chunks == "fp32_logits" else None
+    go = torch.tensor(1.7)  # a non-1 scalar, so a missing scale shows
+    budget = budget_for(dtype, rows, z_bytes, bias is not None)  # exactly the predicted extra: it fits
+    loss, dE, dC, db, stats = run(E, C, x, bias, go, memory_budget=budget, configs=CONFIGS[chunks], **opts)
+    assert stats["schedule"] == "forward_grads" and stats["rows"] == rows, stats["why"]
+    assert stats["predicted_extra_bytes"] == budget
+    assert stats["logits_dtype"] == ("float32" if chunks == "fp32_logits" or dtype == torch.float32 else "float16")
+    rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, bias=bias, **opts)
+    assert loss.dtype == torch.float32 and dE.dtype == dtype and dC.dtype == dtype
+    torch.testing.assert_close(loss.double(), rloss, rtol=TOL[dtype], atol=TOL[dtype])
+    assert relative_error(dE, rdE) < TOL[dtype], f"dE rel err {relative_error(dE, rdE):.2e}"
+    assert relative_error(dC, rdC) < TOL[dtype], f"dC rel err {relative_error(dC, rdC):.2e}"
+    if bias is not None:
+        b64 = bias.double().requires_grad_(True)
+        from helpers.spec import reference_loss
+
+        (reference_loss(E.double(), C.double(), x, bias=b64, **opts) * go.double()).backward()
+        assert relative_error(db, b64.grad) < TOL[dtype], f"db rel err {relative_error(db, b64.grad):.2e}"
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_fp16_within_the_gate_bound(softcap):
+    """fp16 logits held in 16 bits, several chunks: each quantity within max(floor, 2 x naive's error),
+    the gate's bound on a GPU."""
+    E, C, x, _ = inputs(torch.float16, ignore=range(0, N, 7))
+    go = torch.tensor(1.0)
+    loss, dE, dC, _, stats = run(E, C, x, None, go, memory_budget=budget_for(torch.float16, ROWS),
+                                 configs=CONFIGS["several"], softcap=softcap)
+    assert stats["schedule"] == "forward_grads" and stats["chunks"] == 3
+    nE, nC = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
+    naive = naive_loss(nE, nC, x, softcap=softcap)
+    naive.backward()
+    rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, softcap=softcap)
+    for name, ours, theirs, ref in (("loss", loss, naive.detach(), rloss), ("dE", dE, nE.grad, rdE),
+                                    ("dC", dC, nC.grad, rdC)):
+        bound = gate_bound("float16", name, relative_error(theirs, ref))
+        assert relative_error(ours, ref) <= bound, (name, relative_error(ours, ref), bound)
+
+
+def test_all_ignored_mean_is_nan_with_zero_gradients():
+    E, C, x, _ = inputs(torch.float32, ignore=range(N))
+    loss, dE, dC, _, stats = run(E, C, x, None, torch.tensor(1.0), memory_budget=2**30, configs=FREE)
+    assert stats["schedule"] == "forward_grads" and torch.isnan(loss) and not dE.any() and not dC.any()
+
+
+@pytest.mark.parametrize("why, options", [
+    ("reduction 'none'", dict(reduction="none")),
+    ("return_lse", dict(return_lse=True)),
+    ("reduction 'none'", dict(weight=torch.rand(V) + 0.5)),
+])
+def test_calls_it_cannot_serve_run_recompute_and_say_why(why, options):
+    E, C, x, _ = inputs(torch.float32)
+    E.requires_grad_(True)
+    stats = {}
+    out = linear_cross_entropy(E, C, x, memory_budget=2**30, stats=stats, **options)
+    loss = out[0] if isinstance(out, tuple) else out
+    loss.sum().backward()
+    assert stats["schedule"] == "recompute" and why in stats["why"], stats["why"]
+    with torch.no_grad():
+        stats = {}
+        linear_cross_entropy(E, C, x, memory_budget=2**30, stats=stats)
+        assert stats["schedule"] == "recompute" and "no gradient" in stats["why"]
+
+
+def test_min_and_auto_on_the_cpu_run_recompute():
+    E, C, x, _ = inputs(torch.float32)
+    for budget in ("min", "auto"):
+        stats = {}
+        linear_cross_entropy(E.requires_grad_(True), C, x, memory_budget=budget, stats=stats).backward()
+        assert stats["schedule"] == "recompute" and stats["predicted_peak_bytes"] > 0, stats
+
+
+@pytest.mark.parametrize("bad", ["max", -1, float("nan"), True, None, "1GiB"])
+def test_a_bad_budget_is_named(bad):
+    E, C, x, _ = inputs(torch.float32)
+    with pytest.raises(ValueError, match="memory_budget"):
+        linear_cross_entropy(E, C, x, memory_budget=bad)
+
+
+def test_a_budget_that_fits_no_schedule_says_so_with_the_numbers():
+    E, C, x, _ = inputs(torch.float32)
+    with pytest.raises(MemoryBudgetError, match=r"fits no schedule at N=37.*recompute needs .* forward_grads at least"):
+        linear_cross_entropy(E.requires_grad_(True), C, x, memory_budget=100)
+
+
+def test_the_gradients_are_handed_over_once():
+    E, C, x, _ = inputs(torch.float32)
+    E.requires_grad_(True)
+    loss = linear_cross_entropy(E, C, x, memory_budget=2**30, configs=FREE)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="handed over"):
+        loss.backward()
+
+
+def test_the_chooser_takes_the_fastest_that_fits_and_the_most_rows():
+    """At the Qwen3 head (N 16,384, bf16, the Hopper tier): "min" recompute; 1 GiB gives
+    forward_grads, chunks as large as fit; a budget below forward_grads' least gives recompute."""
+    hopper = tier("hopper-227k")
+    need = (True, True, False)
+    Nq, Vq, Dq = 16384, 151936, 1024
+    s = choose_schedule(Nq, Vq, Dq, torch.bfloat16, 2**30, hopper, need=need, device=torch.device("cuda"))
+    assert s.name == "forward_grads" and s.predicted_extra_bytes <= 2**30
+    assert forward_grads_extra_bytes(Nq, Vq, Dq, 2, s.rows + hopper.host.row_multiple, 2, need=need) > 2**30
+    assert s.predicted_peak_bytes == (Nq + Vq) * Dq * 2 + s.predicted_extra_bytes
+    small = recompute_extra_bytes(Nq, Vq, Dq, 2, hopper, need=need)
+    s = choose_schedule(Nq, Vq, Dq, torch.bfloat16, small, hopper, need=need, device=torch.device("cuda"))
+    assert s.name == "recompute" and "at least" in s.why
+    assert choose_schedule(Nq, Vq, Dq, torch.bfloat16, "min", hopper, need=need).name == "recompute"
