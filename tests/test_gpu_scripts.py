@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # speed_v3.py: the sections whose code the others do not run ("trained" runs the accuracy check and
 # the time measure of "accuracy" and "time" on one shape; "profile" needs CUDA for what it measures).
 @pytest.mark.parametrize("script", ["gpu/cce_check.py", "experiments/tune.py",
-                                    "experiments/speed_v3.py --sections trained checks", "experiments/host_path.py"])
+                                    "experiments/speed_v3.py --sections trained checks", "experiments/host_path.py",
+                                    "gpu/schedule_check.py"])
 def test_gpu_script_runs_tiny_on_cpu(script, tmp_path):
     out = tmp_path / "result.jsonl"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}

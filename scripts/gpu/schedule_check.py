@@ -1,0 +1,108 @@
+"""The three-product schedule ("forward_grads", ``memory_budget``) on a GPU: gradients against float64
+over several row chunks, and predicted against measured peak memory.
+
+    python scripts/gpu/schedule_check.py [--out $OUT/schedule_check.jsonl] [--tiny]
+
+1. Accuracy over several chunks (rows fixed small with ``HostTuning.forward_grads_rows``), bf16 and
+   fp16, with the soft cap, and with the z-loss and label smoothing: dE's and dC's error against
+   float64 beside the naive path's (logits in the dtype, then fp32), and the gate's rule (within
+   max(floor, 2x naive's)) — the CPU tests cover fp32 and fp16 at tiny shapes, not bf16.
+2. Peak memory of forward+backward above the inputs under budgets of 256 MiB, 1 GiB and 4 GiB at the
+   Qwen3 head (N = 16,384 and 65,536) and the Gemma-2-2B head (N = 8,192), bf16: the schedule chosen,
+   the predicted peak (``stats``) against the measured one; the target is within 5%, and the budget
+   never exceeded.
+
+``--tiny``: small shapes on a CPU under the interpreter (fp32 and fp16), to check the script.
+"""
+
+from __future__ import annotations
+
+import torch
+from _common import Checker, finish, script_setup
+
+from helpers.cce import linear_cross_entropy
+from helpers.cce.options import resolve_configs
+from helpers.compare.heads import GEMMA2, QWEN3
+from helpers.compare.inputs import make_inputs
+from helpers.compare.measure import peak_memory
+from helpers.compare.units import lower_bound_bytes
+from helpers.spec import reference_loss_and_grads, relative_error
+
+GATE_FLOOR = 2e-2  # the gate's floor on a relative error (helpers.compare.verdicts.GATE_FLOOR's order)
+
+
+def accuracy(dtype, options: dict, device, tiny: bool) -> dict:
+    N, V, D = (48, 301, 24) if tiny else (1000, 3001, 256)
+    configs = resolve_configs(None, torch.device(device)).tuned(forward_grads_rows=16 if tiny else 256)
+    E, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=0)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+    stats = {}
+    loss = linear_cross_entropy(E, C, x, memory_budget=2**30, configs=configs, stats=stats, **options)
+    dE, dC = torch.autograd.grad(loss, (E, C))
+    _, ref_dE, ref_dC = reference_loss_and_grads(E.detach(), C.detach(), x, **options)
+    # The naive path: logits in the dtype, then fp32 (what the gate measures against).
+    E2, C2 = E.detach().clone().requires_grad_(True), C.detach().clone().requires_grad_(True)
+    z = E2 @ C2.T
+    if options.get("softcap"):
+        z = options["softcap"] * torch.tanh(z.float() / options["softcap"])
+    z = z.float()
+    naive = torch.nn.functional.cross_entropy(z, x, label_smoothing=options.get("label_smoothing", 0.0))
+    if options.get("z_loss"):
+        naive = naive + options["z_loss"] * (torch.logsumexp(z, dim=-1) ** 2).mean()
+    n_dE, n_dC = torch.autograd.grad(naive, (E2, C2))
+    errs = {"dE": relative_error(dE, ref_dE), "dC": relative_error(dC, ref_dC),
+            "naive_dE": relative_error(n_dE, ref_dE), "naive_dC": relative_error(n_dC, ref_dC)}
+    ok = all(errs[k] <= max(GATE_FLOOR, 2 * errs[f"naive_{k}"]) for k in ("dE", "dC"))
+    ran = stats.get("schedule") == "forward_grads"
+    return {"dtype": str(dtype).removeprefix("torch."), "options": options, "schedule": stats.get("schedule"),
+            "chunks": stats.get("chunks"), "why": stats.get("why"), **{k: float(v) for k, v in errs.items()},
+            # On a CPU the time model may pick the recompute schedule at these sizes: the script's check.
+            "status": "ok" if ok and (ran or not torch.device(device).type == "cuda") else "FAIL"}
+
+
+def peaks(name, N, V, D, budget, device) -> dict:
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16
+    E, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=N)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+    stats = {}
+
+    def step():
+        loss = linear_cross_entropy(E, C, x, memory_budget=budget, stats=stats)
+        torch.autograd.grad(loss, (E, C))
+
+    step()
+    _, peak = peak_memory(step, device=device)  # above the inputs: dE, dC and the scratch
+    lb = lower_bound_bytes(N, V, D, dtype)
+    predicted = stats.get("predicted_peak_bytes")
+    rec = {"case": f"peak/{name}/budget={budget}", "N": N, "V": V, "D": D, "budget": budget,
+           "schedule": stats.get("schedule"), "rows": stats.get("rows"), "why": stats.get("why"),
+           "peak_bytes": int(peak), "lower_bound_bytes": int(lb), "predicted_peak_bytes": predicted,
+           "extra_bytes": int(peak - lb)}
+    rec["predicted_over_measured"] = round(predicted / peak, 4) if predicted else None
+    within = predicted is not None and abs(predicted / peak - 1) <= 0.05
+    # On a CPU the peak counts the interpreter's and the fp32 products' copies: recorded, not judged.
+    rec["status"] = "ok" if torch.device(device).type != "cuda" or (within and peak - lb <= budget) else "FAIL"
+    return rec
+
+
+def main():
+    args, cuda, device, _ = script_setup(__doc__, "schedule_check.jsonl", budget_s=420)
+    check = Checker(args.budget_s, device)
+    dtypes = (torch.bfloat16, torch.float16) if cuda else (torch.float16,)
+    for dtype in dtypes:
+        for options in ({}, {"softcap": 4.0}, {"z_loss": 1e-3, "label_smoothing": 0.1})[: 3 if cuda else 1]:
+            check.run(f"accuracy/{str(dtype).removeprefix('torch.')}/{options}", accuracy, dtype, options, device,
+                      args.tiny, required=True)
+    cases = ([("qwen3-16k", 16_384, QWEN3.V, QWEN3.D), ("qwen3-65k", 65_536, QWEN3.V, QWEN3.D),
+              ("gemma2-8k", 8_192, GEMMA2.V, GEMMA2.D)] if not args.tiny else [("tiny", 256, 1031, 40)])
+    budgets = (2**28, 2**30, 2**32) if not args.tiny else (2**22,)
+    for name, N, V, D in cases:
+        for budget in budgets:
+            check.run(f"peak/{name}/{budget}", peaks, name, N, V, D, budget, device)
+    finish(check, args.out, cuda)
+
+
+if __name__ == "__main__":
+    main()
