@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from helpers.cce import linear_cross_entropy
 from tests.cce.test_parallel import spawn
 
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU processes under the Triton interpreter")
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):
     pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)", allow_module_level=True)
