@@ -53,7 +53,9 @@ on a model that is not patched.
 
 Refused with the reason (``head_the_patch_cannot_read``): a quantised head (bitsandbytes), a
 LoRA-wrapped head (not an ``nn.Linear``), a sharded head (FSDP1/FSDP2 / ZeRO-3 gather
-``lm_head.weight`` only inside ``lm_head``'s own forward, which the patched path does not call),
+``lm_head.weight`` only inside ``lm_head``'s own forward, which the patched path does not call; with
+FSDP2, ``patch`` before ``fully_shard`` with the head in the root's group works: the root's forward
+gathers it, ``tests/cce/test_fsdp.py``),
 forward hooks on ``lm_head`` or the model (accelerate's), and ``logits_to_keep`` together with
 labels. Not handled either: multimodal models, and any other loss than ``ForCausalLMLoss``. LoRA on
 the body (attention, MLP) with a plain ``lm_head`` is fine.
@@ -328,7 +330,8 @@ def head_the_patch_cannot_read(model, lm_head) -> str | None:
     if kind == "DTensor" or type(lm_head).__name__.startswith("FSDP") or hasattr(weight, "ds_id") \
             or "FlatParameter" in kind or hasattr(lm_head, "_fsdp_wrapped_module"):
         return ("its lm_head is sharded (FSDP, DeepSpeed ZeRO-3 or a DTensor): its weight is whole only inside "
-                "lm_head's own forward, which the patched path does not call")
+                "lm_head's own forward, which the patched path does not call; with FSDP2, patch before fully_shard "
+                "and leave lm_head in the root's group (fully_shard the layers, then the model)")
     if tuple(weight.shape) != (lm_head.out_features, lm_head.in_features):
         return (f"its lm_head's weight has shape {tuple(weight.shape)}, not (out_features, in_features) = "
                 f"{(lm_head.out_features, lm_head.in_features)}: it is stored in another form")

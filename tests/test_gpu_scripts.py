@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 # speed_v3.py: the sections whose code the others do not run ("trained" runs the accuracy check and
 # the time measure of "accuracy" and "time" on one shape; "profile" needs CUDA for what it measures).
-@pytest.mark.parametrize("script", ["gpu/cce_check.py", "experiments/tune.py",
+@pytest.mark.parametrize("script", ["gpu/cce_check.py", "gpu/vocab_parallel.py", "experiments/tune.py",
                                     "experiments/speed_v3.py --sections trained checks", "experiments/host_path.py",
                                     "gpu/schedule_check.py"])
 def test_gpu_script_runs_tiny_on_cpu(script, tmp_path):

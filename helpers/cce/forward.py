@@ -19,6 +19,7 @@ the pilot each split's running sum starts from nothing and its first tiles are a
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,7 +56,7 @@ def cce_forward(
     for the device's tier. ``v_splits``: vocabulary splits of the LSE grid; None picks enough to fill the device.
     ``bias``: the head's bias (V,), added to every row's logits; None for none.
     """
-    N, D = E.shape
+    # E (N, D), C (V, D), x (N,)
     V = C.shape[0]
     o = options
     configs = resolve_configs(configs, E.device)
@@ -63,16 +64,7 @@ def cce_forward(
     softcap = o.softcap if o.softcap is not None else 1.0
 
     # Algorithm 1: z_{i, x_i}, (N,).
-    target_logit = torch.empty(N, dtype=torch.float32, device=E.device)
-    indexed_dot_kernel[(triton.cdiv(N, dot_cfg.BLOCK_N),)](
-        E, C, x, target_logit, bias if bias is not None else target_logit,
-        N, V, D,
-        E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0),
-        o.ignore_index, softcap, 1.0 / o.temperature,
-        HAS_SOFTCAP=o.softcap is not None,
-        HAS_BIAS=bias is not None,
-        **dot_cfg.tiles("BLOCK_N", "BLOCK_D"), **dot_cfg.launch,
-    )
+    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg)
 
     # Algorithm 2: lse over vocabulary splits, (SPLITS, N), then merged.
     smoothing = o.label_smoothing > 0
@@ -135,22 +127,12 @@ def cce_forward_outputs(
     read): logprob = z_x - lse, entropy H = lse - sum_v softmax(z)_v z_v, correct = the target is
     among the row's largest logits. Ignored rows: 0, 0, their lse, False. ``helpers.cce.outputs``
     gives them gradients."""
-    N = E.shape[0]
     o = options
     configs = resolve_configs(configs, E.device)
     fwd, _, dot_cfg = configs.for_dtype(E.dtype)
     softcap = o.softcap if o.softcap is not None else 1.0
     # Algorithm 1: z_{i, x_i} as the loss's forward makes it; the accuracy uses the LSE tiles' own copy.
-    target_logit = torch.empty(N, dtype=torch.float32, device=E.device)
-    indexed_dot_kernel[(triton.cdiv(N, dot_cfg.BLOCK_N),)](
-        E, C, x, target_logit, bias if bias is not None else target_logit,
-        N, C.shape[0], E.shape[1],
-        E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0),
-        o.ignore_index, softcap, 1.0 / o.temperature,
-        HAS_SOFTCAP=o.softcap is not None,
-        HAS_BIAS=bias is not None,
-        **dot_cfg.tiles("BLOCK_N", "BLOCK_D"), **dot_cfg.launch,
-    )
+    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg)
     lse_split, _, (entropy_split, max_split, target_split) = _lse_splits(
         E, C, bias, replace(o, label_smoothing=0.0), fwd, v_splits, softcap, x=x)
     lse, entropy, row_max = merge_row_stats(lse_split, entropy_split, max_split)
@@ -159,6 +141,67 @@ def cce_forward_outputs(
     # Ties: correct when the target's logit equals the row's largest (the target is among the maxima).
     correct = kept & (target_split.sum(dim=0) >= row_max)
     return logprob, torch.where(kept, entropy, 0.0), lse, correct
+
+
+class RowStatistics(NamedTuple):
+    """Each row's statistics of its logits over C's rows, each (N,) fp32 (``cce_forward_rows``)."""
+
+    lse: torch.Tensor  # log sum_v exp(z_v)
+    target_logit: torch.Tensor  # z_{i, x_i} (Algorithm 1); 0 where x_i is ignore_index
+    logit_sum: torch.Tensor | None  # sum_v z_v, with label smoothing only
+    entropy: torch.Tensor | None = None  # lse - sum_v softmax(z)_v z_v (``outputs`` only)
+    row_max: torch.Tensor | None = None  # max_v z_v (``outputs`` only)
+    target_in_tile: torch.Tensor | None = None  # z_{i, x_i} as the max's tile made it, 0 off [0, V) (``outputs``)
+
+
+def cce_forward_rows(
+    E: torch.Tensor,
+    C: torch.Tensor,
+    x: torch.Tensor,
+    options: CCEOptions = CCEOptions(),
+    configs: CCEConfigs | str | None = None,
+    v_splits: int | None = None,
+    bias: torch.Tensor | None = None,
+    outputs: bool = False,
+) -> RowStatistics:
+    """The per-row statistics that ``cce_forward`` (and, with ``outputs``, ``cce_forward_outputs``)
+    combine into a loss, before combining them: what a vocabulary-parallel loss exchanges between
+    the ranks that each hold a slice of C (``helpers.cce.parallel``). A target outside [0, V) that is
+    not ``options.ignore_index`` must not be given (Algorithm 1 would read C's row 0 for it): map it
+    to ``ignore_index`` (its row's lse and sums are made all the same). ``outputs``: also the
+    entropy, the largest logit and the target's logit from the same tiles (no logit sum then)."""
+    o = options
+    configs = resolve_configs(configs, E.device)
+    fwd, _, dot_cfg = configs.for_dtype(E.dtype)
+    softcap = o.softcap if o.softcap is not None else 1.0
+    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg)
+    if outputs:
+        o = replace(o, label_smoothing=0.0)
+    lse_split, logit_sum_split, row_stats = _lse_splits(E, C, bias, o, fwd, v_splits, softcap,
+                                                        x=x if outputs else None)
+    logit_sum = logit_sum_split.sum(dim=0) if o.label_smoothing > 0 else None
+    if not outputs:
+        lse = torch.logsumexp(lse_split, dim=0) if lse_split.shape[0] > 1 else lse_split[0]
+        return RowStatistics(lse, target_logit, logit_sum)
+    entropy_split, max_split, target_split = row_stats
+    lse, entropy, row_max = merge_row_stats(lse_split, entropy_split, max_split)
+    return RowStatistics(lse, target_logit, None, entropy, row_max, target_split.sum(dim=0))
+
+
+def _indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg) -> torch.Tensor:
+    """Algorithm 1: z_{i, x_i} (N,) fp32, 0 at ignored rows."""
+    N, D = E.shape
+    target_logit = torch.empty(N, dtype=torch.float32, device=E.device)
+    indexed_dot_kernel[(triton.cdiv(N, dot_cfg.BLOCK_N),)](
+        E, C, x, target_logit, bias if bias is not None else target_logit,
+        N, C.shape[0], D,
+        E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0),
+        o.ignore_index, o.softcap if o.softcap is not None else 1.0, 1.0 / o.temperature,
+        HAS_SOFTCAP=o.softcap is not None,
+        HAS_BIAS=bias is not None,
+        **dot_cfg.tiles("BLOCK_N", "BLOCK_D"), **dot_cfg.launch,
+    )
+    return target_logit
 
 
 def merge_row_stats(lse_split: torch.Tensor, entropy_split: torch.Tensor, max_split: torch.Tensor):

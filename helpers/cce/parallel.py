@@ -1,0 +1,447 @@
+"""Vocabulary-parallel Cut Cross-Entropy on ``torch.distributed``: C split by rows across the ranks
+of a process group, the loss exchanging per-row statistics only, never logits.
+
+Why. Megatron, TransformerEngine and torchtitan shard the lm_head by vocabulary rows: rank r holds
+C_r = C[s_r : s_r + V_r] (and b_r), and every rank holds the same E (N, D) and targets x. A
+vocabulary-parallel loss must then combine the ranks' logits without gathering them: at the Qwen3
+head (V = 151,936) on 8 ranks with N = 131,072 tokens each rank's logit slice is
+N * V / 8 * 2 = 5.0 GB in bf16, its gradient as much again. Here each rank runs our forward on its
+slice (no logits in memory, ``helpers.cce.forward.cce_forward_rows``) and the ranks exchange, per
+row, a few fp32 numbers: one ``all_gather`` of (k, N) with k = 2 (lse_r, the target logit if rank r
+owns the target), 3 with label smoothing (+ the slice's logit sum), 5 for the per-token outputs
+(+ entropy_r, max_r, the target from the max's tile): k * N * 4 bytes a rank, 1 MiB at N = 131,072,
+k = 2. The backward sends dE once (an ``all_reduce`` of N * D in E's dtype, 256 MiB at the Qwen3
+head in bf16), or leaves it to the caller (``dE_reduction="none"``).
+
+The math. With the global lse_i = log sum_r exp(lse_{r, i}) (``torch.logsumexp`` over the gathered
+(R, N)) and the target logit z_{i, x_i} from the one rank whose slice holds x_i:
+
+    loss_i = lse_i - (1 - ls) z_{i, x_i} - (ls / V) sum_r sum_{v in r} z_{i, v} + zl lse_i^2
+    G_{i, v} = w_i (a_i S_{i, v} - b_i [v = x_i] - c_i / V),  S = exp(z - lse) with the GLOBAL lse
+
+so rank r's backward is our backward on its slice (``helpers.cce.backward``) given the global lse:
+[v = x_i] only where x_i is in the slice (its kernels treat a target outside [0, V_r) as "no column
+here"), and the smoothing term c_i / V with the global V, not V_r (c scaled by V_r / V, since the
+kernels divide by their own C's rows). dC_r and db_r are whole on rank r; dE = sum_r G_r C_r is a
+sum over ranks. The per-token outputs merge as ``helpers.cce.forward.merge_row_stats`` merges the
+vocabulary splits of one device: the entropy H = sum_r w_r (H_r + lse - lse_r), w_r = exp(lse_r - lse),
+the max over ranks, the target is correct when its logit reaches the global max.
+
+Every rank computes the same loss (the same gathered statistics, merged in the same order: the same
+bits) and must call backward on it: the backward's ``all_reduce`` is collective.
+
+Refused, with a message: the "sparse" backward (its activity bits bound G with the slice's own lse,
+which is not the global one); a process group of one holding a slice of a larger vocabulary; slices
+that overlap, leave a gap, pass ``vocab_size``, or differ in D; ranks that disagree on the targets,
+N or the options (a checksum of x and of the options is exchanged with the layout, so every rank
+raises the same error instead of one rank hanging in a collective). Class weights are a replicated
+(V,) vector (not sharded): each row's weight is read by every rank.
+
+Reference: ``helpers.spec.reference_loss`` / ``reference_outputs`` on the whole C, and our single-device
+loss; ``tests/cce/test_parallel.py`` compares the three on 2, 3 and 4 CPU processes (gloo), and
+``scripts/gpu/vocab_parallel.py`` on GPUs (NCCL).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from helpers.cce.backward.atomic import backward_atomic
+from helpers.cce.backward.gemm import backward_gemm
+from helpers.cce.backward.rows import RowGradient
+from helpers.cce.class_weights import check_weight, weighted_reduction
+from helpers.cce.forward import cce_forward_rows, merge_row_stats
+from helpers.cce.kernels.configs import CCEConfigs
+from helpers.cce.options import CCEPlan, plan_call
+from helpers.cce.outputs import TokenOutputs
+from helpers.cce.shared import vocabulary_order
+from helpers.spec import raise_for_targets, targets_out_of_range, validate_inputs
+
+DE_REDUCTIONS = ("all_reduce", "none")
+# The local targets: a rank's own target columns in [0, V_r); every other row (ignored, or its target
+# on another rank) is NO_TARGET, which the local kernels read as ignore_index (Algorithm 1 gives 0)
+# and the backward's as "no column here". The global kept mask travels separately (``RowGradient``).
+NO_TARGET = -1
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where this rank's C rows sit in the vocabulary, checked against every other rank's."""
+
+    group: object  # the torch.distributed process group (None: the default group)
+    rank: int
+    world: int
+    vocab_start: int  # s_r: C_local's row 0 is vocabulary row s_r
+    V_local: int  # V_r = C_local.shape[0]
+    vocab_size: int  # V, the whole vocabulary
+
+    def local_targets(self, x: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x_local, owned), each (N,): x - s_r where this rank holds the target, else NO_TARGET."""
+        owned = (x >= self.vocab_start) & (x < self.vocab_start + self.V_local) & (x != ignore_index)
+        return torch.where(owned, x - self.vocab_start, NO_TARGET), owned
+
+
+def shard_layout(E, C_local, x, *, vocab_start: int, vocab_size: int, group, ignore_index: int,
+                 options: dict) -> ShardLayout:
+    """Exchange (one ``all_gather`` of 9 integers a rank) and check the ranks' layout: their slices
+    must tile [0, vocab_size) with one D, the same N, targets and options; a ``ValueError`` otherwise,
+    raised alike on every rank. Reads the gathered integers on the host (one device sync)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("vocab_parallel_cross_entropy needs torch.distributed initialised "
+                           "(dist.init_process_group); for one device use helpers.linear_cross_entropy")
+    for name, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = E.device
+    x_flat = x.reshape(-1)
+    integer = x.dtype in (torch.int32, torch.int64)
+    meta = torch.tensor([
+        vocab_start,
+        C_local.shape[0] if C_local.dim() == 2 else -1,
+        vocab_size,
+        C_local.shape[-1] if C_local.dim() == 2 else -1,
+        E.shape[-1] if E.dim() >= 1 else -1,
+        x_flat.numel(),
+        0, zlib.crc32(repr(sorted(options.items())).encode()), 0,
+    ], dtype=torch.int64, device=device)
+    if integer and x_flat.numel():
+        # A weighted sum of the targets: ranks fed different batches disagree here.
+        position = torch.arange(x_flat.numel(), device=device) % 8191 + 1
+        meta[6] = (x_flat.long() * position).sum()
+        meta[8] = targets_out_of_range(x_flat, vocab_size, ignore_index).long()
+    if world > 1:
+        gathered = [torch.empty_like(meta) for _ in range(world)]
+        dist.all_gather(gathered, meta, group=group)
+        rows = [t.tolist() for t in gathered]
+    else:
+        rows = [meta.tolist()]
+    check_layout(rows, rank)
+    if rows[rank][8]:
+        raise_for_targets(x_flat, vocab_size, ignore_index, True)
+    return ShardLayout(group, rank, world, vocab_start, rows[rank][1], vocab_size)
+
+
+def check_layout(rows: list[list[int]], rank: int) -> None:
+    """The layout's checks on every rank's (vocab_start, V_r, vocab_size, D of C_r, D of E, N,
+    checksum of x, checksum of the options, targets out of range), in ``shard_layout``'s order."""
+    world = len(rows)
+    starts, sizes, vocab, d_C, d_E, n_rows, x_sum, opt_sum = (list(c) for c in zip(*[r[:8] for r in rows]))
+    V = vocab[rank]
+    spans = ", ".join(f"rank {r} holds [{s}, {s + n})" for r, (s, n) in enumerate(zip(starts, sizes)))
+    if len(set(vocab)) > 1:
+        raise ValueError(f"the ranks disagree on vocab_size: {vocab} (rank by rank)")
+    if world == 1 and (starts[0] != 0 or sizes[0] != V):
+        raise ValueError(
+            f"the process group has one rank, but C_local holds rows [{starts[0]}, {starts[0] + sizes[0]}) of a "
+            f"vocabulary of {V}: a sharded head needs the group of all the ranks that hold its slices "
+            "(group=...), and an unsharded one helpers.linear_cross_entropy")
+    if len(set(d_C)) > 1 or any(a != b for a, b in zip(d_C, d_E)):
+        raise ValueError(f"the shards have different D: C_local's D is {d_C}, E's D is {d_E} (rank by rank); "
+                         "every rank needs the same E (N, D) and a (V_r, D) slice of C")
+    if len(set(n_rows)) > 1 or len(set(x_sum)) > 1:
+        raise ValueError(f"the ranks hold different targets (rows {n_rows}, rank by rank, or the same count with "
+                         "different values): a vocabulary-parallel loss needs the same E and x on every rank")
+    if len(set(opt_sum)) > 1:
+        raise ValueError("the ranks were called with different loss options; every rank must pass the same")
+    for r, (s, n) in enumerate(zip(starts, sizes)):
+        if n < 1 or s < 0 or s + n > V:
+            raise ValueError(f"rank {r}'s C_local does not match the declared vocabulary range: {n} rows from "
+                             f"vocab_start={s}, but the vocabulary is [0, {V}) and each rank needs at least one row "
+                             f"({spans})")
+    end = 0
+    for s, n in sorted(zip(starts, sizes)):
+        if s != end:
+            what = f"rows [{end}, {s}) are held by no rank" if s > end else f"rows [{s}, {end}) are held twice"
+            raise ValueError(f"the C slices do not tile the vocabulary [0, {V}): {what} ({spans})")
+        end = s + n
+    if end != V:
+        raise ValueError(f"the C slices do not tile the vocabulary [0, {V}): rows [{end}, {V}) are held by no rank "
+                         f"({spans})")
+
+
+def _all_gather_rows(stats: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """(R, k, N): every rank's (k, N) per-row statistics, in rank order."""
+    if layout.world == 1:
+        return stats[None]
+    gathered = [torch.empty_like(stats) for _ in range(layout.world)]
+    dist.all_gather(gathered, stats.contiguous(), group=layout.group)
+    return torch.stack(gathered)
+
+
+def _local_options(plan: CCEPlan):
+    """The options the local kernels take: NO_TARGET is their ignore_index (module constant)."""
+    return replace(plan.options, ignore_index=NO_TARGET)
+
+
+def _slice_backward(E, C_local, x_local, lse, up: RowGradient, plan: CCEPlan, bias, stats):
+    """(dE partial, dC_r, db_r) of this rank's slice given the global lse and row coefficients."""
+    o = _local_options(plan)
+    configs = plan.configs
+    order = vocabulary_order(E, C_local) if o.sort_vocab else None
+    if plan.backward_impl == "atomic":
+        dE, dC = backward_atomic(E, C_local, x_local, lse, up, order, o, configs.for_dtype(E.dtype)[1], None, None,
+                                 stats, bias, plan.need[:2])
+        return dE, dC, None
+    return backward_gemm(E, C_local, x_local, lse, up, order, o, configs.backward_gemm_for(E.dtype), None, None,
+                         stats, bias, plan.need, host=configs.host)
+
+
+def _reduce_dE(dE, layout: ShardLayout, dE_reduction: str):
+    if dE is not None and dE_reduction == "all_reduce" and layout.world > 1:
+        dist.all_reduce(dE, group=layout.group)
+    return dE
+
+
+class VocabParallelCrossEntropyFunction(torch.autograd.Function):
+    """(loss, lse) of CE(E C^T + b, x) with C split by rows across ``layout``'s ranks (module doc)."""
+
+    @staticmethod
+    def forward(ctx, E, C_local, x, bias_local, plan: CCEPlan, layout: ShardLayout, dE_reduction: str,
+                stats=None):
+        o = plan.options
+        x_local, owned = layout.local_targets(x, o.ignore_index)
+        # 1. This slice's statistics: lse_r, z_{i, x_i} where the target is here, sum_{v in r} z_v.
+        local = cce_forward_rows(E, C_local, x_local, _local_options(plan), plan.configs, bias=bias_local)
+        rows = [local.lse, torch.where(owned, local.target_logit, 0.0)]
+        if o.label_smoothing > 0:
+            rows.append(local.logit_sum)
+        # 2. [Exchange] every rank's statistics, (R, k, N); merged alike on every rank.
+        gathered = _all_gather_rows(torch.stack(rows), layout)
+        lse = torch.logsumexp(gathered[:, 0], dim=0)  # lse = log sum_r exp(lse_r)
+        target_logit = gathered[:, 1].sum(dim=0)  # one rank's value, zeros elsewhere
+        # 3. The loss of each row, as ``cce_forward`` combines one device's statistics.
+        loss_rows = lse - (1.0 - o.label_smoothing) * target_logit
+        if o.label_smoothing > 0:
+            loss_rows = loss_rows - (o.label_smoothing / layout.vocab_size) * gathered[:, 2].sum(dim=0)
+        if o.z_loss:
+            loss_rows = loss_rows + o.z_loss * lse * lse
+        kept = x != o.ignore_index
+        loss_rows = torch.where(kept, loss_rows, 0.0)
+        n_kept = kept.sum()
+        if o.reduction == "none":
+            loss = loss_rows
+        elif o.reduction == "sum":
+            loss = loss_rows.sum()
+        else:
+            loss = loss_rows.sum() / n_kept  # NaN when every token is ignored, as torch
+        ctx.save_for_backward(E, C_local, x_local, kept, lse, n_kept, bias_local)
+        ctx.plan, ctx.layout, ctx.dE_reduction, ctx.stats = plan, layout, dE_reduction, stats
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(n_kept)
+        return loss, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, grad_lse):
+        E, C_local, x_local, kept, lse, n_kept, bias_local = ctx.saved_tensors
+        plan, layout = ctx.plan, ctx.layout
+        none = (None,) * 8
+        if not any(plan.need) or (grad_loss is None and grad_lse is None):
+            return none
+        o = plan.options
+        N = x_local.shape[0]
+        if grad_loss is None:
+            grad_rows = torch.zeros(N, dtype=torch.float32, device=E.device)
+        elif o.reduction == "none":
+            grad_rows = grad_loss.to(torch.float32)
+        elif o.reduction == "sum":
+            grad_rows = grad_loss.to(torch.float32).expand(N)
+        else:
+            grad_rows = (grad_loss.to(torch.float32) / n_kept.clamp(min=1)).expand(N)
+        up = RowGradient.of(grad_rows, grad_lse, kept, lse, o)
+        if o.label_smoothing > 0:
+            # The kernels divide c by their own C's rows (V_r); the smoothing spreads over all V.
+            scale = torch.tensor([1.0, 1.0, layout.V_local / layout.vocab_size], device=E.device)
+            up = replace(up, coef=up.coef * scale[:, None])
+        dE, dC, db = _slice_backward(E, C_local, x_local, lse, up, plan, bias_local, ctx.stats)
+        return _reduce_dE(dE, layout, ctx.dE_reduction), dC, None, db, None, None, None, None
+
+
+def _check_common(dE_reduction, backward_impl, shift):
+    if dE_reduction not in DE_REDUCTIONS:
+        raise ValueError(f"dE_reduction must be one of {DE_REDUCTIONS}, got {dE_reduction!r}")
+    if backward_impl == "sparse":
+        raise ValueError('backward_impl="sparse" is not supported by the vocabulary-parallel loss: its activity bits '
+                         "bound G with each slice's own lse, not the global one; use \"gemm\" or \"atomic\"")
+    if not isinstance(shift, bool):
+        raise ValueError(f"shift must be True or False, got {shift!r}")
+
+
+def _shifted(x, shift: bool, ignore_index: int):
+    if not shift:
+        return x
+    shifted = torch.full_like(x, ignore_index)
+    shifted[..., :-1] = x[..., 1:]
+    return shifted
+
+
+def _need(E, C_local, bias_local):
+    grad = torch.is_grad_enabled()
+    return (grad and E.requires_grad, grad and C_local.requires_grad,
+            grad and bias_local is not None and bias_local.requires_grad)
+
+
+def vocab_parallel_cross_entropy(
+    E: torch.Tensor,
+    C_local: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group=None,
+    bias_local: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    shift: bool = False,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    label_smoothing: float = 0.0,
+    return_lse: bool = False,
+    filter_eps: float | str | None = "auto",
+    sort_vocab: bool = False,
+    accumulation: str = "fp32",
+    full_c: bool = False,
+    full_e: bool = False,
+    configs: CCEConfigs | str | None = None,
+    backward_impl: str = "gemm",
+    stats: dict | None = None,
+    temperature: float = 1.0,
+    weight: torch.Tensor | None = None,
+    dE_reduction: str = "all_reduce",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``linear_cross_entropy(E, C, x, ...)`` with C split by rows across the ranks of ``group``:
+    this rank holds C_local = C[vocab_start : vocab_start + V_r] (V_r = C_local.shape[0]) and
+    bias_local = bias[vocab_start : vocab_start + V_r]; every rank passes the same E (..., D), x and
+    options. Returns what ``linear_cross_entropy`` returns, the same on every rank (module doc).
+
+    vocab_size: V, the whole vocabulary; the slices of the group's ranks must tile [0, V) (checked,
+        with D, N, x and the options, by one small ``all_gather``: ``shard_layout``).
+    group: the process group over the slices' ranks (None: the default group).
+    dE_reduction: "all_reduce" (E's gradient is the whole dE = sum_r G_r C_r on every rank) or
+        "none" (E's gradient is this rank's partial sum G_r C_r: for a tensor-parallel head whose
+        layer all-reduces its input's gradient itself, e.g. Megatron's copy-to-tensor-parallel
+        region, which would otherwise count it twice). dC_local and db_local are this rank's whole.
+    weight: (V,) class weights, the whole vocabulary's on every rank (not sharded).
+    backward_impl: "gemm" or "atomic"; "sparse" is refused (module doc). Everything else: as
+        ``linear_cross_entropy``. Every rank must call backward: it is collective.
+    """
+    options = dict(ignore_index=ignore_index, reduction=reduction, shift=shift, softcap=softcap, z_loss=z_loss,
+                   label_smoothing=label_smoothing, return_lse=return_lse, filter_eps=filter_eps,
+                   sort_vocab=sort_vocab, accumulation=accumulation, full_c=full_c, full_e=full_e,
+                   backward_impl=backward_impl, temperature=temperature, dE_reduction=dE_reduction,
+                   configs=str(configs), weight=None if weight is None else tuple(weight.shape),
+                   bias=bias_local is not None, dtype=str(E.dtype))
+    layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
+                          ignore_index=ignore_index, options=options)
+    validate_inputs(E, C_local, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias_local,
+                    leading_dims=True, check_targets=False)  # x's range: checked against V by shard_layout
+    _check_common(dE_reduction, backward_impl, shift)
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
+    if weight is not None:
+        # check_weight reads V and the device from its C: the whole vocabulary's, as no rank holds it.
+        check_weight(weight, C_local.new_empty(vocab_size, 0), label_smoothing=label_smoothing, z_loss=z_loss)
+    if stats is not None and not isinstance(stats, dict):
+        raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
+    plan = plan_call(
+        E, C_local, backward_impl=backward_impl, configs=configs, return_lse=return_lse,
+        need=_need(E, C_local, bias_local), wants_db=bias_local is not None and bias_local.requires_grad,
+        filter_eps=filter_eps, ignore_index=ignore_index, reduction="none" if weight is not None else reduction,
+        softcap=softcap, sort_vocab=sort_vocab, accumulation=accumulation, full_c=full_c, full_e=full_e,
+        z_loss=z_loss, label_smoothing=label_smoothing, temperature=temperature,
+    )
+    lead = x.shape
+    x = _shifted(x, shift, ignore_index).reshape(-1)
+    loss, lse = VocabParallelCrossEntropyFunction.apply(E.reshape(-1, E.shape[-1]), C_local, x, bias_local, plan,
+                                                        layout, dE_reduction, stats)
+    if weight is not None:
+        loss = weighted_reduction(loss, x, weight, ignore_index, reduction)
+    if reduction == "none":
+        loss = loss.reshape(lead)
+    return (loss, lse.reshape(lead)) if return_lse else loss
+
+
+class VocabParallelOutputsFunction(torch.autograd.Function):
+    """(logprob, entropy, correct) with C split by rows across ``layout``'s ranks (module doc)."""
+
+    @staticmethod
+    def forward(ctx, E, C_local, x, bias_local, plan: CCEPlan, layout: ShardLayout, dE_reduction: str,
+                stats=None):
+        o = plan.options
+        x_local, owned = layout.local_targets(x, o.ignore_index)
+        local = cce_forward_rows(E, C_local, x_local, _local_options(plan), plan.configs, bias=bias_local,
+                                 outputs=True)
+        rows = [local.lse, local.entropy, local.row_max, torch.where(owned, local.target_logit, 0.0),
+                local.target_in_tile]  # the last is 0 off this slice (x_local = NO_TARGET matches no tile)
+        gathered = _all_gather_rows(torch.stack(rows), layout)
+        lse, entropy, row_max = merge_row_stats(gathered[:, 0], gathered[:, 1], gathered[:, 2])
+        target_logit, target_in_tile = gathered[:, 3].sum(dim=0), gathered[:, 4].sum(dim=0)
+        kept = x != o.ignore_index
+        logprob = torch.where(kept, target_logit - lse, 0.0)
+        entropy = torch.where(kept, entropy, 0.0)
+        correct = kept & (target_in_tile >= row_max)  # ties: the target among the maxima
+        ctx.save_for_backward(E, C_local, x_local, kept, lse, entropy, bias_local)
+        ctx.plan, ctx.layout, ctx.dE_reduction, ctx.stats = plan, layout, dE_reduction, stats
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(correct)
+        return logprob, entropy, correct
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprob, grad_entropy, _grad_correct):
+        E, C_local, x_local, kept, lse, entropy, bias_local = ctx.saved_tensors
+        plan = ctx.plan
+        if not any(plan.need) or (grad_logprob is None and grad_entropy is None):
+            return (None,) * 8
+        up = RowGradient.of_outputs(grad_logprob, grad_entropy, kept, entropy)
+        dE, dC, db = _slice_backward(E, C_local, x_local, lse, up, plan, bias_local, ctx.stats)
+        return _reduce_dE(dE, ctx.layout, ctx.dE_reduction), dC, None, db, None, None, None, None
+
+
+def vocab_parallel_outputs(
+    E: torch.Tensor,
+    C_local: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group=None,
+    bias_local: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool = False,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    filter_eps: float | str | None = "auto",
+    configs: CCEConfigs | str | None = None,
+    backward_impl: str = "gemm",
+    stats: dict | None = None,
+    dE_reduction: str = "all_reduce",
+) -> TokenOutputs:
+    """``linear_cross_entropy_outputs`` (per-token logprob, entropy, correct) with C split by rows
+    across the ranks of ``group``; the sharding arguments and ``dE_reduction`` as
+    ``vocab_parallel_cross_entropy``'s, the rest as ``linear_cross_entropy_outputs``'s."""
+    options = dict(ignore_index=ignore_index, shift=shift, softcap=softcap, temperature=temperature,
+                   filter_eps=filter_eps, configs=str(configs), backward_impl=backward_impl,
+                   dE_reduction=dE_reduction, bias=bias_local is not None, dtype=str(E.dtype), outputs=True)
+    layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
+                          ignore_index=ignore_index, options=options)
+    validate_inputs(E, C_local, x, ignore_index=ignore_index, softcap=softcap, bias=bias_local, leading_dims=True,
+                    check_targets=False)
+    _check_common(dE_reduction, backward_impl, shift)
+    if stats is not None and not isinstance(stats, dict):
+        raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
+    plan = plan_call(
+        E, C_local, backward_impl=backward_impl, configs=configs, return_lse=False,
+        need=_need(E, C_local, bias_local), wants_db=bias_local is not None and bias_local.requires_grad,
+        filter_eps=filter_eps, ignore_index=ignore_index, softcap=softcap, temperature=temperature,
+    )
+    lead = x.shape
+    x = _shifted(x, shift, ignore_index).reshape(-1)
+    logprob, entropy, correct = VocabParallelOutputsFunction.apply(E.reshape(-1, E.shape[-1]), C_local, x,
+                                                                   bias_local, plan, layout, dE_reduction, stats)
+    return TokenOutputs(logprob.reshape(lead), entropy.reshape(lead), correct.reshape(lead))
