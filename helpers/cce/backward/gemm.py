@@ -236,7 +236,9 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
             pingpong = None
     block_n = min(cfg.BLOCK_N, pingpong.BLOCK_N) if pingpong else cfg.BLOCK_N
     tiles_max = triton.cdiv(n_chunk, block_n) * triton.cdiv(widest, cfg.BLOCK_V)
-    tile_kept = torch.empty(tiles_max if filtering else 1, dtype=torch.int8, device=device)
+    # The Triton kernel records its tiles only with the filter on; the Gluon kernel always does (a
+    # one-entry buffer there was overrun: its records landed on whatever came next in memory).
+    tile_kept = torch.empty(tiles_max if filtering or pingpong else 1, dtype=torch.int8, device=device)
     skipped = torch.zeros((), dtype=torch.int64, device=device)
     dead_chunks = torch.zeros((), dtype=torch.int64, device=device)  # chunks with every tile skipped
     dE = torch.empty(N, D, dtype=dtype, device=device) if need_dE else None

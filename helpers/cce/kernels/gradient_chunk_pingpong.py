@@ -268,6 +268,8 @@ def launch_gradient_chunk_pingpong(E_desc, C_desc, G_desc, x, lse, coef, kept, r
     """One chunk's G through the kernel, ``programs`` programs at most; returns its tile count
     (the entries of ``kept`` it wrote)."""
     tiles = triton.cdiv(rows, BLOCK_N) * triton.cdiv(v_count, BLOCK_V)
+    if kept.numel() < tiles:  # the kernel writes every tile's record: a short buffer would be overrun
+        raise ValueError(f"kept holds {kept.numel()} tile records, the chunk has {tiles} tiles of {BLOCK_N} x {BLOCK_V}")
     gradient_chunk_pingpong_kernel[(min(tiles, programs),)](
         E_desc, C_desc, G_desc, x, lse, coef, kept, rows, V, D, v_begin, v_count, x.stride(0), coef.stride(0), eps,
         STAGES, num_warps=4, maxnreg=MAXNREG)
