@@ -274,11 +274,11 @@ for name in primary_methods():
 # - **ours (Triton CCE)**: the floor plus its backward's scratch, a G chunk and (16-bit) dE's fp32
 #   accumulator: 12-21% above the floor at the Qwen3 head.
 # - **ours with the sparse backward** (`backward_impl="sparse"`, the registry's `ours_sparse`,
-#   opt-in, not swept here): the floor plus the forward's bits (N·V/128 bits), a buffer of gradient
+#   which the default "auto" picks where it pays; not swept here): the floor plus the forward's bits (N·V/128 bits), a buffer of gradient
 #   tiles and the list of marked pairs: measured on an H200, 1.06× the floor at the Gemma-2-2B head
 #   and 1.11-1.15× at the Qwen3 head from N = 16,384 to 131,072 (bf16, realistic inputs;
 #   `docs/PERFORMANCE.md`). Where it cannot skip (a flat softmax, fewer than ~8 million (row, tile)
-#   pairs) it runs the default backward and holds what that holds.
+#   pairs) it runs the "gemm" backward and holds what that holds.
 # - Any other method (**torch LCE**) has no formula here and is compared with the floor.
 #
 # The floor itself, the two gradients dE and dC that any method must hand back, is drawn in grey.

@@ -436,15 +436,15 @@ for name in PT["methods"]:
 # "Filter on, no difference from exact" means something only if the filter skips work. At every
 # step our backward counts the logit tiles whose gradient the filter dropped. Two things to know
 # when reading it. The filter can act only where the softmax is peaked: an untrained model's is
-# flat, so early steps skip nothing, whatever the rule. And in our default backward ("gemm") the
-# filter zeroes the skipped tiles of G, but the two products that follow still multiply them: **the
-# default's filter buys no speed**, whatever share it skips. It is there to match the paper's
-# arithmetic (and for the "atomic" backward, which does skip the products). The opt-in sparse
+# flat, so early steps skip nothing, whatever the rule. And in the backward these runs use ("gemm", which
+# the default "auto" runs at these sizes) the filter zeroes the skipped tiles of G, but the two products
+# that follow still multiply them: **that filter buys no speed**, whatever share it skips. It is there to match the paper's
+# arithmetic (and for the "atomic" backward, which does skip the products). The sparse
 # backward (`backward_impl="sparse"`, the registry's `ours_sparse`) is the one that turns skipping
 # into time, deciding per row from bits the forward keeps (on an H200 it took 42 ms against the
-# default's 79 at the Gemma-2-2B head, `docs/PERFORMANCE.md`); it is not an arm of these runs: a
+# "gemm"'s 79 at the Gemma-2-2B head, `docs/PERFORMANCE.md`; "auto" picks it where it pays); it is not an arm of these runs: a
 # step here (at most 4,096 tokens over a 32,768-word vocabulary, about a million (row, tile) pairs)
-# is below the ~8 million where its index starts to pay, so it would run the default backward.
+# is below the ~8 million where its index starts to pay, so it would run "gemm".
 
 # %%
 filter_skips = {}  # "part/arm": what our filter skipped, per step (convergence.filter_skip_summary)
@@ -596,7 +596,7 @@ if liger_fp16_underflow:
 if filter_skips:
     mean, most = max(s["mean"] for s in filter_skips.values()), max(s["max"] for s in filter_skips.values())
     caveats["ours"].append(f"filter skipped {mean:.1%} of tiles per step on average ({most:.1%} at most); "
-                           "saves no time in the default backward" if most > 0 else
+                           "saves no time in the gemm backward" if most > 0 else
                            "its gradient filter skipped no tile in these runs")
 facts = convergence.convergence_facts({n: o for n, o in finetune.items() if n != "exact (repeat)"}, pretrain,
                                    S["compute_dtype"], labels, not_run={n: r for n, r in reasons.items() if r},
@@ -680,7 +680,7 @@ Validation loss against exact per frequency bin (nats; mean paired difference ±
 
 {chr(10).join("- " + r for r in rare_reading)}
 
-What our filter skipped (it saves no time in the default backward):{"".join(chr(10) + "- " + s for s in skip_lines) or " no arm of ours ran"}
+What our filter skipped (it saves no time in the gemm backward):{"".join(chr(10) + "- " + s for s in skip_lines) or " no arm of ours ran"}
 
 ![Validation loss across seeds](pretrain_curves.png)
 ![Rare-token diagnostic](rare_tokens.png)

@@ -1465,7 +1465,7 @@ for kahan in (False, True):
 #   owns its rows). The production "atomic" backward, which also splits the vocabulary across
 #   programs, adds both products: (BLOCK_N + BLOCK_V)·D adds per tile, about 7.5·10<sup>10</sup> at
 #   the Gemma-2-2B head, ~300 GB of read-modify-write through L2 for a 2.4 GB result, ~100 of its
-#   128 ms. The default ("gemm") backward writes G for one vocabulary chunk at a time
+#   128 ms. The "gemm" backward (what the default "auto" runs on a flat softmax) writes G for one vocabulary chunk at a time
 #   (N × V<sub>c</sub>, in the input dtype, into rows of dC or dE it has not written yet, so a chunk
 #   costs no memory) and hands the two products to cuBLAS as dense GEMMs that write each gradient
 #   element once per chunk (`helpers/cce/backward/gemm.py`). On Hopper the kernel that writes G is
@@ -1477,8 +1477,8 @@ for kahan in (False, True):
 #   bf16 across ~1,000 vocabulary blocks, and its dE is about 18× less accurate than naive's
 #   (notebook 01); section 9 is why. Where dC must be folded across row chunks,
 #   `accumulation="kahan"` compensates the fold.
-# - **The filter saves no time in the default backward; the opt-in sparse backward makes it pay.**
-#   In the default, a skipped tile is written as zeros, and the dense cuBLAS products multiply the
+# - **The filter saves no time in the "gemm" backward; the sparse backward makes it pay.**
+#   In "gemm", a skipped tile is written as zeros, and the dense cuBLAS products multiply the
 #   zeros like any other number: the filter changes the result (a little less accurate, sections 6
 #   and 8), not the speed. Skipping by tile cannot pay anyway: the rows of a 128-row block do not
 #   agree on which tiles matter. `backward_impl="sparse"` (the registry's `ours_sparse`) decides per

@@ -1,4 +1,4 @@
-"""The "gemm" backward (the default): G written per vocabulary chunk, its two products in cuBLAS.
+"""The "gemm" backward (what "auto" runs on a flat softmax): G per vocabulary chunk, its two products in cuBLAS.
 
 Per row chunk (rows of dE's fp32 accumulator) and vocabulary chunk [v0, v1) of V_c columns:
 

@@ -5,7 +5,10 @@
 - ``lse_forward.py``: Algorithm 2, the online log-sum-exp over vocabulary blocks;
 - ``gradient_tile.py``: the gradient G of a logit tile, shared by every backward kernel;
 - ``gradient_chunk.py``: G written per vocabulary chunk, for the "gemm" backward's two cuBLAS
-  products (the default backward);
+  products; ``gradient_chunk_pingpong.py``: the same G for 16-bit chunks on Hopper, warp-specialized
+  (Gluon);
+- ``row_gradient.py``: a row's lse, loss and G over a chunk of whole rows of logits (the three-product
+  schedule, ``helpers.cce.forward_grads``);
 - ``atomic_gradients.py``: dE and dC added with fp32 atomics, Algorithms 3-4 in one kernel (the
   "atomic" backward);
 - ``pair_list.py``: the marked (row, tile) pairs of the forward's activity bits, listed by tile;
