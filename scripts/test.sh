@@ -14,7 +14,7 @@ python -m ruff check . || lint=$?
 workers=$(python -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 tests=0
 if [ "$workers" -ge 2 ]; then
-  python -m pytest -n "$workers" --dist worksteal "$@" || tests=$?
+  python -m pytest -n "$workers" --dist worksteal --durations=25 "$@" || tests=$?
 else
   python -m pytest "$@" || tests=$?
 fi

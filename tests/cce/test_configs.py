@@ -254,10 +254,12 @@ def all_requests():
                     requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant=variant))
     # Every other tier compiled for a Hopper GPU too: configs= can pick any tier on any GPU, and a
     # pretend card (helpers.cce.device.CARDS: a T4, an L4, an A100) runs its tier on an H200, held to
-    # the card's shared memory, which is the tier's.
+    # the card's shared memory, which is the tier's. The 16-bit kernels with every flag on (the
+    # largest tiles and the most state; fp32's tiles are a quarter of the size): a CI minute saved.
     for tier in TIERS:
         if tier.target_capability != (9, 0):
-            requests += [dict(r, target=[9, 0]) for r in requests if r["tier"] == tier.name and not r.get("target")]
+            requests += [dict(r, target=[9, 0]) for r in requests if r["tier"] == tier.name and not r.get("target")
+                         and r["dtype"] != "fp32" and r["variant"] != "none"]
             for dtype in ("fp16", "bf16"):
                 for kernel in ("backward", "backward_gemm", "sparse_dE_pack"):
                     requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant="none",
@@ -349,8 +351,9 @@ def test_hopper_backward_keeps_no_accumulator_in_registers_as_operand(compiled, 
 def test_turing_configs_fit_64_kb(compiled):
     turing = [r for k, r in compiled.items() if k.startswith("turing-64k") and "-sm" not in k]
     # (fp16, fp32) x [3 kernels x (all flags, none) + indexed_dot + the forward's bits variant
-    # + the sparse backward's kernels: 3 x (all, none) + the reduce + dC's finish + 2 index kernels]
-    assert len(turing) == 2 * (3 * 2 + 1 + 1 + 3 * 2 + 1 + 1 + 2)
+    # + the sparse backward's kernels: 3 x (all, none) + the reduce + dC's finish + 2 index kernels
+    # + the three-product schedule's row kernel (all, none)]
+    assert len(turing) == 2 * (3 * 2 + 1 + 1 + 3 * 2 + 1 + 1 + 2 + 2)
     for r in turing:
         assert r["shared"] <= 65536, (
             f"Triton {compiled['triton']}: {_key(r)} needs {r['shared']:,} B > 65,536 B (T4, sm_75)"
