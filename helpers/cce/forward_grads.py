@@ -7,11 +7,14 @@ Per chunk of R rows (``helpers.cce.schedules`` sizes R from the memory budget):
     2. lse_r, loss_r, G = dloss/dz, G written over Z                                      row_gradient_kernel
     3. dE_r = s G C               (R, D), written once in the dtype (the chunk holds whole rows)   cuBLAS
     4. dC  += G^T E_r             (V, D), fp32, accumulated in the product's epilogue       cuBLAS
+                                  (or in dC itself, rounded once per chunk, where the budget
+                                  holds no fp32 accumulator: ``helpers.cce.schedules``)
        db  += G^T 1               (V,), fp32
 
 s is the reduction's scale (1 / N_kept for a mean, 1 for a sum), applied to fp32 results so that G
 in 16 bits carries no 1/N (``helpers.cce.backward.rows``). dC is rounded to its dtype once, at the end;
-with one chunk (or fp32 inputs) it is written by the product itself. The backward then only
+with one chunk (or fp32 inputs) it is written by the product itself; accumulated in its own 16-bit
+dtype, each chunk's product is added to it in fp32 and rounded once (``_accumulated_product``). The backward then only
 multiplies the stored gradients by the upstream scalar: so the schedule serves a "mean" or a "sum"
 whose only gradient is the loss's (not reduction "none", not a gradient into a returned lse; the
 schedule chooser refuses those, ``schedule_reason``). The gradient filter does not apply: cuBLAS
@@ -90,12 +93,24 @@ def _written_product(out, a, b, *, alpha: float, mode: str, bias=None):
         torch.addmm(out, a, b, beta=0.0, alpha=alpha, out=out)  # beta = 0: out's contents ignored
 
 
+def _accumulated_product(out, a, b, *, alpha: float, first: bool, mode: str):
+    """out = [out +] alpha a @ b, summed in fp32 and rounded once to out's dtype (cuBLAS's epilogue
+    with beta = 1). On the CPU the 16-bit operands are copied to fp32 (as ``product_mode``'s "upcast")
+    and the sum rounded by hand, the same arithmetic."""
+    if out.device.type == "cuda" or out.dtype == torch.float32:
+        out.addmm_(a, b, beta=0.0 if first else 1.0, alpha=alpha)
+    else:
+        product = torch.mm(a.float(), b.float()).mul_(alpha)
+        out.copy_(product if first else product.add_(out.float()))
+
+
 def forward_grads(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
                   options: CCEOptions, configs: CCEConfigs, rows: int, scale: float,
-                  need: tuple[bool, bool, bool], logits_dtype: torch.dtype | None = None):
+                  need: tuple[bool, bool, bool], logits_dtype: torch.dtype | None = None, fp32_dC: bool = True):
     """(loss (N,) fp32, 0 at ignored rows; lse (N,) fp32; dE, dC, db of the loss summed over rows
     times ``scale``, None where ``need`` says not wanted), in chunks of ``rows`` rows (module doc).
-    ``logits_dtype``: the chunks' dtype (None: E's)."""
+    ``logits_dtype``: the chunks' dtype (None: E's); ``fp32_dC``: 16-bit dC accumulated over several
+    chunks in fp32 (else in itself)."""
     o = options
     need_dE, need_dC, need_db = need
     N, D = E.shape
@@ -113,7 +128,7 @@ def forward_grads(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: torch
     dC_acc = None
     dC = None
     if need_dC:
-        if several and dtype != torch.float32:
+        if several and dtype != torch.float32 and fp32_dC:
             dC_acc = torch.empty(V, D, dtype=torch.float32, device=device)
         else:
             dC = torch.empty(V, D, dtype=dtype, device=device)
@@ -147,8 +162,8 @@ def forward_grads(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: torch
             fp32_product(dC_acc, G.T, E_r, alpha=1.0, accumulate=not first, mode=mode)
         elif need_dC and not several:
             _written_product(dC, G.T, E_r, alpha=scale, mode=mode)
-        elif need_dC:  # fp32 inputs: dC is its own accumulator
-            torch.addmm(dC, G.T, E_r, beta=0.0 if first else 1.0, alpha=scale, out=dC)
+        elif need_dC:  # fp32 inputs, or no room for an fp32 accumulator: dC is its own
+            _accumulated_product(dC, G.T, E_r, alpha=scale, first=first, mode=mode)
         if need_db:
             fp32_product(db_acc, G.T, ones[:r], alpha=1.0, accumulate=not first, mode=mode)
     del Z_buf, G, Z
@@ -176,7 +191,7 @@ class ForwardGradsFunction(torch.autograd.Function):
         # A mean over no kept row: the loss is 0 / 0 = NaN and every G is 0, as torch gives.
         scale = 1.0 if o.reduction == "sum" else 1.0 / max(int(count), 1)
         loss_rows, lse, dE, dC, db = forward_grads(E, C, x, bias, o, plan.configs, schedule.rows, scale, plan.need,
-                                                   schedule.logits_dtype)
+                                                   schedule.logits_dtype, schedule.fp32_dC)
         loss = loss_rows.sum() if o.reduction == "sum" else loss_rows.sum() / n_kept
         ctx.grads = (dE, dC, db)
         if stats is not None:

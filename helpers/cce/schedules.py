@@ -16,10 +16,16 @@ element; b_z: the logits', b or 4 for fp16 logits that could overflow):
 
     recompute      = dE's fp32 accumulator (16-bit, n_chunk x D x 4) + its G buffer and staged dC
                      rows where ``gemm_plan`` needs them + 24 N (per-row state)
-    forward_grads  = R V b_z                               (one chunk: R = N; or fp32 inputs)
-                   = 4 V D + max(R V b_z - V D b, 0)       (16-bit, several chunks: dC's fp32
+    forward_grads  = R V b_z                               (one chunk: R = N; fp32 inputs; or
+                                                            16-bit dC accumulated in itself)
+                   = 4 V D + max(R V b_z - V D b, 0)       (16-bit, several chunks, dC's fp32
                      accumulator, and the chunk's logits beyond the room dC takes only at the end)
                    + 4 V (db's fp32 accumulator) + 16 N (per-row state)
+
+dC's accumulator over several 16-bit chunks is fp32 where the budget holds it; else dC itself, in
+its dtype, rounded once per chunk, for at most ``HostTuning.dC_in_dtype_chunks`` chunks (the error
+that costs: ``HostTuning``). At the Gemma-2-2B head the fp32 accumulator alone is 2.36 GB, so a
+1 GiB budget runs there only this way (4 chunks of 2,048 rows).
 
 The time model (constants per tier: ``HostTuning``): FLOP at the tier's matmul rate (Triton kernels
 at ``triton_share`` of it), plus the bytes each schedule moves beyond its products' operands at the
@@ -28,7 +34,8 @@ memory's bandwidth, plus host time per launch:
     recompute      = 2 P / (share rate) + (n_E + n_C) P / rate + 3 N V b / bw      (G written, read twice)
     forward_grads  = (1 + n_E + n_C) P / rate + 6 N V b_z / bw                      (Z written; read
                      twice, written once by the row kernel; read by two products)
-                     + chunks x 2 x 4 V D / bw                                      (dC's accumulator)
+                     + chunks x 2 x a V D / bw                                      (dC's accumulator,
+                                                                                      a = 4 or b)
 
 with P = 2 N V D FLOP per product and n_E, n_C = 1 for each gradient wanted. A call runs the
 fastest schedule whose predicted extra fits its budget (``choose_schedule``).
@@ -97,12 +104,13 @@ def recompute_extra_bytes(N: int, V: int, D: int, itemsize: int, configs: CCECon
 
 
 def forward_grads_extra_bytes(N: int, V: int, D: int, itemsize: int, rows: int, logits_itemsize: int, *,
-                              need: tuple[bool, bool, bool] = (True, True, False)) -> int:
+                              need: tuple[bool, bool, bool] = (True, True, False), fp32_dC: bool = True) -> int:
     """The "forward_grads" schedule's predicted bytes above its inputs and LB, with chunks of ``rows``
-    rows and logits of ``logits_itemsize`` bytes (module doc)."""
+    rows and logits of ``logits_itemsize`` bytes; ``fp32_dC``: 16-bit dC accumulated in fp32 over
+    several chunks (else in itself) (module doc)."""
     rows = min(rows, N)
     chunk = rows * V * logits_itemsize
-    if need[1] and itemsize < 4 and rows < N:  # dC's fp32 accumulator; dC itself only at the end
+    if need[1] and itemsize < 4 and rows < N and fp32_dC:  # dC's fp32 accumulator; dC itself only at the end
         extra = 4 * V * D + max(chunk - V * D * itemsize, 0)
     else:
         extra = chunk
@@ -110,21 +118,27 @@ def forward_grads_extra_bytes(N: int, V: int, D: int, itemsize: int, rows: int, 
 
 
 def forward_grads_rows(N: int, V: int, D: int, itemsize: int, logits_itemsize: int, budget: int,
-                       configs: CCEConfigs, need: tuple[bool, bool, bool] = (True, True, False)) -> int:
+                       configs: CCEConfigs, need: tuple[bool, bool, bool] = (True, True, False),
+                       fp32_dC: bool = True) -> int:
     """The most rows a "forward_grads" chunk may take within ``budget`` extra bytes: N when all the
     rows fit, else a multiple of ``host.row_multiple``; 0 when not even one such chunk fits.
-    ``host.forward_grads_rows`` instead, when set and it fits."""
+    ``host.forward_grads_rows`` instead, when set and it fits. ``fp32_dC``: as
+    ``forward_grads_extra_bytes``."""
+
+    def extra(rows):
+        return forward_grads_extra_bytes(N, V, D, itemsize, rows, logits_itemsize, need=need, fp32_dC=fp32_dC)
+
     fixed = configs.host.forward_grads_rows
     if fixed:
         fixed = min(fixed, N)
-        return fixed if forward_grads_extra_bytes(N, V, D, itemsize, fixed, logits_itemsize, need=need) <= budget else 0
-    if forward_grads_extra_bytes(N, V, D, itemsize, N, logits_itemsize, need=need) <= budget:
+        return fixed if extra(fixed) <= budget else 0
+    if extra(N) <= budget:
         return N
     step = configs.host.row_multiple
     best, low, high = 0, 1, triton.cdiv(N, step) - 1  # chunks of step .. N - 1 rows, in steps
     while low <= high:
         middle = (low + high) // 2
-        if forward_grads_extra_bytes(N, V, D, itemsize, middle * step, logits_itemsize, need=need) <= budget:
+        if extra(middle * step) <= budget:
             best, low = middle * step, middle + 1
         else:
             high = middle - 1
@@ -149,11 +163,12 @@ def recompute_seconds(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs
 
 
 def forward_grads_seconds(N: int, V: int, D: int, itemsize: int, rows: int, logits_itemsize: int,
-                          configs: CCEConfigs, need: tuple[bool, bool, bool] = (True, True, False)) -> float:
+                          configs: CCEConfigs, need: tuple[bool, bool, bool] = (True, True, False),
+                          fp32_dC: bool = True) -> float:
     """The "forward_grads" schedule's predicted time with chunks of ``rows`` rows (module doc), seconds."""
     host, rate = configs.host, _rate(itemsize, configs)
     chunks = triton.cdiv(N, rows)
-    accumulator = need[1] * (chunks > 1) * 2 * 4 * V * D * chunks
+    accumulator = need[1] * (chunks > 1) * 2 * (4 if fp32_dC else itemsize) * V * D * chunks
     return ((1 + need[0] + need[1]) * 2.0 * N * V * D / rate
             + (6 * N * V * logits_itemsize + accumulator) / (host.bandwidth_gbs * 1e9)
             + 5 * chunks * host.launch_us * 1e-6)
@@ -171,13 +186,16 @@ class Schedule:
     why: str
     rows: int | None = None  # "forward_grads": rows per chunk
     logits_dtype: torch.dtype | None = None  # "forward_grads": the dtype its logit chunks are held in
+    # "forward_grads": dC accumulated over several chunks in fp32 (True) or in its own dtype (False).
+    fp32_dC: bool = True
 
     def as_stats(self) -> dict:
         return {"schedule": self.name, "budget_bytes": self.budget_bytes,
                 "predicted_extra_bytes": self.predicted_extra_bytes,
                 "predicted_peak_bytes": self.predicted_peak_bytes, "predicted_ms": self.predicted_ms,
                 "why": self.why, "rows": self.rows,
-                "logits_dtype": str(self.logits_dtype).removeprefix("torch.") if self.logits_dtype else None}
+                "logits_dtype": str(self.logits_dtype).removeprefix("torch.") if self.logits_dtype else None,
+                "dC_accumulator": None if self.name != "forward_grads" else "fp32" if self.fp32_dC else "dtype"}
 
 
 def auto_budget_bytes(device: torch.device, lb: int) -> int | None:
@@ -194,6 +212,19 @@ def auto_budget_bytes(device: torch.device, lb: int) -> int | None:
     if total is not None:
         free = min(free, total - allocated)
     return max(0, int(AUTO_SHARE * (free - lb)))
+
+
+def _least_forward_grads_bytes(N: int, V: int, D: int, itemsize: int, logits_itemsize: int, configs: CCEConfigs,
+                               need: tuple[bool, bool, bool]) -> int:
+    """The least extra memory "forward_grads" runs in: chunks of ``host.row_multiple`` rows with dC's
+    fp32 accumulator, or dC accumulated in itself over at most ``host.dC_in_dtype_chunks`` chunks."""
+    host = configs.host
+    least = forward_grads_extra_bytes(N, V, D, itemsize, min(N, host.row_multiple), logits_itemsize, need=need)
+    if need[1] and itemsize < 4 and host.dC_in_dtype_chunks:
+        rows = min(N, host.row_multiple * triton.cdiv(triton.cdiv(N, host.dC_in_dtype_chunks), host.row_multiple))
+        least = min(least, forward_grads_extra_bytes(N, V, D, itemsize, rows, logits_itemsize, need=need,
+                                                     fp32_dC=False))
+    return least
 
 
 def _mib(n: int) -> str:
@@ -230,28 +261,33 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
                 f"dE and dC, and the forward_grads schedule cannot run here ({not_forward_grads})")
         return recompute_schedule(budget, f"forward_grads cannot run: {not_forward_grads}")
     bz = logits_itemsize or b
-    rows = forward_grads_rows(N, V, D, b, bz, budget, configs, need)
+    rows, fp32_dC = forward_grads_rows(N, V, D, b, bz, budget, configs, need), True
+    if not rows and need[1] and b < 4:  # dC accumulated in itself, for a bounded number of chunks
+        rows = forward_grads_rows(N, V, D, b, bz, budget, configs, need, fp32_dC=False)
+        rows, fp32_dC = (rows, False) if rows and triton.cdiv(N, rows) <= configs.host.dC_in_dtype_chunks else (0, True)
     if rows:
-        extra = forward_grads_extra_bytes(N, V, D, b, rows, bz, need=need)
-        ms = 1e3 * forward_grads_seconds(N, V, D, b, rows, bz, configs, need)
+        extra = forward_grads_extra_bytes(N, V, D, b, rows, bz, need=need, fp32_dC=fp32_dC)
+        ms = 1e3 * forward_grads_seconds(N, V, D, b, rows, bz, configs, need, fp32_dC=fp32_dC)
         chunks = triton.cdiv(N, rows)
         if not fits_recompute or ms < recompute[1]:
-            why = (f"forward_grads, {chunks} chunk(s) of {rows:,} rows, fits {_mib(budget)} ({_mib(extra)}) and is "
-                   f"predicted {ms:.2f} ms against recompute's {recompute[1]:.2f} ms")
+            accumulator = "" if chunks == 1 or fp32_dC or b == 4 else f", dC accumulated in {str(dtype)[6:]}"
+            why = (f"forward_grads, {chunks} chunk(s) of {rows:,} rows{accumulator}, fits {_mib(budget)} "
+                   f"({_mib(extra)}) and is predicted {ms:.2f} ms against recompute's {recompute[1]:.2f} ms")
             if not fits_recompute:
-                why = f"only forward_grads fits {_mib(budget)} ({_mib(extra)}; recompute needs {_mib(recompute[0])})"
+                why = (f"only forward_grads fits {_mib(budget)} ({_mib(extra)}{accumulator}; recompute needs "
+                       f"{_mib(recompute[0])})")
             return Schedule("forward_grads", budget, extra, lb + extra, ms, why, rows,
-                            torch.float32 if bz == 4 else dtype)
+                            torch.float32 if bz == 4 else dtype, fp32_dC)
         return recompute_schedule(budget, f"recompute predicted faster ({recompute[1]:.2f} ms) than forward_grads "
                                           f"in {chunks} chunk(s) of {rows:,} rows ({ms:.2f} ms)")
     if fits_recompute:
-        least = forward_grads_extra_bytes(N, V, D, b, min(N, configs.host.row_multiple), bz, need=need)
+        least = _least_forward_grads_bytes(N, V, D, b, bz, configs, need)
         return recompute_schedule(budget, f"forward_grads needs at least {_mib(least)}, more than the budget "
                                           f"{_mib(budget)}")
     if memory_budget == "auto":  # too little free: the least memory, and the allocator decides
         return recompute_schedule(budget, f"memory_budget='auto' ({_mib(budget)} free to take) fits no schedule: "
                                           "the least memory")
-    least = forward_grads_extra_bytes(N, V, D, b, min(N, configs.host.row_multiple), bz, need=need)
+    least = _least_forward_grads_bytes(N, V, D, b, bz, configs, need)
     raise MemoryBudgetError(
         f"memory_budget {_mib(budget)} fits no schedule at N={N:,}, V={V:,}, D={D:,} ({str(dtype)[6:]}): recompute "
         f"needs {_mib(recompute[0])} and forward_grads at least {_mib(least)} beyond the inputs, dE and dC "

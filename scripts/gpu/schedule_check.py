@@ -6,7 +6,9 @@ over several row chunks, and predicted against measured peak memory.
 1. Accuracy over several chunks (rows fixed small with ``HostTuning.forward_grads_rows``), bf16 and
    fp16, with the soft cap, and with the z-loss and label smoothing: dE's and dC's error against
    float64 beside the naive path's (logits in the dtype, then fp32), and the gate's rule (within
-   max(floor, 2x naive's)) — the CPU tests cover fp32 and fp16 at tiny shapes, not bf16.
+   max(floor, 2x naive's)) — the CPU tests cover fp32 and fp16 at tiny shapes, not bf16. Also with
+   dC accumulated in its own dtype (a budget below its fp32 accumulator) over the most chunks
+   allowed (``HostTuning.dC_in_dtype_chunks``, 16): the rounding that grows with the chunks.
 2. Peak memory of forward+backward above the inputs under budgets of 256 MiB, 1 GiB and 4 GiB at the
    Qwen3 head (N = 16,384 and 65,536) and the Gemma-2-2B head (N = 8,192), bf16: the schedule chosen,
    the predicted peak (``stats``) against the measured one; the target is within 5%, and the budget
@@ -22,6 +24,7 @@ from _common import Checker, finish, script_setup
 
 from helpers.cce import linear_cross_entropy
 from helpers.cce.options import resolve_configs
+from helpers.cce.schedules import forward_grads_extra_bytes
 from helpers.compare.heads import GEMMA2, QWEN3
 from helpers.compare.inputs import make_inputs
 from helpers.compare.measure import peak_memory
@@ -31,14 +34,19 @@ from helpers.spec import reference_loss_and_grads, relative_error
 GATE_FLOOR = 2e-2  # the gate's floor on a relative error (helpers.compare.verdicts.GATE_FLOOR's order)
 
 
-def accuracy(dtype, options: dict, device, tiny: bool) -> dict:
+def accuracy(dtype, options: dict, device, tiny: bool, fp32_dC: bool = True) -> dict:
     N, V, D = (48, 301, 24) if tiny else (1000, 3001, 256)
-    configs = resolve_configs(None, torch.device(device)).tuned(forward_grads_rows=16 if tiny else 256)
+    rows = 16 if tiny else 256
+    configs = resolve_configs(None, torch.device(device)).tuned(forward_grads_rows=rows)
+    budget = 2**30
+    if not fp32_dC:  # the most chunks dC may be accumulated over in its dtype, and a budget without fp32's
+        N = rows * configs.host.dC_in_dtype_chunks
+        budget = forward_grads_extra_bytes(N, V, D, dtype.itemsize, rows, dtype.itemsize, fp32_dC=False)
     E, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=0)
     E.requires_grad_(True)
     C.requires_grad_(True)
     stats = {}
-    loss = linear_cross_entropy(E, C, x, memory_budget=2**30, configs=configs, stats=stats, **options)
+    loss = linear_cross_entropy(E, C, x, memory_budget=budget, configs=configs, stats=stats, **options)
     dE, dC = torch.autograd.grad(loss, (E, C))
     _, ref_dE, ref_dC = reference_loss_and_grads(E.detach(), C.detach(), x, **options)
     # The naive path: logits in the dtype, then fp32 (what the gate measures against).
@@ -56,7 +64,8 @@ def accuracy(dtype, options: dict, device, tiny: bool) -> dict:
     ok = all(errs[k] <= max(GATE_FLOOR, 2 * errs[f"naive_{k}"]) for k in ("dE", "dC"))
     ran = stats.get("schedule") == "forward_grads"
     return {"dtype": str(dtype).removeprefix("torch."), "options": options, "schedule": stats.get("schedule"),
-            "chunks": stats.get("chunks"), "why": stats.get("why"), **{k: float(v) for k, v in errs.items()},
+            "chunks": stats.get("chunks"), "dC_accumulator": stats.get("dC_accumulator"), "why": stats.get("why"),
+            **{k: float(v) for k, v in errs.items()},
             # On a CPU the time model may pick the recompute schedule at these sizes: the script's check.
             "status": "ok" if ok and (ran or not torch.device(device).type == "cuda") else "FAIL"}
 
@@ -95,6 +104,8 @@ def main():
         for options in ({}, {"softcap": 4.0}, {"z_loss": 1e-3, "label_smoothing": 0.1})[: 3 if cuda else 1]:
             check.run(f"accuracy/{str(dtype).removeprefix('torch.')}/{options}", accuracy, dtype, options, device,
                       args.tiny, required=True)
+        check.run(f"accuracy/{str(dtype).removeprefix('torch.')}/dC_in_dtype", accuracy, dtype, {"softcap": 4.0},
+                  device, args.tiny, False, required=True)
     cases = ([("qwen3-16k", 16_384, QWEN3.V, QWEN3.D), ("qwen3-65k", 65_536, QWEN3.V, QWEN3.D),
               ("gemma2-8k", 8_192, GEMMA2.V, GEMMA2.D)] if not args.tiny else [("tiny", 256, 1031, 40)])
     budgets = (2**28, 2**30, 2**32) if not args.tiny else (2**22,)

@@ -40,7 +40,9 @@ ROWS = 16
 FREE = tier("interpreter").tuned(launch_us=0.0, bandwidth_gbs=1e12)
 CONFIGS = {"one": FREE,
            "several": FREE.tuned(forward_grads_rows=ROWS),
-           "fp32_logits": FREE.tuned(forward_grads_rows=ROWS, fp16_logit_limit=0.0)}
+           "fp32_logits": FREE.tuned(forward_grads_rows=ROWS, fp16_logit_limit=0.0),
+           # A budget below dC's fp32 accumulator: dC accumulated in fp16 itself, rounded once a chunk.
+           "dC_in_dtype": FREE.tuned(forward_grads_rows=ROWS)}
 
 
 def inputs(dtype, ignore=(), scale=1.0, bias=False):
@@ -50,10 +52,10 @@ def inputs(dtype, ignore=(), scale=1.0, bias=False):
     return (scale * E).to(dtype), C.to(dtype), x, b
 
 
-def budget_for(dtype, rows, logits_itemsize=None, bias=False):
+def budget_for(dtype, rows, logits_itemsize=None, bias=False, fp32_dC=True):
     """The least budget whose chunks take ``rows`` rows (``forward_grads_extra_bytes``)."""
     b = dtype.itemsize
-    return forward_grads_extra_bytes(N, V, D, b, rows, logits_itemsize or b, need=(True, True, bias))
+    return forward_grads_extra_bytes(N, V, D, b, rows, logits_itemsize or b, need=(True, True, bias), fp32_dC=fp32_dC)
 
 
 def run(E, C, x, bias, go, **options):
@@ -80,21 +82,24 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("chunks", ["one", "several", "fp32_logits"])
+@pytest.mark.parametrize("chunks", ["one", "several", "fp32_logits", "dC_in_dtype"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES)
 def test_forward_grads_against_reference(case, dtype, chunks):
-    if chunks == "fp32_logits" and dtype != torch.float16:
-        pytest.skip("fp32 logits are for fp16 inputs")
+    if chunks in ("fp32_logits", "dC_in_dtype") and dtype != torch.float16:
+        pytest.skip("fp32 logits and dC accumulated in its dtype are for 16-bit inputs")
     opts = dict(CASES[case])
     E, C, x, bias = inputs(dtype, opts.pop("ignore", ()), opts.pop("scale", 1.0), opts.pop("bias", False))
     rows = N if chunks == "one" else ROWS
     z_bytes = 4 if chunks == "fp32_logits" else None
     go = torch.tensor(1.7)  # a non-1 scalar, so a missing scale shows
-    budget = budget_for(dtype, rows, z_bytes, bias is not None)  # exactly the predicted extra: it fits
+    in_dtype = chunks == "dC_in_dtype"
+    budget = budget_for(dtype, rows, z_bytes, bias is not None, fp32_dC=not in_dtype)  # exactly the predicted extra
     loss, dE, dC, db, stats = run(E, C, x, bias, go, memory_budget=budget, configs=CONFIGS[chunks], **opts)
     assert stats["schedule"] == "forward_grads" and stats["rows"] == rows, stats["why"]
     assert stats["predicted_extra_bytes"] == budget
+    if dtype != torch.float32 and chunks != "one":
+        assert stats["dC_accumulator"] == ("dtype" if in_dtype else "fp32"), stats["why"]
     assert stats["logits_dtype"] == ("float32" if chunks == "fp32_logits" or dtype == torch.float32 else "float16")
     rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, bias=bias, **opts)
     assert loss.dtype == torch.float32 and dE.dtype == dtype and dC.dtype == dtype
@@ -109,15 +114,17 @@ def test_forward_grads_against_reference(case, dtype, chunks):
         assert relative_error(db, b64.grad) < TOL[dtype], f"db rel err {relative_error(db, b64.grad):.2e}"
 
 
+@pytest.mark.parametrize("fp32_dC", [True, False], ids=["dC_fp32", "dC_in_dtype"])
 @pytest.mark.parametrize("softcap", [None, 4.0])
-def test_fp16_within_the_gate_bound(softcap):
-    """fp16 logits held in 16 bits, several chunks: each quantity within max(floor, 2 x naive's error),
-    the gate's bound on a GPU."""
+def test_fp16_within_the_gate_bound(softcap, fp32_dC):
+    """fp16 logits held in 16 bits, several chunks, dC accumulated in fp32 or in fp16: each quantity
+    within max(floor, 2 x naive's error), the gate's bound on a GPU."""
     E, C, x, _ = inputs(torch.float16, ignore=range(0, N, 7))
     go = torch.tensor(1.0)
-    loss, dE, dC, _, stats = run(E, C, x, None, go, memory_budget=budget_for(torch.float16, ROWS),
+    loss, dE, dC, _, stats = run(E, C, x, None, go, memory_budget=budget_for(torch.float16, ROWS, fp32_dC=fp32_dC),
                                  configs=CONFIGS["several"], softcap=softcap)
     assert stats["schedule"] == "forward_grads" and stats["chunks"] == 3
+    assert stats["dC_accumulator"] == ("fp32" if fp32_dC else "dtype")
     nE, nC = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
     naive = naive_loss(nE, nC, x, softcap=softcap)
     naive.backward()
@@ -126,6 +133,26 @@ def test_fp16_within_the_gate_bound(softcap):
                                     ("dC", dC, nC.grad, rdC)):
         bound = gate_bound("float16", name, relative_error(theirs, ref))
         assert relative_error(ours, ref) <= bound, (name, relative_error(ours, ref), bound)
+
+
+def test_dC_in_its_dtype_is_held_to_its_chunk_cap():
+    """Below dC's fp32 accumulator the budget runs dC accumulated in fp16 for at most
+    ``dC_in_dtype_chunks`` chunks; with a cap below the 3 chunks, nothing fits, and the error says so."""
+    E, C, x, _ = inputs(torch.float16)
+    budget = budget_for(torch.float16, ROWS, fp32_dC=False)
+    with pytest.raises(MemoryBudgetError, match="fits no schedule"):
+        run(E, C, x, None, torch.tensor(1.0), memory_budget=budget,
+            configs=CONFIGS["several"].tuned(dC_in_dtype_chunks=2))
+
+
+def test_the_gemma_head_at_one_gib_accumulates_dC_in_bf16():
+    """The Gemma-2-2B head (N 8,192, bf16, the Hopper tier): dC's fp32 accumulator alone (2.36 GB) passes
+    1 GiB, so the budget runs dC accumulated in bf16, in the fewest chunks that fit (4 of 2,048 rows)."""
+    hopper = tier("hopper-227k")
+    s = choose_schedule(8192, 256000, 2304, torch.bfloat16, 2**30, hopper, need=(True, True, False),
+                        device=torch.device("cuda"))
+    assert s.name == "forward_grads" and not s.fp32_dC and s.rows == 2048, s.why
+    assert s.predicted_extra_bytes <= 2**30 and "accumulated in bfloat16" in s.why
 
 
 def test_all_ignored_mean_is_nan_with_zero_gradients():

@@ -132,6 +132,12 @@ class HostTuning:
     # Rows per "forward_grads" chunk in place of the most the budget allows (still held to the budget);
     # None: the most. For tests and tuning.
     forward_grads_rows: int | None = None
+    # "forward_grads" with 16-bit inputs accumulates dC over its chunks in fp32 (4 V D bytes) where
+    # the budget holds that, else in dC itself, in its dtype, for at most this many chunks: each
+    # chunk's product is summed with dC in fp32 and rounded once (cuBLAS's epilogue), so dC's error
+    # grows as about sqrt((chunks + 1) / 2) roundings: 3 at 16 chunks, ~3e-3 relative in bf16, half
+    # the gate's floor (6e-3). 0: fp32 only.
+    dC_in_dtype_chunks: int = 16
 
 
 @dataclass(frozen=True)
