@@ -22,10 +22,12 @@ element; b_z: the logits', b or 4 for fp16 logits that could overflow):
                      accumulator, and the chunk's logits beyond the room dC takes only at the end)
                    + 4 V (db's fp32 accumulator) + 16 N (per-row state)
 
-dC's accumulator over several 16-bit chunks is fp32 where the budget holds it; else dC itself, in
-its dtype, rounded once per chunk, for at most ``HostTuning.dC_in_dtype_chunks`` chunks (the error
-that costs: ``HostTuning``). At the Gemma-2-2B head the fp32 accumulator alone is 2.36 GB, so a
-1 GiB budget runs there only this way (4 chunks of 2,048 rows).
+dC's accumulator over several 16-bit chunks is fp32 (4 V D bytes), or dC itself, in its dtype,
+rounded once per chunk, for at most ``HostTuning.dC_in_dtype_chunks`` chunks (the error that costs:
+``HostTuning``): the faster of the two that fit. In its own dtype it leaves the budget to larger
+chunks and moves b / 4 of the bytes per chunk, so it is the faster wherever it fits: at the Qwen3
+head (N 16,384) 1 GiB gives 5 chunks against fp32's 13; at the Gemma-2-2B head the fp32
+accumulator alone is 2.36 GB, so 1 GiB runs there only this way (4 chunks of 2,048 rows).
 
 The time model (constants per tier: ``HostTuning``): FLOP at the tier's matmul rate (Triton kernels
 at ``triton_share`` of it), plus the bytes each schedule moves beyond its products' operands at the
@@ -261,13 +263,21 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
                 f"dE and dC, and the forward_grads schedule cannot run here ({not_forward_grads})")
         return recompute_schedule(budget, f"forward_grads cannot run: {not_forward_grads}")
     bz = logits_itemsize or b
-    rows, fp32_dC = forward_grads_rows(N, V, D, b, bz, budget, configs, need), True
-    if not rows and need[1] and b < 4:  # dC accumulated in itself, for a bounded number of chunks
-        rows = forward_grads_rows(N, V, D, b, bz, budget, configs, need, fp32_dC=False)
-        rows, fp32_dC = (rows, False) if rows and triton.cdiv(N, rows) <= configs.host.dC_in_dtype_chunks else (0, True)
+    # Its chunks' rows with dC's fp32 accumulator, and with dC accumulated in itself (16-bit, several
+    # chunks, at most ``dC_in_dtype_chunks``): the faster of the two that fit.
+    candidates = []
+    rows = forward_grads_rows(N, V, D, b, bz, budget, configs, need)
     if rows:
+        candidates.append((forward_grads_seconds(N, V, D, b, rows, bz, configs, need), rows, True))
+    if need[1] and b < 4 and rows < N:
+        in_dtype = forward_grads_rows(N, V, D, b, bz, budget, configs, need, fp32_dC=False)
+        if in_dtype and triton.cdiv(N, in_dtype) <= configs.host.dC_in_dtype_chunks:
+            candidates.append((forward_grads_seconds(N, V, D, b, in_dtype, bz, configs, need, fp32_dC=False),
+                               in_dtype, False))
+    if candidates:
+        seconds, rows, fp32_dC = min(candidates, key=lambda c: c[0])  # a tie keeps fp32's
         extra = forward_grads_extra_bytes(N, V, D, b, rows, bz, need=need, fp32_dC=fp32_dC)
-        ms = 1e3 * forward_grads_seconds(N, V, D, b, rows, bz, configs, need, fp32_dC=fp32_dC)
+        ms = 1e3 * seconds
         chunks = triton.cdiv(N, rows)
         if not fits_recompute or ms < recompute[1]:
             accumulator = "" if chunks == 1 or fp32_dC or b == 4 else f", dC accumulated in {str(dtype)[6:]}"

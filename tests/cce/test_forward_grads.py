@@ -35,12 +35,13 @@ TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 ROWS = 16
 # The interpreter's tier: "one" chunk, "several" of ROWS rows, and several with fp16 logits held in
 # fp32 (the limit at 0). At this shape one fp16 chunk takes less memory than dC's fp32 accumulator,
-# so the chunks are fixed (``HostTuning.forward_grads_rows``) rather than left to the budget. No host
+# so the chunks are fixed (``HostTuning.forward_grads_rows``) rather than left to the budget, and dC's
+# accumulator is fp32 but where the case is dC accumulated in fp16 (``dC_in_dtype_chunks``). No host
 # time per launch and no time per byte: at D = 24 either would rightly make recompute the faster.
 FREE = tier("interpreter").tuned(launch_us=0.0, bandwidth_gbs=1e12)
 CONFIGS = {"one": FREE,
-           "several": FREE.tuned(forward_grads_rows=ROWS),
-           "fp32_logits": FREE.tuned(forward_grads_rows=ROWS, fp16_logit_limit=0.0),
+           "several": FREE.tuned(forward_grads_rows=ROWS, dC_in_dtype_chunks=0),
+           "fp32_logits": FREE.tuned(forward_grads_rows=ROWS, fp16_logit_limit=0.0, dC_in_dtype_chunks=0),
            # A budget below dC's fp32 accumulator: dC accumulated in fp16 itself, rounded once a chunk.
            "dC_in_dtype": FREE.tuned(forward_grads_rows=ROWS)}
 
@@ -122,7 +123,7 @@ def test_fp16_within_the_gate_bound(softcap, fp32_dC):
     E, C, x, _ = inputs(torch.float16, ignore=range(0, N, 7))
     go = torch.tensor(1.0)
     loss, dE, dC, _, stats = run(E, C, x, None, go, memory_budget=budget_for(torch.float16, ROWS, fp32_dC=fp32_dC),
-                                 configs=CONFIGS["several"], softcap=softcap)
+                                 configs=CONFIGS["several" if fp32_dC else "dC_in_dtype"], softcap=softcap)
     assert stats["schedule"] == "forward_grads" and stats["chunks"] == 3
     assert stats["dC_accumulator"] == ("fp32" if fp32_dC else "dtype")
     nE, nC = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
@@ -142,7 +143,7 @@ def test_dC_in_its_dtype_is_held_to_its_chunk_cap():
     budget = budget_for(torch.float16, ROWS, fp32_dC=False)
     with pytest.raises(MemoryBudgetError, match="fits no schedule"):
         run(E, C, x, None, torch.tensor(1.0), memory_budget=budget,
-            configs=CONFIGS["several"].tuned(dC_in_dtype_chunks=2))
+            configs=CONFIGS["dC_in_dtype"].tuned(dC_in_dtype_chunks=2))
 
 
 def test_the_gemma_head_at_one_gib_accumulates_dC_in_bf16():
@@ -218,7 +219,9 @@ def test_the_chooser_takes_the_fastest_that_fits_and_the_most_rows():
     Nq, Vq, Dq = 16384, 151936, 1024
     s = choose_schedule(Nq, Vq, Dq, torch.bfloat16, 2**30, hopper, need=need, device=torch.device("cuda"))
     assert s.name == "forward_grads" and s.predicted_extra_bytes <= 2**30
-    assert forward_grads_extra_bytes(Nq, Vq, Dq, 2, s.rows + hopper.host.row_multiple, 2, need=need) > 2**30
+    assert not s.fp32_dC and -(-Nq // s.rows) == 5, s.why  # dC in bf16 leaves room for larger chunks
+    assert forward_grads_extra_bytes(Nq, Vq, Dq, 2, s.rows + hopper.host.row_multiple, 2, need=need,
+                                     fp32_dC=False) > 2**30
     assert s.predicted_peak_bytes == (Nq + Vq) * Dq * 2 + s.predicted_extra_bytes
     small = recompute_extra_bytes(Nq, Vq, Dq, 2, hopper, need=need)
     s = choose_schedule(Nq, Vq, Dq, torch.bfloat16, small, hopper, need=need, device=torch.device("cuda"))
