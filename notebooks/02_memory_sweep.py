@@ -190,10 +190,10 @@ from helpers.cce.device import T4_CAPABILITY, T4_MEMORY_BYTES
 from helpers.compare import measure, sweep, sweep_results, theory
 from helpers.compare.heads import QWEN3
 from helpers.compare.inputs import make_inputs
-from helpers.compare.methods import get_method, primary_methods
+from helpers.compare.methods import BUDGET_CURVE, get_method, primary_methods
 from helpers.compare.units import DTYPES, dtype_name
 from helpers.lab.profiles import SMOKE_NOTE, get_profile
-from helpers.lab.plots import method_label, plot_memory_sweep
+from helpers.lab.plots import method_label, plot_memory_sweep, plot_tradeoff
 from helpers.suite.report import write_report_fragment
 
 P = get_profile(profile, quick=quick)
@@ -496,6 +496,46 @@ if t4_pass:
         print(f"{labels[name]}: {sentence}")
 
 # %% [markdown]
+# ## Memory for speed: one loss, many budgets
+#
+# The sweep above runs every method as it ships. Ours can also be told how much memory it may take
+# for speed: `memory_budget` (`"min"` by default, a number of bytes, or `"auto"`). Under "min" it
+# recomputes the logits in the backward: four N×V×D products and nearly nothing above the gradients
+# themselves. Given room, it holds the logits of R rows at a time and makes the gradients in the
+# forward, as torch.compile and Liger do: three products, at R·V·b bytes per chunk (plus dC's fp32
+# accumulator, 4·V·D, unless it accumulates dC in its own dtype for a few chunks). The loss predicts
+# each schedule's memory and time and runs the fastest that fits; `stats["why"]` says which and why.
+#
+# Below, ours at budgets from "min" to 64 GiB (as good as unlimited here) as one line, time against
+# peak memory, with the other methods as points. A point to the left is lighter, a point lower is
+# faster: what a user picks depends on what the rest of the step needs. The budgets pass the same
+# quick gate first. Points already measured above are reused from `points.jsonl`.
+
+# %%
+tradeoff = settings.get("tradeoff")
+tradeoff_records, tradeoff_plan = None, None
+budget_labels = {**labels, **{name: method_label(name) for name in BUDGET_CURVE}}
+if tradeoff:
+    budgets = [m for m in BUDGET_CURVE if m != "ours"]
+    budget_gate = sweep.quick_gate(budgets, dtype, settings["gate_shapes"][:1], device)
+    tradeoff_plan = sweep.plan_methods(budgets, budget_gate, device, dtype)
+    for name, why in {**tradeoff_plan.unavailable, **tradeoff_plan.failed_gate}.items():
+        print(f"  {method_label(name)}: {why}")
+    points = [m for m in methods if m not in BUDGET_CURVE] + ["ours"] * ("ours" in methods) + tradeoff_plan.swept
+    tradeoff_Ns = sweep.sizes_that_fit(tradeoff["N"], V, D, dtype, cap)
+    tradeoff_records = sweep.run_sweep(
+        points, tradeoff_Ns, V=V, D=D, dtype=dtype, store=out / "points.jsonl", memory_cap=cap, device=device,
+        warmup=settings["warmup"], repeats=settings["repeats"], seed=settings["seed"],
+    )
+    tradeoff_fig = plot_tradeoff(
+        tradeoff_records, BUDGET_CURVE, path=out / "memory_tradeoff.png", smoke=P.smoke,
+        title=f"Time against memory, {info.name if info.is_cuda else 'CPU'}: V={V:,}, D={D:,}, {dtype_name(dtype)}",
+    )
+    display(Markdown(sweep_results.results_pivot(tradeoff_records, budget_labels, failed_gate=tradeoff_plan.failed_gate)))
+else:
+    print("no trade-off curve: the profile has none")
+
+# %% [markdown]
 # ## How many tokens fit?
 #
 # The theory, checked against every point above, answers the question the other way round: for
@@ -604,6 +644,12 @@ meta = {
     "readings": reading, "versions": sweep.library_versions(),
 }
 files = [*sweep_results.write_results(records, out, stem, meta), out / f"{stem}.png"]
+if tradeoff_records:
+    tradeoff_meta = {**meta, "methods": sorted({r["method"] for r in tradeoff_records}),
+                     "failed_gate": tradeoff_plan.failed_gate, "left_out": tradeoff_plan.unavailable,
+                     "N": sorted({r["N"] for r in tradeoff_records}), "readings": {}}
+    files += [*sweep_results.write_results(tradeoff_records, out, "memory_tradeoff", tradeoff_meta),
+              out / "memory_tradeoff.png"]
 if t4_pass:
     t4_meta = {**meta, "device": t4_pass.info.as_dict(), "dtype": t4_pass.dtype, "pretend": "t4",
                "memory_cap_bytes": t4_pass.cap.usable_bytes,
@@ -629,6 +675,13 @@ t4_section = "" if not t4_pass else f"""
 
 {sweep_results.results_pivot(t4_pass.records, labels, failed_gate=t4_pass.plan.failed_gate)}
 """
+tradeoff_section = "" if not tradeoff_records else f"""
+### Memory for speed: ours under memory budgets, the others as points
+
+![Time against peak memory](memory_tradeoff.png)
+
+{sweep_results.results_pivot(tradeoff_records, budget_labels, failed_gate=tradeoff_plan.failed_gate)}
+"""
 write_report_fragment(out, f"""
 Peak memory of loss forward+backward against tokens N on {info.describe()},
 V={V:,}, D={D:,}, {dtype_name(dtype)}; {cap.describe()}.
@@ -638,6 +691,7 @@ V={V:,}, D={D:,}, {dtype_name(dtype)}; {cap.describe()}.
 
 {sweep_results.results_pivot(records, labels, failed_gate=plan.failed_gate)}
 {t4_section}
+{tradeoff_section}
 ### How many tokens fit (the loss step only, by the theory)
 
 {theory.fits_table(primary_methods(), V, D, cards, labels, cannot_run)}

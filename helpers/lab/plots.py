@@ -215,8 +215,64 @@ def plot_scale(s, *, path: str | Path) -> plt.Figure:
     return fig
 
 
+def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path, title: str,
+                  smoke: bool = False) -> plt.Figure:
+    """Time against memory, one panel per N (notebook 02): ours under each memory budget of ``curve``
+    (registry keys, least memory first) as one line, each point labelled with its budget, and every
+    other method of ``records`` (sweep records) as a point. x: peak above the inputs, GB (log);
+    y: forward+backward, ms (median). A point that ran out of memory or failed is left out and
+    named under its panel. Saved as PNG at ``path``."""
+    curve = list(curve)
+    colors, markers = method_colors(), method_markers()
+    Ns = sorted({r["N"] for r in records})
+    fig, axes = plt.subplots(1, len(Ns), figsize=(6.5 * len(Ns), 5), squeeze=False)
+    for ax, N in zip(axes[0], Ns):
+        at_N = {r["method"]: r for r in records if r["N"] == N}
+        ok = {m: r for m, r in at_N.items() if r["status"] == "ok" and r.get("median_ms")}
+        line = [(ok[m]["peak_bytes"] / GB, ok[m]["median_ms"], m) for m in curve if m in ok]
+        if line:
+            ax.plot([p[0] for p in line], [p[1] for p in line], "-", color=colors["ours"], lw=2, marker="o",
+                    label="ours, memory_budget from 'min' to 64 GiB")
+            groups = []  # budgets that ran the same schedule land on one point: one label for them
+            for gb, ms, m in line:
+                budget = "min" if m == "ours" else m.removeprefix("ours_budget_").upper()
+                if groups and abs(gb / groups[-1][0] - 1) < 0.01:
+                    groups[-1][2].append(budget)
+                else:
+                    groups.append((gb, ms, [budget]))
+            for gb, ms, budgets in groups:
+                text = budgets[0] if len(budgets) == 1 else f"{budgets[0]}-{budgets[-1]}"
+                ax.annotate(text, (gb, ms), textcoords="offset points", xytext=(5, 5), fontsize=8,
+                            color=colors["ours"])
+        for m, r in ok.items():
+            if m not in curve:
+                ax.plot(r["peak_bytes"] / GB, r["median_ms"], linestyle="none", marker=markers.get(m, "s"),
+                        markersize=10, color=colors.get(m, "grey"), label=method_label(m))
+        missing = [f"{method_label(m)}: {r['status']}" for m, r in at_N.items() if m not in ok]
+        if missing:
+            ax.text(0.01, -0.16, "not drawn: " + "; ".join(missing), transform=ax.transAxes, fontsize=7,
+                    color="dimgrey", va="top", wrap=True)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.set_xlabel("peak memory above the inputs, GB (log)")
+        ax.set_ylabel("forward + backward, ms (median)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"N = {N:,} tokens")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    if smoke:
+        mark_smoke(fig)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return fig
+
+
 __all__ = [
     "plot_decision",
+    "plot_tradeoff",
     "method_colors",
     "method_label",
     "method_markers",

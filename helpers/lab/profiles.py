@@ -99,6 +99,7 @@ _SWEEP_GATE_GPU = [(257, 5003, 136), (1031, 32011, 520)]
 _SWEEP_T4 = {
     "dtype": "float16", "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768],
     "warmup": 1, "repeats": 5, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0,
+    "tradeoff": {"N": [16_384]},  # ours under memory budgets against the others' points
 }
 _SWEEP_T4_QUICK = {"N": [1_024, 4_096, 8_192, 16_384], "repeats": 3}
 
@@ -162,6 +163,8 @@ PROFILES: dict[str, Profile] = {
                 "cpu_budget_bytes": 300_000, "seed": 0,
                 "t4_sweep": {"dtype": "float16", "N": [16, 128], "warmup": 0, "repeats": 1,
                              "gate_shapes": [(37, 257, 24)], "cpu_budget_bytes": 300_000, "seed": 0},
+                # The budgets' curve at one N: its pipeline (at V = 257 every budget holds all the logits).
+                "tradeoff": {"N": [64]},
             },
             # (N, V, D) shapes: "shape" for the kernel checks (deliberately ragged), "sparse" for
             # the filter and sorting, "curve" for the sparsity curve (plain torch, no kernel).
@@ -236,6 +239,7 @@ PROFILES: dict[str, Profile] = {
                 "dtype": "bfloat16", "V": QWEN3.V, "D": QWEN3.D,
                 "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 131_072],
                 "warmup": 2, "repeats": 7, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0, "t4_sweep": _SWEEP_T4,
+                "tradeoff": {"N": [16_384, 65_536]},
                 "quick": {"N": [1_024, 4_096, 16_384, 65_536], "repeats": 3, "t4_sweep": _SWEEP_T4_QUICK},
             },
             "04_kernel_walkthrough": {

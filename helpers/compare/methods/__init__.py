@@ -38,10 +38,13 @@ import torch
 from helpers.compare.methods.baselines import CHUNKED, EXACT, NAIVE, TORCH_COMPILE
 from helpers.compare.methods.entry import Method, MethodUnavailable, Reason
 from helpers.compare.methods.ours import (
+    BUDGET_CURVE,
     OURS,
     OURS_BUDGET_1G,
     OURS_BUDGET_4G,
+    OURS_BUDGET_64G,
     OURS_BUDGET_256M,
+    OURS_BUDGET_512M,
     OURS_GEMM,
     OURS_NOFILTER,
     OURS_SPARSE,
@@ -87,11 +90,13 @@ def availability(
 # (plots.method_colors): the primary methods, then the presets. Later presets come last, after
 # every colour the others already had, so that those stay put.
 for _entry in (NAIVE, TORCH_COMPILE, CHUNKED, LIGER, APPLE_CCE, TORCH_LCE, OURS, OURS_NOFILTER, OURS_SPARSE, EXACT,
-               APPLE_CCE_KAHAN_FULL_C, APPLE_CCE_NOFILTER, OURS_GEMM, OURS_BUDGET_256M, OURS_BUDGET_1G, OURS_BUDGET_4G):
+               APPLE_CCE_KAHAN_FULL_C, APPLE_CCE_NOFILTER, OURS_GEMM, OURS_BUDGET_256M, OURS_BUDGET_1G, OURS_BUDGET_4G, OURS_BUDGET_512M,
+               OURS_BUDGET_64G):
     register(_entry)
 
 
 __all__ = [
+    "BUDGET_CURVE",
     "Method",
     "MethodUnavailable",
     "METHODS",

@@ -96,8 +96,13 @@ def _ours_budget(budget: int, label: str) -> Method:
 
 
 OURS_BUDGET_256M = _ours_budget(2**28, "256m")
+OURS_BUDGET_512M = _ours_budget(2**29, "512m")
 OURS_BUDGET_1G = _ours_budget(2**30, "1g")
 OURS_BUDGET_4G = _ours_budget(2**32, "4g")
+# As good as unlimited on one GPU: every row's logits at once up to N = 113,000 at the Qwen3 head.
+OURS_BUDGET_64G = _ours_budget(2**36, "64g")
+# The budgets of the trade-off curve (notebook 02), least first: "min" (ours itself) to unlimited.
+BUDGET_CURVE = ("ours", "ours_budget_256m", "ours_budget_512m", "ours_budget_1g", "ours_budget_4g", "ours_budget_64g")
 OURS_NOFILTER = Method(
     name="ours_nofilter",
     label="ours (filter off)",
@@ -136,5 +141,5 @@ OURS_GEMM = Method(
 )
 
 
-__all__ = ["OURS", "OURS_BUDGET_1G", "OURS_BUDGET_256M", "OURS_BUDGET_4G", "OURS_GEMM", "OURS_NOFILTER",
-           "OURS_SPARSE", "ours_peak_bytes"]
+__all__ = ["BUDGET_CURVE", "OURS", "OURS_BUDGET_1G", "OURS_BUDGET_256M", "OURS_BUDGET_4G", "OURS_BUDGET_512M",
+           "OURS_BUDGET_64G", "OURS_GEMM", "OURS_NOFILTER", "OURS_SPARSE", "ours_peak_bytes"]
