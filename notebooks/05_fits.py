@@ -215,6 +215,11 @@ print(f"profile {P.name}: {info.describe()}; Qwen3 {S['shape']}, {precision}; {c
 # The data is the Python standard library's own source, tokenised into words (notebook 03's
 # corpus), in sequences of `seq_len` tokens; the model's vocabulary keeps its full size whatever
 # the corpus uses, because the logits, and so the memory the default loss needs, grow with it.
+#
+# The arms: transformers' default loss, Liger's fused one, Apple's CCE and ours; on a GPU also ours
+# trading memory for speed (`memory_budget`: a fixed 1 GiB, and "auto", a share of what is free when
+# the loss runs). "auto" must never cost the step its largest micro-batch: at the edge of memory it
+# falls back to the least memory, and the search below shows whether it did.
 
 # %%
 shape = fits.QWEN3_SHAPES[S["shape"]]
@@ -227,6 +232,8 @@ print(f"Qwen3 {S['shape']}: {sum(p.numel() for p in model.parameters()) / 1e6:,.
       f"{format_bytes(weight_bytes)} of weights; corpus {ids.numel():,} training tokens")
 arms = {}
 for name, arm in fits.ARMS.items():
+    if name not in S.get("arms", fits.ARMS):
+        continue
     reason = arm.why_unavailable(device, fits.compute_dtype(precision))
     print(f"{arm.label:<26} {'runs here' if reason is None else 'not run: ' + reason}")
     if reason is None:

@@ -100,6 +100,12 @@ ARMS = {
     "liger": Arm("liger", METHODS["liger"].label, "liger", _apply_liger, lambda m: m.__dict__.pop("forward", None)),
     "ours": Arm("ours", METHODS["ours"].label, "ours", hf.patch, hf.unpatch),
     "apple_cce": Arm("apple_cce", METHODS["apple_cce"].label, "apple_cce", _patch_with("apple_cce"), hf.unpatch),
+    # Ours trading memory for speed (``memory_budget``): a fixed 1 GiB, and "auto" (a share of what is
+    # free when the loss runs), which must not shrink the largest micro-batch that fits.
+    "ours_1g": Arm("ours_1g", METHODS["ours_budget_1g"].label, "ours_budget_1g",
+                   lambda m: hf.patch(m, memory_budget=2**30), hf.unpatch),
+    "ours_auto": Arm("ours_auto", "ours (budget auto)", "ours", lambda m: hf.patch(m, memory_budget="auto"),
+                     hf.unpatch),
 }
 # Not an arm of the comparison: the gradient check's yardstick. It goes through the same patch as
 # ours and Apple's, so it differs from them only in the loss arithmetic (fp32 logits; it

@@ -181,6 +181,8 @@ PROFILES: dict[str, Profile] = {
                 "shape": "tiny", "precision": "fp32", "seq_len": 32, "fit_start": 32, "fit_limit": 128, "fit_step": 32,
                 "article_tokens": 64, "curve": {"tokens": 64, "steps": 3, "seed": 0}, "check_tokens": 64,
                 "repeats": 1, "cpu_budget_bytes": 1_300_000,
+                # Not ours' budget arms: on the CPU "auto" is "min", and 1 GiB holds every tiny logit.
+                "arms": ["hf", "liger", "ours", "apple_cce"],
             },
             "03_convergence": {
                 # Smoke run: under the Triton interpreter a step of ours takes ~0.4 s even at V = 256,
