@@ -135,8 +135,10 @@ class HostTuning:
     # "forward_grads" with 16-bit inputs accumulates dC over its chunks in fp32 (4 V D bytes) where
     # the budget holds that, else in dC itself, in its dtype, for at most this many chunks: each
     # chunk's product is summed with dC in fp32 and rounded once (cuBLAS's epilogue), so dC's error
-    # grows as about sqrt((chunks + 1) / 2) roundings: 3 at 16 chunks, ~3e-3 relative in bf16, half
-    # the gate's floor (6e-3). 0: fp32 only.
+    # grows as about sqrt((chunks + 1) / 2) roundings: 2.9 at 16 chunks. Measured on an H200, bf16:
+    # 4 chunks 2.9e-3 relative (naive's 2.7e-3), 16 chunks 5.05e-3 (naive's 2.2e-3), within the gate's
+    # floor (6e-3) but 2.3x naive's; fp16 16 chunks 6.7e-4 (docs/measurements/h200-2026-12-02d).
+    # 0: fp32 only.
     dC_in_dtype_chunks: int = 16
 
 
