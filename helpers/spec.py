@@ -21,7 +21,9 @@ with a temperature tau the logits are cap(E @ C^T + b) / tau before all of this,
 
 The per-token outputs (``helpers.cce.outputs``) are specified by ``reference_outputs``: each token's
 log-probability of its target, its softmax's entropy H_i = lse_i - sum_v p_{i, v} z_{i, v}, and whether
-its target is among the row's largest logits.
+its target is among the row's largest logits. Distillation's divergences of a student head's softmax
+from a teacher head's (``helpers.cce.distill``: forward KL, reverse KL, JSD) are specified by
+``reference_kl_div`` on both heads' full logits, its inputs by ``validate_distill_inputs``.
 
 This module holds that specification in two forms: ``validate_inputs`` (what a caller may pass,
 with errors that name the argument) and ``reference_loss`` (the computation, in float64 by
@@ -344,10 +346,25 @@ def reference_kl_div(
     Differentiable in the student's tensors; the teacher's logits are detached (a constant), as in
     ``helpers.cce.distill.linear_kl_div``.
     """
-    lead = E_s.shape[:-1]
     s = reference_logits(E_s.reshape(-1, E_s.shape[-1]), C_s, softcap, dtype, bias_s, temperature)
-    t = reference_logits(E_t.reshape(-1, E_t.shape[-1]), C_t, softcap, dtype, bias_t, temperature).detach()
-    log_q, log_p = torch.log_softmax(s, dim=1), torch.log_softmax(t, dim=1)
+    t = reference_logits(E_t.reshape(-1, E_t.shape[-1]), C_t, softcap, dtype, bias_t, temperature)
+    rows = divergence_of_logits(s, t, kind=kind, beta=beta, mask=None if mask is None else mask.reshape(-1),
+                                reduction=reduction)
+    return rows.reshape(E_s.shape[:-1]) if reduction == "none" else rows
+
+
+def divergence_of_logits(
+    s: torch.Tensor,
+    t: torch.Tensor,
+    *,
+    kind: str = "forward",
+    beta: float = 0.5,
+    mask: torch.Tensor | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``reference_kl_div``'s divergence of softmax(s) from softmax(t), from the student's logits s and
+    the teacher's t (N, V), already capped and tempered, in their dtype; t is detached. ``mask`` (N,)."""
+    log_q, log_p = torch.log_softmax(s, dim=1), torch.log_softmax(t.detach(), dim=1)
     if kind == "forward":
         rows = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(dim=1)
     elif kind == "reverse":
@@ -358,10 +375,10 @@ def reference_kl_div(
                 + (1 - beta) * F.kl_div(log_M, log_q, log_target=True, reduction="none").sum(dim=1))
     else:
         raise ValueError(f"kind must be one of {DIVERGENCES}, got {kind!r}")
-    kept = torch.ones_like(rows, dtype=torch.bool) if mask is None else mask.reshape(-1)
+    kept = torch.ones_like(rows, dtype=torch.bool) if mask is None else mask
     rows = torch.where(kept, rows, 0.0)
     if reduction == "none":
-        return rows.reshape(lead)
+        return rows
     return rows.sum() if reduction == "sum" else rows.sum() / kept.sum()
 
 
@@ -496,6 +513,7 @@ __all__ = [
     "reference_loss_and_grads",
     "reference_outputs",
     "reference_kl_div",
+    "divergence_of_logits",
     "validate_distill_inputs",
     "DIVERGENCES",
     "relative_error",
