@@ -71,7 +71,7 @@ from helpers.cce.kernels.divergence import (
 from helpers.cce.options import CCEOptions, check_temperature, dot_precision, resolve_configs, why_unavailable
 from helpers.spec import DIVERGENCES, validate_distill_inputs
 
-KIND_CODES = {"forward": FORWARD_KL, "reverse": REVERSE_KL, "jsd": JSD}
+KIND_CODES = {"forward": FORWARD_KL.value, "reverse": REVERSE_KL.value, "jsd": JSD.value}
 
 
 @dataclass(frozen=True)

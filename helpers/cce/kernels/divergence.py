@@ -37,8 +37,8 @@ import triton.language as tl
 from helpers.cce.kernels.gradient_tile import grouped_tile
 from helpers.cce.kernels.logits import add_bias, logit_tile, tanh
 
-# The divergences, by their kernels' KIND.
-FORWARD_KL, REVERSE_KL, JSD = 0, 1, 2
+# The divergences, by their kernels' KIND (constexpr: a kernel reads no other global).
+FORWARD_KL, REVERSE_KL, JSD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
