@@ -15,9 +15,9 @@ Importing sets a few environment variables, in ``helpers.env`` only (see there).
 """
 
 from helpers import env  # noqa: F401  (first: the environment, before any kernel is defined)
-from helpers.cce import linear_cross_entropy, linear_cross_entropy_outputs
+from helpers.cce import linear_cross_entropy, linear_cross_entropy_outputs, linear_kl_div
 from helpers.cce.device import device_info, pretend, pretend_t4
-from helpers.spec import reference_loss, reference_loss_and_grads, relative_error, validate_inputs
+from helpers.spec import reference_kl_div, reference_loss, reference_loss_and_grads, relative_error, validate_inputs
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,7 @@ def __getattr__(name: str):
 __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_outputs",
+    "linear_kl_div",
     "METHODS",
     "Method",
     "MethodUnavailable",
@@ -48,6 +49,7 @@ __all__ = [
     "gate_cases",
     "run_gate",
     "reference_loss",
+    "reference_kl_div",
     "reference_loss_and_grads",
     "relative_error",
     "validate_inputs",

@@ -21,7 +21,9 @@ with a temperature tau the logits are cap(E @ C^T + b) / tau before all of this,
 
 The per-token outputs (``helpers.cce.outputs``) are specified by ``reference_outputs``: each token's
 log-probability of its target, its softmax's entropy H_i = lse_i - sum_v p_{i, v} z_{i, v}, and whether
-its target is among the row's largest logits.
+its target is among the row's largest logits. Distillation's divergences of a student head's softmax
+from a teacher head's (``helpers.cce.distill``: forward KL, reverse KL, JSD) are specified by
+``reference_kl_div`` on both heads' full logits, its inputs by ``validate_distill_inputs``.
 
 This module holds that specification in two forms: ``validate_inputs`` (what a caller may pass,
 with errors that name the argument) and ``reference_loss`` (the computation, in float64 by
@@ -220,6 +222,166 @@ def reference_outputs(
     return logprob, entropy, correct
 
 
+# The divergences of ``helpers.cce.distill.linear_kl_div`` (module doc of ``reference_kl_div``).
+DIVERGENCES = ("forward", "reverse", "jsd")
+
+
+def validate_distill_inputs(
+    E_s: torch.Tensor,
+    C_s: torch.Tensor,
+    E_t: torch.Tensor,
+    C_t: torch.Tensor,
+    *,
+    bias_s: torch.Tensor | None = None,
+    bias_t: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    x: torch.Tensor | None = None,
+    kind: str = "forward",
+    beta: float = 0.5,
+    reduction: str = "mean",
+    softcap: float | None = None,
+    dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES,
+) -> None:
+    """Raise a ``ValueError``/``TypeError`` naming the argument when a distillation call's inputs break
+    the contract (``reference_kl_div``): a student head E_s (..., D_s), C_s (V, D_s) and a teacher head
+    E_t (..., D_t), C_t (V, D_t) with E_s's leading shape and C_s's V, all in one dtype and on one
+    device; biases (V,) or None; ``mask`` (bool) and ``x`` (integer targets) None or of E_s's leading
+    shape; ``kind`` one of ``DIVERGENCES``, ``beta`` in (0, 1) for "jsd"."""
+    tensors = (("E_s", E_s), ("C_s", C_s), ("E_t", E_t), ("C_t", C_t))
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, E in (("E_s", E_s), ("E_t", E_t)):
+        if E.dim() < 1:
+            raise ValueError(f"{name} must be (..., D) with D its head's hidden size, got a scalar")
+    for name, C in (("C_s", C_s), ("C_t", C_t)):
+        if C.dim() != 2:
+            raise ValueError(f"{name} must be 2-D (V vocabulary, D hidden), got shape {tuple(C.shape)}")
+    if tuple(E_t.shape[:-1]) != tuple(E_s.shape[:-1]):
+        raise ValueError(f"E_t must have E_s's leading shape {tuple(E_s.shape[:-1])} (one teacher row per student "
+                         f"token), got {tuple(E_t.shape[:-1])}")
+    if C_t.shape[0] != C_s.shape[0]:
+        raise ValueError(f"C_t must have C_s's vocabulary V = {C_s.shape[0]} (one row per token of one tokenizer), "
+                         f"got V = {C_t.shape[0]}")
+    for who, E, C in (("student", E_s, C_s), ("teacher", E_t, C_t)):
+        e, c = ("E_s", "C_s") if who == "student" else ("E_t", "C_t")
+        if E.shape[-1] != C.shape[1]:
+            raise ValueError(f"{e} and {c} must share the {who}'s hidden size: {e} is {tuple(E.shape)}, "
+                             f"{c} is {tuple(C.shape)}")
+    if any(t.device != E_s.device for _, t in tensors):
+        raise ValueError("E_s, C_s, E_t and C_t must be on one device, got "
+                         + ", ".join(f"{name} on {t.device}" for name, t in tensors))
+    if E_s.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"E_s must be one of {names}, got {E_s.dtype}")
+    for name, t in tensors[1:]:
+        if t.dtype != E_s.dtype:
+            raise TypeError(f"{name} must have E_s's dtype ({E_s.dtype}), got {t.dtype}; cast the teacher's "
+                            "hidden states and head to the student's dtype")
+    for name, b in (("bias_s", bias_s), ("bias_t", bias_t)):
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"{name} must be None or a torch.Tensor, got {type(b).__name__}")
+        if tuple(b.shape) != (C_s.shape[0],):
+            raise ValueError(f"{name} must be (V,) = ({C_s.shape[0]},), one per vocabulary row, got {tuple(b.shape)}")
+        if b.dtype != E_s.dtype or b.device != E_s.device:
+            raise TypeError(f"{name} must have E_s's dtype and device ({E_s.dtype}, {E_s.device}), "
+                            f"got {b.dtype} on {b.device}")
+    lead = tuple(E_s.shape[:-1])
+    for name, t, ok, what in (("mask", mask, lambda t: t.dtype == torch.bool, "bool (True: the token counts)"),
+                              ("x", x, lambda t: t.dtype in (torch.int64, torch.int32), "integer targets")):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be None or a torch.Tensor, got {type(t).__name__}")
+        if not ok(t):
+            raise TypeError(f"{name} must hold {what}, got {t.dtype}")
+        if tuple(t.shape) != lead or t.device != E_s.device:
+            raise ValueError(f"{name} must have E_s's leading shape {lead} on {E_s.device}, "
+                             f"got {tuple(t.shape)} on {t.device}")
+    if kind not in DIVERGENCES:
+        raise ValueError(f"kind must be one of {DIVERGENCES}, got {kind!r}")
+    if kind == "jsd" and not (isinstance(beta, (int, float)) and not isinstance(beta, bool) and 0 < beta < 1):
+        raise ValueError(f"beta must be a number in (0, 1) for kind='jsd' (at 0 or 1 the mixture is one of the two "
+                         f"softmaxes and the JSD is 0: use kind='forward' or 'reverse'), got {beta!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap > 0):
+        raise ValueError(f"softcap must be None or a positive number, got {softcap!r}")
+    if E_s.numel() == 0 or C_s.shape[0] == 0 or E_s.shape[-1] == 0 or E_t.shape[-1] == 0:
+        raise ValueError(f"E_s, C_s and E_t must be non-empty, got E_s {tuple(E_s.shape)}, C_s {tuple(C_s.shape)} "
+                         f"and E_t {tuple(E_t.shape)}")
+
+
+def reference_kl_div(
+    E_s: torch.Tensor,
+    C_s: torch.Tensor,
+    E_t: torch.Tensor,
+    C_t: torch.Tensor,
+    *,
+    kind: str = "forward",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    bias_s: torch.Tensor | None = None,
+    bias_t: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    reduction: str = "mean",
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The divergence of a student's softmax q from a teacher's p over one vocabulary, per token, on the
+    full logits in ``dtype``: s = cap(E_s C_s^T + b_s) / tau, t = cap(E_t C_t^T + b_t) / tau (one soft
+    cap and one temperature for both), q = softmax(s), p = softmax(t), and with
+    ``F.kl_div(input, target, log_target=True)`` = target's probabilities times (target - input):
+
+        "forward":  KL(p || q) = sum_v p (log p - log q)   F.kl_div(log q, log p)   (Hinton's distillation)
+        "reverse":  KL(q || p) = sum_v q (log q - log p)   F.kl_div(log p, log q)   (mode seeking)
+        "jsd":      beta KL(p || M) + (1 - beta) KL(q || M),   M = beta p + (1 - beta) q
+
+    (the JSD as Liger-Kernel's ``LigerFusedLinearJSD`` defines it, beta = 0.5 the symmetric one).
+    Each token's divergence is summed over V; ``mask`` (bool, E_s's leading shape) keeps the tokens that
+    count. "none": per token, 0 where not kept; "sum": over kept tokens; "mean": their sum over the
+    kept tokens' count (torch's ``reduction="batchmean"`` over the kept rows; NaN when none is kept).
+    Differentiable in the student's tensors; the teacher's logits are detached (a constant), as in
+    ``helpers.cce.distill.linear_kl_div``.
+    """
+    s = reference_logits(E_s.reshape(-1, E_s.shape[-1]), C_s, softcap, dtype, bias_s, temperature)
+    t = reference_logits(E_t.reshape(-1, E_t.shape[-1]), C_t, softcap, dtype, bias_t, temperature)
+    rows = divergence_of_logits(s, t, kind=kind, beta=beta, mask=None if mask is None else mask.reshape(-1),
+                                reduction=reduction)
+    return rows.reshape(E_s.shape[:-1]) if reduction == "none" else rows
+
+
+def divergence_of_logits(
+    s: torch.Tensor,
+    t: torch.Tensor,
+    *,
+    kind: str = "forward",
+    beta: float = 0.5,
+    mask: torch.Tensor | None = None,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``reference_kl_div``'s divergence of softmax(s) from softmax(t), from the student's logits s and
+    the teacher's t (N, V), already capped and tempered, in their dtype; t is detached. ``mask`` (N,)."""
+    log_q, log_p = torch.log_softmax(s, dim=1), torch.log_softmax(t.detach(), dim=1)
+    if kind == "forward":
+        rows = F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(dim=1)
+    elif kind == "reverse":
+        rows = F.kl_div(log_p, log_q, log_target=True, reduction="none").sum(dim=1)
+    elif kind == "jsd":
+        log_M = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0)
+        rows = (beta * F.kl_div(log_M, log_p, log_target=True, reduction="none").sum(dim=1)
+                + (1 - beta) * F.kl_div(log_M, log_q, log_target=True, reduction="none").sum(dim=1))
+    else:
+        raise ValueError(f"kind must be one of {DIVERGENCES}, got {kind!r}")
+    kept = torch.ones_like(rows, dtype=torch.bool) if mask is None else mask
+    rows = torch.where(kept, rows, 0.0)
+    if reduction == "none":
+        return rows
+    return rows.sum() if reduction == "sum" else rows.sum() / kept.sum()
+
+
 def reference_loss_and_grads(
     E: torch.Tensor,
     C: torch.Tensor,
@@ -350,5 +512,9 @@ __all__ = [
     "reference_loss",
     "reference_loss_and_grads",
     "reference_outputs",
+    "reference_kl_div",
+    "divergence_of_logits",
+    "validate_distill_inputs",
+    "DIVERGENCES",
     "relative_error",
 ]

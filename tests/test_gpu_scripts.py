@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the time measure of "accuracy" and "time" on one shape; "profile" needs CUDA for what it measures).
 @pytest.mark.parametrize("script", ["gpu/cce_check.py", "gpu/vocab_parallel.py", "experiments/tune.py",
                                     "experiments/speed_v3.py --sections trained checks", "experiments/host_path.py",
-                                    "gpu/schedule_check.py"])
+                                    "gpu/schedule_check.py", "gpu/distill_check.py"])
 def test_gpu_script_runs_tiny_on_cpu(script, tmp_path):
     out = tmp_path / "result.jsonl"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -41,6 +41,18 @@ def test_gpu_script_runs_tiny_on_cpu(script, tmp_path):
     assert records, "no case ran"
     errors = [r for r in records if r.get("status") == "error"]
     assert not errors, errors
+
+
+@pytest.mark.slow
+def test_the_distillation_kernels_compile_for_every_tier_within_its_shared_memory():
+    """The interpreter runs kernels that the compiler refuses (a global read that is not a constexpr
+    once was one): ``distill_check.py --compile-only`` compiles both for each tier's GPU."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu" / "distill_check.py"), "--compile-only"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout[done.stdout.index("{"):])
+    assert result["status"] == "ok" and len(result["compiled"]) == 32, result
 
 
 def test_the_gluon_g_kernel_compiles_for_hopper_within_its_shared_memory():

@@ -91,7 +91,7 @@ def _lse_splits(E, C, bias, o: CCEOptions, fwd, v_splits, softcap, x=None):
     ROW_STATS), else None."""
     N, D = E.shape
     V = C.shape[0]
-    n_blocks, v_splits = _grid(N, fwd, E.device, v_splits, D, E.element_size())
+    n_blocks, v_splits = split_grid(N, fwd, E.device, v_splits, D, E.element_size())
     v_blocks = triton.cdiv(V, fwd.BLOCK_V)
     blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
     v_splits = triton.cdiv(v_blocks, blocks_per_split)
@@ -100,7 +100,7 @@ def _lse_splits(E, C, bias, o: CCEOptions, fwd, v_splits, softcap, x=None):
     stats = None if x is None else tuple(torch.empty_like(lse_split) for _ in range(3))
     E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=False)
     launch = _launch_flags(fwd, o, bias, E.dtype, n_blocks, e_desc)
-    lse_forward_kernel[_order(n_blocks, v_splits)](
+    lse_forward_kernel[grid_order(n_blocks, v_splits)](
         E_arg, C_arg, bias if bias is not None else lse_split, lse_split, logit_sum_split,
         lse_split, lse_split, lse_split, lse_split,  # no bits, seeds or order
         x if x is not None else lse_split, *(stats or (lse_split,) * 3),
@@ -220,18 +220,18 @@ def merge_row_stats(lse_split: torch.Tensor, entropy_split: torch.Tensor, max_sp
 MAX_GRID_Y = 65535
 
 
-def _split_major(n_blocks: int) -> bool:
+def split_major(n_blocks: int) -> bool:
     """Whether the LSE grid is (SPLITS, row blocks), a row block's splits next to each other
     (``SPLIT_MAJOR``), rather than (row blocks, SPLITS): always, unless the row blocks pass
     CUDA's limit on a grid's second dimension."""
     return n_blocks <= MAX_GRID_Y
 
 
-def _order(n_blocks: int, splits: int) -> tuple[int, int]:
-    return (splits, n_blocks) if _split_major(n_blocks) else (n_blocks, splits)
+def grid_order(n_blocks: int, splits: int) -> tuple[int, int]:
+    return (splits, n_blocks) if split_major(n_blocks) else (n_blocks, splits)
 
 
-def _grid(N: int, cfg, device, v_splits: int | None, D: int, itemsize: int) -> tuple[int, int]:
+def split_grid(N: int, cfg, device, v_splits: int | None, D: int, itemsize: int) -> tuple[int, int]:
     """(row blocks, vocabulary splits wanted) of the LSE grid: ``v_splits``, or for None the
     fewest splits that fill the GPU (``lse_splits``)."""
     n_blocks = triton.cdiv(N, cfg.BLOCK_N)
@@ -270,7 +270,7 @@ def _launch_flags(cfg, o: CCEOptions, bias, dtype, n_blocks: int, e_desc: bool) 
     row blocks and E (and C) read through descriptors or not (``e_desc``)."""
     return dict(
         HAS_SOFTCAP=o.softcap is not None, HAS_BIAS=bias is not None, SUM_LOGITS=o.label_smoothing > 0,
-        DOT_PRECISION=dot_precision(dtype), E_DESC=e_desc, SPLIT_MAJOR=_split_major(n_blocks),
+        DOT_PRECISION=dot_precision(dtype), E_DESC=e_desc, SPLIT_MAJOR=split_major(n_blocks),
         **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D"), **cfg.launch,
     )
 
@@ -284,7 +284,7 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
     device = E.device
     # The sorted walk gathers C's rows: its own tiles (``CCEConfigs.forward_sorted``).
     fwd = configs.forward_sorted_for(E.dtype) if o.sort_vocab else configs.for_dtype(E.dtype)[0]
-    n_blocks, v_splits = _grid(N, fwd, device, v_splits, E.shape[1], E.element_size())
+    n_blocks, v_splits = split_grid(N, fwd, device, v_splits, E.shape[1], E.element_size())
     bits_v = configs.sparse_for(E.dtype).BLOCK_V
     sub = fwd.BLOCK_V // bits_v
     if fwd.BLOCK_V % bits_v or sub not in (1, 2, 4, 8):
@@ -321,13 +321,13 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
     bias_arg = bias if bias is not None else seed_max
     if pilot:
         # The pilot: the first sorted positions in one split, seeded by the target only.
-        lse_forward_kernel[_order(n_blocks, 1)](
+        lse_forward_kernel[grid_order(n_blocks, 1)](
             E_arg, C_arg, bias_arg, lse_split[0], logit_sum_split[0], bits, seed_add, seed_max, order_arg,
             *(seed_max,) * 4, *common, 0, triton.cdiv(pilot, fwd.BLOCK_V), *strides, softcap, eps,
             1.0 / o.temperature, **flags)
         seed_add = lse_split[0]
     if splits:
-        lse_forward_kernel[_order(n_blocks, splits)](
+        lse_forward_kernel[grid_order(n_blocks, splits)](
             E_arg, C_arg, bias_arg, lse_split[1 if pilot else 0:], logit_sum_split[1 if pilot else 0:], bits,
             seed_add, seed_max, order_arg, *(seed_max,) * 4,
             *common, pilot, blocks_per_split, *strides, softcap, eps, 1.0 / o.temperature, **flags)

@@ -1,4 +1,4 @@
-"""The LSE grid: how many vocabulary splits (``lse_splits``) and in which order (``_split_major``).
+"""The LSE grid: how many vocabulary splits (``lse_splits``) and in which order (``split_major``).
 
 Pure arithmetic, checked against the choices measured best on an H200 (132 SMs, 50-60 MB of L2;
 ``docs/measurements/h200-2026-12-01e/tune_order2.json``) and against the two rules it states.
@@ -45,5 +45,5 @@ def test_unknown_l2_only_fills_the_gpu():
 
 
 def test_the_grid_is_split_major_within_cudas_y_limit():
-    assert forward._order(64, 2) == (2, 64)
-    assert forward._order(forward.MAX_GRID_Y + 1, 2) == (forward.MAX_GRID_Y + 1, 2)
+    assert forward.grid_order(64, 2) == (2, 64)
+    assert forward.grid_order(forward.MAX_GRID_Y + 1, 2) == (forward.MAX_GRID_Y + 1, 2)

@@ -185,7 +185,7 @@ def fp32_product(out, a, b, *, alpha: float, accumulate: bool, mode: str):
 
 def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg: LaunchConfig,
                   n_chunk: int | None, v_chunk: int | None, stats: dict | None, bias=None,
-                  need: tuple[bool, bool, bool] = (True, True, False), *, host: HostTuning):
+                  need: tuple[bool, bool, bool] = (True, True, False), *, host: HostTuning, g_chunk=None):
     """(dE, dC, db), each None where ``need`` (dE, dC, db) says it is not wanted: per (row chunk,
     vocabulary chunk), G_c from ``gradient_chunk_kernel``, then dC[v0:v1] = w_scale G_c^T (w_rel E),
     db[v0:v1] = w_scale G_c^T w_rel and dE_acc += G_c C[v0:v1] in cuBLAS; the other arguments are
@@ -199,6 +199,11 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     "none", or a gradient through the lse) + C's gathered chunk (v_chunk * D * itemsize, sort only)
     + dC's fp32 fold (v_chunk * D * 4, several row chunks only) + Kahan's V * D compensation
     (several row chunks only) + db's fp32 accumulator (V * 4, bias only) + O(N). fp32: no dE_acc.
+
+    ``g_chunk``: a caller's own G, for a loss that is not this one's (``helpers.cce.distill``'s
+    divergences): ``g_chunk(G, n0, n1, v0, v1)`` writes G_c of rows [n0, n1) and columns [v0, v1) into
+    G (rows, v1 - v0), unscaled by the rows' w as ours is, and returns the tiles it computed; x and
+    lse are then not read, and the options must have no filter.
     """
     need_dE, need_dC, need_db = need
     N, D = E.shape
@@ -206,6 +211,8 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     dtype, device = E.dtype, E.device
     low_precision = dtype != torch.float32
     filtering = o.filter_eps is not None and not (o.full_c and o.full_e)
+    if g_chunk is not None and (filtering or vocab_order is not None):
+        raise ValueError("a caller's G (g_chunk) runs without the filter and the vocabulary sort")
     # FullC / FullE with the filter: the kernel also writes the unfiltered G, for the exact side.
     split = filtering and (o.full_c or o.full_e)
     plan = gemm_plan(N, V, D, dtype, cfg.BLOCK_V, n_chunk, v_chunk, need_dE=need_dE, need_dC=need_dC,
@@ -228,7 +235,8 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # operands the copy engine can read (its 64-row tiles: twice the filter's tile records).
     pingpong = None
     # The Gluon kernel forms the plain G only: no temperature, no entropy term (``gradient_tile``).
-    if host.g_pingpong and device.type == "cuda" and o.temperature == 1.0 and up.coef.shape[0] == 3:
+    if (host.g_pingpong and g_chunk is None and device.type == "cuda" and o.temperature == 1.0
+            and up.coef.shape[0] == 3):
         from helpers.cce.kernels import gradient_chunk_pingpong as pingpong
 
         if pingpong.pingpong_reason(device, dtype, device_info(device).capability, sorted_vocab=vocab_order is not None,
@@ -259,7 +267,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # The multiprocessors a persistent G kernel's programs fill (the interpreter: a few, so each walks several tiles).
     programs = device_info(device).multiprocessors if device.type == "cuda" else 3
     counters = {"tiles": 0, "launches": 0, "g_places": dict.fromkeys(G_PLACES, 0),
-                "g_kernels": {"triton": 0, "pingpong": 0}}
+                "g_kernels": {"triton": 0, "pingpong": 0, "caller": 0}}
 
     for chunk, (n0, n1, chunks) in enumerate(plan.row_chunks):
         rows = n1 - n0
@@ -294,7 +302,10 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
             key = (G.data_ptr(), cols)
             # The Gluon kernel for every chunk whose G the copy engine can write: its descriptors are
             # made once per row chunk (E, C) and per place (G), so narrow chunks pay no more host time.
-            if pp_descs is not None and tma_ready(G):
+            if g_chunk is not None:
+                tiles = g_chunk(G, n0, n1, v0, v1)
+                counters["g_kernels"]["caller"] += 1
+            elif pp_descs is not None and tma_ready(G):
                 if key not in G_descs:
                     G_descs[key] = pingpong.pingpong_descriptor(G, pingpong.BLOCK_N, pingpong.BLOCK_V)
                 tiles = pingpong.launch_gradient_chunk_pingpong(

@@ -70,6 +70,17 @@ class RowGradient:
         w_rel = torch.where(w_scale > 0, w / w_scale, 0.0)
         return cls(w, w_rel, w_scale, False, coef)
 
+    @classmethod
+    def of_upstream(cls, grad_rows: torch.Tensor, kept: torch.Tensor) -> RowGradient:
+        """The rows of a loss whose kernel forms the whole bracket itself (``helpers.cce.distill``'s
+        divergences): w = |g| and one coefficient, coef (1, N) = sign(g), 0 at rows not kept."""
+        g = torch.where(kept, grad_rows.to(torch.float32), 0.0)
+        w = g.abs()
+        w_scale = w.amax().reshape(1)
+        w_rel = torch.where(w_scale > 0, w / w_scale, 0.0)
+        uniform = grad_rows.numel() == 1 or grad_rows.stride(0) == 0
+        return cls(w, w_rel, w_scale, uniform, torch.sign(g)[None])
+
 
 def fold_dC(dC, dC_rows, where, first, compensation):
     """dC[where] (+)= dC_rows (fp32), rounded to dC's dtype; ``compensation`` (Kahan) carries what

@@ -1,0 +1,235 @@
+"""The divergence between two heads' softmaxes, tile by tile: the kernels of ``helpers.cce.distill``.
+
+A student head (E_s (N, D_s), C_s (V, D_s)) and a teacher head (E_t (N, D_t), C_t (V, D_t)) share the
+vocabulary; each kernel rebuilds, for one (BLOCK_N, BLOCK_V) block of the vocabulary, both logit tiles
+(``head_tile``, twice: two ``logit_tile`` products over different D) and keeps neither:
+
+    s = cap(E_s C_s^T + b_s) / tau,   t = cap(E_t C_t^T + b_t) / tau,
+    log q = s - lse_s (the student's softmax),   log p = t - lse_t (the teacher's).
+
+``divergence_forward_kernel`` walks a vocabulary split per program, as ``lse_forward_kernel`` does.
+First pass (every kind): both running (max, sum) pairs, the online softmax of each head, and for
+the two KLs the running sum of (t - s) weighted by one head's exp, rescaled with that head's sum:
+
+    A' = A exp(m_w - m_w') + sum_v exp(w_v - m_w') (t_v - s_v),   mean = A / S_w,
+
+w = t (forward KL: mean = sum_v p_v (t_v - s_v)) or w = s (reverse: sum_v q_v (t_v - s_v)). A split's
+mean is a mean under its own softmax; the host merges splits with weights exp(lse_w,k - lse_w).
+Second pass (JSD only): log M = log(beta p + (1 - beta) q) needs both whole rows' lse, which no
+rescaling gives, so the JSD walks the tiles again with them known and sums its terms directly.
+
+``divergence_gradient_chunk_kernel`` writes one chunk of G = dloss_i / ds_{i, v} / w_i (the row's
+upstream weight w_i applied after the products, as ``gradient_chunk_kernel``'s G), the operand of
+the "gemm" backward's two cuBLAS products (``helpers.cce.backward.gemm``, through its ``g_chunk``).
+
+Why not flags on ``lse_forward_kernel`` and ``gradient_tile``: each takes one head; a second head is
+a second E, C, bias, D and four strides in every call, and their callers (every backward, the
+per-token outputs, the sparse backward's bits) would carry them unused. What these kernels share
+with those is the logit tile, the bias and the soft cap (``logits.py``) and the grouped order.
+
+Two fp32 tiles are live at once (the student's while the teacher's is built), so ``helpers.cce.distill``
+runs these kernels with half the tier's BLOCK_V (``pair_config``). Reference: ``helpers.spec.reference_kl_div``.
+"""
+
+import triton
+import triton.language as tl
+
+from helpers.cce.kernels.gradient_tile import grouped_tile
+from helpers.cce.kernels.logits import add_bias, logit_tile, tanh
+
+# The divergences, by their kernels' KIND (constexpr: a kernel reads no other global).
+FORWARD_KL, REVERSE_KL, JSD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def head_tile(
+    E_ptr, C_ptr, bias_ptr,  # E (N, D), C (V, D), bias (V,) (HAS_BIAS only)
+    rows, cols, row_mask, col_mask,  # (BLOCK_N,) int64, (BLOCK_V,) int64
+    D, stride_En, stride_Ed, stride_Cv, stride_Cd,
+    softcap,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """cap(E[rows] C[cols]^T + b[cols]), (BLOCK_N, BLOCK_V) fp32, before the temperature (the caller's:
+    the cap's derivative 1 - (z / softcap)^2 is read off this z)."""
+    z = logit_tile(E_ptr, C_ptr, rows, cols, row_mask, col_mask, D, stride_En, stride_Ed, stride_Cv, stride_Cd,
+                   BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION)
+    if HAS_BIAS:
+        z = add_bias(z, bias_ptr, cols, col_mask)
+    if HAS_SOFTCAP:
+        z = softcap * tanh(z / softcap)
+    return z
+
+
+@triton.jit
+def log_mixture(log_p, log_q, beta):
+    """log M = log(beta p + (1 - beta) q), from the logs, without underflow: both relative to their
+    maximum (finite in real columns: the logs are t - lse_t and s - lse_s)."""
+    top = tl.maximum(log_p, log_q)
+    return top + tl.log(beta * tl.exp(log_p - top) + (1.0 - beta) * tl.exp(log_q - top))
+
+
+@triton.jit
+def divergence_forward_kernel(
+    # pointers
+    Es_ptr, Cs_ptr, bs_ptr,  # the student: E_s (N, D_s), C_s (V, D_s), b_s (V,) (HAS_BIAS_S only)
+    Et_ptr, Ct_ptr, bt_ptr,  # the teacher: E_t (N, D_t), C_t (V, D_t), b_t (V,) (HAS_BIAS_T only)
+    lse_s_ptr, lse_t_ptr,  # (N,) fp32: whole rows' lse (SECOND_PASS only)
+    out_ptr,  # (3, SPLITS, N) fp32. First pass: lse_s, lse_t and the mean of (t - s) (the KLs) per
+    #           split. Second pass: the JSD's terms and K = sum q (log q - log M) per split (2 used).
+    # sizes
+    N, V, D_s, D_t,
+    blocks_per_split,  # vocabulary blocks of BLOCK_V per split
+    # strides
+    stride_Esn, stride_Esd, stride_Csv, stride_Csd,
+    stride_Etn, stride_Etd, stride_Ctv, stride_Ctd,
+    stride_out,  # SPLITS * N: from one output to the next
+    # options
+    softcap, inv_temperature, beta,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    KIND: tl.constexpr,  # FORWARD_KL, REVERSE_KL or JSD
+    SECOND_PASS: tl.constexpr,  # JSD only: the sums with both lse known
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS_S: tl.constexpr, HAS_BIAS_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SPLIT_MAJOR: tl.constexpr,  # grid (SPLITS, N / BLOCK_N) instead of (N / BLOCK_N, SPLITS)
+):
+    if SPLIT_MAJOR:
+        split = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+
+    m_s = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    m_t = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    sum_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sum_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    cross = tl.zeros((BLOCK_N,), dtype=tl.float32)  # A (first pass) or the JSD's terms (second)
+    k_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)  # K (second pass)
+    if SECOND_PASS:
+        lse_s = tl.load(lse_s_ptr + rows, mask=row_mask, other=0.0)
+        lse_t = tl.load(lse_t_ptr + rows, mask=row_mask, other=0.0)
+
+    v_begin = split * blocks_per_split * BLOCK_V
+    v_end = tl.minimum(V, v_begin + blocks_per_split * BLOCK_V)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_mask = cols < V
+        # 1. Both logit tiles, rebuilt on chip (finite in padding columns: zeros, capped).
+        s = head_tile(Es_ptr, Cs_ptr, bs_ptr, rows, cols.to(tl.int64), row_mask, col_mask, D_s,
+                      stride_Esn, stride_Esd, stride_Csv, stride_Csd, softcap,
+                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS_S, DOT_PRECISION) * inv_temperature
+        t = head_tile(Et_ptr, Ct_ptr, bt_ptr, rows, cols.to(tl.int64), row_mask, col_mask, D_t,
+                      stride_Etn, stride_Etd, stride_Ctv, stride_Ctd, softcap,
+                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS_T, DOT_PRECISION) * inv_temperature
+        if SECOND_PASS:
+            # 2b. [JSD] beta p (log p - log M) + (1 - beta) q (log q - log M), and K's q (log q - log M);
+            # padding columns give 0.
+            log_q = s - lse_s[:, None]
+            log_p = t - lse_t[:, None]
+            log_M = log_mixture(log_p, log_q, beta)
+            q_term = tl.where(col_mask[None, :], tl.exp(log_q) * (log_q - log_M), 0.0)
+            p_term = tl.where(col_mask[None, :], tl.exp(log_p) * (log_p - log_M), 0.0)
+            cross += tl.sum(beta * p_term + (1.0 - beta) * q_term, axis=1)
+            k_sum += tl.sum(q_term, axis=1)
+        else:
+            # 2a. [Online softmax] of each head, padding columns -inf (exp gives 0); every tile holds a
+            # real column, so the maxima are finite.
+            diff = tl.where(col_mask[None, :], t - s, 0.0)
+            s = tl.where(col_mask[None, :], s, float("-inf"))
+            t = tl.where(col_mask[None, :], t, float("-inf"))
+            m_s_new = tl.maximum(m_s, tl.max(s, axis=1))
+            m_t_new = tl.maximum(m_t, tl.max(t, axis=1))
+            e_s = tl.exp(s - m_s_new[:, None])
+            e_t = tl.exp(t - m_t_new[:, None])
+            if KIND != JSD:
+                # [Cross term] sum_v exp(w_v - m_w) (t_v - s_v), rescaled with w's sum: w = t or s.
+                if KIND == FORWARD_KL:
+                    cross = cross * tl.exp(m_t - m_t_new) + tl.sum(e_t * diff, axis=1)
+                else:
+                    cross = cross * tl.exp(m_s - m_s_new) + tl.sum(e_s * diff, axis=1)
+            sum_s = sum_s * tl.exp(m_s - m_s_new) + tl.sum(e_s, axis=1)
+            sum_t = sum_t * tl.exp(m_t - m_t_new) + tl.sum(e_t, axis=1)
+            m_s = m_s_new
+            m_t = m_t_new
+
+    # 3. Per split: lse = m + log sum, the mean of (t - s) under the weighting head's softmax; or the JSD's sums.
+    out = split.to(tl.int64) * N + rows
+    if SECOND_PASS:
+        tl.store(out_ptr + out, cross, mask=row_mask)
+        tl.store(out_ptr + stride_out + out, k_sum, mask=row_mask)
+    else:
+        tl.store(out_ptr + out, m_s + tl.log(sum_s), mask=row_mask)
+        tl.store(out_ptr + stride_out + out, m_t + tl.log(sum_t), mask=row_mask)
+        if KIND != JSD:
+            weight_sum = sum_t if KIND == FORWARD_KL else sum_s
+            tl.store(out_ptr + 2 * stride_out + out, cross / weight_sum, mask=row_mask)
+
+
+@triton.jit
+def divergence_gradient_chunk_kernel(
+    # pointers
+    Es_ptr, Cs_ptr, bs_ptr,  # the student's rows of this chunk E_s (rows, D_s), C_s (V, D_s), b_s (V,)
+    Et_ptr, Ct_ptr, bt_ptr,  # the teacher's: E_t (rows, D_t), C_t (V, D_t), b_t (V,)
+    lse_s_ptr, lse_t_ptr,  # (rows,) fp32
+    row_stat_ptr,  # (rows,) fp32: the row's reverse KL (REVERSE_KL) or K = KL(q || M) (JSD); unused for FORWARD_KL
+    sign_ptr,  # (rows,) fp32: the sign of the row's upstream gradient, 0 at ignored rows
+    G_ptr,  # (rows, v_count) in E_s's dtype
+    # sizes
+    N, V, D_s, D_t,
+    v_begin, v_count,  # this launch covers vocabulary columns [v_begin, v_begin + v_count)
+    # strides
+    stride_Esn, stride_Esd, stride_Csv, stride_Csd,
+    stride_Etn, stride_Etd, stride_Ctv, stride_Ctd,
+    stride_Gn, stride_Gv,
+    # options
+    softcap, inv_temperature, beta,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
+    KIND: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS_S: tl.constexpr, HAS_BIAS_T: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # 1. [Grouped order] the tile's place in the chunk.
+    pid_n, pid_v = grouped_tile(tl.program_id(0), N, v_count, BLOCK_N, BLOCK_V, GROUP_N)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    local_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = local_v < v_count
+    cols = (v_begin + local_v).to(tl.int64)
+
+    # 2. Both logit tiles rebuilt, the student's capped logit kept for the chain rule.
+    z_s = head_tile(Es_ptr, Cs_ptr, bs_ptr, rows, cols, row_mask, col_mask, D_s,
+                    stride_Esn, stride_Esd, stride_Csv, stride_Csd, softcap,
+                    BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS_S, DOT_PRECISION)
+    t = head_tile(Et_ptr, Ct_ptr, bt_ptr, rows, cols, row_mask, col_mask, D_t,
+                  stride_Etn, stride_Etd, stride_Ctv, stride_Ctd, softcap,
+                  BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS_T, DOT_PRECISION) * inv_temperature
+    lse_s = tl.load(lse_s_ptr + rows, mask=row_mask, other=0.0)
+    lse_t = tl.load(lse_t_ptr + rows, mask=row_mask, other=0.0)
+    sign = tl.load(sign_ptr + rows, mask=row_mask, other=0.0)
+    log_q = z_s * inv_temperature - lse_s[:, None]
+    log_p = t - lse_t[:, None]
+    q = tl.exp(log_q)
+
+    # 3. G = dloss / ds per kind (``helpers.cce.distill``'s module doc derives each):
+    if KIND == FORWARD_KL:
+        G = q - tl.exp(log_p)  # KL(p || q): q - p
+    else:
+        r = tl.load(row_stat_ptr + rows, mask=row_mask, other=0.0)
+        if KIND == REVERSE_KL:
+            G = q * (log_q - log_p - r[:, None])  # KL(q || p): q (log q - log p - KL)
+        else:
+            G = (1.0 - beta) * q * (log_q - log_mixture(log_p, log_q, beta) - r[:, None])  # (1 - beta) q (log q/M - K)
+    # then the chain rule through the temperature and the student's soft cap.
+    G = G * (sign * inv_temperature)[:, None]
+    if HAS_SOFTCAP:
+        G = G * (1.0 - (z_s / softcap) * (z_s / softcap))
+    G = tl.where(col_mask[None, :], G, 0.0)
+
+    # 4. G_c in the input dtype, the operand of both products.
+    g_ptrs = G_ptr + rows[:, None] * stride_Gn + local_v.to(tl.int64)[None, :] * stride_Gv
+    tl.store(g_ptrs, G.to(G_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
