@@ -3,9 +3,16 @@
 Per row chunk (rows of dE's fp32 accumulator) and vocabulary chunk [v0, v1) of V_c columns:
 
     G_c  = dloss / dz[:, v0:v1]             (rows, V_c) in E's dtype    gradient_chunk_kernel
-    dC[v0:v1] = g_scale * G_c^T (g_rel * E)  (V_c, D), written once     cuBLAS
+    dC[v0:v1] = G_c^T (g * E)                (V_c, D), written once     cuBLAS
     dE_acc   += G_c C[v0:v1]                 (rows, D) fp32             cuBLAS, fp32 output
     dE        = g * dE_acc, rounded once                                after the last chunk
+
+Every scale is a device tensor, so the backward reads nothing on the host (a CUDA graph captures it,
+``torch.compile`` traces it): g enters dC's product through its operand g E, rounded once to the
+dtype (the rows' own weights; not through the GEMM's alpha, a host number), and dE's rows and db's
+fp32 sums are scaled after their products. In fp16, g E falls into the subnormals where it is below
+2^-14 (g = 1/N for a mean without a loss scale, N above ~16k): their absolute spacing, 2^-24, is
+then the rounding of each term, about what dC's own fp16 output rounds to at those magnitudes.
 
 Why it beats the "atomic" backward, the kernel that computes G, and the filter's place in it: the
 docstring of ``helpers/cce/kernels/gradient_chunk.py``. Memory beyond dE and dC: for 16-bit inputs
@@ -26,7 +33,7 @@ import triton
 from helpers.cce.descriptors import block_descriptor, operand_descriptors, tma_ready
 from helpers.cce.device import device_info
 from helpers.cce.backward.rows import RowGradient, fold_dC
-from helpers.cce.shared import MiB, read_later
+from helpers.cce.shared import MiB
 from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
 from helpers.cce.kernels.configs import HostTuning, LaunchConfig
 from helpers.cce.options import CCEOptions, dot_precision, tile_eps
@@ -187,7 +194,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                   n_chunk: int | None, v_chunk: int | None, stats: dict | None, bias=None,
                   need: tuple[bool, bool, bool] = (True, True, False), *, host: HostTuning):
     """(dE, dC, db), each None where ``need`` (dE, dC, db) says it is not wanted: per (row chunk,
-    vocabulary chunk), G_c from ``gradient_chunk_kernel``, then dC[v0:v1] = w_scale G_c^T (w_rel E),
+    vocabulary chunk), G_c from ``gradient_chunk_kernel``, then dC[v0:v1] = G_c^T (w E),
     db[v0:v1] = w_scale G_c^T w_rel and dE_acc += G_c C[v0:v1] in cuBLAS; the other arguments are
     ``helpers.cce.backward.cce_backward``'s. A product whose gradient is not wanted is not made.
 
@@ -195,8 +202,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     wide (an explicit ``v_chunk`` caps every chunk instead). Memory beyond LB, fp16/bf16: dE_acc
     (n_chunk * D * 4) + a G buffer only where no place is free (``GemmPlan.buffer_elements``: none for
     16-bit inputs with dE wanted; the unfiltered G once more with FullC/FullE and the filter) +
-    w_rel E (n_chunk * D * itemsize, only when rows have different upstream gradients: reduction
-    "none", or a gradient through the lse) + C's gathered chunk (v_chunk * D * itemsize, sort only)
+    w E (n_chunk * D * itemsize, dC's operand) + C's gathered chunk (v_chunk * D * itemsize, sort only)
     + dC's fp32 fold (v_chunk * D * 4, several row chunks only) + Kahan's V * D compensation
     (several row chunks only) + db's fp32 accumulator (V * 4, bias only) + O(N). fp32: no dE_acc.
     """
@@ -217,11 +223,6 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # sort's scatter, the CPU's "upcast" products.
     staged = vocab_order is not None or (low_precision and (n_chunks > 1 or mode == "upcast"))
 
-    # dC's (and db's) GEMM alpha: the largest row weight (the signs are inside G; when every row
-    # has the same weight, E is dC's operand as it is). A host value, read once the first G chunk
-    # and its dE product are queued, so that the wait leaves the GPU work (``read_later``).
-    w_scale = read_later(up.w_scale)
-    alpha = None
     G_buf = torch.empty(plan.buffer_elements, dtype=dtype, device=device) if plan.buffer_elements else None
     G_exact_buf = torch.empty(n_chunk * widest, dtype=dtype, device=device) if split else None
     # Hopper, 16-bit, no soft cap or bias: the warp-specialized G kernel, for the chunks whose
@@ -245,8 +246,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     dC = torch.empty(V, D, dtype=dtype, device=device) if need_dC else None
     db_acc = torch.zeros(V, dtype=torch.float32, device=device) if need_db else None
     dE_acc = torch.empty(n_chunk, D, dtype=torch.float32, device=device) if low_precision and need_dE else None
-    uniform = up.uniform
-    E_scaled_buf = None if uniform or not need_dC else torch.empty(n_chunk, D, dtype=dtype, device=device)
+    E_scaled_buf = torch.empty(n_chunk, D, dtype=dtype, device=device) if need_dC else None
     C_sorted_buf = (torch.empty(v_chunk, D, dtype=dtype, device=device)
                     if vocab_order is not None and need_dE else None)
     staged_rows = min(v_chunk, widest)  # dC's rows staged a piece at a time
@@ -266,9 +266,9 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         E_rows = E[n0:n1]  # (rows, D)
         if need_dE:
             dE_rows = (dE_acc[:rows] if low_precision else dE[n0:n1]).zero_()  # (rows, D) fp32
-        # dC's operand: w_rel E, (rows, D) in the dtype (rounded as the "atomic" kernel rounds G w_rel for dC).
-        E_op = (E_rows if uniform else torch.mul(E_rows, up.w_rel[n0:n1, None], out=E_scaled_buf[:rows])
-                if need_dC else None)
+        # dC's operand: w E, (rows, D) in the dtype: the rows' weights on the device, where the GEMM's
+        # alpha would be a host number to read (module doc).
+        E_op = torch.mul(E_rows, up.w[n0:n1, None], out=E_scaled_buf[:rows]) if need_dC else None
         # db's operand: w_rel as a column, in the dtype (1 at kept rows for a mean or a sum).
         w_op = up.w_rel[n0:n1, None].to(dtype) if need_db else None
         coef = up.coef[:, n0:n1]
@@ -338,28 +338,25 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                        else C[v0:v1])  # (V_c, D)
                 # 2. dE_acc += G_c C_c: (rows, V_c) @ (V_c, D), fp32 output.
                 fp32_product(dE_rows, G_dE, C_c, alpha=1.0, accumulate=True, mode=mode)
-            if alpha is None and (need_db or need_dC):
-                alpha = w_scale()
             if need_db:
-                # db[v0:v1] += w_scale G_c^T w_rel: (V_c, rows) @ (rows, 1), fp32.
+                # db[v0:v1] += G_c^T w_rel: (V_c, rows) @ (rows, 1), fp32; times w_scale at the end.
                 db_rows = db_rows_buf[:cols]
-                fp32_product(db_rows, G_dC.T, w_op, alpha=alpha, accumulate=False, mode=mode)
+                fp32_product(db_rows, G_dC.T, w_op, alpha=1.0, accumulate=False, mode=mode)
                 db_acc.index_add_(0, where if vocab_order is not None else torch.arange(v0, v1, device=device),
                                   db_rows[:, 0])
             if not need_dC:
                 continue
-            # 3. dC[v0:v1] = alpha G_c^T (w_rel E): (V_c, rows) @ (rows, D).
+            # 3. dC[v0:v1] = G_c^T (w E): (V_c, rows) @ (rows, D).
             if not staged:
                 # In place from cuBLAS's fp32 sum: written once in the dtype (one row chunk), or
                 # accumulated in fp32 (fp32 inputs) across row chunks.
                 dC_rows = dC[v0:v1]  # one view as input and output: addmm updates it in place
-                torch.addmm(dC_rows, G_dC.T, E_op, beta=0.0 if chunk == 0 else 1.0, alpha=alpha,
-                            out=dC_rows)
+                torch.addmm(dC_rows, G_dC.T, E_op, beta=0.0 if chunk == 0 else 1.0, out=dC_rows)
                 continue
             for s0 in range(0, cols, staged_rows):  # (V_c, D) fp32, a piece at a time, then folded
                 s1 = min(cols, s0 + staged_rows)
                 dC_rows = dC_rows_buf[: s1 - s0]
-                fp32_product(dC_rows, G_dC[:, s0:s1].T, E_op, alpha=alpha, accumulate=False, mode=mode)
+                fp32_product(dC_rows, G_dC[:, s0:s1].T, E_op, alpha=1.0, accumulate=False, mode=mode)
                 piece = where[s0:s1] if vocab_order is not None else slice(v0 + s0, v0 + s1)
                 if low_precision:
                     fold_dC(dC, dC_rows, piece, chunk == 0, compensation)
@@ -376,5 +373,5 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     if stats is not None:
         stats.update(counters, skipped=int(skipped.item()), dead_chunks=int(dead_chunks.item()),
                      products=mode)
-    db = db_acc.to(bias.dtype) if need_db else None
+    db = (db_acc * up.w_scale).to(bias.dtype) if need_db else None
     return dE, dC, db
