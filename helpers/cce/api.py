@@ -199,6 +199,16 @@ def linear_cross_entropy(
         without ``return_lse`` or class weights, ``helpers.cce.forward_grads``). ``stats`` gets
         "schedule", "predicted_peak_bytes", "predicted_ms" and "why". A number that fits no
         schedule raises ``helpers.cce.schedules.MemoryBudgetError`` with the numbers.
+
+    Host syncs. An eager call with ``stats=None`` reads the device once: the targets' range flag
+    (a bad target raises a ``ValueError``), queued after the forward's kernels and read before the
+    call returns, so the host waits for the forward (``helpers.cce.ops.loss_forward``); class weights
+    add one read of their values; "sparse" and "auto"'s probes read the bits' counts, and a
+    memory budget's "forward_grads" schedule reads its count and flag once. Under ``torch.compile`` the
+    call is the ``cce::linear_cross_entropy`` custom op (one graph, no break), and under compile or
+    CUDA graph capture (``torch.cuda.graph``) nothing is read: the targets and the weights' values
+    are not checked, "auto" runs "gemm", and ``stats``, "sparse" or a memory budget raise
+    (``helpers.cce.ops`` has the list).
     """
     validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias,
                     leading_dims=True, check_targets=False)  # x's range: the forward checks it
