@@ -26,6 +26,10 @@ The loss is transformers' ``ForCausalLMLoss`` (``transformers/loss/loss_utils.py
 - Gemma 2 / Gemma 3's ``config.final_logit_softcapping`` is applied as the kernel's ``softcap``
   (z = s * tanh(z / s)), exactly where the original forward caps its logits.
 
+Two options transformers' loss does not have are options of ``patch``, fixed for every labelled call:
+``class_weight`` (``F.cross_entropy``'s ``weight``) and ``temperature``; ``patch`` refuses any other
+loss option by name (``_REFUSED``).
+
 Dtypes: the kernel takes its two matrices in one dtype. Under ``torch.autocast`` both the hidden
 states and the weight are given in the autocast dtype (what ``lm_head`` would have computed in);
 otherwise in the hidden states' dtype, the weight cast to it if it differs. The loss is fp32.
@@ -73,6 +77,8 @@ import types
 import torch
 
 from helpers.cce import linear_cross_entropy
+from helpers.cce.class_weights import check_weight
+from helpers.cce.options import check_temperature
 from helpers.cce.schedules import check_memory_budget
 
 # Class name -> (the transformers module that defines it, the config attribute of its final logit
@@ -105,6 +111,8 @@ class _PatchState:
     output_class: type
     instance_forward: object  # what model.__dict__["forward"] held before patching, or None
     structure_checked: bool  # whether the forward's source was read and checked (else: trusted by name)
+    class_weight: torch.Tensor | None = None  # (V,) class weights of every labelled call (``patch``)
+    temperature: float = 1.0  # the logits' divisor in every labelled call's loss (``patch``)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +146,8 @@ def causal_lm_loss(
     softcap: float | None = None,
     bias: torch.Tensor | None = None,
     loss=None,
+    class_weight: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss(hidden_states @ weight.T + bias, labels, ...)``, without the logits.
 
@@ -146,6 +156,13 @@ def causal_lm_loss(
     signature (None: ours; another kernel for a like-for-like comparison); labels with
     hidden_states' leading shape, shifted here, or ``shift_labels`` (already shifted) instead.
     Returns the fp32 scalar loss: the mean over kept targets, or their sum / num_items_in_batch.
+
+    class_weight: (V,) or None, ``F.cross_entropy``'s ``weight`` (``linear_cross_entropy``'s), moved to
+    the head's device: the mean becomes the weighted mean (divided by the kept targets' weights); with
+    ``num_items_in_batch`` the weighted sum is divided by num_items_in_batch, the count of items
+    (``fixed_cross_entropy``'s formula with ``weight`` given to its ``F.cross_entropy``).
+    temperature: the logits are divided by it (softcap(z) / temperature) before the loss.
+    Both are passed to ``loss`` only when set (a peer need not accept them).
     """
     if shift_labels is None:
         if labels is None:
@@ -172,9 +189,14 @@ def causal_lm_loss(
     b = bias.to(dtype) if bias is not None else None
     reduction = "mean" if num_items_in_batch is None else "sum"
     # The kernel's own torch ops (lse merge, reductions) must not be autocast: its inputs are set.
+    options = {}
+    if class_weight is not None:
+        options["weight"] = class_weight.to(C.device)
+    if temperature != 1.0:
+        options["temperature"] = temperature
     with torch.autocast(device_type=E.device.type, enabled=False):
         value = (loss or linear_cross_entropy)(E, C, x, bias=b, ignore_index=ignore_index, reduction=reduction,
-                                               softcap=softcap)
+                                               softcap=softcap, **options)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(value.device)
@@ -407,13 +429,35 @@ def is_patched(model) -> bool:
     return _STATE in getattr(model, "__dict__", {})
 
 
-def patch(model, *, allow_unlisted: bool = False, loss=None, memory_budget="min"):
+# What ``patch`` is asked for that transformers' loss does not have, and why it is refused.
+_REFUSED = {
+    "reduction": "transformers' loss is the mean over kept targets, or their sum / num_items_in_batch",
+    "label_smoothing": "transformers' ForCausalLMLoss has none; call helpers.cce.linear_cross_entropy directly",
+    "z_loss": "transformers' ForCausalLMLoss has none; call helpers.cce.linear_cross_entropy directly",
+    "softcap": "the soft cap is the config's final_logit_softcapping, read at every call",
+    "ignore_index": "pass ignore_index= to the forward, per call, as transformers takes it",
+    "weight": "the class weights are class_weight= (weight is the head's matrix in causal_lm_loss)",
+}
+
+
+def patch(model, *, allow_unlisted: bool = False, loss=None, memory_budget="min", class_weight=None,
+          temperature: float = 1.0, **refused):
     """Make ``model`` (this instance only) compute its training loss without logits; returns it.
 
     ``loss``: the linear cross-entropy the patched forward calls, with ``linear_cross_entropy``'s
     signature (E, C, x, *, bias, ignore_index, reduction, softcap); None: ours.
     ``memory_budget``: ``linear_cross_entropy``'s ("min", a number of bytes beyond the inputs, dE
     and dC, or "auto"), passed to every call (to ``loss`` too, when it is not "min").
+    ``class_weight``: (V,) class weights for every labelled call, ``F.cross_entropy``'s ``weight``.
+    transformers' loss takes none (its ``fixed_cross_entropy`` drops extra keywords), so this is an
+    option of the patch, not of the call: a weighted mean over the kept targets, or with the Trainer's
+    ``num_items_in_batch`` the weighted sum divided by it (``causal_lm_loss``). Floating point, finite,
+    >= 0, of shape (lm_head.out_features,); moved to the head's device at each call.
+    ``temperature``: every labelled call's loss is that of softcap(logits) / temperature (> 0); the
+    logits of a call without labels (inference, ``generate``) are the model's own, untouched.
+    With ``loss`` given, class_weight and temperature need a ``loss`` that takes ``weight=`` and
+    ``temperature=``. Anything else (reduction, label_smoothing, z_loss, ...) raises a ``TypeError``
+    naming it: transformers' loss has no such option (``_REFUSED`` says why for each).
 
     After patching, ``model(..., labels=labels)`` returns the usual output with ``loss`` from
     ``helpers.cce.linear_cross_entropy`` and ``logits=None`` (no logits are computed when labels
@@ -425,10 +469,26 @@ def patch(model, *, allow_unlisted: bool = False, loss=None, memory_budget="min"
         raise RuntimeError(
             f"{type(model).__name__} is already patched by helpers.hf.patch; call unpatch(model) first"
         )
+    if refused:
+        raise TypeError("helpers.hf.patch does not take " + "; ".join(
+            f"{name}= ({_REFUSED.get(name, 'not an option of transformers ForCausalLMLoss')})" for name in refused))
     memory_budget = check_memory_budget(memory_budget)
+    temperature = check_temperature(temperature)
+    for name, used, keyword in (("class_weight", class_weight is not None, "weight"),
+                                ("temperature", temperature != 1.0, "temperature")):
+        if loss is not None and used and not _takes(loss, keyword):
+            raise ValueError(f"{name} needs a loss that takes {keyword}=; {getattr(loss, '__name__', loss)!r} does not")
     if memory_budget != "min":
         loss = functools.partial(loss or linear_cross_entropy, memory_budget=memory_budget)
-    state = dataclasses.replace(check_supported(model, allow_unlisted=allow_unlisted), loss=loss)
+    state = check_supported(model, allow_unlisted=allow_unlisted)
+    if class_weight is not None:  # on any device (moved at each call): checked against the head's size only
+        device = class_weight.device if isinstance(class_weight, torch.Tensor) else None
+        try:
+            check_weight(class_weight, torch.empty(model.lm_head.out_features, 0, device=device), label_smoothing=0.0,
+                         z_loss=0.0)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"class_weight: {error}") from None
+    state = dataclasses.replace(state, loss=loss, class_weight=class_weight, temperature=temperature)
 
     def forward(self, *args, **kwargs):
         return _patched_forward(self, *args, **kwargs)
@@ -444,6 +504,15 @@ def patch(model, *, allow_unlisted: bool = False, loss=None, memory_budget="min"
     model.__dict__[_STATE] = state
     model.__dict__["forward"] = types.MethodType(forward, model)
     return model
+
+
+def _takes(fn, keyword: str) -> bool:
+    """Whether ``fn`` accepts ``keyword`` (by name, or through **kwargs); True when it cannot be inspected."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == keyword or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def unpatch(model):
@@ -503,6 +572,8 @@ def _patched_forward(self, *args, **kwargs):
         num_items_in_batch=extra.get("num_items_in_batch"),
         softcap=softcap,
         loss=state.loss,
+        class_weight=state.class_weight,
+        temperature=state.temperature,
     )
     fields = {f.name for f in dataclasses.fields(state.output_class)} - {"loss", "logits"}
     result = state.output_class(loss=loss, logits=None, **{f: getattr(outputs, f, None) for f in fields})

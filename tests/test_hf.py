@@ -639,3 +639,66 @@ def test_patch_takes_a_memory_budget_and_names_a_bad_one():
 
     with pytest.raises(ValueError, match="memory_budget"):
         patch(object(), memory_budget="lots")
+
+
+# ------------------------------------------------------------------------------------------------
+# Options of the patch that transformers' loss does not have: class weights and a temperature
+def weighted_reference(model, ids, labels, class_weight=None, temperature=1.0, num_items_in_batch=None):
+    """(loss, grads) of the unpatched model's logits through F.cross_entropy(weight=), shifted as
+    transformers shifts, divided by num_items_in_batch when given (``fixed_cross_entropy``'s formula)."""
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits.float() / temperature
+    targets = hf.shift_targets(labels).view(-1)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, V), targets, weight=class_weight, reduction=reduction)
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("options", [
+    dict(class_weight=True),
+    dict(class_weight=True, num_items_in_batch=37),
+    dict(temperature=0.7),
+    dict(class_weight=True, temperature=1.3, num_items_in_batch=torch.tensor(41)),
+], ids=["weight", "weight-num_items", "temperature", "all"])
+def test_class_weight_and_temperature(options):
+    model = make_model("qwen3", tied=False)
+    ids, labels = make_batch()
+    options = dict(options)
+    if options.pop("class_weight", False):
+        options["class_weight"] = torch.rand(V, generator=torch.Generator().manual_seed(3)) + 0.25
+    num_items = options.pop("num_items_in_batch", None)
+    want, grads_want = weighted_reference(model, ids, labels, num_items_in_batch=num_items, **options)
+    hf.patch(model, **options)
+    try:
+        got, grads_got = step(model, ids, labels, num_items_in_batch=num_items)
+    finally:
+        hf.unpatch(model)
+    assert got.loss.item() == pytest.approx(want.item(), rel=1e-5)
+    for name, grad in grads_want.items():
+        assert rel(grads_got[name], grad) <= 1e-5, name
+    unweighted, _ = step(model, ids, labels, num_items_in_batch=num_items)  # the options bite
+    assert abs(unweighted.loss.item() - want.item()) > 1e-3
+
+
+def test_patch_names_what_it_does_not_support():
+    model = make_model("qwen3")
+    for options, word in ((dict(label_smoothing=0.1), "label_smoothing"), (dict(reduction="sum"), "reduction"),
+                          (dict(weight=torch.ones(V)), "class_weight"), (dict(z_loss=1e-4), "z_loss")):
+        with pytest.raises(TypeError, match=word):
+            hf.patch(model, **options)
+    with pytest.raises(ValueError, match="class_weight.*shape"):
+        hf.patch(model, class_weight=torch.ones(V + 1))
+    with pytest.raises(ValueError, match="class_weight.*>= 0"):
+        hf.patch(model, class_weight=-torch.ones(V))
+    with pytest.raises(ValueError, match="temperature"):
+        hf.patch(model, temperature=0.0)
+
+    def peer(E, C, x, *, bias=None, ignore_index=-100, reduction="mean", softcap=None):
+        raise AssertionError("not called")
+
+    with pytest.raises(ValueError, match="class_weight needs a loss that takes weight="):
+        hf.patch(model, loss=peer, class_weight=torch.ones(V))
+    assert not hf.is_patched(model)

@@ -65,44 +65,32 @@ from __future__ import annotations
 
 import torch
 
-from helpers.cce.backward import run_backward
 from helpers.cce.class_weights import check_weight, weighted_reduction
-from helpers.cce.forward import cce_forward
 from helpers.cce.forward_grads import ForwardGradsFunction, plan_schedule
 from helpers.cce.kernels.configs import CCEConfigs
-from helpers.cce.options import CCEPlan, plan_call
+from helpers.cce.options import CCEPlan, check_bias_gradient, plan_call
+from helpers.cce.shared import no_host_sync
+from helpers.cce.ops import (
+    linear_cross_entropy_op,
+    loss_backward,
+    loss_forward,
+    schema_filter_eps,
+    traceable_backward,
+)
 from helpers.cce.schedules import check_memory_budget
-from helpers.cce.shared import read_later
-from helpers.spec import raise_for_targets, targets_out_of_range, validate_inputs
+from helpers.spec import validate_inputs
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """(loss, lse) of CE(E C^T + b, x) with the CCE kernels, E (N, D) and x (N,), by a ``CCEPlan``
     (``helpers.cce.options.plan_call``); backward recomputes the logits (it saves only lse) and
-    computes only the gradients the plan says are wanted."""
+    computes only the gradients the plan says are wanted. The host functions it runs, and the custom
+    ops that ``torch.compile`` traces instead: ``helpers.cce.ops``. ``check_targets``: the targets'
+    range check (``ops.loss_forward`` says what it costs)."""
 
     @staticmethod
-    def forward(ctx, E, C, x, bias, plan: CCEPlan, stats=None):
-        options = plan.options
-        # The targets' range, read once the forward's kernels are queued (they read row 0 for a
-        # target out of range), so that on a GPU checking does not leave it idle.
-        V = C.shape[0]
-        out_of_range = read_later(targets_out_of_range(x, V, options.ignore_index))
-        activity = None
-        if plan.emit_activity:  # the "sparse" backward's bits (``CCEPlan.emit_activity``)
-            loss_rows, lse, activity = cce_forward(E, C, x, options, plan.configs, bias=bias, emit_activity=True,
-                                                   return_lse=plan.return_lse)
-        else:
-            loss_rows, lse = cce_forward(E, C, x, options, plan.configs, bias=bias)
-        raise_for_targets(x, V, options.ignore_index, out_of_range())
-        kept = x != options.ignore_index
-        n_kept = kept.sum()
-        if options.reduction == "none":
-            loss = loss_rows
-        elif options.reduction == "sum":
-            loss = loss_rows.sum()
-        else:
-            loss = loss_rows.sum() / n_kept  # 0 / 0 = NaN when every token is ignored, as torch
+    def forward(ctx, E, C, x, bias, plan: CCEPlan, stats=None, check_targets=True):
+        loss, lse, n_kept, activity = loss_forward(E, C, x, bias, plan, check_targets=check_targets)
         ctx.save_for_backward(E, C, x, lse, n_kept, bias)
         ctx.plan, ctx.stats, ctx.activity = plan, stats, activity
         ctx.set_materialize_grads(False)  # an output nobody uses gets None, not a tensor of zeros
@@ -113,23 +101,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, grad_lse):
         E, C, x, lse, n_kept, bias = ctx.saved_tensors
-        plan = ctx.plan
-        if not any(plan.need) or (grad_loss is None and grad_lse is None):
-            return None, None, None, None, None, None
-        N = x.shape[0]
-        reduction = plan.options.reduction
-        if grad_loss is None:
-            grad_rows = torch.zeros(N, dtype=torch.float32, device=E.device)
-        elif reduction == "none":
-            grad_rows = grad_loss.to(torch.float32)
-        elif reduction == "sum":
-            grad_rows = grad_loss.to(torch.float32).expand(N)
-        else:
-            # All ignored: torch's gradients are 0, not NaN, so divide by at least 1.
-            grad_rows = (grad_loss.to(torch.float32) / n_kept.clamp(min=1)).expand(N)
-        dE, dC, db = run_backward(E, C, x, lse, grad_rows, plan, stats=ctx.stats, grad_lse=grad_lse, bias=bias,
-                                  activity=ctx.activity)
-        return dE, dC, None, db, None, None
+        dE, dC, db = loss_backward(E, C, x, lse, n_kept, bias, grad_loss, grad_lse, ctx.plan, ctx.stats, ctx.activity)
+        return dE, dC, None, db, None, None, None
 
 
 def linear_cross_entropy(
@@ -226,53 +199,84 @@ def linear_cross_entropy(
         without ``return_lse`` or class weights, ``helpers.cce.forward_grads``). ``stats`` gets
         "schedule", "predicted_peak_bytes", "predicted_ms" and "why". A number that fits no
         schedule raises ``helpers.cce.schedules.MemoryBudgetError`` with the numbers.
+
+    Host syncs. An eager call with ``stats=None`` reads the device once: the targets' range flag
+    (a bad target raises a ``ValueError``), queued after the forward's kernels and read before the
+    call returns, so the host waits for the forward (``helpers.cce.ops.loss_forward``); class weights
+    add one read of their values; "sparse" and "auto"'s probes read the bits' counts, and a
+    memory budget's "forward_grads" schedule reads its count and flag once. Under ``torch.compile`` the
+    call is the ``cce::linear_cross_entropy`` custom op (one graph, no break), and under compile or
+    CUDA graph capture (``torch.cuda.graph``) nothing is read: the targets and the weights' values
+    are not checked, "auto" runs "gemm", and ``stats``, "sparse" or a memory budget raise
+    (``helpers.cce.ops`` has the list).
     """
     validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias,
                     leading_dims=True, check_targets=False)  # x's range: the forward checks it
     if not isinstance(shift, bool) or not isinstance(return_lse, bool):
         raise ValueError(f"shift and return_lse must be True or False, got {shift!r} and {return_lse!r}")
-    if weight is not None:
-        check_weight(weight, C, label_smoothing=label_smoothing, z_loss=z_loss)
-    grad = torch.is_grad_enabled()
-    plan = plan_call(
-        E, C,
-        backward_impl=backward_impl,
-        configs=configs,
-        return_lse=return_lse,
-        need=(grad and E.requires_grad, grad and C.requires_grad, grad and bias is not None and bias.requires_grad),
-        wants_db=bias is not None and bias.requires_grad,
-        filter_eps=filter_eps,
-        ignore_index=ignore_index,
-        reduction="none" if weight is not None else reduction,  # weighted after the kernels
-        softcap=softcap,
-        sort_vocab=sort_vocab,
-        accumulation=accumulation,
-        full_c=full_c,
-        full_e=full_e,
-        z_loss=z_loss,
-        label_smoothing=label_smoothing,
-        temperature=temperature,
-    )
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
     memory_budget = check_memory_budget(memory_budget)
+    quiet = no_host_sync(E)  # traced by torch.compile or captured by a CUDA graph: no host reads
+    if weight is not None:
+        check_weight(weight, C, label_smoothing=label_smoothing, z_loss=z_loss, read_values=not quiet)
+    if quiet:
+        backward_impl = traceable_backward(backward_impl)
+        if stats is not None:
+            raise ValueError("stats cannot be filled under torch.compile or CUDA graph capture (the backward counts "
+                             "on the host, a device sync); call without stats there")
+        if memory_budget != "min":
+            raise ValueError(f"memory_budget={memory_budget!r} is not supported under torch.compile or CUDA graph "
+                             "capture (its schedule reads the device on the host); only 'min'")
     lead = x.shape
     if shift:
         shifted = torch.full_like(x, ignore_index)
         shifted[..., :-1] = x[..., 1:]
         x = shifted
-    E_rows = E.reshape(-1, E.shape[-1])
-    schedule = None
-    if memory_budget != "min" or stats is not None:  # "min" without stats: no model to run
-        schedule = plan_schedule(E_rows, C, bias, plan, memory_budget, return_lse=return_lse)
-        if stats is not None:
-            stats.update(schedule.as_stats())
-    if schedule is not None and schedule.name == "forward_grads":
-        loss = ForwardGradsFunction.apply(E_rows, C, x.reshape(-1), bias, plan, schedule, stats)
-        return loss  # a "mean" or a "sum" (class weights make the plan's reduction "none": recompute)
-    loss, lse = LinearCrossEntropyFunction.apply(E_rows, C, x.reshape(-1), bias, plan, stats)
+    E_rows, x_rows = E.reshape(-1, E.shape[-1]), x.reshape(-1)
+    grad = torch.is_grad_enabled()
+    wants_db = bias is not None and bias.requires_grad
+    if torch.compiler.is_compiling():  # the custom op: no plan object can cross into a graph (``helpers.cce.ops``)
+        if not (configs is None or isinstance(configs, str)):
+            raise ValueError("configs must be a tier's name or None under torch.compile (a CCEConfigs object cannot "
+                             f"pass through the custom op's schema), got {type(configs).__name__}")
+        check_bias_gradient(backward_impl, grad and wants_db)
+        loss, lse, _ = linear_cross_entropy_op(
+            E_rows, C, x_rows, bias, ignore_index, "none" if weight is not None else reduction, softcap, z_loss,
+            label_smoothing, temperature, schema_filter_eps(filter_eps, E.dtype, label_smoothing),
+            False if isinstance(sort_vocab, str) and sort_vocab == "auto" else sort_vocab, accumulation, full_c,
+            full_e, configs, backward_impl, return_lse)
+    else:
+        plan = plan_call(
+            E, C,
+            backward_impl=backward_impl,
+            configs=configs,
+            return_lse=return_lse,
+            need=(grad and E.requires_grad, grad and C.requires_grad, grad and wants_db),
+            wants_db=wants_db,
+            filter_eps=filter_eps,
+            ignore_index=ignore_index,
+            reduction="none" if weight is not None else reduction,  # weighted after the kernels
+            softcap=softcap,
+            sort_vocab=sort_vocab,
+            accumulation=accumulation,
+            full_c=full_c,
+            full_e=full_e,
+            z_loss=z_loss,
+            label_smoothing=label_smoothing,
+            temperature=temperature,
+        )
+        schedule = None
+        if memory_budget != "min" or stats is not None:  # "min" without stats: no model to run
+            schedule = plan_schedule(E_rows, C, bias, plan, memory_budget, return_lse=return_lse)
+            if stats is not None:
+                stats.update(schedule.as_stats())
+        if schedule is not None and schedule.name == "forward_grads":
+            # A "mean" or a "sum" (class weights make the plan's reduction "none": recompute).
+            return ForwardGradsFunction.apply(E_rows, C, x_rows, bias, plan, schedule, stats)
+        loss, lse = LinearCrossEntropyFunction.apply(E_rows, C, x_rows, bias, plan, stats, not quiet)
     if weight is not None:
-        loss = weighted_reduction(loss, x.reshape(-1), weight, ignore_index, reduction)
+        loss = weighted_reduction(loss, x_rows, weight, ignore_index, reduction)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, lse.reshape(lead)) if return_lse else loss

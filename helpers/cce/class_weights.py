@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 
 
-def check_weight(weight, C: torch.Tensor, *, label_smoothing: float, z_loss: float) -> None:
+def check_weight(weight, C: torch.Tensor, *, label_smoothing: float, z_loss: float, read_values: bool = True) -> None:
     """Raise a ``TypeError``/``ValueError`` naming ``weight`` unless it is a finite, non-negative
-    floating-point (V,) tensor on C's device and the options allow it. Reads one flag of the weight
-    (a device sync on a GPU)."""
+    floating-point (V,) tensor on C's device and the options allow it. Checking the values reads one
+    flag of the weight (a device sync on a GPU); ``read_values=False`` (torch.compile, CUDA graph
+    capture) skips that check: a negative or non-finite weight then gives that loss, unreported."""
     V = C.shape[0]
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be None or a torch.Tensor of shape (V,) = ({V},), got {type(weight).__name__}")
@@ -35,7 +36,7 @@ def check_weight(weight, C: torch.Tensor, *, label_smoothing: float, z_loss: flo
         raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
     if weight.device != C.device:
         raise ValueError(f"weight must be on C's device ({C.device}), got {weight.device}")
-    if bool(((weight < 0) | ~torch.isfinite(weight)).any()):
+    if read_values and bool(((weight < 0) | ~torch.isfinite(weight)).any()):
         raise ValueError("weight must hold finite weights >= 0")
     if label_smoothing:
         raise ValueError("weight with label_smoothing is not supported (torch weights the smoothing term per "

@@ -28,13 +28,17 @@ from typing import NamedTuple
 
 import torch
 
-from helpers.cce.backward.atomic import backward_atomic
-from helpers.cce.backward.gemm import backward_gemm
-from helpers.cce.backward.rows import RowGradient
-from helpers.cce.forward import cce_forward_outputs
-from helpers.cce.options import CCEPlan, plan_call
 from helpers.cce.kernels.configs import CCEConfigs
-from helpers.spec import raise_for_targets, validate_inputs
+from helpers.cce.shared import no_host_sync
+from helpers.cce.ops import (
+    linear_cross_entropy_outputs_op,
+    outputs_backward,
+    outputs_forward,
+    schema_filter_eps,
+    traceable_backward,
+)
+from helpers.cce.options import CCEPlan, check_bias_gradient, plan_call
+from helpers.spec import validate_inputs
 
 
 class TokenOutputs(NamedTuple):
@@ -48,13 +52,12 @@ class TokenOutputs(NamedTuple):
 
 class LinearOutputsFunction(torch.autograd.Function):
     """(logprob, entropy, correct) of E (N, D), C (V, D), x (N,) by a ``CCEPlan``; the backward
-    recomputes the logits (it saves the lse and the entropy only)."""
+    recomputes the logits (it saves the lse and the entropy only). Its host functions, and the custom
+    ops ``torch.compile`` traces instead: ``helpers.cce.ops``."""
 
     @staticmethod
-    def forward(ctx, E, C, x, bias, plan: CCEPlan, stats=None):
-        o = plan.options
-        logprob, entropy, lse, correct = cce_forward_outputs(E, C, x, o, plan.configs, bias=bias)
-        raise_for_targets(x, C.shape[0], o.ignore_index)
+    def forward(ctx, E, C, x, bias, plan: CCEPlan, stats=None, check_targets=True):
+        logprob, entropy, lse, correct = outputs_forward(E, C, x, bias, plan, check_targets=check_targets)
         ctx.save_for_backward(E, C, x, lse, entropy, bias)
         ctx.plan, ctx.stats = plan, stats
         ctx.set_materialize_grads(False)
@@ -65,19 +68,8 @@ class LinearOutputsFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprob, grad_entropy, _grad_correct):
         E, C, x, lse, entropy, bias = ctx.saved_tensors
-        plan = ctx.plan
-        if not any(plan.need) or (grad_logprob is None and grad_entropy is None):
-            return None, None, None, None, None, None
-        o, configs = plan.options, plan.configs
-        up = RowGradient.of_outputs(grad_logprob, grad_entropy, x != o.ignore_index, entropy)
-        if plan.backward_impl == "atomic":
-            dE, dC = backward_atomic(E, C, x, lse, up, None, o, configs.for_dtype(E.dtype)[1], None, None,
-                                     ctx.stats, bias, plan.need[:2])
-            db = None
-        else:
-            dE, dC, db = backward_gemm(E, C, x, lse, up, None, o, configs.backward_gemm_for(E.dtype), None, None,
-                                       ctx.stats, bias, plan.need, host=configs.host)
-        return dE, dC, None, db, None, None
+        dE, dC, db = outputs_backward(E, C, x, lse, entropy, bias, grad_logprob, grad_entropy, ctx.plan, ctx.stats)
+        return dE, dC, None, db, None, None, None
 
 
 def linear_cross_entropy_outputs(
@@ -110,6 +102,9 @@ def linear_cross_entropy_outputs(
     stats: as ``linear_cross_entropy`` (no z-loss or label smoothing: these are not a loss).
     backward_impl: "gemm" (the default) or "atomic" (no bias gradient); "sparse" runs "gemm" (its
     activity bits do not cover the entropy's term: ``stats["fallback"]`` says so).
+    Host syncs, ``torch.compile`` and CUDA graph capture: as ``linear_cross_entropy`` (one read, the
+    targets' range, after the forward's kernels; none under compile or capture, where the custom op
+    ``cce::linear_cross_entropy_outputs`` runs and stats are refused).
     """
     validate_inputs(E, C, x, ignore_index=ignore_index, softcap=softcap, bias=bias, leading_dims=True,
                     check_targets=False)
@@ -121,24 +116,39 @@ def linear_cross_entropy_outputs(
         backward_impl = "gemm"
         if stats is not None:
             stats["fallback"] = "the sparse backward's activity bits do not cover the entropy's gradient"
-    grad = torch.is_grad_enabled()
-    plan = plan_call(
-        E, C,
-        backward_impl=backward_impl,
-        configs=configs,
-        return_lse=False,
-        need=(grad and E.requires_grad, grad and C.requires_grad, grad and bias is not None and bias.requires_grad),
-        wants_db=bias is not None and bias.requires_grad,
-        filter_eps=filter_eps,
-        ignore_index=ignore_index,
-        softcap=softcap,
-        temperature=temperature,
-    )
+    quiet = no_host_sync(E)  # traced by torch.compile or captured by a CUDA graph: no host reads
+    if quiet and stats is not None:
+        raise ValueError("stats cannot be filled under torch.compile or CUDA graph capture (the backward counts "
+                         "on the host, a device sync); call without stats there")
+    backward_impl = traceable_backward(backward_impl) if quiet else backward_impl
     lead = x.shape
     if shift:
         shifted = torch.full_like(x, ignore_index)
         shifted[..., :-1] = x[..., 1:]
         x = shifted
-    logprob, entropy, correct = LinearOutputsFunction.apply(E.reshape(-1, E.shape[-1]), C, x.reshape(-1), bias,
-                                                            plan, stats)
+    E_rows, x_rows = E.reshape(-1, E.shape[-1]), x.reshape(-1)
+    grad = torch.is_grad_enabled()
+    wants_db = bias is not None and bias.requires_grad
+    if torch.compiler.is_compiling():  # the custom op (``helpers.cce.ops``)
+        if not (configs is None or isinstance(configs, str)):
+            raise ValueError("configs must be a tier's name or None under torch.compile (a CCEConfigs object cannot "
+                             f"pass through the custom op's schema), got {type(configs).__name__}")
+        check_bias_gradient(backward_impl, grad and wants_db)
+        logprob, entropy, _, correct = linear_cross_entropy_outputs_op(
+            E_rows, C, x_rows, bias, ignore_index, softcap, temperature, schema_filter_eps(filter_eps, E.dtype),
+            configs, backward_impl)
+    else:
+        plan = plan_call(
+            E, C,
+            backward_impl=backward_impl,
+            configs=configs,
+            return_lse=False,
+            need=(grad and E.requires_grad, grad and C.requires_grad, grad and wants_db),
+            wants_db=wants_db,
+            filter_eps=filter_eps,
+            ignore_index=ignore_index,
+            softcap=softcap,
+            temperature=temperature,
+        )
+        logprob, entropy, correct = LinearOutputsFunction.apply(E_rows, C, x_rows, bias, plan, stats, not quiet)
     return TokenOutputs(logprob.reshape(lead), entropy.reshape(lead), correct.reshape(lead))

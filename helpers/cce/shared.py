@@ -1,6 +1,6 @@
 """What the forward and the backward both use, at the bottom of the package so that neither imports
 the other: the vocabulary order of the sort (paper section 4.3), a deferred read of a device scalar,
-and ``MiB``."""
+whether a call may read the device on the host at all, and ``MiB``."""
 
 from __future__ import annotations
 
@@ -35,3 +35,9 @@ def read_later(t: torch.Tensor) -> Callable[[], float | bool]:
         return host.item()
 
     return value
+
+
+def no_host_sync(E: torch.Tensor) -> bool:
+    """Whether this call must not read the device on the host: ``torch.compile`` is tracing it, or a
+    CUDA graph is capturing the current stream."""
+    return torch.compiler.is_compiling() or (E.device.type == "cuda" and torch.cuda.is_current_stream_capturing())

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-import helpers.cce.api as api  # noqa: E402
+import helpers.cce.ops as ops  # noqa: E402  (the forward the loss runs: ops.cce_forward)
 from helpers.cce import (  # noqa: E402
     LinearCrossEntropy,
     cce_backward,
@@ -58,19 +58,19 @@ def inputs(dtype, regime, n=N, seed=1):
 def step(E, C, x, **options):
     """(dE, dC, stats, whether the forward made bits) of one call through autograd."""
     made_bits = []
-    real = api.cce_forward
+    real = ops.cce_forward
 
     def spy(*args, **kwargs):
         made_bits.append(kwargs.get("emit_activity", False))
         return real(*args, **kwargs)
 
-    api.cce_forward = spy
+    ops.cce_forward = spy
     try:
         Eg, Cg = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
         stats = {}
         linear_cross_entropy(Eg, Cg, x, stats=stats, **options).backward()
     finally:
-        api.cce_forward = real
+        ops.cce_forward = real
     (bits,) = made_bits
     return Eg.grad, Cg.grad, stats, bits
 

@@ -608,11 +608,11 @@ def test_non_contiguous_inputs():
 
 def test_no_bits_without_a_backward(monkeypatch):
     """Inputs that need no gradient: the forward emits no bits (and the loss is the same)."""
-    import helpers.cce.api as api
+    import helpers.cce.ops as ops
 
     asked = []
-    real = api.cce_forward
-    monkeypatch.setattr(api, "cce_forward", lambda *a, **k: asked.append(k.get("emit_activity", False)) or real(*a, **k))
+    real = ops.cce_forward
+    monkeypatch.setattr(ops, "cce_forward", lambda *a, **k: asked.append(k.get("emit_activity", False)) or real(*a, **k))
     E, C, x = inputs(torch.float32)
     with_grad = linear_cross_entropy(E.clone().requires_grad_(True), C, x, backward_impl="sparse", configs=small(),
                                      filter_eps=EPS)

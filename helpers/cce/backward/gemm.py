@@ -7,6 +7,15 @@ Per row chunk (rows of dE's fp32 accumulator) and vocabulary chunk [v0, v1) of V
     dE_acc   += G_c C[v0:v1]                 (rows, D) fp32             cuBLAS, fp32 output
     dE        = g * dE_acc, rounded once                                after the last chunk
 
+g_scale = max g is the dC product's alpha, a host number: an eager call reads it once, after the
+first G chunk and its dE product are queued (``read_later``), and dC's operand is E itself when
+every row has the same g (a mean or a sum). Where nothing may be read on the host (``torch.compile``
+traces the call, or a CUDA graph captures it: ``no_host_sync``), g enters through the operand
+instead, g E rounded once to the dtype (n_chunk x D more bytes), and alpha is 1. In fp16, g E falls
+into the subnormals where it is below 2^-14 (g = 1/N for a mean without a loss scale, N above
+~16k): their absolute spacing, 2^-24, is then the rounding of each term. dE's rows and db's fp32
+sums are scaled on the device after their products, in both.
+
 Why it beats the "atomic" backward, the kernel that computes G, and the filter's place in it: the
 docstring of ``helpers/cce/kernels/gradient_chunk.py``. Memory beyond dE and dC: for 16-bit inputs
 dE's fp32 accumulator (rows sized by ``gemm_chunks``); G_c lives in the rows of dE or dC that the
@@ -26,7 +35,7 @@ import triton
 from helpers.cce.descriptors import block_descriptor, operand_descriptors, tma_ready
 from helpers.cce.device import device_info
 from helpers.cce.backward.rows import RowGradient, fold_dC
-from helpers.cce.shared import MiB, read_later
+from helpers.cce.shared import MiB, no_host_sync, read_later
 from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
 from helpers.cce.kernels.configs import HostTuning, LaunchConfig
 from helpers.cce.options import CCEOptions, dot_precision, tile_eps
@@ -196,7 +205,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     (n_chunk * D * 4) + a G buffer only where no place is free (``GemmPlan.buffer_elements``: none for
     16-bit inputs with dE wanted; the unfiltered G once more with FullC/FullE and the filter) +
     w_rel E (n_chunk * D * itemsize, only when rows have different upstream gradients: reduction
-    "none", or a gradient through the lse) + C's gathered chunk (v_chunk * D * itemsize, sort only)
+    "none", or a gradient through the lse; always where nothing is read on the host) + C's gathered chunk (v_chunk * D * itemsize, sort only)
     + dC's fp32 fold (v_chunk * D * 4, several row chunks only) + Kahan's V * D compensation
     (several row chunks only) + db's fp32 accumulator (V * 4, bias only) + O(N). fp32: no dE_acc.
 
@@ -224,11 +233,6 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # sort's scatter, the CPU's "upcast" products.
     staged = vocab_order is not None or (low_precision and (n_chunks > 1 or mode == "upcast"))
 
-    # dC's (and db's) GEMM alpha: the largest row weight (the signs are inside G; when every row
-    # has the same weight, E is dC's operand as it is). A host value, read once the first G chunk
-    # and its dE product are queued, so that the wait leaves the GPU work (``read_later``).
-    w_scale = read_later(up.w_scale)
-    alpha = None
     G_buf = torch.empty(plan.buffer_elements, dtype=dtype, device=device) if plan.buffer_elements else None
     G_exact_buf = torch.empty(n_chunk * widest, dtype=dtype, device=device) if split else None
     # Hopper, 16-bit, no soft cap or bias: the warp-specialized G kernel, for the chunks whose
@@ -253,8 +257,12 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     dC = torch.empty(V, D, dtype=dtype, device=device) if need_dC else None
     db_acc = torch.zeros(V, dtype=torch.float32, device=device) if need_db else None
     dE_acc = torch.empty(n_chunk, D, dtype=torch.float32, device=device) if low_precision and need_dE else None
-    uniform = up.uniform
-    E_scaled_buf = None if uniform or not need_dC else torch.empty(n_chunk, D, dtype=dtype, device=device)
+    # dC's scale (module doc): alpha read on the host in eager, through the operand where no read may be made.
+    device_scale = no_host_sync(E)
+    w_scale = None if device_scale else read_later(up.w_scale)
+    alpha = 1.0 if device_scale else None
+    E_scaled_buf = (torch.empty(n_chunk, D, dtype=dtype, device=device)
+                    if need_dC and (device_scale or not up.uniform) else None)
     C_sorted_buf = (torch.empty(v_chunk, D, dtype=dtype, device=device)
                     if vocab_order is not None and need_dE else None)
     staged_rows = min(v_chunk, widest)  # dC's rows staged a piece at a time
@@ -274,9 +282,11 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         E_rows = E[n0:n1]  # (rows, D)
         if need_dE:
             dE_rows = (dE_acc[:rows] if low_precision else dE[n0:n1]).zero_()  # (rows, D) fp32
-        # dC's operand: w_rel E, (rows, D) in the dtype (rounded as the "atomic" kernel rounds G w_rel for dC).
-        E_op = (E_rows if uniform else torch.mul(E_rows, up.w_rel[n0:n1, None], out=E_scaled_buf[:rows])
-                if need_dC else None)
+        # dC's operand, (rows, D) in the dtype: E (every row's weight the same), w_rel E (rounded as the
+        # "atomic" kernel rounds G w_rel for dC), or w E where alpha cannot be read (module doc).
+        E_op = (None if not need_dC else
+                torch.mul(E_rows, up.w[n0:n1, None], out=E_scaled_buf[:rows]) if device_scale else
+                E_rows if up.uniform else torch.mul(E_rows, up.w_rel[n0:n1, None], out=E_scaled_buf[:rows]))
         # db's operand: w_rel as a column, in the dtype (1 at kept rows for a mean or a sum).
         w_op = up.w_rel[n0:n1, None].to(dtype) if need_db else None
         coef = up.coef[:, n0:n1]
@@ -349,23 +359,22 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                        else C[v0:v1])  # (V_c, D)
                 # 2. dE_acc += G_c C_c: (rows, V_c) @ (V_c, D), fp32 output.
                 fp32_product(dE_rows, G_dE, C_c, alpha=1.0, accumulate=True, mode=mode)
-            if alpha is None and (need_db or need_dC):
-                alpha = w_scale()
             if need_db:
-                # db[v0:v1] += w_scale G_c^T w_rel: (V_c, rows) @ (rows, 1), fp32.
+                # db[v0:v1] += G_c^T w_rel: (V_c, rows) @ (rows, 1), fp32; times w_scale at the end.
                 db_rows = db_rows_buf[:cols]
-                fp32_product(db_rows, G_dC.T, w_op, alpha=alpha, accumulate=False, mode=mode)
+                fp32_product(db_rows, G_dC.T, w_op, alpha=1.0, accumulate=False, mode=mode)
                 db_acc.index_add_(0, where if vocab_order is not None else torch.arange(v0, v1, device=device),
                                   db_rows[:, 0])
             if not need_dC:
                 continue
-            # 3. dC[v0:v1] = alpha G_c^T (w_rel E): (V_c, rows) @ (rows, D).
+            if alpha is None:
+                alpha = w_scale()
+            # 3. dC[v0:v1] = alpha G_c^T E_op: (V_c, rows) @ (rows, D).
             if not staged:
                 # In place from cuBLAS's fp32 sum: written once in the dtype (one row chunk), or
                 # accumulated in fp32 (fp32 inputs) across row chunks.
                 dC_rows = dC[v0:v1]  # one view as input and output: addmm updates it in place
-                torch.addmm(dC_rows, G_dC.T, E_op, beta=0.0 if chunk == 0 else 1.0, alpha=alpha,
-                            out=dC_rows)
+                torch.addmm(dC_rows, G_dC.T, E_op, beta=0.0 if chunk == 0 else 1.0, alpha=alpha, out=dC_rows)
                 continue
             for s0 in range(0, cols, staged_rows):  # (V_c, D) fp32, a piece at a time, then folded
                 s1 = min(cols, s0 + staged_rows)
@@ -387,5 +396,5 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     if stats is not None:
         stats.update(counters, skipped=int(skipped.item()), dead_chunks=int(dead_chunks.item()),
                      products=mode)
-    db = db_acc.to(bias.dtype) if need_db else None
+    db = (db_acc * up.w_scale).to(bias.dtype) if need_db else None
     return dE, dC, db
