@@ -207,6 +207,7 @@ def grpo_loss(
     bias: torch.Tensor | None = None,
     softcap: float | None = None,
     filter_eps: float | str | None = "auto",
+    configs=None,
 ) -> PolicyLoss:
     """The clipped policy-gradient loss (module doc) of completions x (B, T) whose hidden states
     are E (B, T, D) (the states that predict each x_t: already shifted), under the head C (V, D)
@@ -217,7 +218,7 @@ def grpo_loss(
     others (padding). old_logprob: the sampling policy's per-token log-probabilities (B, T),
     detached (None: on-policy, the ratio is 1). ref_logprob: the reference policy's (B, T), for the
     k3 KL penalty weighted by ``kl_coef``. entropy_coef: the entropy bonus's weight. aggregation,
-    max_tokens: ``AGGREGATIONS``. bias, softcap, filter_eps: ``linear_cross_entropy_outputs``'s.
+    max_tokens: ``AGGREGATIONS``. bias, softcap, filter_eps, configs: ``linear_cross_entropy_outputs``'s.
     Gradients flow to E, C (and bias) through logp and H.
     """
     if not isinstance(E, torch.Tensor) or not isinstance(x, torch.Tensor) or E.dim() != 3 or E.shape[:2] != x.shape:
@@ -230,7 +231,7 @@ def grpo_loss(
     # Masked tokens go to the kernels as ignored targets: no work, logp 0 and no gradient.
     targets = torch.where(kept, x, ignore_index)
     out = linear_cross_entropy_outputs(E, C, targets, bias=bias, ignore_index=ignore_index, softcap=softcap,
-                                       temperature=temperature, filter_eps=filter_eps)
+                                       temperature=temperature, filter_eps=filter_eps, configs=configs)
     return policy_objective(out.logprob, out.entropy, advantages, kept, old_logprob=old_logprob,
                             ref_logprob=ref_logprob, eps_low=eps_low, eps_high=eps_high, kl_coef=kl_coef,
                             entropy_coef=entropy_coef, aggregation=aggregation, max_tokens=max_tokens)
@@ -310,6 +311,98 @@ def logits_grpo_loss(
 
 
 # ---------------------------------------------------------------------------------------------
+# One step of a policy head, ours or the naive path (notebook 06, scripts/gpu/rl_step.py)
+# ---------------------------------------------------------------------------------------------
+
+PATHS = {"ours": grpo_loss, "naive": logits_grpo_loss}
+# A GRPO step as DAPO-style trainers run it: a sampling temperature, the wider upper clip, a small KL
+# to the reference and an entropy bonus, so that every term's gradient is in what is measured.
+STEP_OPTIONS = dict(temperature=0.7, eps_low=0.2, eps_high=0.28, kl_coef=0.04, entropy_coef=0.001,
+                    aggregation="token")
+
+
+class StepInputs(NamedTuple):
+    """A GRPO step's inputs: E (B, T, D) and C (V, D) requiring gradients, x and mask (B, T),
+    advantages (B,), old_logprob and ref_logprob (B, T)."""
+
+    E: torch.Tensor
+    C: torch.Tensor
+    x: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprob: torch.Tensor
+    ref_logprob: torch.Tensor
+
+
+def step_inputs(B: int, T: int, V: int, D: int, dtype: torch.dtype, device, seed: int = 0) -> StepInputs:
+    """Random hidden states and head (entries ~ N(0, 1/sqrt(D)): logits of unit scale, a flat
+    softmax, as at the start of training), B completions of uniform random tokens and random
+    lengths (from half of T to T), advantages from random rewards in groups of up to 8, and the
+    sampling and reference policies' log-probabilities: the current ones (ours, no gradient) plus
+    noise, so that some ratios leave the clip range."""
+    g = torch.Generator().manual_seed(seed)
+    E = (torch.randn(B, T, D, generator=g) / D**0.25).to(device, dtype).requires_grad_(True)
+    C = (torch.randn(V, D, generator=g) / D**0.25).to(device, dtype).requires_grad_(True)
+    x = torch.randint(0, V, (B, T), generator=g)
+    lengths = torch.randint((T + 1) // 2, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    group = next(size for size in (8, 4, 2, B) if B % size == 0)
+    advantages = group_advantages(torch.rand(B, generator=g), group)
+    noise = torch.randn(2, B, T, generator=g)
+    x, mask, advantages, noise = (t.to(device) for t in (x, mask, advantages, noise))
+    with torch.no_grad():
+        logprob = linear_cross_entropy_outputs(E, C, torch.where(mask, x, -100),
+                                               temperature=STEP_OPTIONS["temperature"]).logprob
+    return StepInputs(E, C, x, mask, advantages, logprob + 0.3 * noise[0], logprob + 0.2 * noise[1])
+
+
+def head_step(path: str, inputs: StepInputs, **options):
+    """The step of ``path`` ("ours" or "naive", ``PATHS``) as a callable: the GRPO loss of
+    ``inputs`` (``STEP_OPTIONS``, updated by ``options``), then dE and dC (returned, not
+    accumulated, so that every call starts from the same memory)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
+    loss_fn, options = PATHS[path], {**STEP_OPTIONS, **options}
+
+    def step():
+        out = loss_fn(inputs.E, inputs.C, inputs.x, inputs.advantages, inputs.mask, old_logprob=inputs.old_logprob,
+                      ref_logprob=inputs.ref_logprob, **options)
+        return torch.autograd.grad(out.loss, (inputs.E, inputs.C))
+
+    return step
+
+
+def check_against_float64(inputs: StepInputs, **options) -> dict:
+    """Ours and the naive path against the float64 reference on full logits, on ``inputs``: the
+    relative errors of the per-token log-probabilities and entropies and of dE and dC, the gate's
+    bound for each (``helpers.compare.verdicts.gate_bound``: max(the dtype's floor, 2 x naive's
+    error); the log-probabilities and entropies take the loss's floor) and whether ours is within
+    every bound ("ok")."""
+    from helpers.compare.units import dtype_name
+    from helpers.compare.verdicts import gate_bound
+    from helpers.spec import relative_error
+
+    options = {**STEP_OPTIONS, **options}
+    args = (inputs.x, inputs.advantages, inputs.mask)
+    kwargs = dict(old_logprob=inputs.old_logprob, ref_logprob=inputs.ref_logprob, **options)
+
+    def run(fn, dtype=None):
+        E = inputs.E.detach().to(dtype or inputs.E.dtype).requires_grad_(True)
+        C = inputs.C.detach().to(dtype or inputs.C.dtype).requires_grad_(True)
+        out = fn(E, C, *args, **kwargs, **({"dtype": dtype} if dtype else {}))
+        return (out.logprob, out.entropy, *torch.autograd.grad(out.loss, (E, C)))
+
+    reference = run(logits_grpo_loss, torch.float64)
+    quantities = ("logprob", "entropy", "dE", "dC")
+    errors = {path: {q: relative_error(got, ref) for q, got, ref in zip(quantities, run(PATHS[path]), reference)}
+              for path in PATHS}
+    name = dtype_name(inputs.E.dtype)
+    bounds = {q: gate_bound(name, "loss" if q in ("logprob", "entropy") else q, errors["naive"][q]) for q in quantities}
+    return {"dtype": name, "errors": errors, "bounds": bounds,
+            "ok": all(errors["ours"][q] <= bounds[q] for q in quantities)}
+
+
+# ---------------------------------------------------------------------------------------------
 # A tiny policy that GRPO trains on a CPU: count up from the prompt
 # ---------------------------------------------------------------------------------------------
 
@@ -365,12 +458,12 @@ def count_up_reward(prompts: torch.Tensor, completions: torch.Tensor, mask: torc
 
 @torch.no_grad()
 def token_logprobs(policy: TinyPolicy, previous: torch.Tensor, completions: torch.Tensor, mask: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
+                   temperature: float, configs=None) -> torch.Tensor:
     """(B, T) log-probabilities of the completions under ``policy`` (ours, no gradient): the
     sampling policy's logp_old, or the reference policy's."""
     targets = torch.where(mask, completions, -100)
     return linear_cross_entropy_outputs(policy.hidden(previous), policy.head.weight, targets,
-                                        temperature=temperature).logprob
+                                        temperature=temperature, configs=configs).logprob
 
 
 def train_grpo(
@@ -409,8 +502,9 @@ def train_grpo(
         rewards = count_up_reward(prompts, completions, mask, V)
         advantages = group_advantages(rewards, group_size)
         previous = torch.cat([prompts[:, None], completions[:, :-1]], dim=1)
-        old = token_logprobs(policy, previous, completions, mask, temperature) if iterations > 1 else None
-        ref = token_logprobs(reference, previous, completions, mask, temperature) if reference else None
+        configs = loss_options.get("configs")
+        old = token_logprobs(policy, previous, completions, mask, temperature, configs) if iterations > 1 else None
+        ref = token_logprobs(reference, previous, completions, mask, temperature, configs) if reference else None
         for _ in range(iterations):
             out = grpo_loss(policy.hidden(previous), policy.head.weight, completions, advantages, mask,
                             old_logprob=old, ref_logprob=ref, temperature=temperature, **loss_options)
