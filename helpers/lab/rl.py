@@ -24,13 +24,14 @@ then aggregated over the completion mask (``AGGREGATIONS``):
 - "sequence": each sequence's mean over its kept tokens, then the mean over sequences. TRL's
   ``loss_type="grpo"`` (the GRPO paper's 1/|o_i|), verl's "seq-mean-token-mean".
 - "constant": sum of l_t over kept tokens / (B * max_tokens), max_tokens the padded completion
-  length by default. TRL's ``loss_type="dr_grpo"`` (Dr. GRPO), verl's "seq-mean-token-sum-norm".
+  length by default. TRL's ``loss_type="dr_grpo"`` (Dr. GRPO; TRL divides by its
+  ``max_completion_length``: pass that as max_tokens), verl's "seq-mean-token-sum-norm".
 
-Not here: TRL's "dapo" across processes (the normaliser is the global token count: pass the
-"constant" aggregation with max_tokens = that count / B), GSPO's sequence-level ratio, PPO's value
-loss and dual clip. TRL calls the KL coefficient ``beta``; verl calls the entropy coefficient
-``entropy_coeff``. With ``old_logprob=None`` (one gradient step per generation, TRL's default) the
-ratio is 1 and only its gradient, A * d logp, acts.
+Not here: TRL's "dapo" across processes (its normaliser is the token count of the global batch,
+which needs a collective), GSPO's sequence-level ratio, PPO's value loss and dual clip. TRL calls
+the KL coefficient ``beta``; verl calls the entropy coefficient ``entropy_coeff``. With
+``old_logprob=None`` (one gradient step per generation, TRL's default) the ratio is 1 and only its
+gradient, A * d logp, acts.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ ADVANTAGE_SCALES = ("std", "none")
 
 class PolicyLoss(NamedTuple):
     """``loss``: the scalar to minimise (differentiable). Per token, each of x's shape (B, T) and
-    detached: ``logprob`` (0 at masked tokens; the next iteration's ``old_logprob``), ``entropy``,
+    detached: ``logprob`` (0 at masked tokens; before the first update, the sampling policy's: the
+    ``old_logprob`` of the iterations after it), ``entropy``,
     ``ratio`` (1 at masked tokens), ``clipped`` (bool: the clipped term was the smaller, so the token
     gives no gradient through the ratio) and ``kl`` (the k3 estimate, 0 without a reference)."""
 
@@ -65,8 +67,9 @@ class PolicyLoss(NamedTuple):
         """Means over the kept tokens, as a trainer logs them (a host sync: once a step)."""
         kept = mask.bool()
         count = max(1, int(kept.sum()))
-        return {"loss": float(self.loss.detach()), **{name: float(getattr(self, name)[kept].float().sum()) / count
-                                             for name in ("entropy", "ratio", "clipped", "kl")}}
+        means = {name: float(getattr(self, name)[kept].float().sum()) / count
+                 for name in ("entropy", "ratio", "clipped", "kl")}
+        return {"loss": float(self.loss.detach()), **means}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,18 +106,20 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "st
 
 
 def _check_objective_inputs(x, advantages, mask, old_logprob, ref_logprob, eps_low, eps_high, kl_coef,
-                            entropy_coef, aggregation, max_tokens):
+                            entropy_coef, aggregation, max_tokens, x_name="x", what="the completion tokens"):
+    """Raise naming the argument and what was expected; ``x`` (named ``x_name``) gives (B, T)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be the completion tokens, (B, T), got "
+        raise ValueError(f"{x_name} must be {what}, (B, T), got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     B, T = x.shape
     if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) not in ((B,), (B, T)):
         got = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
-        raise ValueError(f"advantages must be (B,) = ({B},), one per sequence, or x's shape ({B}, {T}), got {got}")
+        raise ValueError(f"advantages must be (B,) = ({B},), one per sequence, or {x_name}'s shape ({B}, {T}), "
+                         f"got {got}")
     for name, t in (("mask", mask), ("old_logprob", old_logprob), ("ref_logprob", ref_logprob)):
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T)):
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must have x's shape ({B}, {T}) or be None, got {got}")
+            raise ValueError(f"{name} must have {x_name}'s shape ({B}, {T}) or be None, got {got}")
     for name, t in (("advantages", advantages), ("old_logprob", old_logprob), ("ref_logprob", ref_logprob)):
         if t is not None and not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
@@ -154,7 +159,12 @@ def policy_objective(
 ) -> PolicyLoss:
     """The clipped objective (module doc) from per-token ``logprob`` and ``entropy`` (B, T) of the
     current policy, however they were computed: ours (``grpo_loss``) or any other. ``mask`` (B, T)
-    bool, True at the completion tokens that count. Arguments are checked by ``grpo_loss``."""
+    (bool, or nonzero) at the completion tokens that count; the other arguments as ``grpo_loss``'s."""
+    _check_objective_inputs(logprob, advantages, mask, old_logprob, ref_logprob, eps_low, eps_high, kl_coef,
+                            entropy_coef, aggregation, max_tokens, "logprob", "per-token log-probabilities")
+    if mask is None or not isinstance(entropy, torch.Tensor) or entropy.shape != logprob.shape:
+        raise ValueError(f"entropy and mask must have logprob's shape {tuple(logprob.shape)}, got "
+                         f"{tuple(getattr(entropy, 'shape', ()))} and {tuple(getattr(mask, 'shape', ()))}")
     kept = mask.bool()
     old = logprob.detach() if old_logprob is None else old_logprob.detach().to(logprob.dtype)
     A = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logprob.dtype)

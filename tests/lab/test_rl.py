@@ -112,6 +112,13 @@ def test_the_aggregations_weigh_tokens_as_trl_does():
     assert loss["constant"] == pytest.approx((-4 + 1) / (2 * 4))
 
 
+def test_policy_objective_names_its_own_arguments():
+    with pytest.raises(ValueError, match=r"mask must have logprob's shape \(2, 4\)"):
+        rl.policy_objective(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2), torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"entropy and mask must have logprob's shape"):
+        rl.policy_objective(torch.zeros(2, 4), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 4, dtype=torch.bool))
+
+
 def test_group_advantages_normalise_within_each_group():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
     A = rl.group_advantages(rewards, 4)
