@@ -36,8 +36,8 @@
 #   ours against the naive path. On a GPU this runs at the Qwen3-0.6B head and 16k tokens; a path
 #   that runs out of memory is recorded as a finding.
 #
-# Expected run time: under a minute on a CPU (tiny shapes, a smoke run) and about a minute on an
-# H200. On a T4 it has not been measured (expect a few minutes).
+# Expected run time: about 15 seconds on a CPU (tiny shapes, a smoke run). On a GPU it has not been
+# timed yet: expect a minute or two on an H200, a few minutes on a T4.
 
 # %% jupyter={"source_hidden": true} tags=["cold-start"]
 # Cold start: make `helpers` importable here, then report what this machine can run.
@@ -237,7 +237,8 @@ if P.smoke:
 # `grpo_loss` aggregates the tokens in one of three ways. "token" is TRL's `bnpo` and verl's
 # `token-mean`. "sequence" is TRL's `grpo`, the paper's 1/|o<sub>i</sub>|. "constant" is TRL's
 # `dr_grpo` (Dr. GRPO). The module's docstring gives each normaliser.
-#
+
+# %% [markdown]
 # ## The same loss, without the logits
 #
 # Before anything is measured: on an irregular shape, ours against the same loss computed in
