@@ -144,6 +144,19 @@ _FITS_GPU = {
     "quick": {"fit_step": 32_768, "curve": {"steps": 8}, "repeats": 1},
 }
 
+# Notebook 06 on a GPU: ours against float64 on an irregular shape; the policy head's step at the
+# seed article's 16,384 tokens (16 completions of 1,024) at the Qwen3-0.6B head; a small GRPO run on the
+# count-up task (helpers.lab.rl), whose policy is tiny on every profile (the head step is the scale test).
+_RL_GPU = {
+    "check": {"B": 8, "T": 129, "V": 5003, "D": 136},
+    "head": {"B": 16, "T": 1024, "V": QWEN3.V, "D": QWEN3.D},
+    "warmup": 2, "repeats": 5,
+    "grpo": {"V": 64, "D": 64, "T": 8, "prompts_per_step": 16, "group_size": 8, "steps": 60, "lr": 1e-2,
+             "iterations": 2, "kl_coef": 0.01, "entropy_coef": 0.001, "seed": 0},
+    # A short run: fewer GRPO steps and timed repeats (the same shapes).
+    "quick": {"repeats": 2, "grpo": {"steps": 30}},
+}
+
 PROFILES: dict[str, Profile] = {
     "cpu": Profile(
         name="cpu",
@@ -183,6 +196,19 @@ PROFILES: dict[str, Profile] = {
                 "repeats": 1, "cpu_budget_bytes": 1_300_000,
                 # Not ours' budget arms: on the CPU "auto" is "min", and 1 GiB holds every tiny logit.
                 "arms": ["hf", "liger", "ours", "apple_cce"],
+            },
+            # Smoke run: a tiny head (naive's step, 0.65 MB, over a simulated 0.3 MB card, so the
+            # notebook's out-of-memory finding runs too; ours' takes ~3 s under the interpreter) and
+            # 12 GRPO steps of 160 tokens: the reward rises from chance (1/16 a token) to about 0.5.
+            # The GRPO run takes the Turing tier's tiles: fewer, larger programs under the
+            # interpreter, ~0.3 s a step instead of ~1 s with the interpreter's own small tiles.
+            "06_rl_and_distillation": {
+                "dtype": "float32",
+                "check": {"B": 5, "T": 7, "V": 257, "D": 24},
+                "head": {"B": 2, "T": 32, "V": 509, "D": 32},
+                "warmup": 0, "repeats": 1, "cpu_budget_bytes": 300_000,
+                "grpo": {"V": 16, "D": 16, "T": 5, "prompts_per_step": 4, "group_size": 8, "steps": 12, "lr": 4e-2,
+                         "iterations": 2, "kl_coef": 0.01, "entropy_coef": 0.001, "seed": 0, "configs": "turing-64k"},
             },
             "03_convergence": {
                 # Smoke run: under the Triton interpreter a step of ours takes ~0.4 s even at V = 256,
@@ -225,6 +251,7 @@ PROFILES: dict[str, Profile] = {
             },
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0, "quick": {"shapes": _GATE_GPU_QUICK}},
             "05_fits": {**_FITS_GPU, "precision": "fp16"},
+            "06_rl_and_distillation": {**_RL_GPU, "dtype": "float16"},
             # Sized for ~10 minutes on a T4; the gpu profile runs the same sizes in bf16.
             "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "float16", "tolerance_floor": 1e-3},
         },
@@ -252,6 +279,7 @@ PROFILES: dict[str, Profile] = {
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0, "quick": {"shapes": _GATE_GPU_QUICK}},
             "05_fits": {**_FITS_GPU, "precision": "bf16"},
             "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "bfloat16", "tolerance_floor": 4e-3},
+            "06_rl_and_distillation": {**_RL_GPU, "dtype": "bfloat16"},
         },
     ),
 }
@@ -264,6 +292,7 @@ def _in_fp16(cpu: Profile) -> Profile:
     sections["03_convergence"].update(compute_dtype="float16", tolerance_floor=1e-3)
     sections["04_kernel_walkthrough"]["dtype"] = "float16"
     sections["05_fits"]["precision"] = "fp16"
+    sections["06_rl_and_distillation"]["dtype"] = "float16"
     return replace(
         cpu, name="cpu-t4", dtypes=("float16",), sections=sections,
         description="CPU smoke run of the T4's path: the cpu sizes in fp16, Turing-tier kernel configurations "

@@ -36,19 +36,26 @@ def _fmt(v):
 
 class Checker:
     """Runs cases, records each result or error, never raises; optional cases past the time budget
-    are recorded as skipped."""
+    are recorded as skipped. With ``out`` each record is appended to that results file as it comes
+    (a run killed halfway keeps what it measured); ``finish`` then completes the meta record."""
 
-    def __init__(self, budget_s: float, device: str):
+    def __init__(self, budget_s: float, device: str, out: str | None = None):
         self.t0 = time.time()
         self.budget_s = budget_s
         self.device = device
         self.records: list[dict] = []
         self.failed = 0
+        self.writer = ResultsWriter(out, run_meta(device)) if out else None
+
+    def _record(self, record: dict) -> None:
+        self.records.append(record)
+        if self.writer:
+            self.writer.append(record)
 
     def run(self, name: str, fn, *args, required=False, **kwargs):
         """Run one case; record its result (a dict or a list of dicts) or its error."""
         if not required and time.time() - self.t0 > self.budget_s:
-            self.records.append(dict(case=name, status="skipped (time budget)"))
+            self._record(dict(case=name, status="skipped (time budget)"))
             print(f"[skip] {name}: past the {self.budget_s:.0f} s budget", flush=True)
             return None
         start = time.time()
@@ -56,7 +63,7 @@ class Checker:
             out = fn(*args, **kwargs)
         except Exception as error:  # a failing case must not stop the others
             self.failed += 1
-            self.records.append(dict(case=name, status="error", error=f"{type(error).__name__}: {error}"))
+            self._record(dict(case=name, status="error", error=f"{type(error).__name__}: {error}"))
             print(f"[ERROR] {name}: {type(error).__name__}: {error}", flush=True)
             traceback.print_exc()
             return None
@@ -68,7 +75,7 @@ class Checker:
             record["seconds"] = round(time.time() - start, 2)
             if record.get("status") == "FAIL":
                 self.failed += 1
-            self.records.append(record)
+            self._record(record)
             print(f"[{record.get('status', 'ok')}] {record['case']}: "
                   + ", ".join(f"{k}={_fmt(v)}" for k, v in record.items()
                               if k not in ("case", "status")), flush=True)
@@ -103,10 +110,14 @@ def script_setup(doc: str, out_name: str, budget_s: float, add_arguments=None):
 
 def finish(c: Checker, out: str | None, cuda: bool) -> None:
     """Print the count line, write the records to the results file ``out`` (the meta record counts
-    the failures and the seconds), exit 1 if any case failed."""
+    the failures and the seconds; a Checker given ``out`` has written them already), exit 1 if
+    any case failed."""
     total = time.time() - c.t0
     print(f"{len(c.records)} records, {c.failed} failed, {total:.0f} s")
-    if out:
+    if c.writer:
+        c.writer.update_meta(seconds=round(total, 1), failed=c.failed)
+        print(f"wrote {c.writer.path}")
+    elif out:
         writer = ResultsWriter(out, run_meta("cuda" if cuda else "cpu", seconds=round(total, 1), failed=c.failed))
         for record in c.records:
             writer.append(record)
