@@ -200,9 +200,10 @@ def linear_cross_entropy(
         "schedule", "predicted_peak_bytes", "predicted_ms" and "why". A number that fits no
         schedule raises ``helpers.cce.schedules.MemoryBudgetError`` with the numbers.
 
-    Host syncs. An eager call with ``stats=None`` reads the device once: the targets' range flag
+    Host syncs. An eager call with ``stats=None`` reads the device twice: the targets' range flag
     (a bad target raises a ``ValueError``), queued after the forward's kernels and read before the
-    call returns, so the host waits for the forward (``helpers.cce.ops.loss_forward``); class weights
+    call returns, so the host waits for the forward (``helpers.cce.ops.loss_forward``), and the
+    "gemm" backward's scale of dC's product, read once its first chunk is queued; class weights
     add one read of their values; "sparse" and "auto"'s probes read the bits' counts, and a
     memory budget's "forward_grads" schedule reads its count and flag once. Under ``torch.compile`` the
     call is the ``cce::linear_cross_entropy`` custom op (one graph, no break), and under compile or

@@ -102,8 +102,8 @@ def linear_cross_entropy_outputs(
     stats: as ``linear_cross_entropy`` (no z-loss or label smoothing: these are not a loss).
     backward_impl: "gemm" (the default) or "atomic" (no bias gradient); "sparse" runs "gemm" (its
     activity bits do not cover the entropy's term: ``stats["fallback"]`` says so).
-    Host syncs, ``torch.compile`` and CUDA graph capture: as ``linear_cross_entropy`` (one read, the
-    targets' range, after the forward's kernels; none under compile or capture, where the custom op
+    Host syncs, ``torch.compile`` and CUDA graph capture: as ``linear_cross_entropy`` (the targets'
+    range after the forward's kernels, dC's scale in the backward; none under compile or capture, where the custom op
     ``cce::linear_cross_entropy_outputs`` runs and stats are refused).
     """
     validate_inputs(E, C, x, ignore_index=ignore_index, softcap=softcap, bias=bias, leading_dims=True,

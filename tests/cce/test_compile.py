@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import helpers.cce.api as api_module  # noqa: E402
+import helpers.cce.backward.gemm as gemm_module  # noqa: E402
 from helpers.cce import linear_cross_entropy, linear_cross_entropy_outputs  # noqa: E402
 from helpers.cce import ops  # noqa: E402
 
@@ -153,15 +154,16 @@ def test_what_a_compiled_call_refuses_names_the_argument():
             torch.compile(model, fullgraph=True, backend="aot_eager")(inputs, x, **options)
 
 
-def test_eager_call_reads_the_host_once_for_the_targets_check():
-    """Eager forward + backward with stats=None: one host read, the targets' range flag (documented in
-    ``helpers.cce.ops.loss_forward``); none where a CUDA graph is capturing (simulated on the CPU)."""
+def test_eager_call_reads_the_host_once_for_the_targets_check_and_once_for_dCs_scale():
+    """Eager forward + backward with stats=None: the targets' range flag (documented in
+    ``helpers.cce.ops.loss_forward``) and, in the "gemm" backward, dC's product's alpha (read late:
+    ``helpers.cce.backward.gemm``); none where a CUDA graph is capturing (the next test)."""
     model = Model()
     inputs, x = batch()
-    for options in (dict(), dict(reduction="none"), dict(backward_impl="atomic")):
+    for options, count in ((dict(), 2), (dict(reduction="none"), 2), (dict(backward_impl="atomic"), 1)):
         with HostReads() as reads:
             gradients(model, model, inputs, x, **options)
-        assert reads.count == 1, options
+        assert reads.count == count, options
     with pytest.raises(ValueError, match="outside"):
         model(inputs, torch.full_like(x, V))
 
@@ -170,7 +172,8 @@ def test_eager_call_reads_nothing_where_host_reads_are_not_allowed(monkeypatch):
     model = Model()
     inputs, x = batch()
     want = gradients(model, model, inputs, x)
-    monkeypatch.setattr(api_module, "no_host_sync", lambda E: True)  # as under torch.cuda.graph capture
+    for module in (api_module, gemm_module):  # as under torch.cuda.graph capture
+        monkeypatch.setattr(module, "no_host_sync", lambda E: True)
     with HostReads() as reads:
         got = gradients(model, model, inputs, x)
     assert reads.count == 0
