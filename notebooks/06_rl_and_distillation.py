@@ -34,9 +34,13 @@
 # - trains a tiny policy with GRPO on a task whose reward a program checks, and plots the reward;
 # - measures one GRPO step through the policy head (forward and backward: time and peak memory),
 #   ours against the naive path. On a GPU this runs at the Qwen3-0.6B head and 16k tokens; a path
-#   that runs out of memory is recorded as a finding.
+#   that runs out of memory is recorded as a finding;
+# - then distillation: `helpers.cce.linear_kl_div`, the forward or reverse KL or the JSD between a
+#   student's and a teacher's softmax from their hidden states and heads, checked against float64,
+#   a tiny student learning its teacher, and one step against the naive path and Liger-Kernel's
+#   fused linear JSD.
 #
-# Expected run time: about 15 seconds on a CPU (tiny shapes, a smoke run). On a GPU it has not been
+# Expected run time: about 20 seconds on a CPU (tiny shapes, a smoke run). On a GPU it has not been
 # timed yet: expect a minute or two on an H200, a few minutes on a T4.
 
 # %% jupyter={"source_hidden": true} tags=["cold-start"]
@@ -177,9 +181,11 @@ import torch
 
 import helpers
 from helpers.compare import measure, theory
+from IPython.display import Markdown, display
+
 from helpers.compare.heads import QWEN3
 from helpers.compare.units import format_bytes
-from helpers.lab import rl
+from helpers.lab import distill, rl
 from helpers.lab.plots import mark_smoke
 from helpers.lab.profiles import SMOKE_NOTE, get_profile
 from helpers.lab.training import write_json
@@ -410,6 +416,106 @@ fig.tight_layout()
 save(fig, "head_step.png")
 
 # %% [markdown]
+# ## Distillation without either model's logits
+#
+# Distilling a teacher into a student scores the student's softmax q against the teacher's p at
+# every token: the forward KL(p ‖ q) (Hinton's distillation, `F.kl_div(log q, log p)`), the reverse
+# KL(q ‖ p), or the generalized Jensen-Shannon divergence β KL(p ‖ M) + (1 − β) KL(q ‖ M) with
+# M = β p + (1 − β) q (Liger-Kernel's). Both softmaxes come from linear heads on hidden states, the
+# student's (E<sub>s</sub>, C<sub>s</sub>) and the teacher's (E<sub>t</sub>, C<sub>t</sub>), which
+# may differ in width. The naive path forms both heads' logits: at a Qwen3-0.6B student and a teacher
+# twice as wide over 16,384 tokens, each is an (N, V) tensor of 9.96 GB in fp32, and the two
+# log-softmaxes and the student's gradient are three more.
+#
+# `helpers.cce.linear_kl_div` walks both heads' logits tile by tile: per token it keeps both lse's and
+# one cross sum (the JSD takes a second pass), and its backward rebuilds the tiles for the gradient
+# G = ∂KL/∂s (for the forward KL, q − p), then dE<sub>s</sub> = G C<sub>s</sub> and
+# dC<sub>s</sub> = G<sup>T</sup> E<sub>s</sub> as the loss's backward makes them. The teacher is a
+# constant: no gradient reaches it. First the check against float64 on full logits, every kind.
+
+# %%
+Dd = S["distill"]
+check_heads = distill.heads(*Dd["check"], dtype=dtype, device=device)
+distill_checks = {kind: distill.check_against_float64(check_heads, kind) for kind in distill.KINDS}
+print(f"N, V, D_s, D_t = {tuple(Dd['check'])}, {S['dtype']}, temperature 0.7; relative errors (ours / naive, bound)")
+for kind, c in distill_checks.items():
+    cells = "  ".join(f"{q} {c['errors']['ours'][q]:.1e} / {c['errors']['naive'][q]:.1e} ({c['bounds'][q]:.0e})"
+                      for q in c["bounds"])
+    print(f"{kind:<8} {cells}  {'ok' if c['ok'] else 'OFF'}")
+    if not c["ok"]:
+        problems.append(f"linear_kl_div ({kind}) is off the float64 reference in {c['dtype']}: {c['errors']['ours']}")
+del check_heads
+
+# %% [markdown]
+# A tiny distillation: a fixed teacher head over random features, and a student that maps the
+# features to its own, narrower width before its head, trained with Adam on the forward KL and, from
+# the same start, on the reverse KL. Each step draws fresh features, so the curve is the divergence on
+# data the student has not seen.
+
+# %%
+T = Dd["train"]
+distill_curves = {kind: distill.distill_student(T["V"], T["D_s"], T["D_t"], steps=T["steps"], tokens=T["tokens"],
+                                                lr=T["lr"], kind=kind, seed=T["seed"], device=device,
+                                                configs=T.get("configs"))
+                  for kind in ("forward", "reverse")}
+for kind, curve in distill_curves.items():
+    print(f"{kind} KL: {curve[0]:.3f} -> {curve[-1]:.3f} nats a token in {len(curve)} steps")
+    if not curve[-1] < 0.5 * curve[0]:
+        problems.append(f"distillation on the {kind} KL did not halve the divergence: {curve[0]:.3f} -> {curve[-1]:.3f}")
+fig, ax = plt.subplots(figsize=(6, 3.4))
+for kind, curve in distill_curves.items():
+    ax.plot(range(1, len(curve) + 1), curve, label=f"{kind} KL")
+ax.set(xlabel="step", ylabel="divergence, nats a token", yscale="log",
+       title=f"A student learns its teacher (V = {T['V']}, D_s = {T['D_s']}, D_t = {T['D_t']})")
+ax.legend()
+fig.tight_layout()
+save(fig, "distill_curve.png")
+
+# %% [markdown]
+# One distillation step through both heads: the divergence, then dE<sub>s</sub> and dC<sub>s</sub>,
+# ours against the naive path and, on a GPU, Liger-Kernel's `LigerFusedLinearJSD` (its β = 0 is the
+# forward KL, 0.5 the JSD: the same divergence, the same tokens, the same mean). Liger cuts the rows
+# into chunks and holds fp32 buffers of a chunk's logits; ours holds a few numbers per token and
+# recomputes the tiles in its backward (more arithmetic: the module doc of `helpers.cce.distill`
+# counts it). On a GPU the shape is the Qwen3-0.6B student at 16,384 tokens with a teacher of width
+# 2,048; a path that runs out of memory is a finding.
+
+# %%
+Hd = Dd["head"]
+step_heads = distill.heads(*Hd["shape"], dtype=dtype, device=device, seed=1)
+distill_step = {}
+for kind in Hd["kinds"]:
+    for path in distill.PATHS:
+        reason = distill.liger_reason(device) if path == "liger" else None
+        if reason:
+            distill_step[(kind, path)] = {"status": "not run", "error": reason}
+            continue
+        m = measure.measure(distill.step(path, step_heads, kind, Hd.get("configs")), warmup=S["warmup"],
+                            repeats=S["repeats"],
+                            device=device, budget_bytes=cap.budget_bytes)
+        distill_step[(kind, path)] = {"status": m.status, "peak_bytes": m.peak_bytes, "error": m.error,
+                                      "ms": m.latency.median_ms if m.latency else None}
+        if m.status != "ok" and path == "ours":
+            problems.append(f"linear_kl_div ({kind}) failed in the step at {Hd['shape']}: {m.error}")
+        elif m.status != "ok":
+            findings.append(f"distillation, {path} ({kind}) at N, V, D_s, D_t = {tuple(Hd['shape'])}: {m.status}")
+del step_heads
+measure.release_memory(device)
+
+
+def distill_cell(r):
+    if r["status"] == "ok":
+        return f"{format_bytes(r['peak_bytes'])}, {r['ms']:,.1f} ms"
+    return "out of memory" if r["status"] == "oom" else f"{r['status']}: {r['error']}"
+
+
+distill_table = ("| kind | " + " | ".join(distill.PATHS) + " |\n|---|" + "---:|" * len(distill.PATHS) + "\n"
+                 + "\n".join(f"| {kind} | " + " | ".join(distill_cell(distill_step[(kind, p)]) for p in distill.PATHS)
+                             + " |" for kind in Hd["kinds"]))
+display(Markdown(f"N, V, D_s, D_t = {tuple(Hd['shape'])}, {S['dtype']}: peak above the inputs, median time\n\n"
+                 + distill_table))
+
+# %% [markdown]
 # ## Results
 
 # %%
@@ -424,7 +530,10 @@ results = {
     "profile": P.name, "device": info.as_dict(), "dtype": S["dtype"], "options": rl.STEP_OPTIONS,
     "check": {"shape": S["check"], **check}, "arithmetic": arithmetic,
     "grpo": {"settings": G, "curves": curves, "seconds": grpo_seconds},
-    "head_step": {"shape": H, "tokens": tokens, "paths": head}, "findings": findings, "problems": problems,
+    "head_step": {"shape": H, "tokens": tokens, "paths": head},
+    "distill": {"check": distill_checks, "curves": distill_curves, "step_shape": Hd["shape"],
+                "step": {f"{kind}/{path}": r for (kind, path), r in distill_step.items()}},
+    "findings": findings, "problems": problems,
     "seconds": time.perf_counter() - started,
 }
 write_json(out / "results.json", results)
@@ -445,6 +554,16 @@ write_report_fragment(out, f"""
 
 ![GRPO reward](grpo_reward.png)
 ![One step through the head](head_step.png)
+
+### Distillation, N, V, D_s, D_t = {tuple(Hd['shape'])}, {S['dtype']}: peak above the inputs, median time
+
+{distill_table}
+
+- Against float64 on full logits: {", ".join(f"{k} {'within' if c['ok'] else '**outside**'} the bounds" for k, c in distill_checks.items())}.
+- A tiny student: forward KL {distill_curves['forward'][0]:.2f} -> {distill_curves['forward'][-1]:.2f}, reverse
+  {distill_curves['reverse'][0]:.2f} -> {distill_curves['reverse'][-1]:.2f} nats a token.
+
+![Distillation curve](distill_curve.png)
 """, headline=headline, smoke=P.smoke)
 plt.close("all")
 print(headline)

@@ -149,6 +149,11 @@ _FITS_GPU = {
 # count-up task (helpers.lab.rl), whose policy is tiny on every profile (the head step is the scale test).
 _RL_GPU = {
     "check": {"B": 8, "T": 129, "V": 5003, "D": 136},
+    # Distillation: (N, V, D_s, D_t) of the float64 check, and of the step (a Qwen3-0.6B student, a
+    # teacher of Qwen3-1.7B's width); the tiny student's run.
+    "distill": {"check": (1000, 3001, 256, 512),
+                "head": {"shape": (16_384, QWEN3.V, QWEN3.D, 2_048), "kinds": ["forward", "jsd"]},
+                "train": {"V": 256, "D_s": 32, "D_t": 64, "steps": 60, "tokens": 512, "lr": 2e-2, "seed": 0}},
     "head": {"B": 16, "T": 1024, "V": QWEN3.V, "D": QWEN3.D},
     "warmup": 2, "repeats": 5,
     "grpo": {"V": 64, "D": 64, "T": 8, "prompts_per_step": 16, "group_size": 8, "steps": 60, "lr": 1e-2,
@@ -209,6 +214,11 @@ PROFILES: dict[str, Profile] = {
                 "warmup": 0, "repeats": 1, "cpu_budget_bytes": 300_000,
                 "grpo": {"V": 16, "D": 16, "T": 5, "prompts_per_step": 4, "group_size": 8, "steps": 12, "lr": 4e-2,
                          "iterations": 2, "kl_coef": 0.01, "entropy_coef": 0.001, "seed": 0, "configs": "turing-64k"},
+                # The Turing tier's larger tiles: fewer programs for the interpreter (as "grpo").
+                "distill": {"check": (37, 257, 24, 40),
+                            "head": {"shape": (64, 509, 32, 48), "kinds": ["forward"], "configs": "turing-64k"},
+                            "train": {"V": 64, "D_s": 16, "D_t": 32, "steps": 25, "tokens": 64, "lr": 5e-2,
+                                      "seed": 0, "configs": "turing-64k"}},
             },
             "03_convergence": {
                 # Smoke run: under the Triton interpreter a step of ours takes ~0.4 s even at V = 256,

@@ -45,62 +45,12 @@ from helpers.cce import linear_kl_div
 from helpers.cce.device import CARDS, device_info, pretend
 from helpers.cce.options import why_unavailable
 from helpers.compare.heads import QWEN3
-from helpers.compare.inputs import ignore_targets, make_inputs
 from helpers.compare.measure import is_out_of_memory, latency, peak_memory, release_memory
-from helpers.spec import divergence_of_logits, reference_kl_div, relative_error
+from helpers.lab.distill import LIGER_BETA, heads, liger_kl_div, liger_reason, naive_kl_div, student_grads
+from helpers.spec import reference_kl_div, relative_error
 
 GATE_FLOOR = 2e-2  # the gate's floor on a relative error (helpers.compare.verdicts.GATE_FLOOR's order)
 TEACHER_D = 2_048  # Qwen3-1.7B's hidden size: a teacher of the student's vocabulary
-# Liger's generalized JSD's beta for each of our kinds (its 0 and 1 are the two KLs).
-LIGER_BETA = {"forward": 0.0, "reverse": 1.0, "jsd": 0.5}
-
-
-def heads(N, V, D_s, D_t, dtype, device, seed=0):
-    """Student (E_s, C_s), teacher (E_t, C_t), targets x with every 7th ignored; uniform regime."""
-    E_s, C_s, x = make_inputs(N, V, D_s, dtype, device, regime="uniform", seed=seed)
-    E_t, C_t, _ = make_inputs(N, V, D_t, dtype, device, regime="uniform", seed=seed + 1)
-    return E_s, C_s, E_t, C_t, ignore_targets(x, "some")
-
-
-def naive_loss(E_s, C_s, E_t, C_t, x, *, kind, beta=0.5, temperature=1.0, softcap=None, bias_s=None, bias_t=None,
-               reduction="mean"):
-    """The naive path: each head's logits in the dtype, then fp32, capped and tempered; the spec's formula."""
-
-    def logits(E, C, b):
-        z = (E @ C.T if b is None else E @ C.T + b).float()
-        if softcap is not None:
-            z = softcap * torch.tanh(z / softcap)
-        return z / temperature
-
-    with torch.no_grad():
-        t = logits(E_t, C_t, bias_t)
-    return divergence_of_logits(logits(E_s, C_s, bias_s), t, kind=kind, beta=beta, mask=x != -100,
-                                reduction=reduction)
-
-
-def liger_loss(E_s, C_s, E_t, C_t, x, *, kind, temperature=1.0):
-    """Liger-Kernel's fused linear JSD at the beta of ``kind`` (mean over the tokens ``x`` keeps)."""
-    from liger_kernel.transformers import LigerFusedLinearJSD
-
-    return LigerFusedLinearJSD(jsd_beta=LIGER_BETA[kind], temperature=temperature)(E_s, C_s, E_t, C_t, x)
-
-
-def liger_reason(device) -> str | None:
-    if torch.device(device).type != "cuda":
-        return "Liger-Kernel's kernels need a CUDA GPU"
-    try:
-        import liger_kernel.transformers  # noqa: F401
-    except ImportError as error:
-        return f"liger-kernel is not installed ({error})"
-    return None
-
-
-def student_grads(loss_fn, E_s, C_s, bias_s=None, grad_output=None):
-    """(loss, (dE_s, dC_s[, db_s])) of ``loss_fn(E_s, C_s, bias_s)`` on fresh leaves."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in (E_s, C_s) + ((bias_s,) if bias_s is not None else ())]
-    loss = loss_fn(*leaves)
-    loss.backward(grad_output if grad_output is not None else torch.ones_like(loss))
-    return loss.detach(), tuple(t.grad for t in leaves)
 
 
 def accuracy(dtype, kind, everything: bool, device, tiny: bool) -> dict:
@@ -127,7 +77,7 @@ def accuracy(dtype, kind, everything: bool, device, tiny: bool) -> dict:
     loss, grads = student_grads(lambda E, C, *b: linear_kl_div(E, C, E_t, C_t, x=x, bias_s=b[0] if b else None,
                                                                **biases, **options),
                                 E_s, C_s, bias_s, grad_output)
-    _, naive_grads = student_grads(lambda E, C, *b: naive_loss(E, C, E_t, C_t, x, bias_s=b[0] if b else None,
+    _, naive_grads = student_grads(lambda E, C, *b: naive_kl_div(E, C, E_t, C_t, x, bias_s=b[0] if b else None,
                                                                **biases, **options),
                                    E_s, C_s, bias_s, grad_output)
     rec = dict(case=name, N=N, V=V, D_s=D_s, D_t=D_t, options={k: v for k, v in options.items()},
@@ -139,7 +89,7 @@ def accuracy(dtype, kind, everything: bool, device, tiny: bool) -> dict:
         rec[f"naive_{label}_err"] = relative_error(got, want)
     if not everything and liger_reason(device) is None:  # Liger has no bias, cap or per-token upstream
         try:
-            liger, liger_grads = student_grads(lambda E, C: liger_loss(E, C, E_t, C_t, x, kind=kind, temperature=0.7),
+            liger, liger_grads = student_grads(lambda E, C: liger_kl_div(E, C, E_t, C_t, x, kind=kind, temperature=0.7),
                                                E_s, C_s)
             rec["liger_loss_err"] = relative_error(liger, ref)
             for label, got, want in zip(names, liger_grads, ref_grads):
@@ -159,8 +109,8 @@ def speed(kind, N, V, D_s, D_t, dtype, device) -> list[dict]:
     C_s.requires_grad_(True)
     methods = {
         "ours": lambda: linear_kl_div(E_s, C_s, E_t, C_t, kind=kind, x=x),
-        "liger": lambda: liger_loss(E_s, C_s, E_t, C_t, x, kind=kind),
-        "naive": lambda: naive_loss(E_s, C_s, E_t, C_t, x, kind=kind),
+        "liger": lambda: liger_kl_div(E_s, C_s, E_t, C_t, x, kind=kind),
+        "naive": lambda: naive_kl_div(E_s, C_s, E_t, C_t, x, kind=kind),
     }
     cuda = torch.device(device).type == "cuda"
     records, losses = [], {}
