@@ -41,3 +41,14 @@ def missing_citations() -> set[str]:
 def test_every_test_file_cited_in_helpers_and_scripts_exists():
     missing = sorted(missing_citations())
     assert not missing, "cited test files that do not exist:\n" + "\n".join(missing)
+
+
+def test_no_merge_conflict_markers_are_left_in_the_text():
+    """A merge whose conflict was committed unresolved leaves <<<<<<< / >>>>>>> lines behind, which
+    nothing else reads as wrong in prose."""
+    marker = re.compile(r"^(<{7}|>{7}) ", re.MULTILINE)
+    folders = ("helpers", "scripts", "notebooks", "docs", "tests")
+    files = [ROOT / "README.md", *(p for folder in folders for p in (ROOT / folder).rglob("*")
+                                   if p.suffix in (".py", ".md", ".sh", ".ipynb") and p.is_file())]
+    left = [str(p.relative_to(ROOT)) for p in files if marker.search(p.read_text(errors="ignore"))]
+    assert not left, left
