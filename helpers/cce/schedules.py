@@ -202,17 +202,22 @@ class Schedule:
 
 def auto_budget_bytes(device: torch.device, lb: int) -> int | None:
     """What ``memory_budget="auto"`` means on ``device``: ``AUTO_SHARE`` of the memory free there
-    beyond LB (None on the CPU: "min")."""
+    beyond LB (None on the CPU: "min"). Free: what the driver and the allocator's cache hold, within a
+    pretend card's memory and the allocator's per-process cap."""
     if device.type != "cuda":
         return None
     from helpers.cce.device import device_info
 
-    free, _ = torch.cuda.mem_get_info(device)
+    free, card = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     free += torch.cuda.memory_reserved(device) - allocated  # the allocator's cached, unused blocks
     total = device_info(device).total_memory_bytes  # a pretend card's
     if total is not None:
         free = min(free, total - allocated)
+    # A cap on this process's allocator (``torch.cuda.set_per_process_memory_fraction``, as a notebook
+    # sets a 16 GB card's wall on a bigger GPU): past it an allocation fails whatever the driver has free.
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    free = min(free, int(fraction * card) - allocated)
     return max(0, int(AUTO_SHARE * (free - lb)))
 
 

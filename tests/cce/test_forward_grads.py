@@ -227,3 +227,24 @@ def test_the_chooser_takes_the_fastest_that_fits_and_the_most_rows():
     s = choose_schedule(Nq, Vq, Dq, torch.bfloat16, small, hopper, need=need, device=torch.device("cuda"))
     assert s.name == "recompute" and "at least" in s.why
     assert choose_schedule(Nq, Vq, Dq, torch.bfloat16, "min", hopper, need=need).name == "recompute"
+
+
+def test_auto_takes_half_of_what_the_allocators_cap_leaves(monkeypatch):
+    """"auto" on a GPU capped to a 16 GB card's memory (``set_per_process_memory_fraction``, as notebook
+    05 caps an H200): half of what the cap leaves, not of what the driver has free. Uncapped, half of
+    the driver's free memory and the allocator's cached blocks."""
+    import types
+
+    import helpers.cce.device as device_module
+    from helpers.cce.schedules import AUTO_SHARE, auto_budget_bytes
+
+    GB = 10**9
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (128 * GB, 140 * GB))  # 12 GB ours
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * GB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 12 * GB)
+    monkeypatch.setattr(device_module, "device_info", lambda device: types.SimpleNamespace(total_memory_bytes=None))
+    lb = GB
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 16 / 140, raising=False)
+    assert auto_budget_bytes(torch.device("cuda"), lb) == int(AUTO_SHARE * (16 * GB - 10 * GB - lb))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
+    assert auto_budget_bytes(torch.device("cuda"), lb) == int(AUTO_SHARE * (130 * GB - lb))
