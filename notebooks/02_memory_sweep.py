@@ -529,6 +529,7 @@ if tradeoff:
     )
     tradeoff_fig = plot_tradeoff(
         tradeoff_records, BUDGET_CURVE, path=out / "memory_tradeoff.png", smoke=P.smoke,
+        failed_gate={**plan.failed_gate, **tradeoff_plan.failed_gate},
         title=f"Time against memory, {info.name if info.is_cuda else 'CPU'}: V={V:,}, D={D:,}, {dtype_name(dtype)}",
     )
     display(Markdown(sweep_results.results_pivot(tradeoff_records, budget_labels, failed_gate=tradeoff_plan.failed_gate)))

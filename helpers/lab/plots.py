@@ -216,13 +216,14 @@ def plot_scale(s, *, path: str | Path) -> plt.Figure:
 
 
 def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path, title: str,
-                  smoke: bool = False) -> plt.Figure:
+                  failed_gate: dict[str, str] | None = None, smoke: bool = False) -> plt.Figure:
     """Time against memory, one panel per N (notebook 02): ours under each memory budget of ``curve``
     (registry keys, least memory first) as one line, each point labelled with its budget, and every
     other method of ``records`` (sweep records) as a point. x: peak above the inputs, GB (log);
-    y: forward+backward, ms (median). A point that ran out of memory or failed is left out and
-    named under its panel. Saved as PNG at ``path``."""
-    curve = list(curve)
+    y: forward+backward, ms (median, log: a slow peer does not flatten the rest). A point that ran out
+    of memory or failed is left out and named under its panel; a method in ``failed_gate`` is marked †.
+    Saved as PNG at ``path``."""
+    curve, failed_gate = list(curve), failed_gate or {}
     colors, markers = method_colors(), method_markers()
     Ns = sorted({r["N"] for r in records})
     fig, axes = plt.subplots(1, len(Ns), figsize=(6.5 * len(Ns), 5), squeeze=False)
@@ -247,7 +248,8 @@ def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path
         for m, r in ok.items():
             if m not in curve:
                 ax.plot(r["peak_bytes"] / GB, r["median_ms"], linestyle="none", marker=markers.get(m, "s"),
-                        markersize=10, color=colors.get(m, "grey"), label=method_label(m))
+                        markersize=10, color=colors.get(m, "grey"),
+                        label=method_label(m) + (" † (fails the gate)" if m in failed_gate else ""))
         missing = [f"{method_label(m)}: {r['status']}" for m, r in at_N.items() if m not in ok]
         if missing:
             ax.text(0.01, -0.16, "not drawn: " + "; ".join(missing), transform=ax.transAxes, fontsize=7,
@@ -255,8 +257,10 @@ def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("peak memory above the inputs, GB (log)")
-        ax.set_ylabel("forward + backward, ms (median)")
-        ax.set_ylim(bottom=0)
+        ax.set_ylabel("forward + backward, ms (median, log)")
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
         ax.set_title(f"N = {N:,} tokens")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
