@@ -77,11 +77,12 @@ def liger_reason(device) -> str | None:
     return None
 
 
-PATHS: dict[str, Callable] = {
-    "ours": lambda E_s, C_s, E_t, C_t, x, **options: linear_kl_div(E_s, C_s, E_t, C_t, x=x, **options),
-    "naive": naive_kl_div,
-    "liger": liger_kl_div,
-}
+def ours_kl_div(E_s, C_s, E_t, C_t, x, **options):
+    """Ours: ``linear_kl_div`` with the tokens ``x`` keeps."""
+    return linear_kl_div(E_s, C_s, E_t, C_t, x=x, **options)
+
+
+PATHS: dict[str, Callable] = {"ours": ours_kl_div, "naive": naive_kl_div, "liger": liger_kl_div}
 
 
 def step(path: str, h: Heads, kind: str, configs=None) -> Callable[[], torch.Tensor]:
@@ -91,7 +92,7 @@ def step(path: str, h: Heads, kind: str, configs=None) -> Callable[[], torch.Ten
     if path not in PATHS:
         raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
     E_s, C_s = h.E_s.detach().requires_grad_(True), h.C_s.detach().requires_grad_(True)
-    options = {"configs": configs} if path == "ours" and configs is not None else {}
+    options = {"configs": configs} if PATHS[path] is ours_kl_div and configs is not None else {}
 
     def run():
         loss = PATHS[path](E_s, C_s, h.E_t, h.C_t, h.x, kind=kind, **options)
@@ -153,5 +154,5 @@ def distill_student(V: int, D_s: int, D_t: int, *, steps: int, tokens: int, lr: 
     return curve
 
 
-__all__ = ["KINDS", "LIGER_BETA", "PATHS", "Heads", "heads", "naive_kl_div", "liger_kl_div", "liger_reason", "step",
+__all__ = ["KINDS", "LIGER_BETA", "PATHS", "Heads", "heads", "ours_kl_div", "naive_kl_div", "liger_kl_div", "liger_reason", "step",
            "student_grads", "check_against_float64", "distill_student"]

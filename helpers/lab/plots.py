@@ -236,7 +236,7 @@ def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path
                     label="ours, memory_budget from 'min' to 64 GiB")
             groups = []  # budgets that ran the same schedule land on one point: one label for them
             for gb, ms, m in line:
-                budget = "min" if m == "ours" else m.removeprefix("ours_budget_").upper()
+                budget = "min" if m == curve[0] else m.removeprefix("ours_budget_").upper()  # curve[0]: "min"
                 if groups and abs(gb / groups[-1][0] - 1) < 0.01:
                     groups[-1][2].append(budget)
                 else:

@@ -15,5 +15,5 @@ def test_the_patched_arms_call_the_registrys_entries(monkeypatch):
 
 
 def test_only_our_kernels_arm_is_ours():
-    assert [name for name, arm in fits.ARMS.items() if arm.is_ours] == ["ours"]
+    assert [name for name, arm in fits.ARMS.items() if arm.is_ours] == ["ours", "ours_1g", "ours_auto"]
     assert not fits.EXACT.is_ours
