@@ -611,14 +611,14 @@ def main():
     cases = {}
     for shape in (gemma, qwen):
         cases[shape[0]] = Case(*shape, dtype, device)
-    for name in cases if "forward" in sections else ():
+    # --tiny checks each section's code on one shape (each case is minutes under the interpreter).
+    first_only = (lambda names: list(names)[:1]) if args.tiny else list
+    for name in first_only(cases) if "forward" in sections else ():
         c.run(f"forward/{name}", forward_sweep, cases[name], base, forward_candidates, repeats,
               required=name == "gemma2")
-    for name in cases if "g_kernel" in sections else ():
+    for name in first_only(cases) if "g_kernel" in sections else ():
         c.run(f"g_kernel/{name}", g_kernel_sweep, cases[name], base, g_candidates, repeats, cuda,
               required=name == "gemma2")
-    # --tiny checks the newer sections' code on one shape (each case is minutes under the interpreter).
-    first_only = (lambda names: list(names)[:1]) if args.tiny else list
     for name in first_only(cases) if "host" in sections and not args.tier else ():
         c.run(f"host/{name}", host_sweep, cases[name], base, repeats, cuda)
     if args.tier:
