@@ -14,7 +14,8 @@ On a CUDA machine (written for an H200: torch 2.11, triton 3.6) it checks, in or
 4. peak memory above the inputs and median forward+backward time (``triton.testing.do_bench``) at
    the Gemma shape, with the configuration picked for this GPU and with the Turing (64 KB) one;
 5. fp32 / fp16 and the full option matrix (reductions, ignore, softcap, z-loss, label smoothing,
-   filter, sort, Kahan, FullC, FullE) on an odd shape and the Qwen3 head.
+   filter, sort, Kahan, FullC, FullE) on an odd shape and the Qwen3 head; the per-token outputs
+   (logprob, entropy) and class weights under a temperature, in every dtype (``check_outputs``).
 
 Pass rules. Loss: relative error <= 1e-5 (fp32) or 1e-4 (fp16/bf16, whose inputs are exact in
 fp32). Gradients, "exact" variants (filter off; FullC's dC; FullE's dE): <= 1.5x the naive path's
@@ -160,6 +161,84 @@ def check_shape(shape_name, N, V, D, dtype_name, spec_name, variant_names, devic
     return records
 
 
+def check_outputs(shape_name, N, V, D, dtype_name, device):
+    """The per-token outputs (``linear_cross_entropy_outputs``: logprob and entropy, each with a random
+    upstream gradient) and the loss with class weights, both under a temperature (0.7) and the soft
+    cap, every 7th token ignored, against float64 (``reference_outputs``, ``reference_loss``) beside
+    the naive path (logits in the dtype, then fp32). Pass: values <= 1e-4 relative; each gradient within
+    the gate's bound, max(the dtype's floor, 2x naive's error) (``gate_bound``)."""
+    from helpers.cce import linear_cross_entropy_outputs
+    from helpers.compare.verdicts import gate_bound
+    from helpers.spec import reference_loss, reference_outputs
+
+    dtype = DTYPES[dtype_name]
+    reason = why_unavailable(device, dtype)
+    if reason:
+        return [dict(case=f"{shape_name}/{dtype_name}/outputs", status="skipped", reason=reason)]
+    E, C, x = make_inputs(N, V, D, dtype, dict(ignore="some"), device)
+    g = torch.Generator(device=device).manual_seed(5)
+    g_logprob, g_entropy = (torch.randn(N, device=device, generator=g) for _ in range(2))
+    weight = (0.5 + torch.rand(V, device=device, generator=g)).to(dtype)
+    softcap, tau = 30.0, 0.7
+
+    def naive_logits(E_, C_):
+        z = (E_ @ C_.T).float()
+        return softcap * torch.tanh(z / softcap) / tau
+
+    def naive_outputs(E_, C_, x):
+        log_p = torch.log_softmax(naive_logits(E_, C_), dim=1)
+        kept = x != -100
+        target = torch.where(kept, x, 0)
+        logprob = torch.where(kept, log_p.gather(1, target[:, None])[:, 0], 0.0)
+        return logprob, torch.where(kept, -(log_p.exp() * log_p).sum(dim=1), 0.0)
+
+    def grads(fn, E_, C_):
+        E_, C_ = E_.detach().clone().requires_grad_(True), C_.detach().clone().requires_grad_(True)
+        values = fn(E_, C_)
+        values[-1].backward()
+        return [v.detach() for v in values[:-1]], E_.grad, C_.grad
+
+    def outputs_objective(outputs):
+        def fn(E_, C_):
+            logprob, entropy = outputs(E_, C_)[:2]
+            return logprob, entropy, (logprob * g_logprob + entropy * g_entropy).sum()
+        return fn
+
+    def weighted(loss):
+        def fn(E_, C_):
+            value = loss(E_, C_)
+            return value, value
+        return fn
+
+    runs = {
+        "outputs": (outputs_objective(lambda E_, C_: linear_cross_entropy_outputs(E_, C_, x, softcap=softcap,
+                                                                               temperature=tau)),
+                    outputs_objective(lambda E_, C_: reference_outputs(E_, C_, x, softcap=softcap, temperature=tau)),
+                    outputs_objective(lambda E_, C_: naive_outputs(E_, C_, x))),
+        "weights": (weighted(lambda E_, C_: linear_cross_entropy(E_, C_, x, softcap=softcap, temperature=tau,
+                                                                 weight=weight)),
+                    weighted(lambda E_, C_: reference_loss(E_, C_, x, softcap=softcap, temperature=tau,
+                                                           weight=weight.double())),
+                    weighted(lambda E_, C_: F.cross_entropy(naive_logits(E_, C_), x, weight=weight.float()))),
+    }
+    records = []
+    for name, (ours_fn, ref_fn, naive_fn) in runs.items():
+        values, dE, dC = grads(ours_fn, E, C)
+        ref_values, rdE, rdC = grads(ref_fn, E.double(), C.double())
+        _, nE, nC = grads(naive_fn, E, C)
+        rec = dict(case=f"{shape_name}/{dtype_name}/{name}", N=N, V=V, D=D, softcap=softcap, temperature=tau)
+        rec["values_err"] = max(relative_error(v, r) for v, r in zip(values, ref_values))
+        rec["dE_err"], rec["dC_err"] = relative_error(dE, rdE), relative_error(dC, rdC)
+        rec["naive_dE_err"], rec["naive_dC_err"] = relative_error(nE, rdE), relative_error(nC, rdC)
+        full = {"float32": "float32", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[dtype_name]
+        bounds = {q: gate_bound(full, q, rec[f"naive_{q}_err"]) for q in ("dE", "dC")}
+        ok = rec["values_err"] <= (1e-5 if dtype == torch.float32 else 1e-4) and all(
+            rec[f"{q}_err"] <= bounds[q] for q in bounds)
+        rec.update(bounds=bounds, status="ok" if ok else "FAIL")
+        records.append(rec)
+    return records
+
+
 def check_big(N, V, D, device, chunk, dtype_name="bf16"):
     """N * V > 2^31 in bf16: loss and gradients against float64 computed ``chunk`` rows at a time.
 
@@ -264,6 +343,8 @@ def main():
             variants = list(VARIANTS) if spec_name == "mean" else ["default"]
             c.run(f"odd/{dtype_name}/{spec_name}", check_shape, "odd", *odd, dtype_name, spec_name,
                   variants, device, chunk)
+    for dtype_name in ["fp32", *low]:
+        c.run(f"odd/{dtype_name}/outputs", check_outputs, "odd", *odd, dtype_name, device)
     for dtype_name in ["fp32", *low[1:]]:
         c.run(f"gemma2/{dtype_name}", check_shape, "gemma2", *gemma, dtype_name, "mean", ["default"],
               device, 2048 if not args.tiny else chunk)
