@@ -662,6 +662,10 @@ print("results: " + ", ".join(f.name for f in files) + f" in {out}")
 
 headline = sweep_results.headline(records, labels=labels, t4_records=t4_records, smoke=P.smoke)
 facts = {} if P.smoke else sweep_results.report_facts(records, t4_records=t4_records, t4_plan=t4_plan)
+if tradeoff_records and BUDGET_CURVE[0] in facts:  # what ours' budgets bought, for the report's sentences
+    budget_points = sweep_results.report_facts([r for r in tradeoff_records if r["method"] in BUDGET_CURVE[1:]])
+    facts[BUDGET_CURVE[0]]["budgets"] = {m: {**f["sweep"], "gate": "fail" if m in tradeoff_plan.failed_gate else "pass"}
+                                for m, f in budget_points.items()}
 print(f"headline: {headline}")
 reading_lines = "".join(f"\n- **{labels[name]}**{' †' if name in plan.failed_gate else ''}: {sentence}"
                         for name, sentence in reading.items())

@@ -496,6 +496,46 @@ def crossovers(methods: dict[str, dict], trained: bool) -> list[str]:
     return out
 
 
+def budget_sentences(methods: dict[str, dict]) -> list[str]:
+    """What ours' memory budgets bought in 02 (``budgets`` of its facts), per token count of
+    ``REGIME_TOKENS``: each budget that ran another schedule than "min" (a peak more than
+    ``MEMORY_TIE`` above it) and passed the gate, its time and peak beside "min"'s and the fastest
+    other method's. Said as measured, not recommended: notebook 03 trains ours under "min" only."""
+    from helpers.compare.units import format_bytes
+
+    ours = next((m for m, f in methods.items() if f.get("budgets")), None)
+    if ours is None:
+        return []
+    out = []
+    _, own = _points(methods[ours])
+    for N in REGIME_TOKENS:
+        base = own.get(N)
+        if not base or base.get("status") != "ok" or not base.get("seconds"):
+            continue
+        runs, dtype = [], None
+        for budget, fact in methods[ours]["budgets"].items():
+            p = fact["points"].get(str(N)) or fact["points"].get(N)
+            if (p and p.get("status") == "ok" and p.get("seconds") and fact.get("gate") == "pass"
+                    and p["peak_bytes"] > base["peak_bytes"] * (1 + MEMORY_TIE)):
+                runs.append((budget, p))
+                dtype = fact.get("dtype")
+        if not runs:
+            continue
+        others = {}
+        for m, f in methods.items():
+            p = _points(f)[1].get(N)
+            if m != ours and p and p.get("status") == "ok" and p.get("seconds"):
+                others[m] = p
+        fastest = min(others, key=lambda m: others[m]["seconds"]) if others else None
+        said = "; ".join(f"{method_label(b)} {_ms(p['seconds'])} at {format_bytes(p['peak_bytes'])}" for b, p in runs)
+        against = (f", and {method_label(fastest)}'s {_ms(others[fastest]['seconds'])} at "
+                   f"{format_bytes(others[fastest]['peak_bytes'])}" if fastest else "")
+        out.append(f"Given memory, at {N:,} tokens ({dtype}, 02): {said}; against its \"min\" "
+                   f"{_ms(base['seconds'])} at {format_bytes(base['peak_bytes'])}{against}. The budgets pass 02's "
+                   "gate; notebook 03 trains ours under \"min\" only.")
+    return out
+
+
 def whole_step_sentence(methods: dict[str, dict]) -> str | None:
     """05's finding as a headline: how far apart the fused losses' whole-step peaks and speeds are."""
     from helpers.compare.units import format_bytes
@@ -534,6 +574,7 @@ def recommend(methods: dict[str, dict], ran: list[str], *, t4: bool) -> list[str
     if step := whole_step_sentence(methods):
         out.append(step)
     out += regime_sentences(methods, trained)
+    out += budget_sentences(methods)
     if t4:
         on_t4 = {m: f for m, f in methods.items() if f.get("runs_on_t4") is True and isinstance(f.get("t4_peak_bytes_16k"), int)}
         fit = {m: f for m, f in on_t4.items() if why_not_recommended(m, f, "float16", trained) is None}

@@ -49,6 +49,8 @@ FACT_KEYS = {
                   "article's micro-batch (05)",
     "convergence": "{dtype name: {'verdict', 'parts'}}: the engine's training verdict against exact (03)",
     "caveats": "[str]: what a user must know (any notebook); the REPORT footnotes any over 150 characters",
+    "budgets": "{registry key of a budget preset: {'dtype', 'gate': 'pass' or 'fail', 'points': {N: {'peak_bytes', "
+               "'seconds', 'status'}}}}: ours under memory budgets, beside its own sweep (02's trade-off; ours only)",
 }
 CAVEAT_CELL_CHARACTERS = 150
 

@@ -159,3 +159,26 @@ def test_notebook_05_defers_training_verdicts_to_03():
         if any(phrase in line for phrase in verdicts.TRAINS.values()) or "trains like" in line:
             assert "03" in line, line
     assert "verdicts.first_steps_agree(" in source
+
+
+def test_budget_sentences_say_what_a_budget_bought_and_leave_out_what_it_did_not():
+    """A budget that ran another schedule and passed the gate is said beside "min" and the fastest
+    other method; one that ran "min" again (the same peak) or failed the gate is not."""
+    from helpers.compare.verdicts import budget_sentences
+
+    def sweep(peak, seconds):
+        return {"dtype": "bfloat16", "points": {"16384": {"status": "ok", "peak_bytes": peak, "seconds": seconds}}}
+
+    methods = {
+        "ours": {"sweep": sweep(412e6, 0.035), "budgets": {
+            "ours_budget_256m": {**sweep(412e6, 0.035), "gate": "pass"},
+            "ours_budget_512m": {**sweep(870e6, 0.030), "gate": "pass"},
+            "ours_budget_1g": {**sweep(1414e6, 0.029), "gate": "fail"},
+        }},
+        "torch_compile": {"sweep": sweep(5323e6, 0.0316)},
+    }
+    [sentence] = budget_sentences(methods)
+    assert "16,384 tokens" in sentence and "512MiB" in sentence and "30 ms" in sentence
+    assert "256MiB" not in sentence and "1GiB" not in sentence
+    assert "torch.compile's 31.6 ms" in sentence and '"min" 35 ms' in sentence
+    assert budget_sentences({"ours": {"sweep": sweep(412e6, 0.035)}}) == []
