@@ -104,8 +104,8 @@ ARMS = {
     # free when the loss runs), which must not shrink the largest micro-batch that fits.
     "ours_1g": Arm("ours_1g", METHODS["ours_budget_1g"].label, "ours_budget_1g",
                    lambda m: hf.patch(m, memory_budget=2**30), hf.unpatch),
-    "ours_auto": Arm("ours_auto", "ours (budget auto)", "ours", lambda m: hf.patch(m, memory_budget="auto"),
-                     hf.unpatch),
+    "ours_auto": Arm("ours_auto", METHODS["ours_budget_auto"].label, "ours_budget_auto",
+                     lambda m: hf.patch(m, memory_budget="auto"), hf.unpatch),
 }
 # Not an arm of the comparison: the gradient check's yardstick. It goes through the same patch as
 # ours and Apple's, so it differs from them only in the loss arithmetic (fp32 logits; it

@@ -71,17 +71,19 @@ OURS = Method(
 )
 
 
-def _ours_budget(budget: int, label: str) -> Method:
+def _ours_budget(budget: int | str, label: str) -> Method:
     """ours under ``memory_budget=budget``: the fastest schedule whose predicted extra memory (beyond
-    the inputs, dE and dC) fits ``budget`` bytes (helpers.cce.schedules)."""
+    the inputs, dE and dC) fits ``budget`` bytes, or "auto": a share of what is free when the loss runs
+    (helpers.cce.schedules)."""
+    said = "auto" if budget == "auto" else f"{label.upper()}iB"
 
     def peak(N, V, D, b, capability, configs=None):
         return ours_peak_bytes(N, V, D, b, capability, configs, memory_budget=budget)
 
     return Method(
         name=f"ours_budget_{label}",
-        label=f"ours (budget {label.upper()}iB)",
-        summary=f"ours with memory_budget={label.upper()}iB: the fastest of its schedules whose predicted memory "
+        label=f"ours (budget {said})",
+        summary=f"ours with memory_budget={said}: the fastest of its schedules whose predicted memory "
         "beyond dE and dC fits (three products from held logit chunks where they fit, else the recompute design).",
         implementation=_ours(memory_budget=budget),
         availability=_ours_reason,
@@ -101,6 +103,8 @@ OURS_BUDGET_1G = _ours_budget(2**30, "1g")
 OURS_BUDGET_4G = _ours_budget(2**32, "4g")
 # As good as unlimited on one GPU: every row's logits at once up to N = 113,000 at the Qwen3 head.
 OURS_BUDGET_64G = _ours_budget(2**36, "64g")
+# Half of what is free when the loss runs (its memory formula: the least, what "auto" leaves when little is free).
+OURS_BUDGET_AUTO = _ours_budget("auto", "auto")
 # The budgets of the trade-off curve (notebook 02), least first: "min" (ours itself) to unlimited.
 BUDGET_CURVE = ("ours", "ours_budget_256m", "ours_budget_512m", "ours_budget_1g", "ours_budget_4g", "ours_budget_64g")
 OURS_NOFILTER = Method(
@@ -142,4 +146,5 @@ OURS_GEMM = Method(
 
 
 __all__ = ["BUDGET_CURVE", "OURS", "OURS_BUDGET_1G", "OURS_BUDGET_256M", "OURS_BUDGET_4G", "OURS_BUDGET_512M",
+           "OURS_BUDGET_AUTO",
            "OURS_BUDGET_64G", "OURS_GEMM", "OURS_NOFILTER", "OURS_SPARSE", "ours_peak_bytes"]
