@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 from helpers.cce import linear_cross_entropy
 from helpers.cce.parallel import vocab_parallel_cross_entropy
-from helpers.compare.measure import measure
+from helpers.compare.measure import apply_memory_cap, measure
 from helpers.compare.results_file import ResultsWriter, read_results, run_meta
 from helpers.spec import reference_loss_and_grads, relative_error
 
@@ -176,10 +176,12 @@ def backend_for(world: int) -> str:
 
 def start_rank(rank: int, world: int, backend: str, init_method: str = "env://",
                timeout_s: float = 300) -> torch.device:
-    """Join the process group (NCCL: on GPU ``LOCAL_RANK`` or ``rank``); return this rank's device."""
+    """Join the process group (NCCL: on GPU ``LOCAL_RANK`` or ``rank``, its allocator capped at 90% of
+    the card, or of the pretend card's memory, as every notebook caps its GPU); return this rank's device."""
     if backend == "nccl":
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
         torch.cuda.set_device(device)
+        apply_memory_cap(0.9, device=device)
         dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s), device_id=device)
         return device

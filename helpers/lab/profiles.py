@@ -162,6 +162,20 @@ _RL_GPU = {
     "quick": {"repeats": 2, "grpo": {"steps": 30}},
 }
 
+# Notebook 07: the vocabulary-parallel loss on two ranks. "check_shapes": (N, V, D) of the checks
+# against the single-device loss and float64 (the first irregular: V odd, no world size divides it;
+# the second the Qwen3 head); "sizes": tokens N per rank timed at the Qwen3 head, past "budget_s"
+# seconds skipped. "cpu_demo": what a GPU profile runs where this machine has fewer GPUs than
+# "world": the CPU profile's checks on gloo processes, and no timing.
+_VP_CPU_CHECK = {"dtype": "float32", "check_shapes": [(37, 593, 16)]}
+_VP_GPU = {
+    "world": 2, "check_shapes": [(1031, 5003, 136), (2048, QWEN3.V, QWEN3.D)],
+    "V": QWEN3.V, "D": QWEN3.D, "sizes": [16_384, 32_768, 65_536, 131_072],
+    "calls": {"warmup": 2, "repeats": 7}, "budget_s": 480, "cpu_demo": _VP_CPU_CHECK,
+    # A short run: the smallest and the middle size, fewer timed calls (the same checks).
+    "quick": {"sizes": [16_384, 65_536], "calls": {"warmup": 1, "repeats": 3}},
+}
+
 PROFILES: dict[str, Profile] = {
     "cpu": Profile(
         name="cpu",
@@ -220,6 +234,12 @@ PROFILES: dict[str, Profile] = {
                             "train": {"V": 64, "D_s": 16, "D_t": 32, "steps": 25, "tokens": 64, "lr": 5e-2,
                                       "seed": 0, "configs": "turing-64k"}},
             },
+            # Two gloo processes at a tiny head (V = 593, odd, D = 16): the checks, then three token
+            # counts timed once each (about 12 s under the interpreter, where times mean nothing).
+            "07_vocab_parallel": {
+                **_VP_CPU_CHECK, "world": 2, "V": 593, "D": 16, "sizes": [16, 32, 64],
+                "calls": {"warmup": 0, "repeats": 1}, "budget_s": None,
+            },
             "03_convergence": {
                 # Smoke run: under the Triton interpreter a step of ours takes ~0.4 s even at V = 256,
                 # and of Liger's in fp16 ~0.5 s, so pretraining takes 4 steps: enough to run every
@@ -262,6 +282,10 @@ PROFILES: dict[str, Profile] = {
             "01_correctness": {"shapes": _GATE_GPU, "seed": 0, "quick": {"shapes": _GATE_GPU_QUICK}},
             "05_fits": {**_FITS_GPU, "precision": "fp16"},
             "06_rl_and_distillation": {**_RL_GPU, "dtype": "float16"},
+            # Per GPU a T4 (Kaggle's "GPU T4 x2"): fp16, the float64 check at 1,024 tokens of the head
+            # (a T4's float64 is 1/32 of its fp32).
+            "07_vocab_parallel": {**_VP_GPU, "dtype": "float16",
+                                  "check_shapes": [(1031, 5003, 136), (1024, QWEN3.V, QWEN3.D)]},
             # Sized for ~10 minutes on a T4; the gpu profile runs the same sizes in bf16.
             "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "float16", "tolerance_floor": 1e-3},
         },
@@ -290,6 +314,7 @@ PROFILES: dict[str, Profile] = {
             "05_fits": {**_FITS_GPU, "precision": "bf16"},
             "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "bfloat16", "tolerance_floor": 4e-3},
             "06_rl_and_distillation": {**_RL_GPU, "dtype": "bfloat16"},
+            "07_vocab_parallel": {**_VP_GPU, "dtype": "bfloat16"},
         },
     ),
 }
@@ -303,6 +328,7 @@ def _in_fp16(cpu: Profile) -> Profile:
     sections["04_kernel_walkthrough"]["dtype"] = "float16"
     sections["05_fits"]["precision"] = "fp16"
     sections["06_rl_and_distillation"]["dtype"] = "float16"
+    sections["07_vocab_parallel"]["dtype"] = "float16"
     return replace(
         cpu, name="cpu-t4", dtypes=("float16",), sections=sections,
         description="CPU smoke run of the T4's path: the cpu sizes in fp16, Turing-tier kernel configurations "
