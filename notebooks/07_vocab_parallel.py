@@ -47,7 +47,8 @@
 # `helpers.lab.parallel`), which has not run on two GPUs either.
 #
 # Expected run time: about 20 seconds on a CPU (two processes, tiny shapes). On two GPUs it has not
-# been timed: expect a few minutes on two H200s, ten or more on two T4s.
+# been timed: expect a few minutes on two H200s and more on two T4s, where sizes that would start
+# after 8 minutes of timing are skipped (the profile's `budget_s`).
 
 # %% jupyter={"source_hidden": true} tags=["cold-start"]
 # Cold start: make `helpers` importable here, then report what this machine can run.
