@@ -26,9 +26,10 @@ the Triton interpreter computes bf16 wrongly); NCCL on GPUs, gloo on the CPU. Th
    exchange (2 x N floats per rank gathered, N x D bf16 all-reduced), and vp_peak near single_peak
    minus the (V - V_r) x D of dC this rank does not hold.
 
-Apple's vocab-parallel mode (``cut_cross_entropy``'s ``VocabParallelOptions``) is not timed here: the
-package is not among our peers on these machines. The skip rule for the time budget is taken on rank
-0 and broadcast, so that no rank starts a size the others skip. Each rank appends its records to its
+Apple's vocab-parallel mode (``cut_cross_entropy``'s ``VocabParallelOptions``) is not timed here: it is in
+Apple's GitHub code only, not in the released wheel we run (25.1.1 has no vocabulary-parallel
+mode). The skip rule for the time budget is taken on rank 0 and broadcast, so that no rank starts a
+size the others skip. Each rank appends its records to its
 own file as they come (``<out stem>.ranks/rank<r>.jsonl``: a run that dies keeps what it measured);
 at the end every rank's records go into ``--out``.
 """
