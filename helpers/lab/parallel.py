@@ -36,6 +36,7 @@ from helpers.cce import linear_cross_entropy
 from helpers.cce.parallel import vocab_parallel_cross_entropy
 from helpers.compare.measure import apply_memory_cap, measure
 from helpers.compare.results_file import ResultsWriter, read_results, run_meta
+from helpers.compare import units
 from helpers.spec import reference_loss_and_grads, relative_error
 
 # The checks: every exchanged statistic used (the smoothing term's logit sum, the capped logits, the
@@ -98,7 +99,7 @@ def check(N, V, D, dtype, device, rank, world, case="smoothed, capped, ignored",
     pairs = {"loss": (loss, single, loss_64), "dE": (dE, dE_1, dE_64),
              "dC_r": (dC_r, dC_1[rows], dC_64[rows])}
     tolerance = TOLERANCE[dtype]
-    record = dict(case=case, rank=rank, world=world, N=N, V=V, V_r=size, D=D, dtype=_name(dtype),
+    record = dict(case=case, rank=rank, world=world, N=N, V=V, V_r=size, D=D, dtype=units.dtype_name(dtype),
                   owned=int(((x >= start) & (x < start + size)).sum()), tolerance=tolerance)
     ok = True
     for name, (ours, single_device, float64) in pairs.items():
@@ -133,7 +134,7 @@ def time_size(N, V, D, dtype, device, rank, world, calls):
         return loss.detach()
 
     single = measure(single_step, device=device, **calls)
-    record = dict(case=f"time N={N}", rank=rank, world=world, N=N, V=V, V_r=size, D=D, dtype=_name(dtype))
+    record = dict(case=f"time N={N}", rank=rank, world=world, N=N, V=V, V_r=size, D=D, dtype=units.dtype_name(dtype))
     for name, m in (("vp", vp), ("single", single)):
         record[f"{name}_status"] = m.status
         if m.status == "ok":
@@ -293,13 +294,12 @@ def timing_worker(rank, world, device, results, sizes, V, D, dtype_name, calls, 
             results.append(dict(case=f"time N={N}", rank=rank, world=world, N=N, status="skipped (time budget)"))
             continue
         record = time_size(N, V, D, dtype, device, rank, world, calls)
+        # "ok": the size ran (not skipped); each path's own outcome, an out-of-memory among them, is in
+        # its "vp_status" / "single_status".
         results.append({**record, "status": "ok"})
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 __all__ = ["CHECK_CASES", "TOLERANCE", "shard", "inputs", "check", "time_size", "memory_per_rank", "backend_for",
