@@ -8,6 +8,11 @@
   are defined after this module runs, but Triton's own library functions (``tl.max``, ``tl.sum``,
   ...) are defined when triton is imported. If triton came first, they are defined again here so
   that an interpreted kernel can call them.
+- Under the interpreter, ``interpreter_problem``: a Triton whose interpreter turns a scalar into a
+  Python int with ``int(array)``, which NumPy 2.4 and later refuse for its one-element arrays
+  (triton-lang/triton#9171: Triton 3.6 with NumPy 2.5 is one such pair), fails in every kernel that
+  loops to a runtime bound, deep in the kernel ("only 0-dimensional arrays can be converted to
+  Python scalars"). Importing ``helpers`` then raises at once, saying what to install instead.
 - ``HELPERS_PRETEND=<card>`` (set by ``python -m helpers run --pretend <card>``; the older
   ``HELPERS_PRETEND_T4=1`` means ``t4``): this process is a pretend card, its allocator capped at
   the card's memory and its kernels held to the card's shared memory
@@ -42,6 +47,35 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
     if "triton.language" in sys.modules:
         _define_triton_library_for_the_interpreter()
+
+
+
+def interpreter_problem(numpy_version: str, interpreter_source: str) -> str | None:
+    """Why the Triton interpreter whose module source is ``interpreter_source`` cannot run our kernels
+    with this NumPy (None: it can): its tensors' ``__index__`` is ``int(self.handle.data)`` on a
+    one-element array, an error from NumPy 2.4 on (later Triton squeezes the array first)."""
+    major, minor = (int(part) for part in numpy_version.split(".")[:2])
+    if (major, minor) < (2, 4) or "int(self.handle.data)" not in interpreter_source:
+        return None
+    return (f"the Triton interpreter (TRITON_INTERPRET=1, how Triton kernels run on a CPU) of this triton cannot run "
+            f"with numpy {numpy_version}: it converts one-element arrays to Python ints, which numpy 2.4 and later "
+            "refuse (triton-lang/triton#9171), so every kernel looping to a runtime bound fails. Install "
+            "'numpy<2.4', or a triton whose interpreter squeezes the array first (3.9 does)")
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import inspect
+
+    import numpy
+
+    try:
+        import triton.runtime.interpreter as _interpreter
+
+        _problem = interpreter_problem(numpy.__version__, inspect.getsource(_interpreter))
+    except (ImportError, OSError, TypeError, ValueError):  # no triton, or its source is not readable: nothing to judge
+        _problem = None
+    if _problem:
+        raise RuntimeError(_problem)
 
 from helpers.cce.device import pretend, pretended_card  # noqa: E402
 

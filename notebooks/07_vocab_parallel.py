@@ -38,9 +38,10 @@
 # Where it runs. On a machine with two GPUs (Kaggle's "GPU T4 x2", two H200s) it starts two
 # processes, one a GPU, over NCCL, at the Qwen3 head with 16k to 131k tokens per rank; the T4
 # profile runs fp16 and holds each process to a T4's memory. On a machine with one GPU it says that
-# it needs two and runs only the correctness check, on two CPU processes (gloo). On a CPU it runs
-# two gloo processes at a tiny head: the checks mean what they say, the times mean nothing (the
-# Triton kernels run under the interpreter).
+# it needs two and runs only the correctness check, its two processes sharing the GPU over gloo
+# (NCCL takes one GPU a rank); it times nothing. On a CPU it runs two gloo processes at a tiny head:
+# the checks mean what they say, the times mean nothing (the Triton kernels run under the
+# interpreter).
 #
 # **No GPU run of this notebook has been made yet**: two-GPU machines were not available. The GPU
 # path is the one `scripts/gpu/vocab_parallel.py` takes (the same functions,
@@ -204,8 +205,7 @@ S = P.section("07_vocab_parallel")
 world = S["world"]
 gpus = torch.cuda.device_count() if P.device == "cuda" else 0
 on_gpus = P.device == "cuda" and gpus >= world  # NCCL, one GPU a rank
-checks_only = P.device == "cuda" and not on_gpus  # a GPU profile on too few GPUs: the CPU check only
-check_settings = S["cpu_demo"] if checks_only else S
+checks_only = P.device == "cuda" and not on_gpus  # a GPU profile on too few GPUs: the check only, ranks sharing
 backend = "nccl" if on_gpus else "gloo"
 info = helpers.device_info(P.torch_device)
 out = Path(output_dir)
@@ -220,12 +220,12 @@ def save(fig, name):
     fig.savefig(out / name, dpi=120)
 
 
-where = f"one GPU each, {S['dtype']}" if on_gpus else "CPU processes"
+where = ("one GPU each" if on_gpus else f"sharing {gpus} GPU" if checks_only else "CPU processes") + f", {S['dtype']}"
 print(f"profile {P.name}: {info.describe()}; {world} ranks over {backend} ({where})")
 if checks_only:
     display(Markdown(f"**This notebook needs {world} GPUs; this machine has {gpus}.** It runs the correctness "
-                     f"check on {world} CPU processes (gloo, the Triton interpreter, "
-                     f"{check_settings['dtype']}) and times nothing. On Kaggle choose *GPU T4 x2*."))
+                     f"check with its {world} processes sharing the GPU (gloo, {S['dtype']}) and times "
+                     "nothing. On Kaggle choose *GPU T4 x2*."))
 elif P.smoke:
     print(SMOKE_NOTE)
 
@@ -294,8 +294,8 @@ display(Markdown(
 # max(that, 2 × the single-device loss's error) of float64.
 
 # %%
-check_records = parallel.launch(parallel.check_worker, world, check_settings["check_shapes"], check_settings["dtype"],
-                                folder=out / "check", backend=backend)
+check_records = parallel.launch(parallel.check_worker, world, S["check_shapes"], S["dtype"], folder=out / "check",
+                                backend=backend)
 
 
 def check_table(records):
@@ -308,7 +308,7 @@ def check_table(records):
     return "\n".join(rows)
 
 
-display(Markdown(f"{check_settings['dtype']}: relative error against the single-device loss / against float64\n\n"
+display(Markdown(f"{S['dtype']}: relative error against the single-device loss / against float64\n\n"
                  + check_table(check_records)))
 failed = [r for r in check_records if r["status"] != "ok"]
 for r in failed:
@@ -322,7 +322,7 @@ print(f"{len(check_records) - len(failed)} of {len(check_records)} rank checks p
 # refuse them, and its numbers are wrong. Each rank must fail.
 
 # %%
-shifted = parallel.launch(parallel.check_worker, world, check_settings["check_shapes"][:1], check_settings["dtype"],
+shifted = parallel.launch(parallel.check_worker, world, S["check_shapes"][:1], S["dtype"],
                           ["smoothed, capped, ignored"], 1, backend=backend)
 for r in shifted:
     print(f"rank {r['rank']}: dE off the single-device loss by {r['dE_vs_single']:.1e}, dC_r by "
@@ -404,7 +404,7 @@ if largest:
                 f"{largest['N']:,} tokens a rank {arm_cell(largest, 'vp')} against one device's "
                 f"{arm_cell(largest, 'single')}")
 else:
-    headline = (f"{world} CPU ranks (gloo): {checked} against one device and float64; not timed "
+    headline = (f"{world} ranks over {backend} ({where}): {checked} against one device and float64; not timed "
                 f"(needs {world} GPUs, found {gpus})")
 results = {
     "profile": P.name, "device": info.as_dict(), "world": world, "backend": backend, "checks_only": checks_only,
@@ -414,9 +414,9 @@ results = {
 }
 write_json(out / "results.json", results)
 write_report_fragment(out, f"""
-{"**Not timed: this machine has fewer GPUs than ranks; the check ran on CPU processes.**" if checks_only else ""}
+{"**Not timed: this machine has fewer GPUs than ranks; the check ran with the ranks sharing its GPU.**" if checks_only else ""}
 
-### Against one device and float64 ({check_settings['dtype']}): relative errors, single-device / float64
+### Against one device and float64 ({S['dtype']}): relative errors, single-device / float64
 
 {check_table(check_records)}
 
@@ -428,7 +428,7 @@ write_report_fragment(out, f"""
 {chr(10).join('- Finding: ' + f for f in findings)}
 
 {"![Time and peak per rank](vocab_parallel.png)" if timing else ""}
-""", headline=headline, smoke=P.smoke or checks_only)
+""", headline=headline, smoke=P.smoke)
 plt.close("all")
 print(headline)
 print(f"results in {out} ({results['seconds']:.0f} s)")

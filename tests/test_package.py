@@ -188,3 +188,21 @@ def test_the_library_imports_without_the_comparison_the_gate_or_the_suite():
     assert done.stdout.strip() == "", done.stdout
     # and the package's face still offers the registry and the gate, loaded on first use
     assert helpers.get_method("naive").name == "naive" and callable(helpers.run_gate)
+
+
+def test_a_triton_interpreter_that_numpy_breaks_is_named_before_any_kernel_runs():
+    from helpers.env import interpreter_problem
+
+    broken = 'scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))'
+    fixed = 'scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))'
+    why = interpreter_problem("2.5.2", broken)
+    assert why and "numpy 2.5.2" in why and "numpy<2.4" in why
+    assert interpreter_problem("2.4.0", broken)
+    assert interpreter_problem("2.3.5", broken) is None  # a one-element array still converts
+    assert interpreter_problem("2.5.2", fixed) is None
+    import inspect
+
+    import numpy
+    import triton.runtime.interpreter
+
+    assert interpreter_problem(numpy.__version__, inspect.getsource(triton.runtime.interpreter)) is None  # this one runs

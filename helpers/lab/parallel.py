@@ -11,7 +11,9 @@ notebook 07 and ``scripts/gpu/vocab_parallel.py`` share:
   (``helpers.compare.measure.measure``: fixed call counts, so every rank runs the same collectives);
 - ``memory_per_rank``: the bytes a rank holds and exchanges, from the shapes;
 - ``launch(worker, world, ...)``: ``world`` processes, NCCL with one GPU each where this machine has
-  ``world`` GPUs, else gloo on the CPU (the Triton kernels under the interpreter); each rank appends
+  ``world`` GPUs, else gloo: sharing this machine's GPUs where it has any (the kernels compiled for
+  them, the collectives through the host), on the CPU otherwise (the Triton kernels under the
+  interpreter); each rank appends
   its records to its own results file as they come (a run that dies keeps what it measured), and
   ``launch`` returns every rank's records to the caller. The workers below (``check_worker``,
   ``timing_worker``) are what a notebook launches: a worker must be importable, because spawned
@@ -24,7 +26,6 @@ import os
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -169,7 +170,8 @@ def memory_per_rank(N: int, V: int, D: int, world: int, element_bytes: int) -> d
 
 
 def backend_for(world: int) -> str:
-    """"nccl" where this machine has ``world`` GPUs (one each), else "gloo" (CPU processes)."""
+    """"nccl" where this machine has ``world`` GPUs (one each), else "gloo" (ranks sharing its GPUs,
+    or CPU processes where it has none: ``start_rank``)."""
     if dist.is_nccl_available() and torch.cuda.is_available() and torch.cuda.device_count() >= world:
         return "nccl"
     return "gloo"
@@ -177,8 +179,11 @@ def backend_for(world: int) -> str:
 
 def start_rank(rank: int, world: int, backend: str, init_method: str = "env://",
                timeout_s: float = 300) -> torch.device:
-    """Join the process group (NCCL: on GPU ``LOCAL_RANK`` or ``rank``, its allocator capped at 90% of
-    the card, or of the pretend card's memory, as every notebook caps its GPU); return this rank's device."""
+    """Join the process group and return this rank's device. NCCL: GPU ``LOCAL_RANK`` or ``rank``.
+    gloo: GPU ``rank`` mod the GPUs this machine has (NCCL refuses two ranks on one GPU; gloo takes
+    CUDA tensors and exchanges them through the host), or the CPU where it has none. A GPU's allocator
+    is capped at 90% of the card, or of the pretend card's memory, as every notebook caps its GPU,
+    shared equally by the ranks on it."""
     if backend == "nccl":
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
         torch.cuda.set_device(device)
@@ -186,9 +191,16 @@ def start_rank(rank: int, world: int, backend: str, init_method: str = "env://",
         dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s), device_id=device)
         return device
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        device = torch.device(f"cuda:{rank % gpus}")
+        torch.cuda.set_device(device)
+        sharing = len(range(rank % gpus, world, gpus))  # the ranks on this GPU
+        apply_memory_cap(0.9 / sharing, device=device)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
-    return torch.device("cpu")
+    return device
 
 
 def rank_results(folder: str | Path, rank: int) -> Path:
@@ -201,8 +213,9 @@ def launch(worker, world: int, *args, folder: str | Path | None = None, backend:
     """Run ``worker(rank, world, device, results, *args)`` on ``world`` processes and return every
     rank's records, rank 0's first.
 
-    ``backend``: "nccl" (one GPU a rank) or "gloo" (CPU processes); default ``backend_for(world)``.
-    gloo processes see no GPU and run the Triton kernels under the interpreter. ``results`` is a
+    ``backend``: "nccl" (one GPU a rank) or "gloo" (ranks sharing this machine's GPUs, or CPU
+    processes running the Triton kernels under the interpreter where it has none:
+    ``start_rank``); default ``backend_for(world)``. ``results`` is a
     ``ResultsWriter`` on the rank's results file (``rank_results(folder, rank)``; in a temporary
     folder when ``folder`` is None), started with a meta record: the worker appends each record to
     it as it comes (``results.append(record)``). A rank that raises adds a record of status "error";
@@ -217,32 +230,14 @@ def launch(worker, world: int, *args, folder: str | Path | None = None, backend:
         rendezvous = Path(scratch) / "rendezvous"
         for rank in range(world):
             rank_results(folder, rank).unlink(missing_ok=True)
-        with _child_environment(backend):
-            try:
-                mp.spawn(_entry, args=(world, backend, f"file://{rendezvous}", str(folder), timeout_s, worker, args),
-                         nprocs=world)
-            except Exception as error:
-                errors = [r["error"] for r in _read_all(folder, world) if r.get("status") == "error"]
-                raise RuntimeError(f"a rank failed ({'; '.join(errors) or error}); records so far in {folder}") \
-                    from error
+        try:
+            mp.spawn(_entry, args=(world, backend, f"file://{rendezvous}", str(folder), timeout_s, worker, args),
+                     nprocs=world)
+        except Exception as error:
+            errors = [r["error"] for r in _read_all(folder, world) if r.get("status") == "error"]
+            raise RuntimeError(f"a rank failed ({'; '.join(errors) or error}); records so far in {folder}") \
+                from error
         return _read_all(folder, world)
-
-
-@contextmanager
-def _child_environment(backend: str):
-    """The spawned processes' environment (inherited when they start): gloo ranks see no GPU and
-    run the kernels under the interpreter, whatever this process runs on."""
-    changes = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"} if backend == "gloo" else {}
-    before = {name: os.environ.get(name) for name in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _entry(rank, world, backend, init_method, folder, timeout_s, worker, args):
