@@ -39,7 +39,8 @@ def _gate(args) -> int:
     _pretend(args)
     profile = get_profile(args.profile)
     dtypes = tuple(getattr(torch, d) for d in (args.dtypes or profile.dtypes))
-    cases = gate_cases(profile.section("01_correctness")["shapes"])
+    settings = profile.section("01_correctness")
+    cases = gate_cases(settings["shapes"], settings.get("realistic", ()))
     report = run_gate(args.methods, dtypes, cases, raise_on_failure=False, progress=True)
     print(report.markdown())
     if args.output:

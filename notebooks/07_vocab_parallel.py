@@ -43,9 +43,10 @@
 # the checks mean what they say, the times mean nothing (the Triton kernels run under the
 # interpreter).
 #
-# **No GPU run of this notebook has been made yet**: two-GPU machines were not available. The GPU
-# path is the one `scripts/gpu/vocab_parallel.py` takes (the same functions,
-# `helpers.lab.parallel`), which has not run on two GPUs either.
+# **Not yet run on two GPUs** (none were available): on one GPU its check has run, the two ranks
+# sharing an H200 as a T4 (fp16, every rank check ok); the timing has not. The two-GPU path is the
+# one `scripts/gpu/vocab_parallel.py` takes (the same functions, `helpers.lab.parallel`), which has
+# not run on two GPUs either.
 #
 # Expected run time: about 20 seconds on a CPU (two processes, tiny shapes). On two GPUs it has not
 # been timed: expect a few minutes on two H200s and more on two T4s, where sizes that would start

@@ -89,6 +89,13 @@ class Profile:
 _GATE_SMALL = [(37, 257, 24), (53, 1031, 40), (5, 2053, 24)]
 _GATE_GPU = [(257, 5003, 136), (2048, QWEN3.V, QWEN3.D)]  # the second: the Qwen3 head, 2,048 tokens
 _GATE_GPU_QUICK = [(257, 5003, 136), (512, QWEN3.V, QWEN3.D)]  # the Qwen3 head at a quarter of the tokens
+# One more case, realistic targets (frequent tokens the target of many rows: what a gradient summed
+# in 16 bits over chunks of rows gets wrong, and uniform targets hide; helpers.compare.gate.gate_cases),
+# at the Qwen3 head: 4,096 tokens where naive must fit a T4 (its fp32 logits, 2.5 GB) or a run is
+# short, 8,192 on a bigger GPU. On the CPU a tiny head with the same shape of softmax.
+_GATE_REALISTIC_SMALL = [(96, 1031, 24)]
+_GATE_REALISTIC_T4 = [(4096, QWEN3.V, QWEN3.D)]
+_GATE_REALISTIC_GPU = [(8192, QWEN3.V, QWEN3.D)]
 
 # The memory sweep's quick gate on a GPU (the full gate is notebook 01's).
 _SWEEP_GATE_GPU = [(257, 5003, 136), (1031, 32011, 520)]
@@ -205,7 +212,7 @@ PROFILES: dict[str, Profile] = {
                 "shape": (61, 1000, 40), "sparse": (32, 8192, 32), "curve": (256, 32768, 64),
                 "BLOCK_N": 16, "BLOCK_V": 64, "kahan_terms": 2048, "seed": 0,
             },
-            "01_correctness": {"shapes": _GATE_SMALL, "seed": 0},
+            "01_correctness": {"shapes": _GATE_SMALL, "realistic": _GATE_REALISTIC_SMALL, "seed": 0},
             # A tiny Qwen3 on the CPU (its 512-entry vocabulary makes the logits small next to the
             # activations: the smoke run checks the pipeline, not the picture); a simulated 1.3 MB
             # card puts a wall inside the search.
@@ -279,7 +286,8 @@ PROFILES: dict[str, Profile] = {
                 "shape": (1031, 32011, 120), "sparse": (2048, 32768, 128), "curve": (512, QWEN3.V, 64),
                 "BLOCK_N": 32, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
-            "01_correctness": {"shapes": _GATE_GPU, "seed": 0, "quick": {"shapes": _GATE_GPU_QUICK}},
+            "01_correctness": {"shapes": _GATE_GPU, "realistic": _GATE_REALISTIC_T4, "seed": 0,
+                               "quick": {"shapes": _GATE_GPU_QUICK}},
             "05_fits": {**_FITS_GPU, "precision": "fp16"},
             "06_rl_and_distillation": {**_RL_GPU, "dtype": "float16"},
             # Per GPU a T4 (Kaggle's "GPU T4 x2"): fp16, the float64 check at 1,024 tokens of the head
@@ -310,7 +318,8 @@ PROFILES: dict[str, Profile] = {
                 "shape": (1031, 32011, 120), "sparse": (2048, 65536, 128), "curve": (512, QWEN3.V, 64),
                 "BLOCK_N": 64, "BLOCK_V": 64, "kahan_terms": 8192, "seed": 0,
             },
-            "01_correctness": {"shapes": _GATE_GPU, "seed": 0, "quick": {"shapes": _GATE_GPU_QUICK}},
+            "01_correctness": {"shapes": _GATE_GPU, "realistic": _GATE_REALISTIC_GPU, "seed": 0,
+                               "quick": {"shapes": _GATE_GPU_QUICK, "realistic": _GATE_REALISTIC_T4}},
             "05_fits": {**_FITS_GPU, "precision": "bf16"},
             "03_convergence": {**_CONVERGENCE_GPU_SIZES, "compute_dtype": "bfloat16", "tolerance_floor": 4e-3},
             "06_rl_and_distillation": {**_RL_GPU, "dtype": "bfloat16"},

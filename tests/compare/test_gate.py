@@ -163,3 +163,17 @@ def test_facts_give_each_method_its_verdict_per_dtype_it_ran_in(temporary_method
     assert facts["chunked"] == {"gradients": {"float32": "pass", "float16": "pass"}}
     assert facts["wrong"] == {"gradients": {"float32": "fail", "float16": "fail"}}
     assert "apple_cce" not in facts  # unavailable on a CPU: nothing measured, no verdict
+
+
+def test_a_realistic_case_draws_targets_that_repeat():
+    """The realistic case's targets follow a Zipf-shaped softmax: some token is the target of many
+    rows (what a gradient summed in 16 bits over row chunks gets wrong), unlike the uniform cases."""
+    from helpers.compare.gate import case_inputs, gate_cases
+
+    cases = gate_cases([(37, 257, 24)], [(96, 1031, 24)])
+    uniform, realistic = cases[0], cases[-1]
+    assert realistic.regime == "realistic" and realistic.name.endswith("realistic targets")
+    assert all(c.regime == "uniform" for c in cases[:-1]) and len(gate_cases([(37, 257, 24)])) == len(cases) - 1
+    _, _, x, _ = case_inputs(realistic, torch.float32, "cpu", seed=0)
+    _, _, x_uniform, _ = case_inputs(uniform, torch.float32, "cpu", seed=0)
+    assert torch.bincount(x).max() >= 8 > torch.bincount(x_uniform).max()
