@@ -8,8 +8,8 @@ For each named shape, input regime (``helpers.compare.inputs``), dtype and metho
 - achieved TFLOP/s, counting the 3 N×V×D products an exact forward+backward needs at the least
   (6·N·V·D FLOP), against the device's matmul rate measured in the same process.
 
-The correctness gate runs first, on small shapes, for the same methods and dtypes; a method that
-fails it is not timed (``time_failed=True`` times it anyway and marks it, so a peer's speed can be
+The correctness gate runs first, on small shapes and one case of realistic targets, for the same
+methods and dtypes; a method that fails it is not timed (``time_failed=True`` times it anyway and marks it, so a peer's speed can be
 reported beside its accuracy problem). Results go to a results file (``helpers.compare.results_file``:
 JSON Lines, one ``BenchRecord`` a line, appended as they come so that a run that dies keeps what it
 measured); its meta record holds the device (a pretend card's name too), the versions, the command,
@@ -44,6 +44,10 @@ SHAPES = {
 }
 GATE_SHAPES_GPU = [(257, 5003, 136), (1031, 32011, 520)]
 GATE_SHAPES_CPU = [(37, 257, 24)]
+# And notebook 01's case with realistic targets (``helpers.compare.gate.gate_cases``): the Qwen3 head at
+# 4,096 tokens on a GPU, a tiny head on the CPU.
+GATE_REALISTIC_GPU = [(4_096, QWEN3.V, QWEN3.D)]
+GATE_REALISTIC_CPU = [(96, 1_031, 24)]
 
 
 @dataclass
@@ -169,8 +173,9 @@ def run_bench(
     for r in regimes:
         if r not in REGIMES:
             raise ValueError(f"regime must be one of {REGIMES}, got {r!r}")
-    gate_shapes = GATE_SHAPES_GPU if device.type == "cuda" else GATE_SHAPES_CPU
-    report = run_gate(methods, tuple(dtypes), gate_cases(gate_shapes), device=device, raise_on_failure=False)
+    cuda = device.type == "cuda"
+    cases = gate_cases(GATE_SHAPES_GPU if cuda else GATE_SHAPES_CPU, GATE_REALISTIC_GPU if cuda else GATE_REALISTIC_CPU)
+    report = run_gate(methods, tuple(dtypes), cases, device=device, raise_on_failure=False)
     asked = dict(methods=list(methods), shapes=list(shapes), regimes=list(regimes),
                  dtypes=[dtype_name(dt) for dt in dtypes], Ns=Ns, warmup=warmup, repeats=repeats,
                  time_failed=time_failed)

@@ -160,11 +160,15 @@ def _append_point(store: Path, record: dict) -> None:
 
 
 def quick_gate(methods: list[str], dtype: torch.dtype | str, shapes: list[tuple[int, int, int]],
-               device: torch.device | str, seed: int = 0) -> GateReport:
+               device: torch.device | str, seed: int = 0,
+               realistic: list[tuple[int, int, int]] | tuple = ()) -> GateReport:
     """The sweep's quick accuracy gate (the full one is notebook 01's): ``methods`` in ``dtype`` on
     the configuration the sweep calls (mean over tokens, some ignored, no soft cap) at each (N, V, D)
-    of ``shapes``. A failure is recorded, not raised."""
+    of ``shapes``, and with realistic targets (nothing ignored) at each of ``realistic``: notebook
+    01's case that a dC summed in 16 bits over many row chunks fails (``gate_cases``). A failure is
+    recorded, not raised."""
     cases = [GateCase(n, v, d, "mean", "some") for n, v, d in shapes]
+    cases += [GateCase(n, v, d, "mean", "none", regime="realistic") for n, v, d in realistic]
     with quiet_library_warnings():
         return run_gate(methods, (torch_dtype(dtype),), cases, device=device, seed=seed, raise_on_failure=False)
 
@@ -299,7 +303,7 @@ def run_pretend_t4_sweep(
     """The sweep a T4 would run, in this process (``helpers.cce.device.pretend_t4_scope``): the
     allocator capped at ``memory_fraction`` of a T4's memory, our kernels in their T4
     configurations, a method a T4 cannot run refused with the reason, the quick gate run again in
-    the T4's dtype. ``settings``: the profile's ``"t4_sweep"`` (dtype, N, gate_shapes, warmup,
+    the T4's dtype. ``settings``: the profile's ``"t4_sweep"`` (dtype, N, gate_shapes, gate_realistic, warmup,
     repeats, seed; on the CPU, where only the configurations change, cpu_budget_bytes).
     Afterwards the process is as before: its own limits, its own cap."""
     device = torch.device(device)
@@ -308,7 +312,8 @@ def run_pretend_t4_sweep(
         dtype = torch_dtype(settings["dtype"])
         cap = apply_memory_cap(memory_fraction, cpu_budget_bytes=settings.get("cpu_budget_bytes"), device=device)
         Ns = sizes_that_fit(settings["N"], V, D, dtype, cap)
-        plan = plan_methods(methods, quick_gate(methods, dtype, settings["gate_shapes"], device), device, dtype)
+        gate = quick_gate(methods, dtype, settings["gate_shapes"], device, realistic=settings.get("gate_realistic", ()))
+        plan = plan_methods(methods, gate, device, dtype)
         records = run_sweep(plan.swept, Ns, V=V, D=D, dtype=dtype, store=store, memory_cap=cap, device=device,
                             warmup=settings["warmup"], repeats=settings["repeats"], seed=settings["seed"],
                             progress=progress)

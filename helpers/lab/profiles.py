@@ -105,7 +105,7 @@ _SWEEP_GATE_GPU = [(257, 5003, 136), (1031, 32011, 520)]
 # keeps 8,192 (naive's wall) and 16,384 (the article's micro-batch, which the report reads).
 _SWEEP_T4 = {
     "dtype": "float16", "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768],
-    "warmup": 1, "repeats": 5, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0,
+    "warmup": 1, "repeats": 5, "gate_shapes": _SWEEP_GATE_GPU, "gate_realistic": _GATE_REALISTIC_T4, "seed": 0,
     "tradeoff": {"N": [16_384]},  # ours under memory budgets against the others' points
 }
 _SWEEP_T4_QUICK = {"N": [1_024, 4_096, 8_192, 16_384], "repeats": 3}
@@ -199,7 +199,7 @@ PROFILES: dict[str, Profile] = {
             "02_memory_sweep": {
                 "dtype": "float32", "V": 257, "D": 32, "N": [16, 32, 64, 128],
                 "warmup": 0, "repeats": 1, "gate_shapes": [(37, 257, 24), (53, 509, 40)],
-                "cpu_budget_bytes": 300_000, "seed": 0,
+                "gate_realistic": _GATE_REALISTIC_SMALL, "cpu_budget_bytes": 300_000, "seed": 0,
                 "t4_sweep": {"dtype": "float16", "N": [16, 128], "warmup": 0, "repeats": 1,
                              "gate_shapes": [(37, 257, 24)], "cpu_budget_bytes": 300_000, "seed": 0},
                 # The budgets' curve at one N: its pipeline (at V = 257 every budget holds all the logits).
@@ -309,7 +309,8 @@ PROFILES: dict[str, Profile] = {
             "02_memory_sweep": {
                 "dtype": "bfloat16", "V": QWEN3.V, "D": QWEN3.D,
                 "N": [1_024, 2_048, 4_096, 8_192, 16_384, 32_768, 65_536, 131_072],
-                "warmup": 2, "repeats": 7, "gate_shapes": _SWEEP_GATE_GPU, "seed": 0, "t4_sweep": _SWEEP_T4,
+                "warmup": 2, "repeats": 7, "gate_shapes": _SWEEP_GATE_GPU, "gate_realistic": _GATE_REALISTIC_T4,
+                "seed": 0, "t4_sweep": _SWEEP_T4,
                 "tradeoff": {"N": [16_384, 65_536]},
                 "quick": {"N": [1_024, 4_096, 16_384, 65_536], "repeats": 3, "t4_sweep": _SWEEP_T4_QUICK},
             },
