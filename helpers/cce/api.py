@@ -63,6 +63,8 @@ bf16 atomics (fp32 scratch instead: ~0.06-0.2 LB, for the naive path's accuracy)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from helpers.cce.class_weights import check_weight, weighted_reduction
@@ -272,6 +274,8 @@ def linear_cross_entropy(
             schedule = plan_schedule(E_rows, C, bias, plan, memory_budget, return_lse=return_lse)
             if stats is not None:
                 stats.update(schedule.as_stats())
+        if schedule is not None and schedule.gemm_chunks:  # recompute with fewer rows: a tight budget
+            plan = replace(plan, configs=plan.configs.tuned(gemm_chunks=schedule.gemm_chunks))
         if schedule is not None and schedule.name == "forward_grads":
             # A "mean" or a "sum" (class weights make the plan's reduction "none": recompute).
             return ForwardGradsFunction.apply(E_rows, C, x_rows, bias, plan, schedule, stats)

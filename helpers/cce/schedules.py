@@ -40,7 +40,11 @@ memory's bandwidth, plus host time per launch:
                                                                                       a = 4 or b)
 
 with P = 2 N V D FLOP per product and n_E, n_C = 1 for each gradient wanted. A call runs the
-fastest schedule whose predicted extra fits its budget (``choose_schedule``).
+fastest schedule whose predicted extra fits its budget (``choose_schedule``). A budget below the
+recompute plan's own need and every forward_grads chunk's runs the recompute design with fewer rows
+per dE accumulator (``recompute_rows``): less memory, more and smaller products, slower than the
+time model says (it counts launches, not the narrow products: 60 ms measured at 16k tokens and 8,192
+rows against 40 predicted).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from helpers.cce.backward.gemm import gemm_plan
+from helpers.cce.backward.gemm import gemm_chunks, gemm_plan
 from helpers.cce.kernels.configs import CCEConfigs
 
 SCHEDULES = ("recompute", "forward_grads")
@@ -190,6 +194,9 @@ class Schedule:
     logits_dtype: torch.dtype | None = None  # "forward_grads": the dtype its logit chunks are held in
     # "forward_grads": dC accumulated over several chunks in fp32 (True) or in its own dtype (False).
     fp32_dC: bool = True
+    # "recompute" under a budget below its default plan's need: (rows per dE accumulator, columns per
+    # G chunk) for ``HostTuning.gemm_chunks`` (``recompute_rows``); None: the default plan.
+    gemm_chunks: tuple[int, int] | None = None
 
     def as_stats(self) -> dict:
         return {"schedule": self.name, "budget_bytes": self.budget_bytes,
@@ -197,7 +204,8 @@ class Schedule:
                 "predicted_peak_bytes": self.predicted_peak_bytes, "predicted_ms": self.predicted_ms,
                 "why": self.why, "rows": self.rows,
                 "logits_dtype": str(self.logits_dtype).removeprefix("torch.") if self.logits_dtype else None,
-                "dC_accumulator": None if self.name != "forward_grads" else "fp32" if self.fp32_dC else "dtype"}
+                "dC_accumulator": None if self.name != "forward_grads" else "fp32" if self.fp32_dC else "dtype",
+                "gemm_chunks": list(self.gemm_chunks) if self.gemm_chunks else None}
 
 
 def auto_budget_bytes(device: torch.device, lb: int) -> int | None:
@@ -234,6 +242,33 @@ def _least_forward_grads_bytes(N: int, V: int, D: int, itemsize: int, logits_ite
     return least
 
 
+def recompute_rows(N: int, V: int, D: int, dtype: torch.dtype, configs: CCEConfigs, budget: int, *, upcast: bool,
+                   need: tuple[bool, bool, bool]) -> tuple[tuple[int, int], int] | None:
+    """The recompute schedule with fewer rows per dE accumulator than its default plan, where the
+    default's extra memory passes ``budget``: ((rows, columns), extra bytes) for the most rows, down
+    to 1/16 of the default's, that fit (multiples of 256 from 512 rows), or None. Fewer rows shrink
+    dE's fp32 accumulator but narrow the later row chunks' G chunks to the room in dE's rows not yet
+    written, and fold dC once more per row chunk: on an H200 at the Qwen3 head (16k tokens) 8,192
+    rows took 1.12 LB and 60 ms against 1.20 LB and 37 ms, 4,096 rows 1.07 LB and 103 ms
+    (docs/PERFORMANCE.md). The last schedule a tight budget gets, not a fast one."""
+    for chunks in _fewer_rows(N, V, D, dtype, configs):
+        extra = recompute_extra_bytes(N, V, D, dtype.itemsize, configs.tuned(gemm_chunks=chunks), upcast=upcast,
+                                      need=need)
+        if extra <= budget:
+            return chunks, extra
+    return None
+
+
+def _fewer_rows(N: int, V: int, D: int, dtype: torch.dtype, configs: CCEConfigs) -> list[tuple[int, int]]:
+    """``recompute_rows``' candidates, most rows first: (rows, columns) with the default plan's rows
+    divided by 2 to 16 (multiples of 256 from 512 rows), its columns kept."""
+    n_default, v_chunk = configs.host.gemm_chunks or gemm_chunks(N, V, D, dtype, configs.backward_gemm_for(dtype).BLOCK_V)
+    n_default = min(N, n_default)
+    step = 256 if n_default >= 512 else 1
+    rows = sorted({max(step, n_default // k // step * step) for k in range(2, 17)} - {n_default}, reverse=True)
+    return [(r, v_chunk) for r in rows if r < n_default]
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n:,} B"
 
@@ -261,7 +296,22 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
     if budget is None:
         return recompute_schedule(None, "memory_budget='auto' on the CPU means 'min'")
     fits_recompute = recompute[0] <= budget
+
+    def fewer_rows(why_not_forward_grads):  # recompute with fewer rows per dE accumulator, where one fits
+        found = None if fits_recompute else recompute_rows(N, V, D, dtype, configs, budget, upcast=upcast, need=need)
+        if found is None:
+            return None
+        chunks, extra = found
+        ms = 1e3 * recompute_seconds(N, V, D, b, configs.tuned(gemm_chunks=chunks), need)
+        return Schedule("recompute", budget, extra, lb + extra, ms,
+                        f"recompute with {chunks[0]:,} rows per dE accumulator fits {_mib(budget)} ({_mib(extra)}; "
+                        f"its default plan needs {_mib(recompute[0])}, and {why_not_forward_grads}): less memory "
+                        "for more launches and smaller products", gemm_chunks=chunks)
+
     if not_forward_grads:
+        tight = fewer_rows(f"forward_grads cannot run: {not_forward_grads}")
+        if tight is not None:
+            return tight
         if not fits_recompute and memory_budget != "auto":
             raise MemoryBudgetError(
                 f"memory_budget {_mib(budget)}: the recompute schedule needs {_mib(recompute[0])} beyond the inputs, "
@@ -295,15 +345,20 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
                             torch.float32 if bz == 4 else dtype, fp32_dC)
         return recompute_schedule(budget, f"recompute predicted faster ({recompute[1]:.2f} ms) than forward_grads "
                                           f"in {chunks} chunk(s) of {rows:,} rows ({ms:.2f} ms)")
+    least = _least_forward_grads_bytes(N, V, D, b, bz, configs, need)
     if fits_recompute:
-        least = _least_forward_grads_bytes(N, V, D, b, bz, configs, need)
         return recompute_schedule(budget, f"forward_grads needs at least {_mib(least)}, more than the budget "
                                           f"{_mib(budget)}")
+    tight = fewer_rows(f"forward_grads at least {_mib(least)}")
+    if tight is not None:
+        return tight
     if memory_budget == "auto":  # too little free: the least memory, and the allocator decides
         return recompute_schedule(budget, f"memory_budget='auto' ({_mib(budget)} free to take) fits no schedule: "
                                           "the least memory")
-    least = _least_forward_grads_bytes(N, V, D, b, bz, configs, need)
+    fewest = _fewer_rows(N, V, D, dtype, configs)[-1:]
+    least_recompute = recompute_extra_bytes(N, V, D, b, configs.tuned(gemm_chunks=fewest[0]), upcast=upcast,
+                                            need=need) if fewest else recompute[0]
     raise MemoryBudgetError(
         f"memory_budget {_mib(budget)} fits no schedule at N={N:,}, V={V:,}, D={D:,} ({str(dtype)[6:]}): recompute "
-        f"needs {_mib(recompute[0])} and forward_grads at least {_mib(least)} beyond the inputs, dE and dC "
-        f"({_mib(lb)}); give a larger budget or 'min'")
+        f"needs {_mib(recompute[0])} ({_mib(least_recompute)} with its fewest rows per dE accumulator) and "
+        f"forward_grads at least {_mib(least)} beyond the inputs, dE and dC ({_mib(lb)}); give a larger budget or 'min'")
