@@ -47,7 +47,7 @@ GATE_SHAPES_CPU = [(37, 257, 24)]
 # And notebook 01's case with realistic targets (``helpers.compare.gate.gate_cases``): the Qwen3 head at
 # 4,096 tokens on a GPU, a tiny head on the CPU.
 GATE_REALISTIC_GPU = [(4_096, QWEN3.V, QWEN3.D)]
-GATE_REALISTIC_CPU = [(96, 1_031, 24)]
+GATE_REALISTIC_CPU = [(64, 521, 16)]
 
 
 @dataclass

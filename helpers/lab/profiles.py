@@ -93,7 +93,7 @@ _GATE_GPU_QUICK = [(257, 5003, 136), (512, QWEN3.V, QWEN3.D)]  # the Qwen3 head 
 # in 16 bits over chunks of rows gets wrong, and uniform targets hide; helpers.compare.gate.gate_cases),
 # at the Qwen3 head: 4,096 tokens where naive must fit a T4 (its fp32 logits, 2.5 GB) or a run is
 # short, 8,192 on a bigger GPU. On the CPU a tiny head with the same shape of softmax.
-_GATE_REALISTIC_SMALL = [(96, 1031, 24)]
+_GATE_REALISTIC_SMALL = [(64, 521, 16)]
 _GATE_REALISTIC_T4 = [(4096, QWEN3.V, QWEN3.D)]
 _GATE_REALISTIC_GPU = [(8192, QWEN3.V, QWEN3.D)]
 

@@ -170,10 +170,10 @@ def test_a_realistic_case_draws_targets_that_repeat():
     rows (what a gradient summed in 16 bits over row chunks gets wrong), unlike the uniform cases."""
     from helpers.compare.gate import case_inputs, gate_cases
 
-    cases = gate_cases([(37, 257, 24)], [(96, 1031, 24)])
+    cases = gate_cases([(37, 257, 24)], [(64, 521, 16)])
     uniform, realistic = cases[0], cases[-1]
     assert realistic.regime == "realistic" and realistic.name.endswith("realistic targets")
     assert all(c.regime == "uniform" for c in cases[:-1]) and len(gate_cases([(37, 257, 24)])) == len(cases) - 1
     _, _, x, _ = case_inputs(realistic, torch.float32, "cpu", seed=0)
     _, _, x_uniform, _ = case_inputs(uniform, torch.float32, "cpu", seed=0)
-    assert torch.bincount(x).max() >= 8 > torch.bincount(x_uniform).max()
+    assert torch.bincount(x).max() >= 6 > torch.bincount(x_uniform).max()
