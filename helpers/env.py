@@ -49,7 +49,6 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         _define_triton_library_for_the_interpreter()
 
 
-
 def interpreter_problem(numpy_version: str, interpreter_source: str) -> str | None:
     """Why the Triton interpreter whose module source is ``interpreter_source`` cannot run our kernels
     with this NumPy (None: it can): its tensors' ``__index__`` is ``int(self.handle.data)`` on a

@@ -81,7 +81,13 @@ def gate_cases(shapes: list[tuple[int, int, int]],
         ]
     N, V, D = shapes[0]
     cases += [GateCase(N, V, D, "mean", "all"), GateCase(N, V, D, "sum", "all")]
-    return cases + [GateCase(N, V, D, "mean", "none", regime="realistic") for N, V, D in realistic]
+    return cases + realistic_cases(realistic)
+
+
+def realistic_cases(shapes: list[tuple[int, int, int]] | tuple) -> list[GateCase]:
+    """One case with realistic targets (mean, nothing ignored) for each (N, V, D) of ``shapes``:
+    ``gate_cases``' last ones, and the sweep's quick gate's."""
+    return [GateCase(N, V, D, "mean", "none", regime="realistic") for N, V, D in shapes]
 
 
 def case_inputs(case: GateCase, dtype: torch.dtype, device, seed: int):

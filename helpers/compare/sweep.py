@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from helpers.compare.gate import GateCase, GateReport, run_gate
+from helpers.compare.gate import GateCase, GateReport, realistic_cases, run_gate
 from helpers.compare.units import dtype_name, lower_bound_bytes, torch_dtype
 from helpers.compare.inputs import make_inputs
 from helpers.compare.measure import MemoryCap, apply_memory_cap, loss_step, measure, release_memory
@@ -168,7 +168,7 @@ def quick_gate(methods: list[str], dtype: torch.dtype | str, shapes: list[tuple[
     01's case that a dC summed in 16 bits over many row chunks fails (``gate_cases``). A failure is
     recorded, not raised."""
     cases = [GateCase(n, v, d, "mean", "some") for n, v, d in shapes]
-    cases += [GateCase(n, v, d, "mean", "none", regime="realistic") for n, v, d in realistic]
+    cases += realistic_cases(realistic)
     with quiet_library_warnings():
         return run_gate(methods, (torch_dtype(dtype),), cases, device=device, seed=seed, raise_on_failure=False)
 

@@ -296,6 +296,5 @@ def timing_worker(rank, world, device, results, sizes, V, D, dtype_name, calls, 
             torch.cuda.empty_cache()
 
 
-
 __all__ = ["CHECK_CASES", "TOLERANCE", "shard", "inputs", "check", "time_size", "memory_per_rank", "backend_for",
            "start_rank", "rank_results", "launch", "check_worker", "timing_worker"]

@@ -29,6 +29,7 @@ row or two), many with frequent tokens at 65,536 rows. So:
 from __future__ import annotations
 
 import torch
+import triton
 from _common import Checker, finish, script_setup
 
 from helpers.cce import linear_cross_entropy
@@ -79,7 +80,7 @@ def accuracy(head: str, N: int, V: int, D: int, regime: str, device: str, tiny: 
         release_memory(device)
     configs = resolve_configs(None, torch.device(device))
     # About Liger's peak beyond the inputs and LB: one chunk of its rows' 16-bit logits (and 1/8 more).
-    liger_rows = max(1, 1 << max(0, (triton_cdiv(N, triton_cdiv(V, D)) - 1).bit_length()))
+    liger_rows = triton.next_power_of_2(triton.cdiv(N, triton.cdiv(V, D)))
     liger_like = 16 * N + liger_rows * V * dtype.itemsize * 9 // 8
     variants = [(f"ours/budget={b}", dict(memory_budget=b), configs) for b in (BUDGETS if not tiny else ("min",))]
     variants.append((f"ours/dC_in_dtype_{LIGER_CHUNKS}", dict(memory_budget=liger_like),
@@ -111,10 +112,6 @@ def accuracy(head: str, N: int, V: int, D: int, regime: str, device: str, tiny: 
     del ref
     release_memory(device)
     return records
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def rows_per_accumulator(N: int, V: int, D: int, rows: int, device: str, tiny: bool) -> dict:
