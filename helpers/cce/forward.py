@@ -18,6 +18,7 @@ the pilot each split's running sum starts from nothing and its first tiles are a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ from helpers.cce.shared import vocabulary_order
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
 from helpers.cce.kernels.lse_forward import lse_forward_kernel
+from helpers.cce.kernels.row_loss import row_loss_kernel
 from helpers.cce.options import CCEOptions, dot_precision, resolve_configs
 
 
@@ -45,6 +47,8 @@ def cce_forward(
     bias: torch.Tensor | None = None,
     emit_activity: bool = False,
     return_lse: bool = False,
+    counts: torch.Tensor | None = None,
+    counted: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Activity]:
     """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32), from Algorithms 1 and 2; with
     ``emit_activity``, a third element: the ``Activity`` the "sparse" backward needs (the options
@@ -55,6 +59,11 @@ def cce_forward(
     ``configs``: a ``CCEConfigs`` (``linear_cross_entropy`` passes its plan's), a tier's name, or None
     for the device's tier. ``v_splits``: vocabulary splits of the LSE grid; None picks enough to fill the device.
     ``bias``: the head's bias (V,), added to every row's logits; None for none.
+    ``counts``: None, or an int64 (2,) tensor of zeros that gets the kept rows' count and the count of
+    targets outside [0, V) that are not ignore_index (a mean's divisor and the target check), from
+    the first launch (``indexed_dot_kernel``); ``counted`` is called once that launch is queued, so
+    a caller may queue their copy to the host there and wait for that launch alone
+    (``helpers.cce.ops.loss_forward``).
     """
     # E (N, D), C (V, D), x (N,)
     V = C.shape[0]
@@ -63,8 +72,10 @@ def cce_forward(
     fwd, _, dot_cfg = configs.for_dtype(E.dtype)
     softcap = o.softcap if o.softcap is not None else 1.0
 
-    # Algorithm 1: z_{i, x_i}, (N,).
-    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg)
+    # Algorithm 1: z_{i, x_i}, (N,); the counts, which the caller may queue for the host right after.
+    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg, counts)
+    if counted is not None:
+        counted()
 
     # Algorithm 2: lse over vocabulary splits, (SPLITS, N), then merged.
     smoothing = o.label_smoothing > 0
@@ -74,14 +85,14 @@ def cce_forward(
     else:
         lse_split, logit_sum_split, activity = _lse_with_activity(
             E, C, bias, x, target_logit, o, configs, v_splits, softcap, return_lse)
-    lse = torch.logsumexp(lse_split, dim=0) if lse_split.shape[0] > 1 else lse_split[0]
-
-    loss = lse - (1.0 - o.label_smoothing) * target_logit
-    if smoothing:
-        loss = loss - (o.label_smoothing / V) * logit_sum_split.sum(dim=0)
-    if o.z_loss:
-        loss = loss + o.z_loss * lse * lse
-    loss = torch.where(x != o.ignore_index, loss, 0.0)
+    # The splits merged, each row's loss and the counts, in one launch (``row_loss_kernel``).
+    N = x.shape[0]
+    lse, loss = (torch.empty(N, dtype=torch.float32, device=E.device) for _ in range(2))
+    row_loss_kernel[(triton.cdiv(N, ROW_BLOCK),)](
+        lse_split, logit_sum_split, target_logit, x, lse, loss,
+        N, lse_split.shape[0], lse_split.stride(0), x.stride(0), o.ignore_index,
+        1.0 - o.label_smoothing, o.label_smoothing / V, float(o.z_loss),
+        SMOOTHING=smoothing, Z_LOSS=bool(o.z_loss), BLOCK=ROW_BLOCK)
     return (loss, lse) if activity is None else (loss, lse, activity)
 
 
@@ -188,17 +199,19 @@ def cce_forward_rows(
     return RowStatistics(lse, target_logit, None, entropy, row_max, target_split.sum(dim=0))
 
 
-def _indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg) -> torch.Tensor:
-    """Algorithm 1: z_{i, x_i} (N,) fp32, 0 at ignored rows."""
+def _indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Algorithm 1: z_{i, x_i} (N,) fp32, 0 at ignored rows; ``counts`` as ``cce_forward``'s."""
     N, D = E.shape
     target_logit = torch.empty(N, dtype=torch.float32, device=E.device)
     indexed_dot_kernel[(triton.cdiv(N, dot_cfg.BLOCK_N),)](
         E, C, x, target_logit, bias if bias is not None else target_logit,
+        counts if counts is not None else target_logit,
         N, C.shape[0], D,
         E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0),
         o.ignore_index, o.softcap if o.softcap is not None else 1.0, 1.0 / o.temperature,
         HAS_SOFTCAP=o.softcap is not None,
         HAS_BIAS=bias is not None,
+        COUNTS=counts is not None,
         **dot_cfg.tiles("BLOCK_N", "BLOCK_D"), **dot_cfg.launch,
     )
     return target_logit
@@ -215,6 +228,8 @@ def merge_row_stats(lse_split: torch.Tensor, entropy_split: torch.Tensor, max_sp
     entropy = torch.where(w > 0, w * (entropy_split + (lse - lse_split)), 0.0).sum(dim=0)
     return lse, entropy, max_split.amax(dim=0)
 
+
+ROW_BLOCK = 1024  # rows per program of ``row_loss_kernel``
 
 # The most row blocks the grid's second dimension takes (CUDA's limit on gridDim.y).
 MAX_GRID_Y = 65535

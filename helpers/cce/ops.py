@@ -45,7 +45,7 @@ from helpers.cce.backward.rows import RowGradient
 from helpers.cce.forward import cce_forward, cce_forward_outputs
 from helpers.cce.options import CCEPlan, auto_filter_eps, plan_call
 from helpers.cce.shared import read_later
-from helpers.spec import raise_for_targets, targets_out_of_range
+from helpers.spec import raise_for_targets
 
 
 def traceable_backward(backward_impl: str) -> str:
@@ -68,22 +68,24 @@ def loss_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):
     "sparse" backward's bits (None without).
 
     ``check_targets``: raise for a target outside [0, V) that is not ignore_index. It costs one
-    host read of a flag per call: on a GPU the copy is queued after the forward's kernels and waited
-    for at the end (``read_later``), so the GPU does not idle, but the host waits for the forward
-    to finish before it can queue anything after the loss."""
+    host read of a count per call, made by the forward's first launch: the host waits for that
+    launch (not the forward's products) once it has queued the rest, so the GPU does not idle."""
     options = plan.options
     V = C.shape[0]
-    # Read once the forward's kernels are queued (they read row 0 for a target out of range).
-    out_of_range = read_later(targets_out_of_range(x, V, options.ignore_index)) if check_targets else None
+    # The kept rows and the targets out of range, counted by the forward's first launch; their copy to
+    # the host is queued right after it and read once the rest is queued (a wait for that launch only).
+    counts = torch.zeros(2, dtype=torch.int64, device=x.device)
+    reads = []
+    counted = (lambda: reads.append(read_later(counts[1]))) if check_targets else None
     activity = None
     if plan.emit_activity:  # the "sparse" backward's bits (``CCEPlan.emit_activity``)
         loss_rows, lse, activity = cce_forward(E, C, x, options, plan.configs, bias=bias, emit_activity=True,
-                                               return_lse=plan.return_lse)
+                                               return_lse=plan.return_lse, counts=counts, counted=counted)
     else:
-        loss_rows, lse = cce_forward(E, C, x, options, plan.configs, bias=bias)
-    if check_targets:
-        raise_for_targets(x, V, options.ignore_index, out_of_range())
-    n_kept = (x != options.ignore_index).sum()
+        loss_rows, lse = cce_forward(E, C, x, options, plan.configs, bias=bias, counts=counts, counted=counted)
+    if check_targets:  # the forward's kernels read C's row 0 for a target out of range
+        raise_for_targets(x, V, options.ignore_index, reads[0]())
+    n_kept = counts[0]
     if options.reduction == "none":
         loss = loss_rows
     elif options.reduction == "sum":

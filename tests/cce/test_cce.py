@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 import helpers.cce.backward.gemm  # noqa: E402
-from helpers.cce.kernels.configs import HostTuning  # noqa: E402
+from helpers.cce.kernels.configs import HostTuning, tier  # noqa: E402
 from helpers.cce.options import resolve_configs  # noqa: E402
 from helpers.cce import (  # noqa: E402
     CCEOptions,
@@ -311,14 +311,20 @@ def test_gemm_products_as_on_a_gpu(mode, n_chunk):
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("need_dE", [True, False])
-def test_gemm_plan_keeps_G_where_nothing_is_live(N, V, D, block_v, v_chunk, max_cols, rows_chunk, dtype, need_dE):
+@pytest.mark.parametrize("share", [0.0, 0.08])
+def test_gemm_plan_keeps_G_where_nothing_is_live(N, V, D, block_v, v_chunk, max_cols, rows_chunk, dtype, need_dE,
+                                                 share):
     """Each G chunk of ``gemm_plan`` lies in dE's rows not yet written (from the row chunk's first
     free row), in dC's rows after its own chunk (first row chunk only), or in the buffer; the chunks
-    cover the vocabulary in order, tile-aligned but the last; 16-bit inputs with dE wanted never
-    need the buffer when D holds a tile."""
+    cover the vocabulary in order, tile-aligned but the last; without a buffer share, 16-bit inputs
+    with dE wanted never need the buffer when D holds a tile; with one, the buffer and dE's
+    accumulator stay within it (or the buffer is the fallback's, ``v_chunk`` wide)."""
     gemm = helpers.cce.backward.gemm
-    host = HostTuning(gemm_chunks=(rows_chunk, v_chunk), g_in_place_bytes=max_cols * rows_chunk * dtype.itemsize)
+    host = HostTuning(gemm_chunks=(rows_chunk, v_chunk), g_in_place_bytes=max_cols * rows_chunk * dtype.itemsize,
+                      g_buffer_lb_share=share)
     plan = gemm.gemm_plan(N, V, D, dtype, block_v, need_dE=need_dE, host=host)
+    lb = (need_dE * N + V) * D * dtype.itemsize
+    accumulator = rows_chunk * D * 4 if need_dE and dtype != torch.float32 else 0
     places = set()
     for n0, n1, chunks in plan.row_chunks:
         rows = n1 - n0
@@ -334,22 +340,40 @@ def test_gemm_plan_keeps_G_where_nothing_is_live(N, V, D, block_v, v_chunk, max_
             elif place == "dC":
                 assert n0 == 0 and rows * cols <= (V - v1) * D  # after dC[v0:v1], inside dC
             else:
-                assert cols <= v_chunk
-    if dtype != torch.float32 and need_dE and D >= block_v:
+                assert cols <= v_chunk or rows * cols * dtype.itemsize + accumulator <= share * lb
+    if dtype != torch.float32 and need_dE and D >= block_v and share == 0:
         assert "buffer" not in places
     assert plan.buffer_elements == 0 or "buffer" in places
 
 
+@pytest.mark.parametrize("N, chunks_without, chunks_with", [(128, 4, 2), (1024, 9, 5)])
+def test_gemm_plan_buffer_ends_the_narrowing_tail(N, chunks_without, chunks_with):
+    """With few tokens at the Qwen3 head dC's room halves chunk by chunk (9 G launches at 1,024 tokens);
+    the buffer share ends that tail in fewer launches, and the predicted peak stays under 1.1 LB."""
+    from helpers.cce.schedules import lower_bound_bytes, recompute_extra_bytes
+
+    shipped = tier("hopper-227k")
+    lb = lower_bound_bytes(N, QWEN3.V, QWEN3.D, 2)
+    for share, want in ((0.0, chunks_without), (shipped.host.g_buffer_lb_share, chunks_with)):
+        configs = shipped.tuned(g_buffer_lb_share=share)
+        plan = helpers.cce.gemm_plan(N, QWEN3.V, QWEN3.D, torch.bfloat16, configs.backward_gemm_for(torch.bfloat16).BLOCK_V,
+                                     host=configs.host)
+        assert len(plan.row_chunks[0][2]) == want
+        assert recompute_extra_bytes(N, QWEN3.V, QWEN3.D, 2, configs) <= 0.1 * lb
+
+
 @pytest.mark.parametrize("mode", ["rounded", "upcast"])
-@pytest.mark.parametrize("dtype, need, n_chunk", [
-    (torch.float16, (True, True, False), None),  # G in dC's rows, then dE's
-    (torch.float16, (True, True, True), 16),  # several row chunks: dE's later rows; db
-    (torch.float32, (True, True, False), None),  # no room in dE: dC's rows, then the buffer
-    (torch.float16, (False, True, False), None),  # a frozen body: no dE
+@pytest.mark.parametrize("dtype, need, n_chunk, share", [
+    (torch.float16, (True, True, False), None, 0.0),  # G in dC's rows, then dE's
+    (torch.float16, (True, True, False), None, 0.5),  # all three places
+    (torch.float16, (True, True, True), 16, 0.0),  # several row chunks: dE's later rows; db
+    (torch.float32, (True, True, False), None, 0.0),  # no room in dE: dC's rows, then the buffer
+    (torch.float16, (False, True, False), None, 0.0),  # a frozen body: no dE
 ])
-def test_every_place_of_G_gives_the_reference(mode, dtype, need, n_chunk):
+def test_every_place_of_G_gives_the_reference(mode, dtype, need, n_chunk, share):
     """Wide chunks in place (``HostTuning.g_in_place_bytes`` small enough for several), against float64."""
-    configs = tier_with(product_mode=mode, gemm_chunks=(n_chunk or 61, 32), g_in_place_bytes=61 * 96 * dtype.itemsize)
+    configs = tier_with(product_mode=mode, gemm_chunks=(n_chunk or 61, 32), g_in_place_bytes=61 * 96 * dtype.itemsize,
+                        g_buffer_lb_share=share)
     E, C, x = make_inputs(dtype, n=61, v=701, d=64, ignore=[3, 20])
     bias = torch.randn(701, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE) if need[2] else None
     go = upstream("none", n=61)
@@ -371,9 +395,10 @@ def test_every_place_of_G_gives_the_reference(mode, dtype, need, n_chunk):
     if need[2]:
         assert relative_error(db, b64.grad) < TOL[dtype]
     places = stats["g_places"]
-    expected = {(torch.float16, True, None): ("dC", "dE"), (torch.float16, True, 16): ("dC", "dE"),
-                (torch.float32, True, None): ("dC", "buffer"), (torch.float16, False, None): ("dC", "buffer")}
-    assert {p for p, k in places.items() if k} == set(expected[(dtype, need[0], n_chunk)]), places
+    expected = {(torch.float16, True, None, 0.0): ("dC", "dE"), (torch.float16, True, None, 0.5): ("dC", "dE", "buffer"),
+                (torch.float16, True, 16, 0.0): ("dC", "dE"), (torch.float32, True, None, 0.0): ("dC", "buffer"),
+                (torch.float16, False, None, 0.0): ("dC", "buffer")}
+    assert {p for p, k in places.items() if k} == set(expected[(dtype, need[0], n_chunk, share)]), places
 
 
 def test_gemm_chunks_bound_the_scratch():
@@ -506,3 +531,47 @@ def test_the_persistent_g_kernel_gives_the_same_bits(tma, subtile, filtered, sor
     (dE1, dC1, _), s1 = results[1]
     assert torch.equal(dE0, dE1) and torch.equal(dC0, dC1)
     assert s0["tiles"] == s1["tiles"] and s0.get("skipped") == s1.get("skipped")
+
+
+def _row_gradient_torch(grad_rows, grad_lse, kept, lse, z_loss, label_smoothing):
+    """``RowGradient.of`` as the torch expressions its kernels replaced: (w, w_rel, w_scale, coef)."""
+    g = torch.where(kept, grad_rows.to(torch.float32), 0.0)
+    h = grad_lse.to(torch.float32) if grad_lse is not None else torch.zeros_like(g)
+    w = torch.maximum(g.abs(), h.abs())
+    safe = torch.where(w > 0, w, 1.0)
+    coef = torch.stack([(g * (1.0 + 2.0 * z_loss * lse) + h) / safe, g * (1.0 - label_smoothing) / safe,
+                        g * label_smoothing / safe])
+    w_scale = w.amax().reshape(1)
+    return w, torch.where(w_scale > 0, w / w_scale, 0.0), w_scale, coef
+
+
+@pytest.mark.parametrize("N", [1, 37, 2500])
+@pytest.mark.parametrize("case", ["mean", "none", "lse", "nan", "all_ignored"])
+def test_row_gradient_kernels_match_the_torch_expressions(N, case):
+    """``RowGradient.of``'s two kernels give the torch expressions' values: a mean's expanded scalar, a
+    "none" gradient in bf16, a gradient into the lse, a NaN at a kept row (NaN w and w_scale, as torch
+    gives), every row ignored (w_scale 0, w_rel 0); more rows than one program's block. The same bits
+    under the interpreter; on a GPU within fp32's rounding (a compiled kernel divides and fuses
+    multiply-adds as the hardware does)."""
+    from helpers.cce.backward.rows import RowGradient
+
+    gen = torch.Generator().manual_seed(N)
+    lse = torch.randn(N, generator=gen).to(DEVICE)
+    kept = (torch.rand(N, generator=gen) > 0.3).to(DEVICE)
+    grad_lse = torch.randn(N, generator=gen).to(DEVICE) if case in ("lse", "nan") else None
+    if case in ("mean", "all_ignored"):
+        grad_rows = torch.full((1,), 0.01, device=DEVICE).expand(N)
+        if case == "all_ignored":
+            kept[:] = False
+    else:
+        grad_rows = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE)
+    if case == "nan":
+        grad_rows[N // 2], kept[N // 2] = float("nan"), True
+    options = resolve_options(torch.float32, z_loss=1e-3, label_smoothing=0.1)
+    up = RowGradient.of(grad_rows, grad_lse, kept, lse, options)
+    want = _row_gradient_torch(grad_rows, grad_lse, kept, lse, options.z_loss, options.label_smoothing)
+    rtol = 0.0 if DEVICE == "cpu" else 1e-6
+    for got, expected in zip((up.w, up.w_rel, up.w_scale, up.coef), want):
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=0.0, equal_nan=True)
+    assert up.uniform == (case in ("mean", "all_ignored") or N == 1 and grad_lse is None)
+    assert bool(up.w_scale.isnan()) == (case == "nan")

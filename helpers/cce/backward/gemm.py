@@ -63,7 +63,7 @@ G_PLACES = ("dE", "dC", "buffer")
 
 
 def vocab_chunks(rows: int, V: int, D: int, v_chunk: int, block_v: int, max_cols: int, *,
-                 dE_free: int, dC_free: bool) -> list[tuple[int, int, str]]:
+                 dE_free: int, dC_free: bool, buffer_cols: int = 0) -> list[tuple[int, int, str]]:
     """The vocabulary chunks of one row chunk of ``rows`` rows: (v0, v1, where G_c lives), in order.
 
     G_c (rows x (v1 - v0) in E's dtype) is written where the backward has not yet written anything:
@@ -74,8 +74,10 @@ def vocab_chunks(rows: int, V: int, D: int, v_chunk: int, block_v: int, max_cols
     scratch of rows x v_chunk. In place a chunk is as wide as its place allows (dC's room shrinks
     as the chunks advance: cols <= (V - v0) D / (rows + D)), up to ``max_cols``, and taken when at
     least min(v_chunk, the columns left, D) wide (D, rounded down to ``block_v``: what the row
-    chunk's own dE rows hold), so that 16-bit inputs with dE wanted need no buffer. Widths are
-    multiples of ``block_v`` but the last.
+    chunk's own dE rows hold), so that 16-bit inputs with dE wanted need no buffer. A buffer of
+    ``buffer_cols`` columns (``gemm_plan``: memory the plan may spend under its peak's cap) is
+    taken where it is wider than both places: dC's room halves chunk by chunk when rows ~ D, and
+    the buffer ends that tail in one chunk. Widths are multiples of ``block_v`` but the last.
     """
     chunks, v0 = [], 0
     while v0 < V:
@@ -86,7 +88,8 @@ def vocab_chunks(rows: int, V: int, D: int, v_chunk: int, block_v: int, max_cols
             return left if cols >= left else cols // block_v * block_v
 
         cols, place = max((fit(dE_free // rows), "dE"),
-                          (fit(left * D // (rows + D)) if dC_free else 0, "dC"))  # (V - v1) D >= rows cols
+                          (fit(left * D // (rows + D)) if dC_free else 0, "dC"),  # (V - v1) D >= rows cols
+                          (fit(buffer_cols), "buffer"))  # on a tie, a place in dE or dC (no memory)
         if cols == 0 or cols < min(v_chunk, left, D // block_v * block_v):
             cols, place = min(v_chunk, left), "buffer"
         chunks.append((v0, v0 + cols, place))
@@ -122,20 +125,29 @@ def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk:
     ``gemm_chunks``'s budgets. In place, chunks go up to ``host.g_in_place_bytes`` wide, but never
     past v_chunk where the caller chose it or a scratch follows the width (the sort's gathered C,
     FullC/FullE's unfiltered G: ``split``). dC's rows are free for G only in the first row chunk of
-    an unsorted vocabulary."""
+    an unsorted vocabulary. Where dE's accumulator leaves room under ``host.g_buffer_lb_share`` x LB,
+    a G buffer takes the rest (few tokens: 5 G chunks instead of 9 at the Qwen3 head, 1,024 tokens;
+    none from ~8,192 tokens there, where the accumulator alone is past it)."""
     default_n, default_v = host.gemm_chunks or gemm_chunks(N, V, D, dtype, block_v)
     n_chunk = min(N, n_chunk or default_n)
     max_cols = (v_chunk if v_chunk else
                 default_v if sorted_vocab or split else
                 max(default_v, host.g_in_place_bytes // (n_chunk * dtype.itemsize)))
     v_chunk = min(V, v_chunk or default_v)
+    buffer_cols = 0
+    if not (sorted_vocab or split) and host.g_buffer_lb_share > 0:
+        # A G buffer within the peak's cap: share x LB less dE's fp32 accumulator (16-bit inputs).
+        lb = (need_dE * N + need_dC * V) * D * dtype.itemsize
+        accumulator = n_chunk * D * 4 if need_dE and dtype != torch.float32 else 0
+        buffer_cols = min(max_cols, max(0, int(host.g_buffer_lb_share * lb) - accumulator)
+                          // (n_chunk * dtype.itemsize))
     row_chunks = []
     for n0 in range(0, N, n_chunk):
         n1 = min(N, n0 + n_chunk)
         first_free = n0 if dtype != torch.float32 else n1  # fp32: dE's own rows accumulate
         chunks = vocab_chunks(n1 - n0, V, D, v_chunk, block_v, max_cols,
                               dE_free=(N - first_free) * D if need_dE else 0,
-                              dC_free=need_dC and not sorted_vocab and n0 == 0)
+                              dC_free=need_dC and not sorted_vocab and n0 == 0, buffer_cols=buffer_cols)
         row_chunks.append((n0, n1, chunks))
     return GemmPlan(n_chunk, v_chunk, row_chunks)
 
@@ -251,8 +263,9 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # The Triton kernel records its tiles only with the filter on; the Gluon kernel always does (a
     # one-entry buffer there was overrun: its records landed on whatever came next in memory).
     tile_kept = torch.empty(tiles_max if filtering or pingpong else 1, dtype=torch.int8, device=device)
-    skipped = torch.zeros((), dtype=torch.int64, device=device)
-    dead_chunks = torch.zeros((), dtype=torch.int64, device=device)  # chunks with every tile skipped
+    counting = stats is not None and filtering  # the filter's counts, only where asked (two launches fewer)
+    skipped = torch.zeros((), dtype=torch.int64, device=device) if counting else None
+    dead_chunks = torch.zeros((), dtype=torch.int64, device=device) if counting else None  # every tile skipped
     dE = torch.empty(N, D, dtype=dtype, device=device) if need_dE else None
     dC = torch.empty(V, D, dtype=dtype, device=device) if need_dC else None
     db_acc = torch.zeros(V, dtype=torch.float32, device=device) if need_db else None
@@ -281,7 +294,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         rows = n1 - n0
         E_rows = E[n0:n1]  # (rows, D)
         if need_dE:
-            dE_rows = (dE_acc[:rows] if low_precision else dE[n0:n1]).zero_()  # (rows, D) fp32
+            dE_rows = dE_acc[:rows] if low_precision else dE[n0:n1]  # (rows, D) fp32, set by the first product
         # dC's operand, (rows, D) in the dtype: E (every row's weight the same), w_rel E (rounded as the
         # "atomic" kernel rounds G w_rel for dC), or w E where alpha cannot be read (module doc).
         E_op = (None if not need_dC else
@@ -297,7 +310,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         pp_descs = ({"E": pingpong.pingpong_descriptor(E_rows, pingpong.BLOCK_N, pingpong.BLOCK_D),
                      "C": pingpong.pingpong_descriptor(C, pingpong.BLOCK_V, pingpong.BLOCK_D)}
                     if pingpong and descriptors else None)
-        for v0, v1, place in chunks:
+        for k, (v0, v1, place) in enumerate(chunks):
             cols = v1 - v0
             # G_c's storage (``vocab_chunks``): dE's rows from the first not yet written, dC's
             # rows after this chunk's, or the buffer.
@@ -348,7 +361,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                     **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
                 )
             counters["tiles"] += tiles
-            if stats is not None and filtering:
+            if counting:
                 skipped += (tile_kept[:tiles] == 0).sum()
                 dead_chunks += (tile_kept[:tiles] == 0).all()
             G_dE = G_exact if o.full_e else G  # FullE: dE exact; FullC: dC (and db) exact
@@ -357,8 +370,8 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
             if need_dE:
                 C_c = (torch.index_select(C, 0, where, out=C_sorted_buf[:cols]) if vocab_order is not None
                        else C[v0:v1])  # (V_c, D)
-                # 2. dE_acc += G_c C_c: (rows, V_c) @ (V_c, D), fp32 output.
-                fp32_product(dE_rows, G_dE, C_c, alpha=1.0, accumulate=True, mode=mode)
+                # 2. dE_acc (+)= G_c C_c: (rows, V_c) @ (V_c, D), fp32 output (set by the row chunk's first).
+                fp32_product(dE_rows, G_dE, C_c, alpha=1.0, accumulate=k > 0, mode=mode)
             if need_db:
                 # db[v0:v1] += G_c^T w_rel: (V_c, rows) @ (rows, 1), fp32; times w_scale at the end.
                 db_rows = db_rows_buf[:cols]
@@ -394,7 +407,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
             dE_rows.mul_(up.w[n0:n1, None])
 
     if stats is not None:
-        stats.update(counters, skipped=int(skipped.item()), dead_chunks=int(dead_chunks.item()),
-                     products=mode)
+        stats.update(counters, skipped=int(skipped.item()) if counting else 0,
+                     dead_chunks=int(dead_chunks.item()) if counting else 0, products=mode)
     db = (db_acc * up.w_scale).to(bias.dtype) if need_db else None
     return dE, dC, db

@@ -18,8 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
+from helpers.cce.kernels.row_weights import row_scale_kernel, row_weights_kernel
 from helpers.cce.options import CCEOptions
+
+ROW_BLOCK = 1024  # rows per program of the row-weight kernels
 
 
 @dataclass(frozen=True)
@@ -36,17 +40,22 @@ class RowGradient:
     def of(cls, grad_rows: torch.Tensor, grad_lse: torch.Tensor | None, kept: torch.Tensor,
            lse: torch.Tensor, o: CCEOptions) -> RowGradient:
         """grad_rows: (N,) the loss's upstream gradient per row (an expanded scalar for a mean or a
-        sum); grad_lse: (N,) the gradient flowing into the returned lse, or None."""
-        g = torch.where(kept, grad_rows.to(torch.float32), 0.0)
-        h = grad_lse.to(torch.float32) if grad_lse is not None else torch.zeros_like(g)
-        w = torch.maximum(g.abs(), h.abs())
-        safe = torch.where(w > 0, w, 1.0)
-        coef = torch.stack([(g * (1.0 + 2.0 * o.z_loss * lse) + h) / safe,
-                            g * (1.0 - o.label_smoothing) / safe,
-                            g * o.label_smoothing / safe])
-        w_scale = w.amax().reshape(1)
-        w_rel = torch.where(w_scale > 0, w / w_scale, 0.0)
+        sum); grad_lse: (N,) the gradient flowing into the returned lse, or None. Two launches
+        (``helpers.cce.kernels.row_weights``: with few tokens the host's launches bound the backward)."""
+        N = lse.shape[0]
+        device = lse.device
+        w, w_rel = (torch.empty(N, dtype=torch.float32, device=device) for _ in range(2))
+        coef = torch.empty(3, N, dtype=torch.float32, device=device)
+        w_scale = torch.empty(1, dtype=torch.float32, device=device)
+        blocks = triton.cdiv(N, ROW_BLOCK)
+        block_max = torch.empty(blocks, dtype=torch.float32, device=device)
         uniform = grad_lse is None and (grad_rows.numel() == 1 or grad_rows.stride(0) == 0)
+        grad_rows = grad_rows.expand(N)
+        row_weights_kernel[(blocks,)](
+            grad_rows, grad_lse if grad_lse is not None else lse, kept, lse, w, coef, block_max,
+            N, grad_rows.stride(0), grad_lse.stride(0) if grad_lse is not None else 0, kept.stride(0),
+            coef.stride(0), float(o.z_loss), float(o.label_smoothing), HAS_H=grad_lse is not None, BLOCK=ROW_BLOCK)
+        row_scale_kernel[(blocks,)](w, block_max, w_rel, w_scale, N, blocks, BLOCK=ROW_BLOCK, MAX_BLOCK=1024)
         return cls(w, w_rel, w_scale, uniform, coef)
 
     @classmethod

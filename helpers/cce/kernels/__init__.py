@@ -9,6 +9,9 @@
   (Gluon);
 - ``row_gradient.py``: a row's lse, loss and G over a chunk of whole rows of logits (the three-product
   schedule, ``helpers.cce.forward_grads``);
+- ``row_loss.py``: the forward's last step, each row's lse from its splits, its loss, and the kept
+  and out-of-range counts, in one launch; ``row_weights.py``: each row's upstream weight and gradient
+  coefficients for the backward, in two (with few tokens the host's launches bound the loss);
 - ``atomic_gradients.py``: dE and dC added with fp32 atomics, Algorithms 3-4 in one kernel (the
   "atomic" backward);
 - ``pair_list.py``: the marked (row, tile) pairs of the forward's activity bits, listed by tile;

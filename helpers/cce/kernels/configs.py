@@ -65,6 +65,10 @@ class HostTuning:
     # fp32 accumulator (a read-add-write per chunk), at no memory. Measured on an H200:
     # docs/performance-history.md, "G in place".
     g_in_place_bytes: int = 256 * MiB
+    # The G buffer and dE's fp32 accumulator together up to this share of LB (dE and dC's bytes): with
+    # few tokens the accumulator is small, and a buffer ends the tail of ever narrower in-place chunks
+    # (dC's room halves per chunk when the rows are about D) in one launch (``gemm_plan``). 0: none.
+    g_buffer_lb_share: float = 0.08
     # The G kernel reads E and C and writes G through tensor descriptors (``LaunchConfig.tma``) only
     # for vocabulary chunks whose three products (6 rows v_chunk D FLOP) take longer than the host's
     # launches for the chunk: descriptor arguments cost the host time per launch, and only chunks

@@ -2,6 +2,9 @@
 
 The target logit of each row, read without forming the row of logits: one gather of C's target
 row per token, N * D multiply-adds in all. Reference: ``reference_logits(E, C, softcap)[i, x[i]]``.
+With COUNTS it also counts the kept rows (a mean's divisor) and the targets outside [0, V) that are
+not ignored (the host's check), as the first launch of the forward, so that the host waits for it
+alone before it raises or goes on.
 """
 
 import triton
@@ -15,6 +18,7 @@ def indexed_dot_kernel(
     # pointers
     E_ptr, C_ptr, x_ptr, out_ptr,  # E (N, D), C (V, D), x (N,), out (N,) fp32
     bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
+    counts_ptr,  # (2,) int64 zeros: kept rows, targets out of range (COUNTS only)
     # sizes
     N, V, D,
     # strides
@@ -26,15 +30,20 @@ def indexed_dot_kernel(
     BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    COUNTS: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     x = tl.load(x_ptr + rows * stride_x, mask=row_mask, other=ignore_index).to(tl.int64)
     kept = row_mask & (x != ignore_index)
     # Ignored rows read C's row 0 instead of an out-of-range one; their value is never used. So
-    # does a target outside [0, V): the host checks the range while this runs and raises before
-    # returning anything (``helpers.cce.api``), so no launch may read out of bounds meanwhile.
-    x = tl.where(kept & (x >= 0) & (x < V), x, 0)
+    # does a target outside [0, V): the host reads the count below once this launch is done and
+    # raises before returning anything (``helpers.cce.ops``), so no launch may read out of bounds.
+    inside = (x >= 0) & (x < V)
+    if COUNTS:  # exact in any order: int64 atomics
+        tl.atomic_add(counts_ptr, tl.sum(kept.to(tl.int64), axis=0))
+        tl.atomic_add(counts_ptr + 1, tl.sum((kept & ~inside).to(tl.int64), axis=0))
+    x = tl.where(kept & inside, x, 0)
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):

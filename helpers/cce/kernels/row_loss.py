@@ -1,0 +1,49 @@
+"""The forward's last step in one launch: each row's lse from its vocabulary splits, and its loss.
+
+With few tokens the forward is bound by the host's launches (docs/PERFORMANCE.md, "1,024 tokens"):
+the merge of the splits (``torch.logsumexp``: several kernels) and the loss's assembly were ~10
+element-wise torch launches of N elements. Per row i (one program per BLOCK rows):
+
+    m = max_k lse_split[k, i] (0 where every split is -inf);  lse_i = m + log sum_k exp(lse_split[k, i] - m)
+    loss_i = lse_i - (1 - ls) z_{i, x_i} - (ls / V) sum_k logit_sum_split[k, i] + zl lse_i^2,  0 at an ignored row
+
+Reference: the forward's tests against float64 (tests/cce/test_cce.py).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def row_loss_kernel(
+    # lse_split, logit_sum_split (SPLITS, N) fp32, rows stride_split apart (logit_sum_split: any
+    # pointer without SMOOTHING); target logit (N,) fp32; x (N,) targets.
+    lse_split_ptr, logit_sum_split_ptr, target_ptr, x_ptr,
+    # Outputs: lse, loss (N,) fp32.
+    lse_ptr, loss_ptr,
+    N, splits, stride_split, stride_x, ignore_index,
+    target_weight, smoothing_weight, z_loss,
+    SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < N
+    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    for k in range(0, splits):
+        m = tl.maximum(m, tl.load(lse_split_ptr + k * stride_split + rows, mask=inside, other=0.0))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    logit_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, splits):
+        total += tl.exp(tl.load(lse_split_ptr + k * stride_split + rows, mask=inside, other=0.0) - m)
+        if SMOOTHING:
+            logit_sum += tl.load(logit_sum_split_ptr + k * stride_split + rows, mask=inside, other=0.0)
+    lse = m + tl.log(total)
+    x = tl.load(x_ptr + rows * stride_x, mask=inside, other=ignore_index)
+    kept = x != ignore_index
+    loss = lse - target_weight * tl.load(target_ptr + rows, mask=inside, other=0.0)
+    if SMOOTHING:
+        loss = loss - smoothing_weight * logit_sum
+    if Z_LOSS:  # only where asked: 0 x lse^2 would make an infinite lse's loss NaN
+        loss = loss + z_loss * lse * lse
+    tl.store(lse_ptr + rows, lse, mask=inside)
+    tl.store(loss_ptr + rows, tl.where(kept, loss, 0.0), mask=inside)

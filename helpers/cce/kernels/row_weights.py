@@ -1,0 +1,81 @@
+"""Each row's upstream weight and gradient coefficients (``helpers.cce.backward.rows.RowGradient``) in
+two launches instead of ~20 small torch operators.
+
+With few tokens the backward is bound by the host's launches (docs/PERFORMANCE.md, "1,024 tokens"):
+the per-row arithmetic below was two dozen element-wise torch operators of N elements each, each a
+launch of its own. Here it is two kernels over blocks of rows:
+
+    row_weights_kernel (one program per BLOCK rows):
+        g = g_i at kept rows, else 0;  h = h_i (0 without a gradient into the lse)
+        w = max(|g|, |h|);  safe = w where w > 0, else 1
+        coef = ((g (1 + 2 zl lse) + h) / safe,  g (1 - ls) / safe,  g ls / safe)      (3, N)
+        block_max[program] = max w over the program's rows (NaN if any w is NaN)
+    row_scale_kernel (the same blocks):
+        w_scale = max over block_max (every program reduces them itself; program 0 stores it)
+        w_rel = w / w_scale where w_scale > 0, else 0
+
+The same arithmetic, in the same fp32 order, as the torch expressions it replaced, NaN included
+(a NaN upstream gradient at a kept row makes w, its coefficients and w_scale NaN, as
+``torch.maximum`` and ``amax`` do): the same bits under the interpreter, within fp32's rounding on a
+GPU (whose division and fused multiply-adds round differently). The torch expressions stay in
+tests/cce/test_cce.py as the reference.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def row_weights_kernel(
+    # g (N,) upstream gradient per row, any float dtype (stride 0: one value for every row); h (N,)
+    # the gradient into the lse, or any pointer without HAS_H; kept (N,) bool; lse (N,) fp32.
+    g_ptr, h_ptr, kept_ptr, lse_ptr,
+    # Outputs: w (N,) fp32; coef (3, N) fp32, rows stride_coef apart; block_max (programs,) fp32.
+    w_ptr, coef_ptr, block_max_ptr,
+    N, stride_g, stride_h, stride_kept, stride_coef,
+    z_loss, label_smoothing,
+    HAS_H: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < N
+    kept = tl.load(kept_ptr + rows * stride_kept, mask=inside, other=0) != 0
+    g = tl.load(g_ptr + rows * stride_g, mask=inside & kept, other=0.0).to(tl.float32)
+    g = tl.where(kept, g, 0.0)
+    if HAS_H:
+        h = tl.load(h_ptr + rows * stride_h, mask=inside, other=0.0).to(tl.float32)
+    else:
+        h = tl.zeros([BLOCK], dtype=tl.float32)
+    lse = tl.load(lse_ptr + rows, mask=inside, other=0.0)
+    w = tl.maximum(tl.abs(g), tl.abs(h), propagate_nan=tl.PropagateNan.ALL)
+    safe = tl.where(w > 0, w, 1.0)
+    tl.store(w_ptr + rows, w, mask=inside)
+    tl.store(coef_ptr + rows, (g * (1.0 + 2.0 * z_loss * lse) + h) / safe, mask=inside)
+    tl.store(coef_ptr + stride_coef + rows, g * (1.0 - label_smoothing) / safe, mask=inside)
+    tl.store(coef_ptr + 2 * stride_coef + rows, g * label_smoothing / safe, mask=inside)
+    w_in = tl.where(inside, w, 0.0)
+    has_nan = tl.max((w_in != w_in).to(tl.int32), axis=0)
+    tl.store(block_max_ptr + pid, tl.where(has_nan > 0, float("nan"), tl.max(w_in, axis=0)))
+
+
+@triton.jit
+def row_scale_kernel(
+    w_ptr, block_max_ptr, w_rel_ptr, w_scale_ptr,
+    N, blocks,
+    BLOCK: tl.constexpr, MAX_BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    top = tl.zeros([MAX_BLOCK], dtype=tl.float32)
+    nan = tl.zeros([MAX_BLOCK], dtype=tl.int32)
+    for b0 in range(0, blocks, MAX_BLOCK):
+        b = b0 + tl.arange(0, MAX_BLOCK)
+        m = tl.load(block_max_ptr + b, mask=b < blocks, other=0.0)
+        nan = tl.maximum(nan, (m != m).to(tl.int32))
+        top = tl.maximum(top, tl.where(m != m, 0.0, m))
+    scale = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(top, axis=0))
+    if pid == 0:
+        tl.store(w_scale_ptr, scale)
+    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    inside = rows < N
+    w = tl.load(w_ptr + rows, mask=inside, other=0.0)
+    tl.store(w_rel_ptr + rows, tl.where(scale > 0, w / tl.where(scale > 0, scale, 1.0), 0.0), mask=inside)
