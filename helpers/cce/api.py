@@ -192,7 +192,7 @@ def linear_cross_entropy(
         divides by the kept targets' weights (``helpers.cce.class_weights``; not with label
         smoothing or the z-loss). Per-token log-probabilities, entropies and accuracy:
         ``helpers.cce.outputs.linear_cross_entropy_outputs``.
-    memory_budget: "min" (the default: the recompute design above, its least memory), a number of
+    memory_budget: "min" (the default: the recompute design above, within ~1.1 LB), a number of
         bytes the call may hold beyond its inputs and the gradients it returns (dE, dC), or "auto"
         (``helpers.cce.schedules.AUTO_SHARE`` of the device's free memory; "min" on the CPU). The
         call runs the schedule predicted fastest among those whose predicted memory fits
@@ -274,8 +274,8 @@ def linear_cross_entropy(
             schedule = plan_schedule(E_rows, C, bias, plan, memory_budget, return_lse=return_lse)
             if stats is not None:
                 stats.update(schedule.as_stats())
-        if schedule is not None and schedule.gemm_chunks:  # recompute with fewer rows: a tight budget
-            plan = replace(plan, configs=plan.configs.tuned(gemm_chunks=schedule.gemm_chunks))
+        if schedule is not None and schedule.tuning():  # recompute under a tight budget (``Schedule.tuning``)
+            plan = replace(plan, configs=plan.configs.tuned(**schedule.tuning()))
         if schedule is not None and schedule.name == "forward_grads":
             # A "mean" or a "sum" (class weights make the plan's reduction "none": recompute).
             return ForwardGradsFunction.apply(E_rows, C, x_rows, bias, plan, schedule, stats)

@@ -197,6 +197,14 @@ class Schedule:
     # "recompute" under a budget below its default plan's need: (rows per dE accumulator, columns per
     # G chunk) for ``HostTuning.gemm_chunks`` (``recompute_rows``); None: the default plan.
     gemm_chunks: tuple[int, int] | None = None
+    # "recompute": whether its G buffer (``HostTuning.g_buffer_lb_share``, few tokens) is kept; a budget
+    # below the default plan's need drops it first.
+    g_buffer: bool = True
+
+    def tuning(self) -> dict:
+        """The ``HostTuning`` knobs the call runs with (``CCEConfigs.tuned``): none for a default plan."""
+        return ({} if self.gemm_chunks is None else {"gemm_chunks": self.gemm_chunks}) | (
+            {} if self.g_buffer else {"g_buffer_lb_share": 0.0})
 
     def as_stats(self) -> dict:
         return {"schedule": self.name, "budget_bytes": self.budget_bytes,
@@ -205,7 +213,7 @@ class Schedule:
                 "why": self.why, "rows": self.rows,
                 "logits_dtype": str(self.logits_dtype).removeprefix("torch.") if self.logits_dtype else None,
                 "dC_accumulator": None if self.name != "forward_grads" else "fp32" if self.fp32_dC else "dtype",
-                "gemm_chunks": list(self.gemm_chunks) if self.gemm_chunks else None}
+                "gemm_chunks": list(self.gemm_chunks) if self.gemm_chunks else None, "g_buffer": self.g_buffer}
 
 
 def auto_budget_bytes(device: torch.device, lb: int) -> int | None:
@@ -246,7 +254,8 @@ def recompute_rows(N: int, V: int, D: int, dtype: torch.dtype, configs: CCEConfi
                    need: tuple[bool, bool, bool]) -> tuple[tuple[int, int], int] | None:
     """The recompute schedule with fewer rows per dE accumulator than its default plan, where the
     default's extra memory passes ``budget``: ((rows, columns), extra bytes) for the most rows, down
-    to 1/16 of the default's, that fit (multiples of 256 from 512 rows), or None. Fewer rows shrink
+    to 1/16 of the default's, that fit (multiples of 256 from 512 rows), or None; ``configs`` as the
+    caller tuned them (``choose_schedule``: without the G buffer). Fewer rows shrink
     dE's fp32 accumulator but narrow the later row chunks' G chunks to the room in dE's rows not yet
     written, and fold dC once more per row chunk: on an H200 at the Qwen3 head (16k tokens) 8,192
     rows took 1.12 LB and 60 ms against 1.20 LB and 37 ms, 4,096 rows 1.07 LB and 103 ms
@@ -291,22 +300,32 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
         return Schedule("recompute", budget, recompute[0], lb + recompute[0], recompute[1], why)
 
     if memory_budget == "min":
-        return recompute_schedule(None, "memory_budget='min': the recompute design, its least memory")
+        return recompute_schedule(None, "memory_budget='min': the recompute design, its default plan")
     budget = memory_budget if memory_budget != "auto" else auto_budget_bytes(device, lb)
     if budget is None:
         return recompute_schedule(None, "memory_budget='auto' on the CPU means 'min'")
     fits_recompute = recompute[0] <= budget
 
-    def fewer_rows(why_not_forward_grads):  # recompute with fewer rows per dE accumulator, where one fits
-        found = None if fits_recompute else recompute_rows(N, V, D, dtype, configs, budget, upcast=upcast, need=need)
+    def fewer_rows(why_not_forward_grads):
+        """Recompute without its G buffer, then with fewer rows per dE accumulator, where one fits."""
+        if fits_recompute:
+            return None
+        bare = configs.tuned(g_buffer_lb_share=0.0)
+        extra = recompute_extra_bytes(N, V, D, b, bare, upcast=upcast, need=need)
+        if extra <= budget:
+            return Schedule("recompute", budget, extra, lb + extra, 1e3 * recompute_seconds(N, V, D, b, bare, need),
+                            f"recompute without its G buffer fits {_mib(budget)} ({_mib(extra)}; its default plan "
+                            f"needs {_mib(recompute[0])}, and {why_not_forward_grads}): more, narrower G chunks",
+                            g_buffer=False)
+        found = recompute_rows(N, V, D, dtype, bare, budget, upcast=upcast, need=need)
         if found is None:
             return None
         chunks, extra = found
-        ms = 1e3 * recompute_seconds(N, V, D, b, configs.tuned(gemm_chunks=chunks), need)
+        ms = 1e3 * recompute_seconds(N, V, D, b, bare.tuned(gemm_chunks=chunks), need)
         return Schedule("recompute", budget, extra, lb + extra, ms,
                         f"recompute with {chunks[0]:,} rows per dE accumulator fits {_mib(budget)} ({_mib(extra)}; "
                         f"its default plan needs {_mib(recompute[0])}, and {why_not_forward_grads}): less memory "
-                        "for more launches and smaller products", gemm_chunks=chunks)
+                        "for more launches and smaller products", gemm_chunks=chunks, g_buffer=False)
 
     if not_forward_grads:
         tight = fewer_rows(f"forward_grads cannot run: {not_forward_grads}")
@@ -355,9 +374,10 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
     if memory_budget == "auto":  # too little free: the least memory, and the allocator decides
         return recompute_schedule(budget, f"memory_budget='auto' ({_mib(budget)} free to take) fits no schedule: "
                                           "the least memory")
-    fewest = _fewer_rows(N, V, D, dtype, configs)[-1:]
-    least_recompute = recompute_extra_bytes(N, V, D, b, configs.tuned(gemm_chunks=fewest[0]), upcast=upcast,
-                                            need=need) if fewest else recompute[0]
+    bare = configs.tuned(g_buffer_lb_share=0.0)
+    fewest = _fewer_rows(N, V, D, dtype, bare)[-1:]
+    least_recompute = recompute_extra_bytes(N, V, D, b, bare.tuned(gemm_chunks=fewest[0]) if fewest else bare,
+                                            upcast=upcast, need=need)
     raise MemoryBudgetError(
         f"memory_budget {_mib(budget)} fits no schedule at N={N:,}, V={V:,}, D={D:,} ({str(dtype)[6:]}): recompute "
         f"needs {_mib(recompute[0])} ({_mib(least_recompute)} with its fewest rows per dE accumulator) and "

@@ -267,6 +267,22 @@ def test_a_budget_below_the_recompute_plan_runs_it_with_fewer_rows_per_accumulat
                         device=torch.device("cuda"))
 
 
+def test_a_budget_below_the_recompute_plan_first_drops_its_G_buffer():
+    """At the Qwen3 head with 1,024 tokens (bf16, the Hopper tier's plan, arithmetic only) the default
+    plan ends its G chunks in a buffer (5 chunks, ~24 MiB above LB); a 10 MiB budget runs the same
+    rows without it (9 narrower chunks in place, ~4 MiB: dE's accumulator), not fewer rows."""
+    hopper = tier("hopper-227k")
+    need = (True, True, False)
+    default = recompute_extra_bytes(1_024, 151_936, 1_024, 2, hopper, need=need)
+    bare = recompute_extra_bytes(1_024, 151_936, 1_024, 2, hopper.tuned(g_buffer_lb_share=0.0), need=need)
+    assert bare < 10 * 2**20 < default
+    schedule = choose_schedule(1_024, 151_936, 1_024, torch.bfloat16, 10 * 2**20, hopper, need=need,
+                               device=torch.device("cuda"))
+    assert schedule.name == "recompute" and schedule.gemm_chunks is None and not schedule.g_buffer, schedule
+    assert schedule.predicted_extra_bytes == bare and schedule.tuning() == {"g_buffer_lb_share": 0.0}
+    assert "without its G buffer" in schedule.why and schedule.as_stats()["g_buffer"] is False
+
+
 def test_fewer_rows_per_accumulator_run_and_keep_the_gradients():
     """On the CPU: reduction "none" (forward_grads cannot serve it), fp16, 512 rows (the default plan
     takes them all into one fp32 dE accumulator), and a budget that only fewer rows per accumulator
@@ -275,8 +291,9 @@ def test_fewer_rows_per_accumulator_run_and_keep_the_gradients():
     n, v = 512, 131
     E, C, x = regime_inputs(n, v, D, torch.float16, "cpu", regime="uniform", seed=1)
     need = (True, True, False)
-    default = recompute_extra_bytes(n, v, D, 2, FREE, upcast=True, need=need)
-    chunks, budget = recompute_rows(n, v, D, torch.float16, FREE, default - 1, upcast=True, need=need)
+    bare = FREE.tuned(g_buffer_lb_share=0.0)  # a tight budget drops the G buffer first
+    default = recompute_extra_bytes(n, v, D, 2, bare, upcast=True, need=need)
+    chunks, budget = recompute_rows(n, v, D, torch.float16, bare, default - 1, upcast=True, need=need)
     assert chunks[0] < n and budget < default
     go = torch.randn(n, generator=torch.Generator().manual_seed(3))
     results = {}
