@@ -371,9 +371,11 @@ def test_gemm_plan_buffer_ends_the_narrowing_tail(N, chunks_without, chunks_with
     (torch.float16, (False, True, False), None, 0.0),  # a frozen body: no dE
 ])
 def test_every_place_of_G_gives_the_reference(mode, dtype, need, n_chunk, share):
-    """Wide chunks in place (``HostTuning.g_in_place_bytes`` small enough for several), against float64."""
-    configs = tier_with(product_mode=mode, gemm_chunks=(n_chunk or 61, 32), g_in_place_bytes=61 * 96 * dtype.itemsize,
-                        g_buffer_lb_share=share)
+    """Wide chunks in place (``HostTuning.g_in_place_bytes`` small enough for several), against float64.
+    The interpreter's tier on every device: where a chunk fits depends on the tiles' width (a GPU
+    tier's 256 columns leave these 701 no room in place)."""
+    configs = tier("interpreter").tuned(product_mode=mode, gemm_chunks=(n_chunk or 61, 32),
+                                        g_in_place_bytes=61 * 96 * dtype.itemsize, g_buffer_lb_share=share)
     E, C, x = make_inputs(dtype, n=61, v=701, d=64, ignore=[3, 20])
     bias = torch.randn(701, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE) if need[2] else None
     go = upstream("none", n=61)
