@@ -85,7 +85,7 @@ def cce_forward(
     else:
         lse_split, logit_sum_split, activity = _lse_with_activity(
             E, C, bias, x, target_logit, o, configs, v_splits, softcap, return_lse)
-    # The splits merged, each row's loss and the counts, in one launch (``row_loss_kernel``).
+    # The splits merged and each row's loss, in one launch (``row_loss_kernel``).
     N = x.shape[0]
     lse, loss = (torch.empty(N, dtype=torch.float32, device=E.device) for _ in range(2))
     row_loss_kernel[(triton.cdiv(N, ROW_BLOCK),)](
