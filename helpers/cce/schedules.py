@@ -305,12 +305,12 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
     if budget is None:
         return recompute_schedule(None, "memory_budget='auto' on the CPU means 'min'")
     fits_recompute = recompute[0] <= budget
+    bare = configs.tuned(g_buffer_lb_share=0.0)  # recompute without its G buffer: a tight budget's first step
 
     def fewer_rows(why_not_forward_grads):
         """Recompute without its G buffer, then with fewer rows per dE accumulator, where one fits."""
         if fits_recompute:
             return None
-        bare = configs.tuned(g_buffer_lb_share=0.0)
         extra = recompute_extra_bytes(N, V, D, b, bare, upcast=upcast, need=need)
         if extra <= budget:
             return Schedule("recompute", budget, extra, lb + extra, 1e3 * recompute_seconds(N, V, D, b, bare, need),
@@ -374,7 +374,6 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
     if memory_budget == "auto":  # too little free: the least memory, and the allocator decides
         return recompute_schedule(budget, f"memory_budget='auto' ({_mib(budget)} free to take) fits no schedule: "
                                           "the least memory")
-    bare = configs.tuned(g_buffer_lb_share=0.0)
     fewest = _fewer_rows(N, V, D, dtype, bare)[-1:]
     least_recompute = recompute_extra_bytes(N, V, D, b, bare.tuned(gemm_chunks=fewest[0]) if fewest else bare,
                                             upcast=upcast, need=need)

@@ -40,8 +40,7 @@ def row_weights_kernel(
     rows = pid * BLOCK + tl.arange(0, BLOCK)
     inside = rows < N
     kept = tl.load(kept_ptr + rows * stride_kept, mask=inside, other=0) != 0
-    g = tl.load(g_ptr + rows * stride_g, mask=inside & kept, other=0.0).to(tl.float32)
-    g = tl.where(kept, g, 0.0)
+    g = tl.load(g_ptr + rows * stride_g, mask=inside & kept, other=0.0).to(tl.float32)  # 0 where not kept
     if HAS_H:
         h = tl.load(h_ptr + rows * stride_h, mask=inside, other=0.0).to(tl.float32)
     else:
