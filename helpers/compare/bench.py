@@ -12,10 +12,10 @@ The correctness gate runs first, on small shapes and one case of realistic targe
 methods and dtypes; a method that fails it is not timed (``time_failed=True`` times it anyway and
 marks it, so a peer's speed can be reported beside its accuracy problem). Results go to a results
 file (``helpers.compare.results_file``: JSON Lines, one ``BenchRecord`` a line, appended as they
-come so that a run that dies keeps what it measured); its meta record holds the device (a pretend card's name too), the versions, the command,
-what was asked, the gate, the matmul rate measured per dtype (``matmul_tflops``: TFLOP/s, null on a
-CPU) and, for the "trained" regime, the facts of each model trained for it
-(``helpers.compare.trained``).
+come so that a run that dies keeps what it measured); its meta record holds the device (a pretend
+card's name too), the versions, the command, what was asked, the gate, the matmul rate measured per
+dtype (``matmul_tflops``: TFLOP/s, null on a CPU) and, for the "trained" regime, the facts of each
+model trained for it (``helpers.compare.trained``).
 """
 
 from __future__ import annotations
