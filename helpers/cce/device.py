@@ -168,12 +168,28 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+# device_info's answers for CUDA devices, by (index, the pretend switches, the properties' source):
+# a call asks several times (plan, forward, backward), and each answer is ~10 us of Python.
+_CUDA_INFO: dict = {}
+
+
 def device_info(device: torch.device | str | None = None) -> DeviceInfo:
     """DeviceInfo for ``device`` (default: the first CUDA GPU if there is one, else the CPU); the
     pretended card's limits under ``HELPERS_PRETEND``."""
     device = torch.device(device) if device is not None else default_device()
     if device.type != "cuda":
         return DeviceInfo("cpu", platform.processor() or platform.machine(), None, None, None, None)
+    if device.index is None:  # the current device, which set_device may change: not kept
+        return _cuda_device_info(device)
+    # The function itself is in the key: a test that replaces it gets answers from its replacement.
+    key = (device.index, os.environ.get(PRETEND_ENV), os.environ.get(PRETEND_T4_ENV), torch.cuda.get_device_properties)
+    info = _CUDA_INFO.get(key)
+    if info is None:
+        info = _CUDA_INFO[key] = _cuda_device_info(device)
+    return info
+
+
+def _cuda_device_info(device: torch.device) -> DeviceInfo:
     props = torch.cuda.get_device_properties(device)
     smem = getattr(props, "shared_memory_per_block_optin", None) or 48 * KiB
     card = pretended_card()

@@ -38,6 +38,18 @@ def test_an_h200_is_itself_without_the_variable(h200):
     assert detect_profile_name("cuda") == "gpu"
 
 
+def test_device_info_is_kept_per_device_and_follows_the_pretend_switch(h200, monkeypatch):
+    first = device_info("cuda:0")
+    assert device_info("cuda:0") is first  # kept: a call asks several times
+    monkeypatch.setenv(PRETEND_ENV, "t4")
+    assert device_info("cuda:0").capability == (7, 5)  # a new switch, a new answer
+    monkeypatch.delenv(PRETEND_ENV)
+    assert device_info("cuda:0") is first
+    other = types.SimpleNamespace(**{**vars(H200), "name": "NVIDIA A100", "major": 8})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: other)
+    assert device_info("cuda:0").name == "NVIDIA A100"  # another source of properties is asked again
+
+
 def test_pretend_t4_gives_a_t4s_limits_configs_and_profile(h200):
     pretend_t4()
     info = device_info("cuda")

@@ -37,6 +37,7 @@ compare its G with the Triton kernel's bit for bit (``scripts/gpu/cce_check.py``
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -237,8 +238,14 @@ def _gl_dtype(dtype: torch.dtype):
 def pingpong_descriptor(t: torch.Tensor, rows: int, cols: int):
     """A Gluon tensor descriptor of ``t`` (2-D, 16-bit) in (rows, cols) blocks, in the shared-memory
     layout the kernel's products read."""
-    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], _gl_dtype(t.dtype))
-    return TensorDescriptor.from_tensor(t, [rows, cols], layout)
+    return TensorDescriptor.from_tensor(t, [rows, cols], _shared_layout(rows, cols, t.dtype))
+
+
+@functools.cache
+def _shared_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The layout of a (rows, cols) block of ``dtype``, made once (Gluon's constructor costs ~20 us
+    of Python, paid on every launch before)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], _gl_dtype(dtype))
 
 
 def pingpong_reason(device: torch.device, dtype: torch.dtype, capability: tuple[int, int] | None, *,
