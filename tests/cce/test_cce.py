@@ -547,12 +547,13 @@ def _row_gradient_torch(grad_rows, grad_lse, kept, lse, z_loss, label_smoothing)
     return w, torch.where(w_scale > 0, w / w_scale, 0.0), w_scale, coef
 
 
-@pytest.mark.parametrize("N", [1, 37, 2500])
+@pytest.mark.parametrize("N", [1, 37, 2500, 9000])
 @pytest.mark.parametrize("case", ["mean", "none", "lse", "nan", "all_ignored"])
 def test_row_gradient_kernels_match_the_torch_expressions(N, case):
-    """``RowGradient.of``'s two kernels give the torch expressions' values: a mean's expanded scalar, a
+    """``RowGradient.of``'s kernels give the torch expressions' values: a mean's expanded scalar, a
     "none" gradient in bf16, a gradient into the lse, a NaN at a kept row (NaN w and w_scale, as torch
-    gives), every row ignored (w_scale 0, w_rel 0); more rows than one program's block. The same bits
+    gives), every row ignored (w_scale 0, w_rel 0); one program walking several blocks (2,500 rows)
+    and one program a block with the second launch (9,000, past ``ONE_PROGRAM_ROWS``). The same bits
     under the interpreter; on a GPU within fp32's rounding (a compiled kernel divides and fuses
     multiply-adds as the hardware does)."""
     from helpers.cce.backward.rows import RowGradient

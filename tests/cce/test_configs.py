@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -59,7 +60,15 @@ KERNEL_FLAGS = {
     # The "forward_grads" schedule's row kernel (helpers/cce/kernels/row_gradient.py).
     ("row_gradient", "all"): dict(HAS_SOFTCAP=True, SUM_LOGITS=True),
     ("row_gradient", "none"): dict(HAS_SOFTCAP=False, SUM_LOGITS=False),
+    # The per-row kernels of the forward's end and the backward's start (no tiles: one tier, one dtype).
+    ("row_loss", "all"): dict(SMOOTHING=True, Z_LOSS=True),
+    ("row_loss", "none"): dict(SMOOTHING=False, Z_LOSS=False),
+    ("row_weights", "all"): dict(HAS_H=True, ONE_PROGRAM=True),
+    ("row_weights", "none"): dict(HAS_H=False, ONE_PROGRAM=False),
+    ("row_scale", "all"): dict(MAX_BLOCK=1024),
 }
+ROW_KERNELS = ("row_loss", "row_weights", "row_scale")
+ROW_KERNEL_VARIANTS = [k for k in KERNEL_FLAGS if k[0] in ROW_KERNELS]
 SPARSE_KERNELS = ("sparse_dE_pack", "sparse_dE_reduce", "sparse_g", "sparse_dC", "sparse_dC_finish")
 INDEX_KERNELS = ("count_pairs", "write_pairs")
 DTYPE_NAMES = {2: ("fp16", "bf16"), 4: ("fp32",)}
@@ -78,7 +87,7 @@ def _signature(kernel_name, fn, dtype):
     if kernel_name.startswith("sparse"):
         # The outputs themselves, not fp32 scratch; the bias in the inputs' dtype.
         pointers.update(dE_ptr=dtype, dC_ptr=dtype, bias_ptr=dtype, Y_ptr="fp32" if dtype == "fp32" else "fp16")
-    floats = {"softcap", "z_loss", "label_smoothing", "eps", "inv_temperature"}
+    floats = {"softcap", "z_loss", "label_smoothing", "eps", "inv_temperature", "target_weight", "smoothing_weight"}
     sig = {}
     for param in fn.params:
         name = param.name
@@ -129,6 +138,8 @@ def compile_ours(request):
     from helpers.cce.kernels.lse_forward import lse_forward_kernel
     from helpers.cce.kernels.pair_list import count_pairs_kernel, write_pairs_kernel
     from helpers.cce.kernels.row_gradient import row_gradient_kernel
+    from helpers.cce.kernels.row_loss import row_loss_kernel
+    from helpers.cce.kernels.row_weights import row_scale_kernel, row_weights_kernel
 
     kernels = {"lse_forward": lse_forward_kernel, "backward": backward_atomic_kernel,
                "indexed_dot": indexed_dot_kernel, "backward_gemm": gradient_chunk_kernel,
@@ -136,11 +147,15 @@ def compile_ours(request):
                "sparse_g": S.sparse_g_kernel, "sparse_dC": S.sparse_dC_kernel,
                "sparse_dC_finish": S.sparse_dC_finish_kernel,
                "count_pairs": count_pairs_kernel, "write_pairs": write_pairs_kernel,
-               "row_gradient": row_gradient_kernel}
+               "row_gradient": row_gradient_kernel, "row_loss": row_loss_kernel, "row_weights": row_weights_kernel,
+               "row_scale": row_scale_kernel}
     tier = K.tier(request["tier"])
     size = 4 if request["dtype"] == "fp32" else 2
     fn = kernels[request["kernel"]]
-    if request["kernel"] == "indexed_dot":
+    if request["kernel"] in ROW_KERNELS:  # one block of 1,024 rows a program, Triton's default launch
+        cfg = types.SimpleNamespace(launch={"num_warps": 4})
+        constexprs = {"BLOCK": 1024}
+    elif request["kernel"] == "indexed_dot":
         cfg = tier.indexed_dot
         constexprs = cfg.tiles("BLOCK_N", "BLOCK_D")
     elif request["kernel"] == "row_gradient":
@@ -246,6 +261,8 @@ def all_requests():
                 if dtype == "bf16" and turing:
                     continue  # no bf16 on sm_75: why_unavailable refuses it
                 for kernel, variant in KERNEL_FLAGS:
+                    if kernel in ROW_KERNELS:
+                        continue  # below
                     # Every variant on the T4 tier (the tight one); all flags on elsewhere.
                     if variant == "none" and not turing:
                         continue
@@ -264,6 +281,9 @@ def all_requests():
                 for kernel in ("backward", "backward_gemm", "sparse_dE_pack"):
                     requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant="none",
                                          target=[9, 0]))
+    # The row kernels read no tiles: the T4's tier, for sm_75 and for sm_90.
+    rows = [dict(tier="turing-64k", dtype="fp32", kernel=k, variant=v) for k, v in KERNEL_FLAGS if k in ROW_KERNELS]
+    requests += rows + [dict(r, target=[9, 0]) for r in rows]
     requests.append(dict(tier="apple", dtype="fp16", kernel="apple_backward", variant="default"))
     return list({_key(r): r for r in requests}.values())
 
@@ -352,8 +372,8 @@ def test_turing_configs_fit_64_kb(compiled):
     turing = [r for k, r in compiled.items() if k.startswith("turing-64k") and "-sm" not in k]
     # (fp16, fp32) x [3 kernels x (all flags, none) + indexed_dot + the forward's bits variant
     # + the sparse backward's kernels: 3 x (all, none) + the reduce + dC's finish + 2 index kernels
-    # + the three-product schedule's row kernel (all, none)]
-    assert len(turing) == 2 * (3 * 2 + 1 + 1 + 3 * 2 + 1 + 1 + 2 + 2)
+    # + the three-product schedule's row kernel (all, none)] + the row kernels (fp32 only)
+    assert len(turing) == 2 * (3 * 2 + 1 + 1 + 3 * 2 + 1 + 1 + 2 + 2) + len(ROW_KERNEL_VARIANTS)
     for r in turing:
         assert r["shared"] <= 65536, (
             f"Triton {compiled['triton']}: {_key(r)} needs {r['shared']:,} B > 65,536 B (T4, sm_75)"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from helpers.cce.kernels.row_weights import row_scale_kernel, row_weights_kernel
+from helpers.cce.kernels.row_weights import ONE_PROGRAM_ROWS, row_scale_kernel, row_weights_kernel
 from helpers.cce.options import CCEOptions
 
 ROW_BLOCK = 1024  # rows per program of the row-weight kernels
@@ -40,22 +40,26 @@ class RowGradient:
     def of(cls, grad_rows: torch.Tensor, grad_lse: torch.Tensor | None, kept: torch.Tensor,
            lse: torch.Tensor, o: CCEOptions) -> RowGradient:
         """grad_rows: (N,) the loss's upstream gradient per row (an expanded scalar for a mean or a
-        sum); grad_lse: (N,) the gradient flowing into the returned lse, or None. Two launches
-        (``helpers.cce.kernels.row_weights``: with few tokens the host's launches bound the backward)."""
+        sum); grad_lse: (N,) the gradient flowing into the returned lse, or None. One launch up to
+        ``ONE_PROGRAM_ROWS`` rows, two past it (``helpers.cce.kernels.row_weights``: with few tokens the
+        host's launches bound the backward)."""
         N = lse.shape[0]
         device = lse.device
         w, w_rel = (torch.empty(N, dtype=torch.float32, device=device) for _ in range(2))
         coef = torch.empty(3, N, dtype=torch.float32, device=device)
         w_scale = torch.empty(1, dtype=torch.float32, device=device)
-        blocks = triton.cdiv(N, ROW_BLOCK)
-        block_max = torch.empty(blocks, dtype=torch.float32, device=device)
+        one_program = N <= ONE_PROGRAM_ROWS  # one launch (``row_weights``' doc)
+        blocks = 1 if one_program else triton.cdiv(N, ROW_BLOCK)
+        block_max = w_scale if one_program else torch.empty(blocks, dtype=torch.float32, device=device)
         uniform = grad_lse is None and (grad_rows.numel() == 1 or grad_rows.stride(0) == 0)
         grad_rows = grad_rows.expand(N)
         row_weights_kernel[(blocks,)](
-            grad_rows, grad_lse if grad_lse is not None else lse, kept, lse, w, coef, block_max,
+            grad_rows, grad_lse if grad_lse is not None else lse, kept, lse, w, coef, block_max, w_rel, w_scale,
             N, grad_rows.stride(0), grad_lse.stride(0) if grad_lse is not None else 0, kept.stride(0),
-            coef.stride(0), float(o.z_loss), float(o.label_smoothing), HAS_H=grad_lse is not None, BLOCK=ROW_BLOCK)
-        row_scale_kernel[(blocks,)](w, block_max, w_rel, w_scale, N, blocks, BLOCK=ROW_BLOCK, MAX_BLOCK=1024)
+            coef.stride(0), float(o.z_loss), float(o.label_smoothing), HAS_H=grad_lse is not None, BLOCK=ROW_BLOCK,
+            ONE_PROGRAM=one_program)
+        if not one_program:
+            row_scale_kernel[(blocks,)](w, block_max, w_rel, w_scale, N, blocks, BLOCK=ROW_BLOCK, MAX_BLOCK=1024)
         return cls(w, w_rel, w_scale, uniform, coef)
 
     @classmethod

@@ -14,6 +14,10 @@ launch of its own. Here it is two kernels over blocks of rows:
         w_scale = max over block_max (every program reduces them itself; program 0 stores it)
         w_rel = w / w_scale where w_scale > 0, else 0
 
+Up to ``ONE_PROGRAM_ROWS`` rows, one launch does both: a single program walks the blocks twice
+(``ONE_PROGRAM``), the same arithmetic, so the same bits. A launch costs the host more than these
+rows cost the GPU there; past it, one program's walk would cost the GPU more than the launch saves.
+
 The same arithmetic, in the same fp32 order, as the torch expressions it replaced, NaN included
 (a NaN upstream gradient at a kept row makes w, its coefficients and w_scale NaN, as
 ``torch.maximum`` and ``amax`` do): the same bits under the interpreter, within fp32's rounding on a
@@ -25,19 +29,13 @@ import triton
 import triton.language as tl
 
 
+ONE_PROGRAM_ROWS = 8192  # the most rows one program of ``row_weights_kernel`` takes alone (module doc)
+
+
 @triton.jit
-def row_weights_kernel(
-    # g (N,) upstream gradient per row, any float dtype (stride 0: one value for every row); h (N,)
-    # the gradient into the lse, or any pointer without HAS_H; kept (N,) bool; lse (N,) fp32.
-    g_ptr, h_ptr, kept_ptr, lse_ptr,
-    # Outputs: w (N,) fp32; coef (3, N) fp32, rows stride_coef apart; block_max (programs,) fp32.
-    w_ptr, coef_ptr, block_max_ptr,
-    N, stride_g, stride_h, stride_kept, stride_coef,
-    z_loss, label_smoothing,
-    HAS_H: tl.constexpr, BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK + tl.arange(0, BLOCK)
+def _block_weights(g_ptr, h_ptr, kept_ptr, lse_ptr, w_ptr, coef_ptr, rows, N, stride_g, stride_h, stride_kept,
+                   stride_coef, z_loss, label_smoothing, HAS_H: tl.constexpr, BLOCK: tl.constexpr):
+    """w and coef of ``rows`` stored; returns (the block's largest w, whether a w is NaN)."""
     inside = rows < N
     kept = tl.load(kept_ptr + rows * stride_kept, mask=inside, other=0) != 0
     g = tl.load(g_ptr + rows * stride_g, mask=inside & kept, other=0.0).to(tl.float32)  # 0 where not kept
@@ -53,8 +51,44 @@ def row_weights_kernel(
     tl.store(coef_ptr + stride_coef + rows, g * (1.0 - label_smoothing) / safe, mask=inside)
     tl.store(coef_ptr + 2 * stride_coef + rows, g * label_smoothing / safe, mask=inside)
     w_in = tl.where(inside, w, 0.0)
-    has_nan = tl.max((w_in != w_in).to(tl.int32), axis=0)
-    tl.store(block_max_ptr + pid, tl.where(has_nan > 0, float("nan"), tl.max(w_in, axis=0)))
+    return tl.max(w_in, axis=0), tl.max((w_in != w_in).to(tl.int32), axis=0)
+
+
+@triton.jit
+def row_weights_kernel(
+    # g (N,) upstream gradient per row, any float dtype (stride 0: one value for every row); h (N,)
+    # the gradient into the lse, or any pointer without HAS_H; kept (N,) bool; lse (N,) fp32.
+    g_ptr, h_ptr, kept_ptr, lse_ptr,
+    # Outputs: w (N,) fp32; coef (3, N) fp32, rows stride_coef apart; block_max (programs,) fp32;
+    # with ONE_PROGRAM (one program, every row) w_rel (N,) and w_scale (1,) instead of block_max.
+    w_ptr, coef_ptr, block_max_ptr, w_rel_ptr, w_scale_ptr,
+    N, stride_g, stride_h, stride_kept, stride_coef,
+    z_loss, label_smoothing,
+    HAS_H: tl.constexpr, BLOCK: tl.constexpr, ONE_PROGRAM: tl.constexpr,
+):
+    if ONE_PROGRAM:
+        top = 0.0
+        nan = 0
+        for r0 in range(0, N, BLOCK):
+            block_top, block_nan = _block_weights(
+                g_ptr, h_ptr, kept_ptr, lse_ptr, w_ptr, coef_ptr, r0 + tl.arange(0, BLOCK), N, stride_g,
+                stride_h, stride_kept, stride_coef, z_loss, label_smoothing, HAS_H, BLOCK)
+            top = tl.maximum(top, block_top)
+            nan = tl.maximum(nan, block_nan)
+        scale = tl.where(nan > 0, float("nan"), top)
+        tl.store(w_scale_ptr, scale)
+        tl.debug_barrier()  # every thread's w stored before any is read back (a thread may read another's)
+        for r0 in range(0, N, BLOCK):
+            rows = r0 + tl.arange(0, BLOCK)
+            inside = rows < N
+            w = tl.load(w_ptr + rows, mask=inside, other=0.0)
+            tl.store(w_rel_ptr + rows, tl.where(scale > 0, w / tl.where(scale > 0, scale, 1.0), 0.0), mask=inside)
+    else:
+        pid = tl.program_id(0)
+        block_top, block_nan = _block_weights(
+            g_ptr, h_ptr, kept_ptr, lse_ptr, w_ptr, coef_ptr, pid * BLOCK + tl.arange(0, BLOCK), N, stride_g,
+            stride_h, stride_kept, stride_coef, z_loss, label_smoothing, HAS_H, BLOCK)
+        tl.store(block_max_ptr + pid, tl.where(block_nan > 0, float("nan"), block_top))
 
 
 @triton.jit
