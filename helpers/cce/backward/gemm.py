@@ -27,6 +27,7 @@ time and memory per shape are in docs/PERFORMANCE.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,18 @@ def vocab_chunks(rows: int, V: int, D: int, v_chunk: int, block_v: int, max_cols
     return chunks
 
 
+def host_bound_cols(rows: int, D: int, dtype: torch.dtype, host: HostTuning, *, need_dE: bool = True,
+                    need_dC: bool = True) -> int:
+    """The fewest columns of a G chunk of ``rows`` rows whose products (G's at ``host.triton_share`` of
+    the tier's matmul rate, then dE's and dC's in cuBLAS) take the GPU ``host.g_chunk_host_us``, the
+    host's time for one chunk: narrower chunks leave the GPU waiting on the host."""
+    if host.g_chunk_host_us <= 0:
+        return 0
+    tflops = host.matmul_tflops_fp32 if dtype == torch.float32 else host.matmul_tflops_16bit
+    flop_per_column = rows * D * (2 / host.triton_share + 2 * need_dE + 2 * need_dC)
+    return math.ceil(host.g_chunk_host_us * 1e-6 * tflops * 1e12 / flop_per_column)
+
+
 @dataclass(frozen=True)
 class GemmPlan:
     """How the "gemm" backward walks one problem: rows per dE accumulator (``n_chunk``), the budget's
@@ -136,11 +149,18 @@ def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk:
     v_chunk = min(V, v_chunk or default_v)
     buffer_cols = 0
     if not (sorted_vocab or split) and host.g_buffer_lb_share > 0:
-        # A G buffer within the peak's cap: share x LB less dE's fp32 accumulator (16-bit inputs).
+        # A G buffer (``HostTuning.g_buffer_lb_share``): share x LB less dE's fp32 accumulator (16-bit inputs),
         lb = (need_dE * N + need_dC * V) * D * dtype.itemsize
         accumulator = n_chunk * D * 4 if need_dE and dtype != torch.float32 else 0
-        buffer_cols = min(max_cols, max(0, int(host.g_buffer_lb_share * lb) - accumulator)
-                          // (n_chunk * dtype.itemsize))
+        buffer_bytes = int(host.g_buffer_lb_share * lb) - accumulator
+        # or, where the widest chunk in place would be host-bound, one for chunks that are not.
+        wide = host_bound_cols(n_chunk, D, dtype, host, need_dE=need_dE, need_dC=need_dC)
+        first_free = 0 if dtype != torch.float32 else n_chunk
+        room = max((N - first_free) * D // n_chunk if need_dE else 0,
+                   V * D // (n_chunk + D) if need_dC and not sorted_vocab else 0)
+        if room < min(wide, V):
+            buffer_bytes = max(buffer_bytes, min(host.g_buffer_max_bytes, min(wide, V) * n_chunk * dtype.itemsize))
+        buffer_cols = min(max_cols, max(0, buffer_bytes) // (n_chunk * dtype.itemsize))
     row_chunks = []
     for n0 in range(0, N, n_chunk):
         n1 = min(N, n0 + n_chunk)

@@ -65,10 +65,20 @@ class HostTuning:
     # fp32 accumulator (a read-add-write per chunk), at no memory. Measured on an H200:
     # docs/performance-history.md, "G in place".
     g_in_place_bytes: int = 256 * MiB
-    # The G buffer and dE's fp32 accumulator together up to this share of LB (dE and dC's bytes): with
-    # few tokens the accumulator is small, and a buffer ends the tail of ever narrower in-place chunks
-    # (dC's room halves per chunk when the rows are about D) in one launch (``gemm_plan``). 0: none.
+    # The G buffer (``gemm_plan``), a scratch G for the chunks it makes wider than dE's and dC's free rows
+    # would, at the larger of two sizes:
+    # 1. with dE's fp32 accumulator, up to this share of LB (dE and dC's bytes): with few tokens the
+    #    accumulator is small, and a buffer ends the tail of ever narrower in-place chunks (dC's room
+    #    halves per chunk when the rows are about D) in one launch. 0: no G buffer at all (a tight
+    #    memory budget's first step, ``helpers.cce.schedules``).
     g_buffer_lb_share: float = 0.08
+    # 2. where even the widest in-place chunk is host-bound (rows >> D: dC's row holds D elements of G's
+    #    column of `rows`): chunks whose products take this long at the tier's matmul rate, the host's
+    #    time per chunk (a G launch, two cuBLAS products, ~10 torch operators; ~0.33 ms on an H200's host,
+    #    notebook 03's loss at N 4,096, V 32,768, D 256: 19.3 ms for 58 in-place chunks), up to
+    #    ``g_buffer_max_bytes``. 0: not this one.
+    g_chunk_host_us: float = 300.0
+    g_buffer_max_bytes: int = 128 * MiB
     # The G kernel reads E and C and writes G through tensor descriptors (``LaunchConfig.tma``) only
     # for vocabulary chunks whose three products (6 rows v_chunk D FLOP) take longer than the host's
     # launches for the chunk: descriptor arguments cost the host time per launch, and only chunks
@@ -215,6 +225,8 @@ INTERPRETER = CCEConfigs(
     # 16-column bits: two per forward tile, so the interpreter runs the sub-tile path.
     sparse={2: _L(16, 16, 16, 1, 1), 4: _L(16, 16, 16, 1, 1)},
     row_gradient=_L(1, 32, 1, 1, 1),  # several blocks a row at the tests' V
+    # No GPU whose rate would make a chunk host-bound: the tests' plans keep their chunks in place.
+    host=HostTuning(g_chunk_host_us=0.0),
 )
 
 TIERS: tuple[CCEConfigs, ...] = (
