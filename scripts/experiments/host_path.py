@@ -4,14 +4,19 @@
 
 Why: at N = 1,024 the GPU finishes our forward+backward long before the host has issued it (the
 bench: ~5.8 ms a call against ~2 ms of kernels), so launches, Python and synchronisations bound
-it, not arithmetic. Per N (1,024 and 4,096 at the Qwen3 head, bf16, the "uniform" regime), for
-the default backward and for "gemm":
+it, not arithmetic. Per case (N = 1,024 and 4,096 at the Qwen3 head; notebook 03's head, N 4,096,
+V 32,768, D 256, with the host-bound G buffer and without; bf16, the "uniform" regime):
 
 1. host ms and GPU busy ms per call (``helpers.compare.measure.host_and_device_time``);
 2. the launches per call and the host's time in each CUDA runtime/driver call (torch.profiler:
    ``cudaLaunchKernel``, ``cuLaunchKernelEx``, ``cudaStreamSynchronize``, ``cudaMemcpyAsync``, ...),
    and the aten operators by their host time;
-3. the Python functions by their own time over 20 calls (``cProfile``), the hot path's shape.
+3. the Python functions by their own time over 20 calls (``cProfile``), the hot path's shape;
+4. the host's time split without a profiler (``host_split``): each call timed alone after a
+   synchronisation, with the time inside Triton's launch path (its argument binding and cache
+   lookup, then the launcher), inside cuBLAS's host calls (``torch.mm``/``addmm``) and waiting for
+   the device (``Event.synchronize``) summed by wrappers; the rest is our Python and torch's other
+   operators. cProfile inflates many small Python calls, so only this split gives shares.
 
 ``--tiny``: a small head on the CPU under the Triton interpreter, to check the script (timings
 meaningless there).
@@ -26,14 +31,15 @@ import torch
 from _common import Checker, finish, script_setup
 
 from helpers.cce import linear_cross_entropy
+from helpers.cce.kernels.configs import select_configs
 from helpers.compare.heads import QWEN3
 from helpers.compare.inputs import make_inputs
 from helpers.compare.measure import host_and_device_time
 
 
-def step_fn(E, C, x, backward_impl):
+def step_fn(E, C, x, configs=None):
     def step():
-        loss = linear_cross_entropy(E, C, x, **({"backward_impl": backward_impl} if backward_impl else {}))
+        loss = linear_cross_entropy(E, C, x, configs=configs)
         torch.autograd.grad(loss, (E, C))
     return step
 
@@ -76,32 +82,93 @@ def python_profile(step, calls: int = 20, top: int = 30) -> list:
     return rows[:top]
 
 
+def host_split(step, cuda: bool, calls: int = 30, warmup: int = 3) -> dict:
+    """Median host ms per call and its parts (module doc, 4): each call timed from a synchronised
+    start to its return, so a part that waits for the device waits for this call's work only."""
+    import statistics
+    import time
+
+    from triton.runtime import jit
+
+    parts = {"triton_ms": 0.0, "launcher_ms": 0.0, "blas_ms": 0.0, "wait_ms": 0.0}
+    patched = []
+
+    def timed(owner, name, part):
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                parts[part] += time.perf_counter() - t
+        patched.append((owner, name, original))
+        setattr(owner, name, wrapper)
+
+    timed(jit.JITFunction, "run", "triton_ms")
+    timed(torch, "mm", "blas_ms")
+    timed(torch, "addmm", "blas_ms")
+    if cuda:
+        from triton.backends.nvidia import driver as nvidia_driver
+
+        timed(nvidia_driver.CudaLauncher, "__call__", "launcher_ms")
+        timed(torch.cuda.Event, "synchronize", "wait_ms")
+    host, split = [], []
+    try:
+        for i in range(calls + warmup):
+            if cuda:
+                torch.cuda.synchronize()
+            for k in parts:
+                parts[k] = 0.0
+            t = time.perf_counter()
+            step()
+            elapsed = time.perf_counter() - t
+            if i >= warmup:
+                host.append(elapsed * 1e3)
+                split.append({k: v * 1e3 for k, v in parts.items()})
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
+    median = statistics.median(host)
+    record = {"host_ms_median": round(median, 4), "host_ms_min": round(min(host), 4)}
+    for k in parts:
+        record[k] = round(statistics.median(s[k] for s in split), 4)
+    # The launcher's time is inside Triton's; the rest: our Python and torch's other operators.
+    record["other_ms"] = round(median - record["triton_ms"] - record["blas_ms"] - record["wait_ms"], 4)
+    return record
+
+
 def main():
-    args, cuda, device, _ = script_setup(__doc__, "host_path.jsonl", budget_s=240)
-    V, D = (QWEN3.V, QWEN3.D) if not args.tiny else (1031, 40)
-    token_counts = (1_024, 4_096) if not args.tiny else (64,)
+    args, cuda, device, _ = script_setup(__doc__, "host_path.jsonl", budget_s=300)
     dtype = torch.bfloat16 if cuda else torch.float32
+    shipped = select_configs(torch.device(device))
+    # (name, N, V, D, configs): the Qwen3 head with few tokens; notebook 03's head (D 256, where dC's
+    # rows hold little of G), with the host-bound G buffer (``HostTuning.g_chunk_host_us``) and without.
+    cases = ([("qwen3-1024", 1_024, QWEN3.V, QWEN3.D, None), ("qwen3-4096", 4_096, QWEN3.V, QWEN3.D, None),
+              ("nb03-4096", 4_096, 32_768, 256, None),
+              ("nb03-4096/no-host-bound-buffer", 4_096, 32_768, 256, shipped.tuned(g_chunk_host_us=0.0))]
+             if not args.tiny else [("tiny-64", 64, 1031, 40, None)])
     check = Checker(args.budget_s, device)
-    for N in token_counts:
+    for name, N, V, D, configs in cases:
         E, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=N, requires_grad=True)
-        for backward_impl in (None, "gemm"):
-            name = f"qwen3-{N}/{backward_impl or 'default'}"
 
-            def case(N=N, backward_impl=backward_impl, E=E, C=C, x=x):
-                step = step_fn(E, C, x, backward_impl)
-                timing = host_and_device_time(step, calls=10 if cuda else 1, warmup=3 if cuda else 1, device=device)
-                record = {"N": N, "V": V, "D": D, **timing.as_dict()}
-                record.update(profile_ops(step, cuda, calls=5 if cuda else 1))
-                record["python"] = python_profile(step, calls=20 if cuda else 1)
-                print(f"  {name}: host {timing.host_ms:.2f} ms, GPU {timing.device_ms:.2f} ms, "
-                      f"{record['launches_per_call']:.0f} launches")
-                for row in record["host_ms_by_op"][:12]:
-                    print(f"      {row[1]:8.3f} ms x{row[2]:<6} {row[0]}")
-                for row in record["python"][:15]:
-                    print(f"      py {row[1]:8.3f} ms (cum {row[2]:8.3f}) x{row[3]:<6} {row[0]}")
-                return record
+        def case(N=N, V=V, D=D, E=E, C=C, x=x, configs=configs, name=name):
+            step = step_fn(E, C, x, configs)
+            timing = host_and_device_time(step, calls=10 if cuda else 1, warmup=3 if cuda else 1, device=device)
+            record = {"N": N, "V": V, "D": D, **timing.as_dict()}
+            record.update(profile_ops(step, cuda, calls=5 if cuda else 1))
+            record["python"] = python_profile(step, calls=20 if cuda else 1)
+            record["split"] = host_split(step, cuda, calls=30 if cuda else 1, warmup=3 if cuda else 0)
+            print(f"  {name}: split {record['split']}")
+            print(f"  {name}: host {timing.host_ms:.2f} ms, GPU {timing.device_ms:.2f} ms, "
+                  f"{record['launches_per_call']:.0f} launches")
+            for row in record["host_ms_by_op"][:12]:
+                print(f"      {row[1]:8.3f} ms x{row[2]:<6} {row[0]}")
+            for row in record["python"][:15]:
+                print(f"      py {row[1]:8.3f} ms (cum {row[2]:8.3f}) x{row[3]:<6} {row[0]}")
+            return record
 
-            check.run(name, case)
+        check.run(name, case)
     finish(check, args.out, cuda)
 
 
