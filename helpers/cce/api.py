@@ -192,7 +192,9 @@ def linear_cross_entropy(
         divides by the kept targets' weights (``helpers.cce.class_weights``; not with label
         smoothing or the z-loss). Per-token log-probabilities, entropies and accuracy:
         ``helpers.cce.outputs.linear_cross_entropy_outputs``.
-    memory_budget: "min" (the default: the recompute design above, within ~1.1 LB), a number of
+    memory_budget: "min" (the default: the recompute design above, within ~1.1-1.2 LB at LLM heads;
+        up to ``HostTuning.g_buffer_max_bytes`` more on a small head whose G chunks in place would all
+        be host-bound, ``helpers.cce.backward.gemm.gemm_plan``), a number of
         bytes the call may hold beyond its inputs and the gradients it returns (dE, dC), or "auto"
         (``helpers.cce.schedules.AUTO_SHARE`` of the device's free memory; "min" on the CPU). The
         call runs the schedule predicted fastest among those whose predicted memory fits

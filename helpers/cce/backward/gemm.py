@@ -140,7 +140,10 @@ def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk:
     FullC/FullE's unfiltered G: ``split``). dC's rows are free for G only in the first row chunk of
     an unsorted vocabulary. Where dE's accumulator leaves room under ``host.g_buffer_lb_share`` x LB,
     a G buffer takes the rest (few tokens: 5 G chunks instead of 9 at the Qwen3 head, 1,024 tokens;
-    none from ~8,192 tokens there, where the accumulator alone is past it)."""
+    none from ~8,192 tokens there, where the accumulator alone is past it). Where even the widest
+    chunk in place would be host-bound (``host_bound_cols``: rows >> D), the buffer holds chunks
+    that are not, up to ``host.g_buffer_max_bytes`` (notebook 03's head, N 4,096, D 256: 2 G chunks
+    on the Hopper tier instead of 58). ``host.g_buffer_lb_share`` 0: no buffer of either kind."""
     default_n, default_v = host.gemm_chunks or gemm_chunks(N, V, D, dtype, block_v)
     n_chunk = min(N, n_chunk or default_n)
     max_cols = (v_chunk if v_chunk else
