@@ -142,8 +142,9 @@ def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk:
     a G buffer takes the rest (few tokens: 5 G chunks instead of 9 at the Qwen3 head, 1,024 tokens;
     none from ~8,192 tokens there, where the accumulator alone is past it). Where even the widest
     chunk in place would be host-bound (``host_bound_cols``: rows >> D), the buffer holds chunks
-    that are not, up to ``host.g_buffer_max_bytes`` (notebook 03's head, N 4,096, D 256: 2 G chunks
-    on the Hopper tier instead of 58). ``host.g_buffer_lb_share`` 0: no buffer of either kind."""
+    that are not, up to ``host.g_buffer_max_bytes`` and a share of the whole G (notebook 03's head,
+    N 4,096, D 256: 2 G chunks on the Hopper tier instead of 58). ``host.g_buffer_lb_share`` 0: no buffer
+    of either kind."""
     default_n, default_v = host.gemm_chunks or gemm_chunks(N, V, D, dtype, block_v)
     n_chunk = min(N, n_chunk or default_n)
     max_cols = (v_chunk if v_chunk else
@@ -162,7 +163,8 @@ def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk:
         room = max((N - first_free) * D // n_chunk if need_dE else 0,
                    V * D // (n_chunk + D) if need_dC and not sorted_vocab else 0)
         if room < min(wide, V):
-            buffer_bytes = max(buffer_bytes, min(host.g_buffer_max_bytes, min(wide, V) * n_chunk * dtype.itemsize))
+            cap = min(host.g_buffer_max_bytes, int(host.g_buffer_max_g_share * N * V * dtype.itemsize))
+            buffer_bytes = max(buffer_bytes, min(cap, min(wide, V) * n_chunk * dtype.itemsize))
         buffer_cols = min(max_cols, max(0, buffer_bytes) // (n_chunk * dtype.itemsize))
     row_chunks = []
     for n0 in range(0, N, n_chunk):

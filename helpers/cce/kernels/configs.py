@@ -76,9 +76,11 @@ class HostTuning:
     #    column of `rows`): chunks whose products take this long at the tier's matmul rate, the host's
     #    time per chunk (a G launch, two cuBLAS products, ~10 torch operators; ~0.33 ms on an H200's host,
     #    notebook 03's loss at N 4,096, V 32,768, D 256: 19.3 ms for 58 in-place chunks), up to
-    #    ``g_buffer_max_bytes``. 0: not this one.
+    #    ``g_buffer_max_bytes`` and to ``g_buffer_max_g_share`` of the whole G (N x V in the inputs'
+    #    dtype, the logits' size: a tiny head would otherwise buffer all of it). 0: not this one.
     g_chunk_host_us: float = 300.0
     g_buffer_max_bytes: int = 128 * MiB
+    g_buffer_max_g_share: float = 0.5
     # The G kernel reads E and C and writes G through tensor descriptors (``LaunchConfig.tma``) only
     # for vocabulary chunks whose three products (6 rows v_chunk D FLOP) take longer than the host's
     # launches for the chunk: descriptor arguments cost the host time per launch, and only chunks
