@@ -151,6 +151,11 @@ def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk:
                 default_v if sorted_vocab or split else
                 max(default_v, host.g_in_place_bytes // (n_chunk * dtype.itemsize)))
     v_chunk = min(V, v_chunk or default_v)
+
+    def dE_free(n0: int, n1: int) -> int:
+        """The elements of dE not yet written when rows [n0, n1) make their G (fp32: their own accumulate)."""
+        return (N - (n0 if dtype != torch.float32 else n1)) * D if need_dE else 0
+
     buffer_cols = 0
     if not (sorted_vocab or split) and host.g_buffer_lb_share > 0:
         # A G buffer (``HostTuning.g_buffer_lb_share``): share x LB less dE's fp32 accumulator (16-bit inputs),
@@ -158,20 +163,17 @@ def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk:
         accumulator = n_chunk * D * 4 if need_dE and dtype != torch.float32 else 0
         buffer_bytes = int(host.g_buffer_lb_share * lb) - accumulator
         # or, where the widest chunk in place would be host-bound, one for chunks that are not.
-        wide = host_bound_cols(n_chunk, D, dtype, host, need_dE=need_dE, need_dC=need_dC)
-        first_free = 0 if dtype != torch.float32 else n_chunk
-        room = max((N - first_free) * D // n_chunk if need_dE else 0,
-                   V * D // (n_chunk + D) if need_dC and not sorted_vocab else 0)
-        if room < min(wide, V):
+        # The first chunk's room in place, as ``vocab_chunks`` measures it: dE's free rows, dC's after it.
+        room = max(dE_free(0, n_chunk) // n_chunk, V * D // (n_chunk + D) if need_dC else 0)
+        wide = min(V, host_bound_cols(n_chunk, D, dtype, host, need_dE=need_dE, need_dC=need_dC))
+        if room < wide:
             cap = min(host.g_buffer_max_bytes, int(host.g_buffer_max_g_share * N * V * dtype.itemsize))
-            buffer_bytes = max(buffer_bytes, min(cap, min(wide, V) * n_chunk * dtype.itemsize))
+            buffer_bytes = max(buffer_bytes, min(cap, wide * n_chunk * dtype.itemsize))
         buffer_cols = min(max_cols, max(0, buffer_bytes) // (n_chunk * dtype.itemsize))
     row_chunks = []
     for n0 in range(0, N, n_chunk):
         n1 = min(N, n0 + n_chunk)
-        first_free = n0 if dtype != torch.float32 else n1  # fp32: dE's own rows accumulate
-        chunks = vocab_chunks(n1 - n0, V, D, v_chunk, block_v, max_cols,
-                              dE_free=(N - first_free) * D if need_dE else 0,
+        chunks = vocab_chunks(n1 - n0, V, D, v_chunk, block_v, max_cols, dE_free=dE_free(n0, n1),
                               dC_free=need_dC and not sorted_vocab and n0 == 0, buffer_cols=buffer_cols)
         row_chunks.append((n0, n1, chunks))
     return GemmPlan(n_chunk, v_chunk, row_chunks)

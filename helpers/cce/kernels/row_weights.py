@@ -79,10 +79,7 @@ def row_weights_kernel(
         tl.store(w_scale_ptr, scale)
         tl.debug_barrier()  # every thread's w stored before any is read back (a thread may read another's)
         for r0 in range(0, N, BLOCK):
-            rows = r0 + tl.arange(0, BLOCK)
-            inside = rows < N
-            w = tl.load(w_ptr + rows, mask=inside, other=0.0)
-            tl.store(w_rel_ptr + rows, tl.where(scale > 0, w / tl.where(scale > 0, scale, 1.0), 0.0), mask=inside)
+            _store_w_rel(w_ptr, w_rel_ptr, r0 + tl.arange(0, BLOCK), N, scale)
     else:
         pid = tl.program_id(0)
         block_top, block_nan = _block_weights(
@@ -108,7 +105,12 @@ def row_scale_kernel(
     scale = tl.where(tl.max(nan, axis=0) > 0, float("nan"), tl.max(top, axis=0))
     if pid == 0:
         tl.store(w_scale_ptr, scale)
-    rows = pid * BLOCK + tl.arange(0, BLOCK)
+    _store_w_rel(w_ptr, w_rel_ptr, pid * BLOCK + tl.arange(0, BLOCK), N, scale)
+
+
+@triton.jit
+def _store_w_rel(w_ptr, w_rel_ptr, rows, N, scale):
+    """w_rel = w / w_scale of ``rows`` (0 where w_scale is 0)."""
     inside = rows < N
     w = tl.load(w_ptr + rows, mask=inside, other=0.0)
     tl.store(w_rel_ptr + rows, tl.where(scale > 0, w / tl.where(scale > 0, scale, 1.0), 0.0), mask=inside)
