@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -125,6 +126,9 @@ class GateRow:
     errors: dict = field(default_factory=dict)  # quantity -> relative error
     bounds: dict = field(default_factory=dict)  # quantity -> bound
     reason: str = ""  # why unavailable, or what raised
+    # The method's forward and backward, wall clock to the last kernel's end: the first call of a
+    # method in a dtype and shape includes its compiling (torch.compile's graph, Triton's kernels).
+    seconds: float | None = None
 
 
 # The gate figure: each bar's colour is its verdict, its hatching the quantity.
@@ -153,6 +157,9 @@ class GateFailure(AssertionError):
 class GateReport:
     rows: list[GateRow]
     device: str
+    # Per "dtype case": seconds to make the inputs and the float64 reference (the part of the gate's
+    # time that is no method's).
+    setup_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def failures(self) -> list[GateRow]:
@@ -285,6 +292,7 @@ class GateReport:
             "passed": not self.failures,
             "summary": self.summary(),
             "rows": [asdict(r) for r in self.rows],
+            "setup_seconds": self.setup_seconds,
         }
         path.write_text(json.dumps(payload, indent=1, default=_json_number))
         return path
@@ -317,9 +325,11 @@ def run_gate(
     order = ["naive"] + [m for m in methods if m != "naive"]
     work = [(dtype, i, case) for dtype in dtypes for i, case in enumerate(cases)]
     rows: list[GateRow] = []
+    setup_seconds: dict[str, float] = {}
     bar = _progress(len(work), progress)
     for dtype, i, case in work:
         d = dtype_name(dtype)
+        t0 = _clock(device)
         E, C, x, go = case_inputs(case, dtype, device, seed + i)
         # Past 2^26 logits the float64 reference goes a row chunk at a time (its closed form): whole,
         # it would hold 8 bytes a logit twice (4 GB at 4,096 tokens of the Qwen3 head).
@@ -327,6 +337,7 @@ def run_gate(
         reference = reference_loss_and_grads(
             E, C, x, go, reduction=case.reduction, softcap=case.softcap, chunk_rows=chunk_rows
         )
+        setup_seconds[f"{d} {case.name}"] = round(_clock(device) - t0, 4)
         naive_errors = None
         for name in order:
             reason = get_method(name).why_unavailable(device, dtype, case.softcap)
@@ -334,29 +345,38 @@ def run_gate(
                 if name in methods:
                     rows.append(GateRow(name, d, case.name, "unavailable", reason=reason))
                 continue
+            t0 = _clock(device)
             try:
                 result = run_method(name, E, C, x, go, case)
+                seconds = round(_clock(device) - t0, 4)
                 errors = {q: relative_error(a, r) for q, a, r in zip(QUANTITIES, result, reference)}
                 raised = ""
             except MethodUnavailable as e:
                 rows.append(GateRow(name, d, case.name, "unavailable", reason=str(e)))
                 continue
             except Exception as e:  # a crash is a failure of the method, recorded with the rest
-                errors, raised = {}, f"{type(e).__name__}: {e}"
+                errors, raised, seconds = {}, f"{type(e).__name__}: {e}", None
             yardstick = naive_errors if name != "naive" else None
             bounds = {q: gate_bound(d, q, (yardstick or {}).get(q)) for q in QUANTITIES}
             if name == "naive":
                 naive_errors = errors
             if name in methods:
                 status = gate_case_status(name, errors, bounds, raised)
-                rows.append(GateRow(name, d, case.name, status, errors, bounds, raised))
+                rows.append(GateRow(name, d, case.name, status, errors, bounds, raised, seconds))
         bar.update(1)
     bar.close()
-    report = GateReport(rows, str(device))
+    report = GateReport(rows, str(device), setup_seconds)
     if raise_on_failure:
         report.raise_if_failed()
     return report
 
+
+
+def _clock(device: torch.device) -> float:
+    """perf_counter after ``device``'s queued work has finished (a GPU's kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _progress(total: int, enabled: bool):

@@ -1,5 +1,6 @@
 """The gate passes correct methods, reports unavailable ones, and catches wrong ones."""
 
+import json
 import math
 
 import pytest
@@ -113,6 +114,13 @@ def test_report_writes_json_and_markdown(tmp_path):
     assert '"passed": true' in path.read_text()
     table = report.markdown()
     assert "| naive | float32 | 2 |" in table and "unavailable" in table
+    # Where the gate's time goes: each method that ran, and each case's inputs and float64 reference.
+    written = json.loads(path.read_text())
+    ran = [r for r in written["rows"] if r["status"] != "unavailable"]
+    assert ran and all(r["seconds"] > 0 for r in ran)
+    assert all(r["seconds"] is None for r in written["rows"] if r["status"] == "unavailable")
+    assert sorted(written["setup_seconds"]) == sorted(f"float32 {c.name}" for c in CASES[:2])
+    assert all(s >= 0 for s in written["setup_seconds"].values())
 
 
 def test_naive_over_its_floor_is_reported_not_failed(monkeypatch):
