@@ -5,7 +5,10 @@
 Why: at N = 1,024 the GPU finishes our forward+backward long before the host has issued it (the
 bench: ~5.8 ms a call against ~2 ms of kernels), so launches, Python and synchronisations bound
 it, not arithmetic. Per case (N = 1,024 and 4,096 at the Qwen3 head; notebook 03's head, N 4,096,
-V 32,768, D 256, with the host-bound G buffer and without; bf16, the "uniform" regime):
+V 32,768, D 256, with the host-bound G buffer and without; bf16, the "uniform" regime; and notebook 03's
+head as its pretend-T4 run takes it: the Turing tier's configurations, fp16, the "uniform" regime (its
+fine-tuning's flat softmax) and the "realistic" one (its pretraining's peaked softmax, where "auto" runs
+the sparse backward), that one with "gemm" too):
 
 1. host ms and GPU busy ms per call (``helpers.compare.measure.host_and_device_time``);
 2. the launches per call and the host's time in each CUDA runtime/driver call (torch.profiler:
@@ -31,15 +34,15 @@ import torch
 from _common import Checker, finish, script_setup
 
 from helpers.cce import linear_cross_entropy
-from helpers.cce.kernels.configs import select_configs
+from helpers.cce.kernels.configs import select_configs, tier
 from helpers.compare.heads import QWEN3
 from helpers.compare.inputs import make_inputs
 from helpers.compare.measure import host_and_device_time
 
 
-def step_fn(E, C, x, configs=None):
+def step_fn(E, C, x, configs=None, backward_impl="auto"):
     def step():
-        loss = linear_cross_entropy(E, C, x, configs=configs)
+        loss = linear_cross_entropy(E, C, x, configs=configs, backward_impl=backward_impl)
         torch.autograd.grad(loss, (E, C))
     return step
 
@@ -142,20 +145,32 @@ def main():
     args, cuda, device, _ = script_setup(__doc__, "host_path.jsonl", budget_s=300)
     dtype = torch.bfloat16 if cuda else torch.float32
     shipped = select_configs(torch.device(device))
-    # (name, N, V, D, configs): the Qwen3 head with few tokens; notebook 03's head (D 256, where dC's
-    # rows hold little of G), with the host-bound G buffer (``HostTuning.g_chunk_host_us``) and without.
-    cases = ([("qwen3-1024", 1_024, QWEN3.V, QWEN3.D, None), ("qwen3-4096", 4_096, QWEN3.V, QWEN3.D, None),
-              ("nb03-4096", 4_096, 32_768, 256, None),
-              ("nb03-4096/no-host-bound-buffer", 4_096, 32_768, 256, shipped.tuned(g_chunk_host_us=0.0))]
-             if not args.tiny else [("tiny-64", 64, 1031, 40, None)])
+    t4 = tier("turing-64k")
+    # (name, N, V, D, configs, dtype, regime, backward_impl): the Qwen3 head with few tokens; notebook
+    # 03's head (D 256, where dC's rows hold little of G), with the host-bound G buffer
+    # (``HostTuning.g_chunk_host_us``) and without; notebook 03's head as a pretend T4 runs it.
+    cases = ([("qwen3-1024", 1_024, QWEN3.V, QWEN3.D, None, dtype, "uniform", "auto"),
+              ("qwen3-4096", 4_096, QWEN3.V, QWEN3.D, None, dtype, "uniform", "auto"),
+              ("nb03-4096", 4_096, 32_768, 256, None, dtype, "uniform", "auto"),
+              ("nb03-4096/no-host-bound-buffer", 4_096, 32_768, 256, shipped.tuned(g_chunk_host_us=0.0), dtype,
+               "uniform", "auto"),
+              ("nb03-4096/t4-tier", 4_096, 32_768, 256, t4, torch.float16, "uniform", "auto"),
+              ("nb03-4096/t4-tier/realistic", 4_096, 32_768, 256, t4, torch.float16, "realistic", "auto"),
+              ("nb03-4096/t4-tier/realistic/gemm", 4_096, 32_768, 256, t4, torch.float16, "realistic", "gemm")]
+             if not args.tiny else [("tiny-64", 64, 1031, 40, None, dtype, "uniform", "auto"),
+                                    ("tiny-64/realistic", 64, 1031, 40, None, dtype, "realistic", "auto")])
     check = Checker(args.budget_s, device)
-    for name, N, V, D, configs in cases:
-        E, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=N, requires_grad=True)
+    for name, N, V, D, configs, dt, regime, backward_impl in cases:
+        E, C, x = make_inputs(N, V, D, dt, device, regime=regime, seed=N, requires_grad=True)
 
-        def case(N=N, V=V, D=D, E=E, C=C, x=x, configs=configs, name=name):
-            step = step_fn(E, C, x, configs)
+        def case(N=N, V=V, D=D, E=E, C=C, x=x, configs=configs, backward_impl=backward_impl, name=name):
+            step = step_fn(E, C, x, configs, backward_impl)
             timing = host_and_device_time(step, calls=10 if cuda else 1, warmup=3 if cuda else 1, device=device)
-            record = {"N": N, "V": V, "D": D, **timing.as_dict()}
+            stats = {}  # which backward "auto" ran (one more call, outside every timing)
+            loss = linear_cross_entropy(E, C, x, configs=configs, backward_impl=backward_impl, stats=stats)
+            torch.autograd.grad(loss, (E, C))
+            record = {"N": N, "V": V, "D": D, "dtype": str(dt), "regime": regime, "backward_impl": backward_impl,
+                      "backward_ran": stats.get("backward"), **timing.as_dict()}
             record.update(profile_ops(step, cuda, calls=5 if cuda else 1))
             record["python"] = python_profile(step, calls=20 if cuda else 1)
             record["split"] = host_split(step, cuda, calls=30 if cuda else 1, warmup=3 if cuda else 0)
