@@ -19,7 +19,8 @@ the sparse backward), that one with "gemm" too):
    synchronisation, with the time inside Triton's launch path (its argument binding and cache
    lookup, then the launcher), inside cuBLAS's host calls (``torch.mm``/``addmm``) and waiting for
    the device (``Event.synchronize``) summed by wrappers; the rest is our Python and torch's other
-   operators. cProfile inflates many small Python calls, so only this split gives shares.
+   operators. cProfile inflates many small Python calls, so only this split gives shares. Python's
+   garbage collector is counted too: collections per call by generation, its ms per call.
 
 ``--tiny``: a small head on the CPU under the Triton interpreter, to check the script (timings
 meaningless there).
@@ -108,6 +109,22 @@ def host_split(step, cuda: bool, calls: int = 30, warmup: int = 3) -> dict:
         patched.append((owner, name, original))
         setattr(owner, name, wrapper)
 
+    # Python's garbage collector, by generation: how often it runs during calls and how long (notebook
+    # 03's pretraining steps were bimodal, 10 against 25 ms, in ours and its filter-off arm alike).
+    import gc
+
+    collections = [0, 0, 0]
+    gc_started = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_started.append(time.perf_counter())
+        elif gc_started:
+            parts["gc_ms"] += time.perf_counter() - gc_started.pop()
+            collections[info["generation"]] += 1
+
+    parts["gc_ms"] = 0.0
+    gc.callbacks.append(on_gc)
     timed(jit.JITFunction, "run", "triton_ms")
     timed(torch, "mm", "blas_ms")
     timed(torch, "addmm", "blas_ms")
@@ -130,14 +147,18 @@ def host_split(step, cuda: bool, calls: int = 30, warmup: int = 3) -> dict:
                 host.append(elapsed * 1e3)
                 split.append({k: v * 1e3 for k, v in parts.items()})
     finally:
+        gc.callbacks.remove(on_gc)
         for owner, name, original in reversed(patched):
             setattr(owner, name, original)
     median = statistics.median(host)
     record = {"host_ms_median": round(median, 4), "host_ms_min": round(min(host), 4)}
     for k in parts:
         record[k] = round(statistics.median(s[k] for s in split), 4)
-    # The launcher's time is inside Triton's; the rest: our Python and torch's other operators.
+    # The launcher's time is inside Triton's; the rest: our Python and torch's other operators (and
+    # the garbage collector, which may run inside any of them).
     record["other_ms"] = round(median - record["triton_ms"] - record["blas_ms"] - record["wait_ms"], 4)
+    record["gc_collections_per_call"] = [round(n / (calls + warmup), 3) for n in collections]
+    record["gc_ms_max"] = round(max(s["gc_ms"] for s in split), 4)
     return record
 
 
