@@ -1,12 +1,18 @@
 """Shared test setup: every test runs on the CPU; helpers switches the Triton interpreter on."""
 
 import helpers  # noqa: F401  (on a CPU it switches the Triton interpreter on: helpers.env)
+import os
 import types
 
 import pytest
 
 from helpers.compare import verdicts
+from helpers.cce.kernels.configs import CPU_TIER_ENV
 from helpers.compare.methods import METHODS, Method
+
+# The tests' kernels run the interpreter's tier (its small tiles), whatever the shell says; the suite's
+# runner sets its own for the notebooks it starts.
+os.environ.pop(CPU_TIER_ENV, None)
 
 
 @pytest.fixture

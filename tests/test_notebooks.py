@@ -11,6 +11,9 @@ import jupytext
 import nbformat
 import pytest
 
+from helpers.cce.kernels.configs import CPU_TIER_ENV
+from helpers.suite.runner import CPU_SUITE_TIER
+
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
 
@@ -88,6 +91,7 @@ def test_the_workshop_runs_to_the_end_with_its_gaps_open(tmp_path, monkeypatch):
     import papermill
 
     monkeypatch.setenv("HELPERS_HEADLESS", "1")  # as the runner does: interact can hang nbclient
+    monkeypatch.setenv(CPU_TIER_ENV, CPU_SUITE_TIER)  # and its kernels' tier
 
     out = tmp_path / "out"
     papermill.execute_notebook(
@@ -119,6 +123,7 @@ def _run_convergence_with_drift(arm, tmp_path, monkeypatch):
     plugin.mkdir()
     (plugin / "sitecustomize.py").write_text(_DRIFT.format(arm=arm))
     monkeypatch.setenv("PYTHONPATH", f"{plugin}:{ROOT}")
+    monkeypatch.setenv(CPU_TIER_ENV, CPU_SUITE_TIER)  # the runner's kernels' tier
     out = tmp_path / "out"
     error = None
     try:

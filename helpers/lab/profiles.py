@@ -186,7 +186,8 @@ _VP_GPU = {
 PROFILES: dict[str, Profile] = {
     "cpu": Profile(
         name="cpu",
-        description="CPU smoke run: tiny shapes, Triton kernels under the interpreter, fp32 and fp16",
+        description="CPU smoke run: tiny shapes, Triton kernels under the interpreter (the suite's runner gives "
+        "them the Turing tier's tiles), fp32 and fp16",
         device="cpu",
         dtypes=("float32", "float16"),  # the Triton interpreter computes bf16 wrongly
         sections={

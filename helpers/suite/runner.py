@@ -12,6 +12,11 @@ one folder holds the whole run:
 
 A notebook that raises is recorded as failed and the others still run; the command exits non-zero
 when any failed.
+
+On a CPU without a pretend card the notebooks' kernels take the Turing tier's tiles under the
+interpreter (``CPU_SUITE_TIER``, through ``HELPERS_CPU_TIER`` in their processes; a value already in
+the environment wins): the smoke run in about two thirds of the time, with the tests' own tier left to
+the tests.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 
 from helpers.cce.device import PRETEND_ENV, card_spec, device_info, why_cannot_pretend
+from helpers.cce.kernels.configs import CPU_TIER_ENV, select_configs
 from helpers.lab.profiles import get_profile, profile_for_card
 from helpers.lab.widgets import HEADLESS_ENV
 from helpers.suite.bootstrap import installed_version
@@ -37,6 +43,8 @@ from helpers.suite.report import build_report
 # Set wherever a notebook's parameters cell declares them: a headless run checks the workshop (04)
 # with its worked solutions in place, where "Run all" leaves the exercises' gaps to the attendee.
 SUITE_PARAMETERS = {"SOLUTIONS": True}
+# The configuration tier of the CPU suite's kernels (module doc): fewer, larger programs for the interpreter.
+CPU_SUITE_TIER = "turing-64k"
 
 
 @dataclass
@@ -151,13 +159,23 @@ def run_suite(
     output.mkdir(parents=True, exist_ok=True)
     notebooks = find_notebooks(only)
     info = device_info()
-    print(f"profile {resolved}{' (quick)' if quick else ''} on {info.describe()}; {len(notebooks)} notebooks -> {output}")
+    cpu_tier_before = os.environ.get(CPU_TIER_ENV)
+    if not pretend and not torch.cuda.is_available() and cpu_tier_before is None:
+        os.environ[CPU_TIER_ENV] = CPU_SUITE_TIER  # inherited by every notebook's kernel process
+    tier_note = (f", kernels: the {select_configs(torch.device('cpu')).name} tier under the interpreter"
+                 if info.kind == "cpu" else "")
+    print(f"profile {resolved}{' (quick)' if quick else ''} on {info.describe()}{tier_note}; "
+          f"{len(notebooks)} notebooks -> {output}")
     runs = []
     bar = tqdm(notebooks, desc="suite", unit="notebook")
-    for path in bar:
-        bar.set_postfix_str(path.stem)
-        runs.append(run_notebook(path, resolved, output, timeout_s, quick, parameters))
-        _write_summary(output, resolved + ("-quick" if quick else ""), info, runs)
+    try:
+        for path in bar:
+            bar.set_postfix_str(path.stem)
+            runs.append(run_notebook(path, resolved, output, timeout_s, quick, parameters))
+            _write_summary(output, resolved + ("-quick" if quick else ""), info, runs)
+    finally:
+        if cpu_tier_before is None:
+            os.environ.pop(CPU_TIER_ENV, None)
     print(summary_table(runs))
     print(f"report: {build_report(output)} (and REPORT.html beside it)")
     return runs

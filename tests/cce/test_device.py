@@ -216,3 +216,22 @@ def test_the_check_fires_on_a_kernel_compiled_for_a_gpu_that_asks_for_more(tmp_p
     assert len(lines) == 2, done.stdout + done.stderr[-3000:]
     assert "raises: out of resource: shared memory of matmul_tile" in lines[0] and "65536" in lines[0]
     assert lines[1].endswith("fits")
+
+
+def test_the_cpu_tier_is_the_interpreters_unless_named(monkeypatch):
+    """``HELPERS_CPU_TIER`` names the CPU's tier (the suite's runner sets the Turing tier's); the theory's
+    tier for "no GPU" follows it; a name that is no tier is refused with the tiers there are."""
+    from helpers.cce.kernels.configs import CPU_TIER_ENV, tier_for_capability
+
+    monkeypatch.delenv(PRETEND_ENV, raising=False)
+    monkeypatch.delenv(PRETEND_T4_ENV, raising=False)
+    monkeypatch.delenv(CPU_TIER_ENV, raising=False)
+    assert select_configs(torch.device("cpu")).name == tier_for_capability(None).name == "interpreter"
+    monkeypatch.setenv(CPU_TIER_ENV, "turing-64k")
+    assert select_configs(torch.device("cpu")).name == tier_for_capability(None).name == "turing-64k"
+    monkeypatch.setenv(PRETEND_ENV, "a100-40gb")  # a pretend card's tier wins
+    assert select_configs(torch.device("cpu")).name == "ampere-163k"
+    monkeypatch.delenv(PRETEND_ENV)
+    monkeypatch.setenv(CPU_TIER_ENV, "volta")
+    with pytest.raises(ValueError, match="no configuration tier 'volta'.*interpreter"):
+        select_configs(torch.device("cpu"))

@@ -1,6 +1,7 @@
 """The headless runner's parameters: what papermill injects into each notebook."""
 
 import json
+import os
 from pathlib import Path
 
 import jupytext
@@ -56,3 +57,28 @@ def test_a_parameter_from_the_command_line_overrides_the_suites_where_declared(t
     attendee = notebook_parameters(workshop, "cpu", tmp_path, parameters={"SOLUTIONS": False})
     assert attendee["SOLUTIONS"] is False
     assert "SOLUTIONS" not in notebook_parameters(gate, "cpu", tmp_path, parameters={"SOLUTIONS": False})
+
+
+def test_the_cpu_suite_runs_the_turing_tiles_and_leaves_the_tests_tier_as_it_was(tmp_path, monkeypatch):
+    """On a CPU the runner's notebooks take the Turing tier's tiles (fewer programs for the interpreter);
+    the variable lives only while they run, and a value already set wins."""
+    import torch
+
+    from helpers.cce.kernels.configs import CPU_TIER_ENV, select_configs
+    from helpers.suite import runner
+
+    seen = []
+
+    def fake_run(path, profile, output, *args):
+        seen.append((os.environ.get(CPU_TIER_ENV), select_configs(torch.device("cpu")).name))
+        return runner.NotebookRun(path.stem, "ok", 0.0, str(output))
+
+    monkeypatch.setattr(runner, "run_notebook", fake_run)
+    monkeypatch.setattr(runner, "build_report", lambda output: output / "REPORT.md")
+    monkeypatch.delenv(CPU_TIER_ENV, raising=False)
+    runner.run_suite("cpu", tmp_path, only=["01"])
+    assert seen == [(runner.CPU_SUITE_TIER, runner.CPU_SUITE_TIER)]
+    assert CPU_TIER_ENV not in os.environ and select_configs(torch.device("cpu")).name == "interpreter"
+    monkeypatch.setenv(CPU_TIER_ENV, "interpreter")
+    runner.run_suite("cpu", tmp_path, only=["01"])
+    assert seen[-1] == ("interpreter", "interpreter") and os.environ[CPU_TIER_ENV] == "interpreter"

@@ -10,6 +10,7 @@ GPU of that tier (on a CPU) and checks the bytes the compiler asks for.
 
 Tiers (opt-in shared memory per block):
     interpreter   CPU, TRITON_INTERPRET=1: small tiles, so the tests' tiny shapes span many tiles
+                  (another tier's by name in ``HELPERS_CPU_TIER``: ``cpu_tier``)
     64 KB         Turing (T4, sm_75)
     99 KB         consumer Ampere / Ada (sm_86, sm_89; the L4)
     163 KB        A100 (sm_80)
@@ -18,6 +19,7 @@ Tiers (opt-in shared memory per block):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 MiB = 1024 * 1024
@@ -303,13 +305,28 @@ def tier(name: str) -> CCEConfigs:
     raise ValueError(f"no configuration tier {name!r}; tiers: {[t.name for t in (INTERPRETER, *TIERS)]}")
 
 
+# The tier the CPU runs under the interpreter where no card is pretended: the interpreter's own (its
+# small tiles make the tests' tiny shapes span many tiles), or a tier named here. The interpreter walks
+# a kernel's programs one by one, so larger tiles mean fewer of them: the suite's runner gives the cpu
+# profile's notebooks the Turing tier's (``helpers.suite.runner``), a third less time on this
+# project's 2-core CPU (notebooks 01, 02, 05, 06, 07: 265 s against 176).
+CPU_TIER_ENV = "HELPERS_CPU_TIER"
+
+
+def cpu_tier() -> CCEConfigs:
+    """The CPU's tier: ``HELPERS_CPU_TIER``'s (a name of ``tier``; an unknown one raises), else the
+    interpreter's."""
+    name = os.environ.get(CPU_TIER_ENV)
+    return tier(name) if name else INTERPRETER
+
+
 def tier_for_capability(capability: tuple[int, int] | None) -> CCEConfigs:
-    """The tier a GPU of this compute capability most likely gets (None: the interpreter's), for
+    """The tier a GPU of this compute capability most likely gets (None: the CPU's, ``cpu_tier``), for
     arithmetic without the device at hand (``helpers.compare.sweep``'s theory). The newest tier whose target
     capability is at most ``capability``; a device picks by its shared memory instead
     (``select_configs``), which agrees for every GPU named in this file's docstring."""
     if capability is None:
-        return INTERPRETER
+        return cpu_tier()
     fitting = [t for t in TIERS if t.target_capability <= tuple(capability)]
     return max(fitting, key=lambda t: t.target_capability) if fitting else TIERS[0]
 
@@ -321,7 +338,7 @@ def tier_for_card(card) -> CCEConfigs:
 
 
 def select_configs(device) -> CCEConfigs:
-    """The tier for ``device`` (a torch.device): the interpreter's on CPU, else by shared memory
+    """The tier for ``device`` (a torch.device): the CPU's on CPU (``cpu_tier``), else by shared memory
     (a pretend card's, ``helpers.cce.device``: a T4's 64 KB, an A100's 163 KB). On the CPU under
     ``HELPERS_PRETEND=<card>`` the card's tier, so the interpreter runs the configurations the card
     gets."""
@@ -329,5 +346,5 @@ def select_configs(device) -> CCEConfigs:
 
     if device.type != "cuda":
         card = pretended_card()
-        return tier_for_card(card) if card else INTERPRETER
+        return tier_for_card(card) if card else cpu_tier()
     return configs_for_shared_memory(device_info(device).shared_memory_per_block_bytes)
