@@ -95,11 +95,19 @@ def against_baseline(times: dict[str, dict], baseline: str = "exact") -> dict[st
     return {arm: {**t, "vs_baseline": t["median_s"] / base if base else math.nan} for arm, t in times.items()}
 
 
+# An arm whose slowest timed step is past this multiple of its fastest ran at more than one speed (on an
+# H200 as a pretend T4, notebook 03's pretraining steps of ours: five near 10 ms, five near 25): its
+# median is then no typical step, and the reading says so.
+SPREAD = 1.5
+
+
 def describe_step_times(
-    part: str, times: dict[str, dict], labels: dict[str, str], baseline: str = "exact"
+    part: str, times: dict[str, dict], labels: dict[str, str], baseline: str = "exact", pretend: str | None = None
 ) -> list[str]:
     """What ``against_baseline``'s table measures, and for each arm slower than the baseline
-    whether the host or the device sets its speed, in sentences computed from the numbers."""
+    whether the host or the device sets its speed, in sentences computed from the numbers; arms whose
+    steps spread past ``SPREAD``; and, on a pretend card (``pretend``: its label), what a host-bound
+    ratio there does not say about the card."""
     if not times:
         return [f"{part}: no arm was timed."]
     first = next(iter(times.values()))
@@ -129,6 +137,20 @@ def describe_step_times(
     if undecided:
         lines.append(f"Whether {', '.join(undecided)} {'is' if len(undecided) == 1 else 'are'} host-bound cannot be "
                      "told here: on a CPU host and device are one (on a GPU: the profiler recorded no GPU activity).")
+    base_fastest = min(times[baseline]["step_s"]) if baseline in times and times[baseline]["step_s"] else None
+    for arm, t in times.items():
+        steps = t["step_s"]
+        if len(steps) < 4 or not max(steps) > SPREAD * min(steps):
+            continue
+        said = (f"{labels.get(arm, arm)}'s steps spread from {min(steps) * 1e3:.3g} to {max(steps) * 1e3:.3g} ms: its "
+                "median is not a typical step")
+        if arm != baseline and base_fastest:
+            said += f"; its fastest step is {min(steps) / base_fastest:.2f}x {base}'s fastest"
+        lines.append(said + ".")
+    if pretend and any(t["host_bound"] for arm, t in times.items() if arm != baseline):
+        lines.append(f"As a pretend {pretend} the kernels take the card's configurations at this GPU's speed: a "
+                     "host-bound arm's ratio here measures this machine's host, and on the card itself, whose "
+                     "arithmetic is slower, the same launches would hide behind more of its kernels' time.")
     return lines
 
 

@@ -93,3 +93,22 @@ def test_without_a_baseline_there_is_no_ratio():
     times = step_time.against_baseline({"ours": _timed(0.02, 1.0, 2.0, False)})
     assert math.isnan(times["ours"]["vs_baseline"])
     assert step_time.describe_step_times("pretraining", {}, {}) == ["pretraining: no arm was timed."]
+
+
+def test_a_spread_of_steps_and_a_pretend_card_are_read_out():
+    """A median of steps at two speeds is no typical step (notebook 03's pretraining as a pretend T4:
+    five steps near 10 ms, five near 25); on a pretend card a host-bound ratio is this machine's host."""
+    exact = {**_timed(0.0087, 5.0, 5.6, False), "step_s": [0.0090, 0.0187, 0.0086, 0.0084, 0.0084, 0.0085]}
+    ours = {**_timed(0.0184, 7.4, 1.1, True), "step_s": [0.0284, 0.0251, 0.0097, 0.0103, 0.0238, 0.0104]}
+    steady = {**_timed(0.0200, 1.0, 9.0, False), "step_s": [0.020, 0.021, 0.019, 0.020]}
+    times = step_time.against_baseline({"exact": exact, "ours": ours, "steady": steady})
+    lines = step_time.describe_step_times("pretraining", times, {"ours": "Ours"}, pretend="T4")
+    spread = [line for line in lines if "spread" in line]
+    assert spread == ["exact's steps spread from 8.4 to 18.7 ms: its median is not a typical step.",
+                      "Ours's steps spread from 9.7 to 28.4 ms: its median is not a typical step; its fastest step is "
+                      "1.15x exact's fastest."]
+    assert lines[-1].startswith("As a pretend T4 the kernels take the card's configurations at this GPU's speed")
+    plain = step_time.describe_step_times("pretraining", times, {"ours": "Ours"})
+    assert not any("pretend" in line for line in plain)
+    device_bound = step_time.against_baseline({"exact": exact, "steady": steady})
+    assert not any("pretend" in line for line in step_time.describe_step_times("p", device_bound, {}, pretend="T4"))
