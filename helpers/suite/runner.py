@@ -160,7 +160,7 @@ def run_suite(
     notebooks = find_notebooks(only)
     info = device_info()
     cpu_tier_before = os.environ.get(CPU_TIER_ENV)
-    if not pretend and not torch.cuda.is_available() and cpu_tier_before is None:
+    if not pretend and info.kind == "cpu" and cpu_tier_before is None:
         os.environ[CPU_TIER_ENV] = CPU_SUITE_TIER  # inherited by every notebook's kernel process
     tier_note = (f", kernels: the {select_configs(torch.device('cpu')).name} tier under the interpreter"
                  if info.kind == "cpu" else "")

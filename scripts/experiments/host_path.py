@@ -7,8 +7,9 @@ bench: ~5.8 ms a call against ~2 ms of kernels), so launches, Python and synchro
 it, not arithmetic. Per case (N = 1,024 and 4,096 at the Qwen3 head; notebook 03's head, N 4,096,
 V 32,768, D 256, with the host-bound G buffer and without; bf16, the "uniform" regime; and notebook 03's
 head as its pretend-T4 run takes it: the Turing tier's configurations, fp16, the "uniform" regime (its
-fine-tuning's flat softmax) and the "realistic" one (its pretraining's peaked softmax, where "auto" runs
-the sparse backward), that one with "gemm" too):
+fine-tuning's flat softmax) and the "realistic" one (its pretraining's peaked softmax, where "auto" may
+run the sparse backward; on an H200 it ran "gemm", ``docs/measurements/h200-2026-12-03e``), that one with
+"gemm" too):
 
 1. host ms and GPU busy ms per call (``helpers.compare.measure.host_and_device_time``);
 2. the launches per call and the host's time in each CUDA runtime/driver call (torch.profiler:
