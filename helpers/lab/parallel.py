@@ -248,9 +248,19 @@ def _entry(rank, world, backend, init_method, folder, timeout_s, worker, args):
     except Exception as error:
         results.append(dict(rank=rank, status="error", error=f"{type(error).__name__}: {error}"))
         traceback.print_exc()
+        stop_rank(finished=False)
         raise
-    finally:
-        dist.destroy_process_group()
+    stop_rank(finished=True)
+
+
+def stop_rank(finished: bool = True) -> None:
+    """Leave the process group. A rank that ``finished`` first waits at a barrier for every other
+    rank to finish too: one that tore gloo down while a peer's last send to it was in flight died
+    with SIGABRT ("terminate called without an active exception"). A failing rank leaves at once
+    (the launcher then stops the others)."""
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _read_all(folder: Path, world: int) -> list[dict]:

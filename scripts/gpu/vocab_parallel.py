@@ -47,7 +47,7 @@ from _common import script_setup
 
 from helpers.compare.heads import QWEN3
 from helpers.compare.results_file import ResultsWriter, read_results, run_meta
-from helpers.lab.parallel import check_worker, launch, rank_results, start_rank, timing_worker
+from helpers.lab.parallel import check_worker, launch, rank_results, start_rank, stop_rank, timing_worker
 
 SIZES = [16_384, 32_768, 65_536, 131_072]
 CHECK_SHAPES = [(1031, 5003, 136), (4096, QWEN3.V, QWEN3.D)]
@@ -98,7 +98,7 @@ def main():
             measure_rank(rank, world, device, ResultsWriter(path, run_meta(device, rank=rank, world=world)), args)
             everyone = [None] * world
             dist.all_gather_object(everyone, read_results(path)[1])
-            dist.destroy_process_group()
+            stop_rank()
             if rank != 0:
                 return
             records = [record for rank_records in everyone for record in rank_records]

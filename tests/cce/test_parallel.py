@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 import helpers  # noqa: F401  (the Triton interpreter on the CPU, before any kernel is defined)
 from helpers.cce import linear_cross_entropy, linear_cross_entropy_outputs
 from helpers.cce.parallel import vocab_parallel_cross_entropy, vocab_parallel_outputs
+from helpers.lab.parallel import stop_rank
 from helpers.spec import reference_logits, reference_loss, reference_outputs, relative_error
 
 pytestmark = [
@@ -67,8 +68,10 @@ def _entry(rank, world, rendezvous, worker, args):
                             timeout=timedelta(seconds=60))
     try:
         worker(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        stop_rank(finished=False)
+        raise
+    stop_rank(finished=True)
 
 
 def even_split(world: int) -> list[tuple[int, int]]:
