@@ -103,11 +103,15 @@ def test_a_spread_of_steps_and_a_pretend_card_are_read_out():
     steady = {**_timed(0.0200, 1.0, 9.0, False), "step_s": [0.020, 0.021, 0.019, 0.020]}
     times = step_time.against_baseline({"exact": exact, "ours": ours, "steady": steady})
     lines = step_time.describe_step_times("pretraining", times, {"ours": "Ours"}, pretend="T4")
-    spread = [line for line in lines if "spread" in line]
+    spread = [line for line in lines if "steps spread" in line]
     assert spread == ["exact's steps spread from 8.4 to 18.7 ms: its median is not a typical step.",
                       "Ours's steps spread from 9.7 to 28.4 ms: its median is not a typical step; its fastest step is "
                       "1.15x exact's fastest."]
+    assert "exact and Ours each spread, steady did not: slow steps shared by more than one loss come from " \
+        "outside any one of them" in lines[-2]
     assert lines[-1].startswith("As a pretend T4 the kernels take the card's configurations at this GPU's speed")
+    alone = step_time.against_baseline({"exact": {**exact, "step_s": [0.0084] * 6}, "ours": ours, "steady": steady})
+    assert not any("each spread" in line for line in step_time.describe_step_times("p", alone, {}))
     plain = step_time.describe_step_times("pretraining", times, {"ours": "Ours"})
     assert not any("pretend" in line for line in plain)
     device_bound = step_time.against_baseline({"exact": exact, "steady": steady})
