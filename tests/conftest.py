@@ -15,30 +15,6 @@ from helpers.compare.methods import METHODS, Method
 os.environ.pop(CPU_TIER_ENV, None)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Each test marked ``longest`` first in its own worker's share of the collection.
-
-    xdist's worksteal hands worker i the i-th contiguous share of the tests and lets an idle worker
-    steal from the end of a busy one's queue. The notebook suite's two runs (about 3 and 5 minutes on
-    2 cores) sat together near the end, so one worker often ran them back to back while the other had
-    nothing left to take: a whole run on 2 cores lost about 2 minutes so. The order is the same in
-    every worker (xdist requires identical collections)."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    longest = [item for item in items if item.get_closest_marker("longest")]
-    if workers < 2 or not longest:
-        return
-    rest = [item for item in items if not item.get_closest_marker("longest")]
-    ordered, left = [], len(items)
-    for worker in range(workers):  # worksteal's first split: len(pending) // workers remaining
-        share = left // (workers - worker)
-        own = longest[worker::workers]
-        take = max(0, share - len(own))
-        ordered += own + rest[:take]
-        rest = rest[take:]
-        left -= len(own) + take
-    items[:] = ordered + rest
-
-
 @pytest.fixture
 def temporary_method():
     """Register a Method for one test and remove it afterwards."""

@@ -54,7 +54,6 @@ def test_every_ipynb_has_a_source():
 
 
 @pytest.mark.slow
-@pytest.mark.longest
 @pytest.mark.parametrize("mode", [["--profile", "cpu"], ["--pretend-t4"]], ids=["cpu", "pretend-t4"])
 def test_suite_runs_headless_on_the_cpu(mode, tmp_path):
     """The README's main command, minus setup: every notebook, executed by papermill; and every
