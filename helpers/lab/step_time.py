@@ -140,14 +140,14 @@ def describe_step_times(
     base_fastest = min(times[baseline]["step_s"]) if baseline in times and times[baseline]["step_s"] else None
     spread, steady = [], []
     for arm, t in times.items():
-        steps = t["step_s"]
+        steps, name = t["step_s"], labels.get(arm, arm)
         if len(steps) < 4:
             continue
         if not max(steps) > SPREAD * min(steps):
-            steady.append(labels.get(arm, arm))
+            steady.append(name)
             continue
-        spread.append(labels.get(arm, arm))
-        said = (f"{labels.get(arm, arm)}'s steps spread from {min(steps) * 1e3:.3g} to {max(steps) * 1e3:.3g} ms: its "
+        spread.append(name)
+        said = (f"{name}'s steps spread from {min(steps) * 1e3:.3g} to {max(steps) * 1e3:.3g} ms: its "
                 "median is not a typical step")
         if arm != baseline and base_fastest:
             said += f"; its fastest step is {min(steps) / base_fastest:.2f}x {base}'s fastest"
