@@ -381,12 +381,6 @@ def check_ring_protocol() -> dict:
 def compile_for_sm90() -> dict:
     """Compile the kernel for sm_90 with this machine's Triton (no GPU needed): shared memory,
     registers and spills from ptxas, or the error."""
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.runtime.jit import mangle_type
 
     if GLUON_ERROR:
@@ -400,18 +394,31 @@ def compile_for_sm90() -> dict:
                V="i32", D="i32", v_begin="i32", v_count="i32", stride_x="i32", stride_coef="i32",
                eps="fp32", STAGES_="constexpr",
                num_warps="constexpr")
-    constexprs = {"STAGES_": STAGES, "num_warps": 4}
+    return compile_gluon_sm90(gradient_chunk_pingpong_kernel, sig, {"STAGES_": STAGES, "num_warps": 4})
+
+
+def compile_gluon_sm90(kernel, signature: dict, constexprs: dict) -> dict:
+    """Compile a Gluon ``kernel`` for sm_90 at ``MAXNREG`` registers (no GPU needed): its shared memory,
+    ptxas's registers and spills, and the Hopper instructions it uses (warpgroup MMA, the copy engine,
+    register reallocation), or the error."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+
     try:
         compiled = triton.compile(
-            gluon._runtime.GluonASTSource(fn=gradient_chunk_pingpong_kernel, signature=sig, constexprs=constexprs),
-            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": MAXNREG})
+            gluon._runtime.GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+            target=GPUTarget("cuda", 90, 32), options={"num_warps": constexprs.get("num_warps", 4), "maxnreg": MAXNREG})
     except Exception as error:  # noqa: BLE001 (reported, not raised: the caller decides)
         while error.__cause__ or error.__context__:  # the innermost error says what went wrong
             error = error.__cause__ or error.__context__
         return {"status": "error", "triton": triton.__version__, "error": f"{type(error).__name__}: {str(error)[-3000:]}"}
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "gradient_chunk_pingpong.ptx")
+        path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as f:
             f.write(ptx)
         out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".cubin"],
