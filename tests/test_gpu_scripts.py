@@ -75,6 +75,21 @@ def test_the_gluon_g_kernel_compiles_for_hopper_within_its_shared_memory():
     assert result["wgmma"] > 0 and result["tma"] > 0 and result["setmaxnreg"] > 0, result
 
 
+def test_the_gluon_forward_compiles_for_hopper_within_its_shared_memory():
+    """The experimental Gluon forward (``helpers/cce/kernels/lse_forward_pingpong.py``) in both launch
+    orders: it compiles for sm_90, fits 227 KB of shared memory per block and spills no registers.
+    Its barrier protocol is the G kernel's (the test below)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "experiments" / "gluon_forward.py"), "--compile-only"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1])
+    for order in ("rule", "split_fastest"):
+        r = result[order]
+        assert r["status"] == "ok" and 0 < r["shared_bytes"] <= 227 * 1024, r
+        assert "0 bytes spill stores" in r["ptxas"] and r["wgmma"] > 0 and r["tma"] > 0, r
+
+
 def test_the_gluon_g_kernels_barrier_protocol_reads_each_step_it_waited_for():
     """The G kernel's producer and two consumers share one ring of buffers: a mistake in its phase
     arithmetic shows on a GPU as wrong G or a hang. ``--check-protocol`` plays the protocol out in

@@ -26,7 +26,7 @@ import torch
 import triton
 
 from helpers.cce.activity import Activity, coef_bound
-from helpers.cce.descriptors import operand_descriptors
+from helpers.cce.descriptors import operand_descriptors, tma_ready
 from helpers.cce.device import device_info
 from helpers.cce.shared import vocabulary_order
 from helpers.cce.kernels.configs import CCEConfigs
@@ -80,7 +80,7 @@ def cce_forward(
     # Algorithm 2: lse over vocabulary splits, (SPLITS, N), then merged.
     smoothing = o.label_smoothing > 0
     if not emit_activity:
-        lse_split, logit_sum_split, _ = _lse_splits(E, C, bias, o, fwd, v_splits, softcap)
+        lse_split, logit_sum_split, _ = _lse_splits(E, C, bias, o, fwd, v_splits, softcap, host=configs.host)
         activity = None
     else:
         lse_split, logit_sum_split, activity = _lse_with_activity(
@@ -96,12 +96,18 @@ def cce_forward(
     return (loss, lse) if activity is None else (loss, lse, activity)
 
 
-def _lse_splits(E, C, bias, o: CCEOptions, fwd, v_splits, softcap, x=None):
+def _lse_splits(E, C, bias, o: CCEOptions, fwd, v_splits, softcap, x=None, host=None):
     """Algorithm 2 without bits: (lse_split, logit_sum_split, row_stats), each split's rows (SPLITS, N);
     with targets ``x``, row_stats = (entropy_split, max_split, target_split) (``lse_forward_kernel``'s
-    ROW_STATS), else None."""
+    ROW_STATS), else None. With a tier's ``host`` (``HostTuning.lse_pingpong_max_d``) and the splits
+    left to the launcher, the plain lse runs the Gluon kernel where it applies (``lse_pingpong_reason``)."""
     N, D = E.shape
     V = C.shape[0]
+    if host is not None and v_splits is None and x is None and lse_pingpong_reason(E, C, bias, o, host) is None:
+        from helpers.cce.kernels.lse_forward_pingpong import lse_forward_pingpong
+
+        lse_split = lse_forward_pingpong(E, C)
+        return lse_split, lse_split, None
     n_blocks, v_splits = split_grid(N, fwd, E.device, v_splits, D, E.element_size())
     v_blocks = triton.cdiv(V, fwd.BLOCK_V)
     blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
@@ -122,6 +128,26 @@ def _lse_splits(E, C, bias, o: CCEOptions, fwd, v_splits, softcap, x=None):
         **launch,
     )
     return lse_split, logit_sum_split, stats
+
+
+def lse_pingpong_reason(E, C, bias, o: CCEOptions, host) -> str | None:
+    """Why the forward's lse does not run the Gluon kernel (``lse_forward_pingpong.py``) here (None: it
+    does): the tier asks for it up to ``host.lse_pingpong_max_d``, and it computes only the plain lse
+    (no temperature or label smoothing; the G kernel's conditions otherwise: sm_90, 16-bit inputs, no
+    soft cap or bias, both operands readable by the copy engine)."""
+    D = E.shape[1]
+    if D > host.lse_pingpong_max_d:
+        return f"the tier runs it up to D = {host.lse_pingpong_max_d}, not {D}"
+    if o.temperature != 1.0 or o.label_smoothing > 0:
+        return "it computes the plain lse: no temperature or label smoothing"
+    from helpers.cce.kernels.gradient_chunk_pingpong import pingpong_reason
+
+    capability = device_info(E.device).capability if E.device.type == "cuda" else None
+    why = pingpong_reason(E.device, E.dtype, capability, sorted_vocab=False, split=False,
+                          softcap=o.softcap is not None, bias=bias is not None)
+    if why is None and not (tma_ready(E) and tma_ready(C)):
+        why = "the copy engine cannot read E or C (alignment or strides)"
+    return why
 
 
 def cce_forward_outputs(

@@ -97,6 +97,13 @@ class HostTuning:
     # kernel (``gradient_chunk_pingpong.py``, where its reasons and measurements are) when True: the
     # Hopper tier's; False: the Triton kernel everywhere (its A/B, and every other tier).
     g_pingpong: bool = False
+    # The forward's lse (no bias, soft cap, temperature or label smoothing; 16-bit on sm_90) through the
+    # warp-specialized Gluon kernel (``lse_forward_pingpong.py``) where D is at most this; 0: the Triton
+    # kernel everywhere. Measured on an H200 against the Triton forward (``scripts/experiments/gluon_forward.py``,
+    # docs/measurements/h200-2026-12-03g): 1.36x / 1.13x / 1.07x faster at the Qwen3 head (D 1,024) with
+    # 1k / 16k / 65k tokens, 1.01x slower at the Gemma-2-2B head (D 2,304), whose long products already
+    # hide the Triton kernel's epilogue. The Hopper tier's: 2,048.
+    lse_pingpong_max_d: int = 0
     # How the fp32-output products are made (``helpers.cce.backward.gemm.PRODUCT_MODES``); None: the
     # first that works on the device (``product_mode``).
     product_mode: str | None = None
@@ -287,7 +294,7 @@ TIERS: tuple[CCEConfigs, ...] = (
         dense_fallback=0.25,
         # Not timed yet: the row kernel's blocks as Liger's softmax takes them (wide, many warps).
         row_gradient=_L(1, 4096, 1, 16, 1),
-        host=HostTuning(g_pingpong=True),
+        host=HostTuning(g_pingpong=True, lse_pingpong_max_d=2048),
     ),
 )
 

@@ -1,13 +1,13 @@
 """Algorithm 2 (the lse of every row) on Hopper, warp-specialized: the G kernel's ping-pong for the forward.
 
-An experiment, not yet in the loss's path: ``scripts/experiments/gluon_forward.py`` checks it against
-``lse_forward_kernel`` and float64 and times both on an H200. What it computes is that kernel's plain
-case (no bias, soft cap, temperature, label smoothing, bits or row statistics): per row block and
-vocabulary split, lse = log sum_v exp(z_v) over the split's columns, as a running (max m, sum s).
+The Hopper tier's forward where D <= ``HostTuning.lse_pingpong_max_d`` (``helpers.cce.forward.lse_pingpong_reason``
+says where it applies). What it computes is ``lse_forward_kernel``'s plain case (no bias, soft cap,
+temperature, label smoothing, bits or row statistics): per row block and vocabulary split,
+lse = log sum_v exp(z_v) over the split's columns, as a running (max m, sum s).
 
-Why. The Triton forward runs at ~80% of its product's rate at the Gemma-2-2B head (15.3 ms against
-12.2 ms for 2 N V D at 790 TFLOP/s): each tile's epilogue (exp, a row max and a row sum over 256
-columns) runs after its products in the same warps. The Hopper G kernel
+Why. The Triton forward runs each tile's epilogue (exp, a row max and a row sum over 256 columns)
+after its products in the same warps: at the Qwen3 head (D = 1,024, 16 steps of D a tile) 599
+TFLOP/s with 16k tokens on an H200. The Hopper G kernel
 (``gradient_chunk_pingpong.py``) hid a heavier epilogue (G formed and stored) behind the other
 consumer's products and reached 729 TFLOP/s at that head. This kernel is the same schedule with the
 same ring and barrier protocol (``gradient_chunk_pingpong.ring_protocol_check`` holds for it: the
@@ -21,9 +21,16 @@ in turn, so each ends with the (m, s) of half the split's tiles and writes its o
 tile (a split of one tile) writes -inf, which the merge ignores. Columns past V (the copy engine reads
 zeros there) are set to -inf before the row max.
 
-Memory: a ring of STAGES x (64 + 256) x 64 x 2 B (4 stages: 160 KB; no G buffers), 168 registers a
-thread, the consumers given 232 by ``setmaxnreg``. Like the G kernel it does not run under the
-interpreter: the CPU tests compile it for sm_90.
+Measured on an H200 (``scripts/experiments/gluon_forward.py``, ``docs/measurements/h200-2026-12-03g``,
+bf16, the lse alone against the Triton forward's splits): Qwen3 head 0.636 -> 0.469 ms with 1k tokens,
+8.51 -> 7.53 ms (599 -> 677 TFLOP/s) with 16k, 33.4 -> 31.1 ms with 65k; the Gemma-2-2B head
+(D = 2,304) 13.95 -> 14.12 ms, where 36 steps of D a tile already hide the Triton kernel's epilogue
+(hence the tier's limit on D). Its lse is within the Triton kernel's error against float64 (4.7e-6 to
+1.0e-5 at lse ~ 12), not the same bits: the sums run in another order and base 2.
+
+Memory: a ring of STAGES x (64 + 256) x 64 x 2 B (5 stages: 200 KB; no G buffers; 4 stages measured
+1-5% slower at D = 1,024), 168 registers a thread, the consumers given 232 by ``setmaxnreg``. Like the
+G kernel it does not run under the interpreter: the CPU tests compile it for sm_90.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import triton
 from helpers.cce.kernels.gradient_chunk_pingpong import GLUON_ERROR, MAXNREG, compile_gluon_sm90, pingpong_descriptor
 
 BLOCK_N, BLOCK_V, BLOCK_D = 64, 256, 64  # one consumer's tile; the ring's blocks (the G kernel's)
-STAGES = 4  # 4 x (64 + 256) x 64 x 2 B = 160 KB of shared memory
+STAGES = 5  # 5 x (64 + 256) x 64 x 2 B = 200 KB of shared memory
 
 if GLUON_ERROR is None:
     from triton.experimental import gluon
