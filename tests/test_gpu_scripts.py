@@ -76,7 +76,7 @@ def test_the_gluon_g_kernel_compiles_for_hopper_within_its_shared_memory():
 
 
 def test_the_gluon_forward_compiles_for_hopper_within_its_shared_memory():
-    """The experimental Gluon forward (``helpers/cce/kernels/lse_forward_pingpong.py``) in both launch
+    """The Hopper tier's Gluon forward (``helpers/cce/kernels/lse_forward_pingpong.py``) in both launch
     orders: it compiles for sm_90, fits 227 KB of shared memory per block and spills no registers.
     Its barrier protocol is the G kernel's (the test below)."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": ""}

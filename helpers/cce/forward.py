@@ -4,7 +4,9 @@
 on a (SPLITS, N / BLOCK_N) grid gives each row's log-sum-exp over one split of the vocabulary, the
 splits merged with a logsumexp here (SPLITS fills the GPU when N alone would not, ``lse_splits``;
 a row block's splits run side by side, sharing its strip of E in L2; the buffer is
-SPLITS * N * 4 bytes). What the backward needs from the forward is the lse: N * 4 bytes.
+SPLITS * N * 4 bytes). What the backward needs from the forward is the lse: N * 4 bytes. On the Hopper
+tier the plain lse (``lse_pingpong_reason``) runs ``lse_forward_pingpong``'s warp-specialized kernel
+instead, two partial lse per split (one per consumer warpgroup), merged the same way.
 
 For the "sparse" backward (``emit_activity``) the LSE kernel also writes activity bits
 (``helpers.cce.activity``): per row and vocabulary tile, whether the tile's softmax mass may reach

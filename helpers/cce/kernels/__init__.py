@@ -2,7 +2,8 @@
 
 - ``logits.py``: the logit tile E_rows @ C_cols^T rebuilt on chip, shared by all kernels;
 - ``indexed_dot.py``: Algorithm 1, the target logit z_{i, x_i};
-- ``lse_forward.py``: Algorithm 2, the online log-sum-exp over vocabulary blocks;
+- ``lse_forward.py``: Algorithm 2, the online log-sum-exp over vocabulary blocks; ``lse_forward_pingpong.py``:
+  its plain case on Hopper, warp-specialized (Gluon);
 - ``gradient_tile.py``: the gradient G of a logit tile, shared by every backward kernel;
 - ``gradient_chunk.py``: G written per vocabulary chunk, for the "gemm" backward's two cuBLAS
   products; ``gradient_chunk_pingpong.py``: the same G for 16-bit chunks on Hopper, warp-specialized

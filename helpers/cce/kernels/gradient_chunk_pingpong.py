@@ -87,6 +87,33 @@ if GLUON_ERROR is None:
         return pid_n * BN, pid_v * BV
 
     @gluon.jit
+    def ring_products(e_bufs, c_bufs, ready, empty, turn, j, k_steps, acc, WHICH: gl.constexpr):
+        """Consumer WHICH's products of its j-th tile of the program (j = WHICH, WHICH + 2, ...): its
+        turn at the ring, acc += E_rows C_cols^T over the tile's k_steps ring steps, each step's
+        buffers given back to the producer, then the turn handed over; returns acc complete. The one
+        place the ring's consumer protocol lives (``ring_protocol_check`` models it); the forward's
+        kernel (``lse_forward_pingpong.py``) calls it too."""
+        S: gl.constexpr = e_bufs.type.shape[0]
+        # This consumer's turn: consumer 0 goes first (a fresh barrier passes phase parity 1), then
+        # each waits for the other's (j // 2)-th hand-over.
+        mbarrier.wait(turn.index(WHICH), ((j // 2) & 1) ^ (1 - WHICH))
+        # The ring's blocks of this tile, products in flight one behind.
+        it = j * k_steps
+        for k in range(k_steps):
+            s = (it + k) % S
+            mbarrier.wait(ready.index(s), ((it + k) // S) & 1)
+            acc = warpgroup_mma(e_bufs.index(s), c_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if k > 0:  # the product of step k - 1 is done: its buffers go back to the producer
+                mbarrier.arrive(empty.index((it + k - 1) % S), count=1)
+        # Every block of this tile waited for: the other consumer's turn (its products queue
+        # behind this one's last; this one's epilogue runs under them).
+        mbarrier.arrive(turn.index(1 - WHICH), count=1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((it + k_steps - 1) % S), count=1)
+        return acc
+
+    @gluon.jit
     def _producer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr,
                   N, V, D, v_begin, v_count, stride_x, stride_coef, eps):
         """One warp: the copy engine's loads of every tile's E and C blocks, in tile then D order."""
@@ -117,7 +144,6 @@ if GLUON_ERROR is None:
         """One warpgroup: the products of this program's tiles WHICH, WHICH + 2, ..., then their G."""
         e_bufs, c_bufs, g_bufs = bufs
         ready, empty, turn = bars
-        S: gl.constexpr = e_bufs.type.shape[0]
         BN: gl.constexpr = E_desc.block_type.shape[0]
         BD: gl.constexpr = E_desc.block_type.shape[1]
         BV: gl.constexpr = C_desc.block_type.shape[0]
@@ -133,24 +159,9 @@ if GLUON_ERROR is None:
         j = WHICH  # this program's tile count: the tile's steps in the ring are j k_steps, ...
         for tile in range(pid + WHICH * programs, tiles, 2 * programs):
             row0, col0 = _tile_coords(tile, N, v_count, BN, BV, GROUP_N)
-            # 0. This consumer's turn at the ring: consumer 0 goes first (a fresh barrier passes
-            # phase parity 1), then each waits for the other's (j // 2)-th hand-over.
-            mbarrier.wait(turn.index(WHICH), ((j // 2) & 1) ^ (1 - WHICH))
-            # 1. z = E_rows C_cols^T: the ring's blocks of this tile, products in flight one behind.
-            it = j * k_steps
-            acc = gl.zeros((BN, BV), dtype=gl.float32, layout=mma)
-            for k in range(k_steps):
-                s = (it + k) % S
-                mbarrier.wait(ready.index(s), ((it + k) // S) & 1)
-                acc = warpgroup_mma(e_bufs.index(s), c_bufs.index(s).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if k > 0:  # the product of step k - 1 is done: its buffers go back to the producer
-                    mbarrier.arrive(empty.index((it + k - 1) % S), count=1)
-            # Every block of this tile waited for: the other consumer's turn (its products queue
-            # behind this one's last; this one's epilogue runs under them).
-            mbarrier.arrive(turn.index(1 - WHICH), count=1)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((it + k_steps - 1) % S), count=1)
+            # 0-1. z = E_rows C_cols^T, this consumer's turn at the ring.
+            acc = ring_products(e_bufs, c_bufs, ready, empty, turn, j, k_steps,
+                                gl.zeros((BN, BV), dtype=gl.float32, layout=mma), WHICH)
 
             # 2. G = a S - b [v = x] - c / V with S = exp(z - lse), 0 in padding: ``gradient_tile``'s
             # formula, operation for operation.

@@ -46,7 +46,9 @@ STAGES = 5  # 5 x (64 + 256) x 64 x 2 B = 200 KB of shared memory
 if GLUON_ERROR is None:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+    from helpers.cce.kernels.gradient_chunk_pingpong import ring_products
 
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # Triton 3.6's name
     CONSUMER_REGS, PRODUCER_REGS = gl.constexpr(232), gl.constexpr(24)
@@ -98,7 +100,6 @@ if GLUON_ERROR is None:
         running (m, s); then its partial lse."""
         e_bufs, c_bufs = bufs
         ready, empty, turn = bars
-        S: gl.constexpr = e_bufs.type.shape[0]
         BN: gl.constexpr = E_desc.block_type.shape[0]
         BD: gl.constexpr = E_desc.block_type.shape[1]
         BV: gl.constexpr = C_desc.block_type.shape[0]
@@ -111,20 +112,9 @@ if GLUON_ERROR is None:
         m = gl.full((BN,), float("-inf"), gl.float32, layout=row_layout)
         s_sum = gl.zeros((BN,), gl.float32, layout=row_layout)
         for j in range(WHICH, tiles, 2):
-            # 0. This consumer's turn at the ring (the G kernel's protocol, step for step).
-            mbarrier.wait(turn.index(WHICH), ((j // 2) & 1) ^ (1 - WHICH))
-            it = j * k_steps
-            acc = gl.zeros((BN, BV), dtype=gl.float32, layout=mma)
-            for k in range(k_steps):
-                st = (it + k) % S
-                mbarrier.wait(ready.index(st), ((it + k) // S) & 1)
-                acc = warpgroup_mma(e_bufs.index(st), c_bufs.index(st).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if k > 0:
-                    mbarrier.arrive(empty.index((it + k - 1) % S), count=1)
-            mbarrier.arrive(turn.index(1 - WHICH), count=1)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((it + k_steps - 1) % S), count=1)
+            # 0. The tile's products, this consumer's turn at the ring (the G kernel's protocol).
+            acc = ring_products(e_bufs, c_bufs, ready, empty, turn, j, k_steps,
+                                gl.zeros((BN, BV), dtype=gl.float32, layout=mma), WHICH)
             # 1. The online log-sum-exp in base 2, columns past V out of it.
             cols = col0 + j * BV + gl.arange(0, BV, layout=col_layout)
             z = gl.where(gl.expand_dims(cols < V, 0), acc * LOG2E, float("-inf"))
