@@ -182,7 +182,8 @@ def linear_cross_entropy(
         within the accuracy gate); for the same backward on every call pass "gemm" or "sparse".
         ``helpers.cce.auto`` has the measurements behind it.
     stats: a dict the backward fills with what it did: "backward" (the one that ran: "gemm",
-        "sparse" or "atomic"), "auto" (why "auto" chose it: "probe: ...", "remembered: ...", or the
+        "sparse" or "atomic"), "forward" (the kernel that made the lse: "gluon" on Hopper, "triton",
+        or "triton with bits"), "auto" (why "auto" chose it: "probe: ...", "remembered: ...", or the
         reason "sparse" cannot run), "tiles" (logit tiles rebuilt), "skipped" (tiles whose gradient
         the filter dropped), "launches"; see ``cce_backward``. Counting costs one host sync per
         backward.

@@ -152,6 +152,15 @@ def lse_pingpong_reason(E, C, bias, o: CCEOptions, host) -> str | None:
     return why
 
 
+def forward_kernel(E, C, bias, o: CCEOptions, host, *, bits: bool) -> str:
+    """Which kernel made the loss's lse (``cce_forward``'s choice, the splits left to it): "gluon" (the
+    Hopper tier's ``lse_forward_pingpong``), "triton" (``lse_forward_kernel``), or "triton with bits"
+    (the "sparse" backward's bits, or "auto"'s probe for them)."""
+    if bits:
+        return "triton with bits"
+    return "gluon" if lse_pingpong_reason(E, C, bias, o, host) is None else "triton"
+
+
 def cce_forward_outputs(
     E: torch.Tensor,
     C: torch.Tensor,

@@ -42,7 +42,7 @@ from helpers.cce.backward import run_backward
 from helpers.cce.backward.atomic import backward_atomic
 from helpers.cce.backward.gemm import backward_gemm
 from helpers.cce.backward.rows import RowGradient
-from helpers.cce.forward import cce_forward, cce_forward_outputs
+from helpers.cce.forward import cce_forward, cce_forward_outputs, forward_kernel
 from helpers.cce.options import CCEPlan, auto_filter_eps, plan_call
 from helpers.cce.shared import read_later
 from helpers.spec import raise_for_targets
@@ -111,6 +111,8 @@ def loss_backward(E, C, x, lse, n_kept, bias, grad_loss, grad_lse, plan: CCEPlan
     else:
         # All ignored: torch's gradients are 0, not NaN, so divide by at least 1.
         grad_rows = (grad_loss.to(torch.float32) / n_kept.clamp(min=1)).expand(N)
+    if stats is not None:  # the kernel that made the forward's lse (a bench says which path it timed)
+        stats["forward"] = forward_kernel(E, C, bias, plan.options, plan.configs.host, bits=activity is not None)
     return run_backward(E, C, x, lse, grad_rows, plan, stats=stats, grad_lse=grad_lse, bias=bias, activity=activity)
 
 

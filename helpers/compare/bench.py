@@ -147,6 +147,8 @@ def backward_note(method: str, E, C, x) -> str:
         why = "; ".join(filter(None, (auto, stats.get("fallback"))))
         if why:
             notes.append(f"ran the gemm backward: {why}")
+    if stats.get("forward") == "gluon":  # the Hopper tier's lse kernel (elsewhere the Triton one)
+        notes.append("forward: the Gluon lse kernel")
     return "; ".join(notes)
 
 

@@ -87,3 +87,21 @@ def test_the_gluon_forward_says_why_it_does_not_run():
     assert all(isinstance(why, str) and why for why in reasons.values()), reasons
     assert "2048" in reasons["wide"] and "2304" in reasons["wide"]
     assert "sm_90" in reasons["cpu"] or "Gluon" in reasons["cpu"]
+
+
+def test_the_loss_says_which_kernel_made_its_lse():
+    """``stats["forward"]``: on a CPU the Triton kernel; with the sparse backward's bits, the bits' kernel."""
+    from helpers.cce import linear_cross_entropy
+    from helpers.cce.forward import forward_kernel
+    from helpers.cce.options import resolve_options
+
+    g = torch.Generator().manual_seed(1)
+    E = torch.randn(40, 24, generator=g, requires_grad=True)
+    C = torch.randn(97, 24, generator=g, requires_grad=True)
+    x = torch.randint(0, 97, (40,), generator=g)
+    stats = {}
+    linear_cross_entropy(E, C, x, backward_impl="gemm", stats=stats).backward()
+    assert stats["forward"] == "triton", stats
+    host, o = tier("hopper-227k").host, resolve_options(torch.float32)
+    assert forward_kernel(E, C, None, o, host, bits=True) == "triton with bits"
+    assert forward_kernel(E, C, None, o, host, bits=False) == "triton"  # a CPU: not the Gluon kernel
