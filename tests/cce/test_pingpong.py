@@ -38,7 +38,8 @@ def test_the_gluon_g_kernel_takes_only_sm90_16_bit_plain_chunks():
     assert all(isinstance(why, str) and why for why in refused.values()), refused
 
 
-def test_the_cpu_backward_counts_its_g_kernels_and_uses_the_triton_one():
+def _cpu_gemm_call():
+    """(E, C, stats) of one "gemm" forward and backward on a small CPU problem."""
     from helpers.cce import linear_cross_entropy
 
     g = torch.Generator().manual_seed(0)
@@ -47,6 +48,11 @@ def test_the_cpu_backward_counts_its_g_kernels_and_uses_the_triton_one():
     x = torch.randint(0, 97, (40,), generator=g)
     stats = {}
     linear_cross_entropy(E, C, x, backward_impl="gemm", stats=stats).backward()
+    return E, C, stats
+
+
+def test_the_cpu_backward_counts_its_g_kernels_and_uses_the_triton_one():
+    _, _, stats = _cpu_gemm_call()
     assert stats["g_kernels"]["pingpong"] == 0 and stats["g_kernels"]["triton"] == stats["launches"] > 0
 
 
@@ -91,16 +97,10 @@ def test_the_gluon_forward_says_why_it_does_not_run():
 
 def test_the_loss_says_which_kernel_made_its_lse():
     """``stats["forward"]``: on a CPU the Triton kernel; with the sparse backward's bits, the bits' kernel."""
-    from helpers.cce import linear_cross_entropy
     from helpers.cce.forward import forward_kernel
     from helpers.cce.options import resolve_options
 
-    g = torch.Generator().manual_seed(1)
-    E = torch.randn(40, 24, generator=g, requires_grad=True)
-    C = torch.randn(97, 24, generator=g, requires_grad=True)
-    x = torch.randint(0, 97, (40,), generator=g)
-    stats = {}
-    linear_cross_entropy(E, C, x, backward_impl="gemm", stats=stats).backward()
+    E, C, stats = _cpu_gemm_call()
     assert stats["forward"] == "triton", stats
     host, o = tier("hopper-227k").host, resolve_options(torch.float32)
     assert forward_kernel(E, C, None, o, host, bits=True) == "triton with bits"
