@@ -204,7 +204,8 @@ def run_bench(
             if reason:
                 rec = BenchRecord(shape, regime, d, method, N, V, D, "unavailable", note=reason)
             elif not passed and not time_failed:
-                rec = BenchRecord(shape, regime, d, method, N, V, D, "failed gate", "fail")
+                rec = BenchRecord(shape, regime, d, method, N, V, D, "failed gate", "fail",
+                                  note=f"{report.why_failed(method, dtype)} (--time-failed times it anyway)")
             else:
                 gate = "pass" if passed else "fail (timed anyway)"
                 rec = bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, rates[dtype], gate)

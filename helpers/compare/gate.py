@@ -187,6 +187,24 @@ class GateReport:
                     )
         return "\n".join(lines)
 
+    def why_failed(self, method: str, dtype: torch.dtype | str) -> str:
+        """One line on why ``method`` failed in ``dtype``: how many cases, and its worst error over its
+        bound with the case ("" where it failed none)."""
+        d = dtype_name(dtype)
+        rows = [r for r in self.rows if r.method == method and r.dtype == d and r.status != "unavailable"]
+        failed = [r for r in rows if r.status == "fail"]
+        if not failed:
+            return ""
+        raised = [r for r in failed if r.reason]
+        worst = max(((r.errors[q] / r.bounds[q] if r.bounds[q] else math.inf, q, r.case)
+                     for r in failed for q in QUANTITIES if q in r.errors), default=None)
+        parts = [f"failed {len(failed)} of {len(rows)} gate cases"]
+        if worst is not None and worst[0] > 1.0:
+            parts.append(f"worst: {worst[1]} error {worst[0]:.2f}x its bound ({worst[2]})")
+        if raised:
+            parts.append(f"raised in {raised[0].case}: {raised[0].reason}")
+        return "; ".join(parts)
+
     def raise_if_failed(self, methods: set[str] | None = None) -> None:
         """Raise GateFailure listing every failure (of ``methods`` only, when given)."""
         failing = [r for r in self.failures if methods is None or r.method in methods]

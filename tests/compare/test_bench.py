@@ -47,6 +47,8 @@ def test_a_method_that_fails_the_gate_is_not_timed(temporary_method):
     skipped = run_bench(["too_steep"], ["tiny"], dtypes=(torch.float32,), Ns=[64], warmup=0, repeats=1,
                         device="cpu", progress=False)
     assert [r.status for r in skipped] == ["failed gate"] and skipped[0].fwd_bwd_ms is None
+    # The row says why it was not timed: the failed cases and the worst error over its bound.
+    assert skipped[0].note.startswith("failed ") and "x its bound" in skipped[0].note, skipped[0].note
     timed = run_bench(["too_steep"], ["tiny"], dtypes=(torch.float32,), Ns=[64], warmup=0, repeats=1,
                       time_failed=True, device="cpu", progress=False)
     assert timed[0].status == "ok" and timed[0].gate == "fail (timed anyway)"
