@@ -15,7 +15,14 @@ On a CUDA machine (written for an H200: torch 2.11, triton 3.6) it checks, in or
    the Gemma shape, with the configuration picked for this GPU and with the Turing (64 KB) one;
 5. fp32 / fp16 and the full option matrix (reductions, ignore, softcap, z-loss, label smoothing,
    filter, sort, Kahan, FullC, FullE) on an odd shape and the Qwen3 head; the per-token outputs
-   (logprob, entropy) and class weights under a temperature, in every dtype (``check_outputs``).
+   (logprob, entropy) and class weights under a temperature, in every dtype (``check_outputs``);
+6. heads it was not tuned on (``HEADS``: public models' heads at odd token counts, and edge shapes:
+   one token, fewer classes than a tile, a row stride the copy engine cannot read), bf16 (uniform
+   and realistic softmaxes) and fp16, each record naming the kernels that ran (``stats``: the
+   forward's lse, the backward, the G kernels), so a path that fell back is seen, not hidden.
+
+``--sections`` runs only some of them (``reference``, ``heads``, ``big``, ``bench``, ``rest``,
+``unseen``); the default is all, in that order.
 
 Pass rules. Loss: relative error <= 1e-5 (fp32) or 1e-4 (fp16/bf16, whose inputs are exact in
 fp32). Gradients, "exact" variants (filter off; FullC's dC; FullE's dE): <= 1.5x the naive path's
@@ -52,6 +59,21 @@ SPECS = {
     "everything": dict(reduction="none", ignore="some", softcap=30.0, z_loss=1e-4, label_smoothing=0.1),
     "all_ignored": dict(ignore="all"),
 }
+# Section 6: heads the kernels were not tuned on, (N, V, D): public models' output layers at odd token
+# counts, D on both sides of the Hopper tier's Gluon forward limit (2,048), and edge shapes.
+HEADS = {
+    "one-token": (1, 1_000, 64),
+    "gpt2": (63, 50_257, 768),
+    "smollm-135m": (1_000, 49_152, 576),
+    "qwen2-0.5b": (2_049, 151_936, 896),
+    "qwen2-1.5b": (513, 151_936, 1_536),
+    "llama3.2-1b": (300, 128_256, 2_048),
+    "gemma3-1b": (777, 262_144, 1_152),
+    "llama2-7b": (257, 32_000, 4_096),
+    "few-classes": (100, 7, 40),  # fewer classes than a tile
+    "odd-stride": (130, 5_003, 100),  # a 16-bit row of 200 bytes: not readable by the copy engine
+}
+SECTIONS = ("reference", "heads", "big", "bench", "rest", "unseen")
 VARIANTS = {
     "default": dict(),
     "filter_off": dict(filter_eps=None),
@@ -62,10 +84,10 @@ VARIANTS = {
 }
 
 
-def make_inputs(N, V, D, dtype, spec, device, seed=0):
-    """The uniform regime (``helpers.compare.inputs``: a dense softmax, nothing to filter) with the
-    spec's ignored targets."""
-    E, C, x = regime_inputs(N, V, D, dtype, device, regime="uniform", seed=seed)
+def make_inputs(N, V, D, dtype, spec, device, seed=0, regime="uniform"):
+    """``helpers.compare.inputs``' regime (by default "uniform": a dense softmax, nothing to filter)
+    with the spec's ignored targets."""
+    E, C, x = regime_inputs(N, V, D, dtype, device, regime=regime, seed=seed)
     return E, C, ignore_targets(x, spec.get("ignore", "none"))
 
 
@@ -97,10 +119,10 @@ def naive(E, C, x, grad_output, *, reduction="mean", softcap=None, z_loss=0.0, l
     return E_.grad, C_.grad
 
 
-def ours(E, C, x, grad_output, **options):
+def ours(E, C, x, grad_output, stats=None, **options):
     E_ = E.detach().clone().requires_grad_(True)
     C_ = C.detach().clone().requires_grad_(True)
-    loss = linear_cross_entropy(E_, C_, x, **options)
+    loss = linear_cross_entropy(E_, C_, x, stats=stats, **options)
     loss.backward(grad_output.expand_as(loss))
     return loss.detach(), E_.grad, C_.grad
 
@@ -121,15 +143,16 @@ def check_reference_formula(device):
     return records
 
 
-def check_shape(shape_name, N, V, D, dtype_name, spec_name, variant_names, device, chunk):
-    """One reference (and one naive run) per spec; every variant of ours against them."""
+def check_shape(shape_name, N, V, D, dtype_name, spec_name, variant_names, device, chunk, regime="uniform"):
+    """One reference (and one naive run) per spec; every variant of ours against them, each record
+    naming the kernels that ran (``stats``)."""
     dtype = DTYPES[dtype_name]
     reason = why_unavailable(device, dtype)
     if reason:
         return [dict(case=f"{shape_name}/{dtype_name}/{spec_name}", status="skipped", reason=reason)]
     spec = SPECS[spec_name]
     opts = loss_options(spec)
-    E, C, x = make_inputs(N, V, D, dtype, spec, device)
+    E, C, x = make_inputs(N, V, D, dtype, spec, device, regime=regime)
     go = upstream(opts.get("reduction", "mean"), N, device)
     rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, chunk_rows=chunk, **opts)
     nE, nC = naive(E, C, x, go, **opts)
@@ -141,9 +164,11 @@ def check_shape(shape_name, N, V, D, dtype_name, spec_name, variant_names, devic
         if variant in ("full_c", "full_e") and dtype == torch.float32:
             options["filter_eps"] = 2.0**-12  # "auto" is off in fp32: give FullC/FullE a filter
         resolved = resolve_options(dtype, **options)
-        loss, dE, dC = ours(E, C, x, go, **options)
+        stats = {}
+        loss, dE, dC = ours(E, C, x, go, stats=stats, **options)
         rec = dict(case=f"{shape_name}/{dtype_name}/{spec_name}/{variant}", N=N, V=V, D=D,
-                   filter_eps=resolved.filter_eps)
+                   filter_eps=resolved.filter_eps, regime=regime, forward=stats.get("forward"),
+                   backward=stats.get("backward"), g_kernels=stats.get("g_kernels"))
         all_ignored = spec_name == "all_ignored"
         if all_ignored:
             ok = bool(torch.isnan(loss).item()) and not dE.any().item() and not dC.any().item()
@@ -306,7 +331,8 @@ def measure(shape_name, N, V, D, dtype_name, device, configs=None, **options):
 
 
 def main():
-    args, cuda, device, scale = script_setup(__doc__, "cce_check.jsonl", 330.0)
+    args, cuda, device, scale = script_setup(__doc__, "cce_check.jsonl", 330.0, add_sections)
+    sections = set(args.sections)
     qwen = (scale(2048, 37), scale(QWEN3.V, 301), scale(QWEN3.D, 24))
     gemma = (scale(8192, 40), scale(GEMMA2.V, 500), scale(GEMMA2.D, 36))
     big = (scale(131_072, 512), scale(QWEN3.V, 301), scale(QWEN3.D, 24))
@@ -316,38 +342,57 @@ def main():
     c = Checker(args.budget_s, device)
 
     # 1. The reference itself.
-    c.run("reference-formula", check_reference_formula, device, required=True)
+    if "reference" in sections:
+        c.run("reference-formula", check_reference_formula, device, required=True)
     # 2. bf16 accuracy against the naive path at the two heads (required).
-    c.run("qwen3/mean", check_shape, "qwen3", *qwen, low[0], "mean",
-          ["filter_off", "default", "kahan", "full_c", "full_e", "sort"], device, chunk, required=True)
-    c.run("gemma2/mean", check_shape, "gemma2", *gemma, low[0], "mean",
-          ["filter_off", "default", "full_c"], device, 2048 if not args.tiny else chunk, required=True)
+    if "heads" in sections:
+        c.run("qwen3/mean", check_shape, "qwen3", *qwen, low[0], "mean",
+              ["filter_off", "default", "kahan", "full_c", "full_e", "sort"], device, chunk, required=True)
+        c.run("gemma2/mean", check_shape, "gemma2", *gemma, low[0], "mean",
+              ["filter_off", "default", "full_c"], device, 2048 if not args.tiny else chunk, required=True)
     # 3. N * V > 2^31 (required).
-    c.run("big", check_big, *big, device, chunk, low[0], required=True)
+    if "big" in sections:
+        c.run("big", check_big, *big, device, chunk, low[0], required=True)
     # 4. Memory and time at the Gemma head (required), with this GPU's and the Turing configs.
-    if cuda:
+    if cuda and "bench" in sections:
         for configs in (None, "turing-64k"):
             for options in ({}, {"filter_eps": None}):
                 c.run("bench", measure, "gemma2", *gemma, "bf16", device, configs=configs,
                       required=True, **options)
     # 5. The rest, as time allows.
-    c.run("gemma2/softcap", check_shape, "gemma2", *gemma, low[0], "softcap", ["filter_off"],
-          device, 2048 if not args.tiny else chunk)
-    c.run("qwen3/everything", check_shape, "qwen3", *qwen, low[0], "everything",
-          ["filter_off", "default"], device, chunk)
-    for dtype_name in ["fp32"] + low[1:]:
-        c.run(f"qwen3/{dtype_name}", check_shape, "qwen3", *qwen, dtype_name, "mean",
-              ["filter_off", "default"], device, chunk)
-    for dtype_name in ["fp32", *low]:
-        for spec_name in SPECS:
-            variants = list(VARIANTS) if spec_name == "mean" else ["default"]
-            c.run(f"odd/{dtype_name}/{spec_name}", check_shape, "odd", *odd, dtype_name, spec_name,
-                  variants, device, chunk)
-    for dtype_name in ["fp32", *low]:
-        c.run(f"odd/{dtype_name}/outputs", check_outputs, "odd", *odd, dtype_name, device)
-    for dtype_name in ["fp32", *low[1:]]:
-        c.run(f"gemma2/{dtype_name}", check_shape, "gemma2", *gemma, dtype_name, "mean", ["default"],
+    if "rest" in sections:
+        c.run("gemma2/softcap", check_shape, "gemma2", *gemma, low[0], "softcap", ["filter_off"],
               device, 2048 if not args.tiny else chunk)
+        c.run("qwen3/everything", check_shape, "qwen3", *qwen, low[0], "everything",
+              ["filter_off", "default"], device, chunk)
+        for dtype_name in ["fp32"] + low[1:]:
+            c.run(f"qwen3/{dtype_name}", check_shape, "qwen3", *qwen, dtype_name, "mean",
+                  ["filter_off", "default"], device, chunk)
+        for dtype_name in ["fp32", *low]:
+            for spec_name in SPECS:
+                variants = list(VARIANTS) if spec_name == "mean" else ["default"]
+                c.run(f"odd/{dtype_name}/{spec_name}", check_shape, "odd", *odd, dtype_name, spec_name,
+                      variants, device, chunk)
+        for dtype_name in ["fp32", *low]:
+            c.run(f"odd/{dtype_name}/outputs", check_outputs, "odd", *odd, dtype_name, device)
+        for dtype_name in ["fp32", *low[1:]]:
+            c.run(f"gemma2/{dtype_name}", check_shape, "gemma2", *gemma, dtype_name, "mean", ["default"],
+                  device, 2048 if not args.tiny else chunk)
+    # 6. Heads it was not tuned on. The tiny run shrinks each to the odd shape's size or less and
+    # checks each shrunk shape once (the edge shapes stay edges: one token, 7 classes, an odd row).
+    if "unseen" in sections:
+        combos = [(low[0], "uniform", "mean"), (low[0], "realistic", "sum_ignore")]
+        combos += [("fp16", "uniform", "mean")] if low[0] != "fp16" else []
+        seen = set()
+        for head, (N, V, D) in HEADS.items():
+            shape = (N, V, D) if not args.tiny else (min(N, 37), min(V, 301), min(D, 24) if D % 8 == 0 else 21)
+            if shape in seen:
+                continue
+            seen.add(shape)
+            for dtype_name, regime, spec_name in combos:
+                spec_name = spec_name if N >= 7 else "none"  # every 7th token ignored: one token would be
+                c.run(f"unseen/{head}/{dtype_name}/{regime}", check_shape, head, *shape, dtype_name, spec_name,
+                      ["default", "filter_off"], device, chunk, regime=regime)
 
     # The table.
     print("\n" + "=" * 110)
@@ -363,6 +408,11 @@ def main():
         if r.get("problems") or r.get("error"):
             print(f"    -> {r.get('problems') or r.get('error')}")
     finish(c, args.out, cuda)
+
+
+def add_sections(parser):
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="the sections to run (module doc; default: all)")
 
 
 def judge(rec: dict, dtype: torch.dtype, resolved) -> None:
