@@ -492,9 +492,16 @@ def timeline(case, out_dir):
             gaps.append((round(gap / 1e3, 3), a["name"][:40], b["name"][:40]))
     busy = sum(k.get("dur", 0) for k in kernels) / 1e3
     span = (kernels[-1]["ts"] + kernels[-1].get("dur", 0) - kernels[0]["ts"]) / 1e3
+    # Where the busy time goes: each kernel name's launches and ms, the largest first.
+    by_kernel: dict[str, list] = {}
+    for k in kernels:
+        entry = by_kernel.setdefault(k["name"][:60], [0, 0.0])
+        entry[0] += 1
+        entry[1] += k.get("dur", 0) / 1e3
+    by_kernel_rows = sorted(([name, n, round(ms, 3)] for name, (n, ms) in by_kernel.items()), key=lambda r: -r[2])
     return [dict(case=f"timeline/{case.name}", status="ok", span_ms=round(span, 2), busy_ms=round(busy, 2),
                  idle_ms=round(sum(g[0] for g in gaps), 2), kernels=len(kernels),
-                 largest_gaps=sorted(gaps, reverse=True)[:12])]
+                 largest_gaps=sorted(gaps, reverse=True)[:12], by_kernel=by_kernel_rows[:15])]
 
 
 def host_sweep(case, base, repeats, cuda):
