@@ -284,8 +284,10 @@ labels = {name: method.label for name, method in METHODS.items()}
 reasons = {name: get_method(name).why_unavailable(device, dtype) for name in dict.fromkeys(FT["methods"] + PT["methods"])}
 for name, reason in reasons.items():
     print(f"{labels[name]:<26} {'runs here' if reason is None else 'not here: ' + reason}")
-filter_eps = training.filter_threshold(dtype) if reasons["ours"] is None else None
-print(f"\nour filter threshold in {S['compute_dtype']}: "
+# The dense backwards' threshold per 256 columns falls with the vocabulary (a row drops at most a
+# fixed share of its gradient's mass); the fine-tuning task's vocabulary is the one shown.
+filter_eps = training.filter_threshold(dtype, FT["task"]["V"]) if reasons["ours"] is None else None
+print(f"\nour filter threshold in {S['compute_dtype']} at {FT['task']['V']:,} classes: "
       + (f"2^{math.log2(filter_eps):.0f} = {filter_eps:.3g}" if filter_eps else "off"))
 print("\nthe margins every verdict below is judged by, fixed before training:")
 print("\n".join(f"- {m}" for m in verdicts.margins_text()[1:3]))

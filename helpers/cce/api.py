@@ -29,9 +29,11 @@ its products; eps is per 256 vocabulary columns (a tile of BLOCK_V columns is he
 eps * BLOCK_V / 256), so narrower tiles on smaller GPUs drop about what 256-column ones drop
 (``helpers.cce.options.tile_eps``). The paper bounds each entry; bounding the row mass also holds
 on a flat softmax, where every entry is tiny and their sum is not (``helpers/cce/kernels/atomic_gradients.py``). eps
-defaults from the dtype ("auto"): 2^-12 for bf16 as in the paper (2^-5 of bf16's machine
-epsilon), the same 2^-5 of fp16's (2^-15), off for fp32; off with label smoothing, whose uniform
--ls/V term sits below eps in every tile. ``full_c`` / ``full_e`` (the paper's CCE-Kahan-FullC/FullE)
+defaults from the dtype and the vocabulary ("auto"): 2^-12 for bf16 as in the paper (2^-5 of bf16's
+machine epsilon), the same 2^-5 of fp16's (2^-15), lower past 8,192 classes so that a row drops at
+most 2^-7 (bf16) or 2^-10 (fp16) of its |G| mass over the whole vocabulary (2^-17 bf16 at 262,144:
+at 2^-12 a Gemma-3-1B head's dE reached 1.6x the naive path's error on an H200); off for fp32; off
+with label smoothing, whose uniform -ls/V term sits below eps in every tile. ``full_c`` / ``full_e`` (the paper's CCE-Kahan-FullC/FullE)
 keep the filter for one gradient only. In the "gemm" backward the filter zeroes tiles of G but the
 cuBLAS products still multiply them, so it saves no time there (docs/PERFORMANCE.md).
 
@@ -148,8 +150,9 @@ def linear_cross_entropy(
     return_lse: also return each row's log-sum-exp (fp32, E's leading shape), differentiable: a
         z-loss the caller computes from it (e.g. ``1e-4 * (lse ** 2).mean()``) backpropagates.
     z_loss: adds z_loss * lse^2 per kept token. label_smoothing: torch's definition, in [0, 1].
-    filter_eps: "auto" (for "gemm" and "atomic" per tile: 2^-12 bf16, 2^-15 fp16; for "sparse" per
-        row, below; off for fp32 and with label smoothing), a number (0 = off; per tile, as given, for
+    filter_eps: "auto" (for "gemm" and "atomic" per 256 columns: min(2^-12, 2^-7 x 256 / V) bf16,
+        min(2^-15, 2^-10 x 256 / V) fp16; for "sparse" per row, below; off for fp32 and with label
+        smoothing), a number (0 = off; per tile, as given, for
         every backward) or None (off). "auto" follows the backward that runs, also under
         ``backward_impl="auto"`` and in the sparse backward's hand-over to "gemm".
     sort_vocab: order the vocabulary by average logit for the filter: "auto" (for "sparse" only),
@@ -249,7 +252,7 @@ def linear_cross_entropy(
         check_bias_gradient(backward_impl, grad and wants_db)
         loss, lse, _ = linear_cross_entropy_op(
             E_rows, C, x_rows, bias, ignore_index, "none" if weight is not None else reduction, softcap, z_loss,
-            label_smoothing, temperature, schema_filter_eps(filter_eps, E.dtype, label_smoothing),
+            label_smoothing, temperature, schema_filter_eps(filter_eps, E.dtype, C.shape[0], label_smoothing),
             False if isinstance(sort_vocab, str) and sort_vocab == "auto" else sort_vocab, accumulation, full_c,
             full_e, configs, backward_impl, return_lse)
     else:

@@ -31,8 +31,9 @@ Problems where "sparse" cannot run (the filter off, options that need every pair
 its index, no gradient wanted) get "gemm" from the plan, with no probe and nothing remembered.
 
 So consecutive calls may run different backwards, with different filters: "sparse" drops at most
-B of a row's |G| mass (eps = B / T per tile, B = 2^-7 bf16, 2^-10 fp16), "gemm" its per-tile eps
-(2^-12 bf16, 2^-15 fp16), both within the accuracy gate. Every backward "auto" runs is the one
+B of a row's |G| mass (eps = B / T per tile, B = 2^-7 bf16, 2^-10 fp16), "gemm" its eps per 256
+columns (2^-12 bf16, 2^-15 fp16, lower past 8,192 classes: at most B of a row's mass too), both within
+the accuracy gate. Every backward "auto" runs is the one
 asked for by name: a remembered "gemm" is ``backward_impl="gemm"``'s to the bit, a probe's hand-over
 to "gemm" too but for the lse, which the sorted forward with bits sums in another order. Code that
 needs the same backward on every call passes "gemm" or "sparse". ``stats["backward"]`` says which

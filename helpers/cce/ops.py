@@ -144,11 +144,11 @@ def outputs_backward(E, C, x, lse, entropy, bias, grad_logprob, grad_entropy, pl
 # The custom ops
 # ---------------------------------------------------------------------------------------------
 
-def schema_filter_eps(filter_eps, dtype: torch.dtype, label_smoothing: float = 0.0):
+def schema_filter_eps(filter_eps, dtype: torch.dtype, vocabulary: int, label_smoothing: float = 0.0):
     """``filter_eps`` as the ops take it, a number or None: "auto" resolved for the dense backwards
-    (``auto_filter_eps``), the only ones a traced call runs."""
+    (``auto_filter_eps``, for ``vocabulary`` V classes), the only ones a traced call runs."""
     if isinstance(filter_eps, str) and filter_eps == "auto":
-        return auto_filter_eps(dtype, label_smoothing)
+        return auto_filter_eps(dtype, label_smoothing, vocabulary=vocabulary)
     return filter_eps
 
 

@@ -50,7 +50,14 @@ SPARSE_ROW_BUDGET = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.flo
 # regime at the Gemma-2-2B head, the filter's share of dE's norm: fp16 (2^-15), 64-column tiles
 # 1.4e-3 at eps per tile -> 9.1e-5 scaled (256 columns: 9.4e-6); bf16 (2^-12), 128-column tiles
 # 7.0e-3 -> 2.7e-3 (256: 1.6e-3). Mass is not linear in width, so the dependence shrinks but
-# stays; the tier tables keep 256-column G tiles where the accuracy was measured (Hopper, A100).
+# stays. A fixed eps per tile also lets a row lose up to eps x V / 256 of its mass, more the larger
+# the vocabulary and the fewer the rows a tile holds: on an H200 the Hopper G kernel's 64-row tiles
+# at 2^-12 took dE to 1.63x naive bf16's error at a Gemma-3-1B head (V 262,144, realistic softmax;
+# 0.55x with the filter off), which no gate case had looked at. So "auto" also holds a row's loss to
+# the "sparse" backward's budget B over the whole vocabulary: eps = min(FILTER_EPS_AUTO,
+# B x 256 / V), the table's value up to 8,192 classes, 2^-17 at 262,144 (the filter's share of dE
+# there, float64, 64-row tiles: 6.1e-3 -> 9.9e-5). The filter saves no time in "gemm" (its products
+# are dense); in "atomic" a larger vocabulary now skips fewer tiles.
 FILTER_COLUMNS = 256
 
 
@@ -132,15 +139,19 @@ def check_temperature(temperature) -> float:
     return float(temperature)
 
 
-def resolve_options(dtype: torch.dtype, *, filter_eps="auto", **options) -> CCEOptions:
-    """Check the options that ``validate_inputs`` does not know, and resolve ``filter_eps``."""
+def resolve_options(dtype: torch.dtype, *, filter_eps="auto", vocabulary: int | None = None, **options) -> CCEOptions:
+    """Check the options that ``validate_inputs`` does not know, and resolve ``filter_eps`` ("auto"
+    for the dense backwards needs the ``vocabulary`` V: its threshold falls with V)."""
     z_loss = options.get("z_loss", 0.0)
     label_smoothing = options.get("label_smoothing", 0.0)
     accumulation = options.get("accumulation", "fp32")
     if isinstance(filter_eps, str):
         if filter_eps != "auto":
             raise ValueError(f"filter_eps must be 'auto', None or a number >= 0, got {filter_eps!r}")
-        eps = auto_filter_eps(dtype, label_smoothing)
+        if vocabulary is None:
+            raise ValueError("filter_eps='auto' needs vocabulary= (the number of classes V): its threshold "
+                             "falls with V (auto_filter_eps)")
+        eps = auto_filter_eps(dtype, label_smoothing, vocabulary=vocabulary)
     elif filter_eps is None:
         eps = None
     elif isinstance(filter_eps, (int, float)) and not isinstance(filter_eps, bool) and filter_eps >= 0:
@@ -163,18 +174,23 @@ def resolve_options(dtype: torch.dtype, *, filter_eps="auto", **options) -> CCEO
     return CCEOptions(filter_eps=eps, **options)
 
 
-def auto_filter_eps(dtype: torch.dtype, label_smoothing: float = 0.0, *, vocabulary: int | None = None,
+def auto_filter_eps(dtype: torch.dtype, label_smoothing: float = 0.0, *, vocabulary: int,
                     block_v: int | None = None) -> float | None:
-    """What ``filter_eps="auto"`` means, the one place that says it: off (None) with label smoothing
-    and for fp32; for the dense backwards ``FILTER_EPS_AUTO`` per tile; for the "sparse" backward
-    (given its ``vocabulary`` V and tiles of ``block_v`` columns) B / T, T = ceil(V / block_v) tiles
-    a row, B = ``SPARSE_ROW_BUDGET``."""
+    """What ``filter_eps="auto"`` means for a ``vocabulary`` of V classes, the one place that says it:
+    off (None) with label smoothing and for fp32; for the dense backwards, per 256 columns,
+    min(``FILTER_EPS_AUTO``, B x 256 / V); for the "sparse" backward (given its tiles of ``block_v``
+    columns) B / T, T = ceil(V / block_v) tiles a row. B = ``SPARSE_ROW_BUDGET``: either way a row
+    drops at most B of its |G| mass."""
+    if not (isinstance(vocabulary, int) and not isinstance(vocabulary, bool) and vocabulary > 0):
+        raise ValueError(f"vocabulary must be the number of classes V, an int > 0, got {vocabulary!r}")
     if label_smoothing:
         return None
-    if vocabulary is None:
-        return FILTER_EPS_AUTO[dtype]
     budget = SPARSE_ROW_BUDGET[dtype]
-    return None if budget is None else budget / triton.cdiv(vocabulary, block_v)
+    if budget is None:
+        return None
+    if block_v is None:
+        return min(FILTER_EPS_AUTO[dtype], budget * FILTER_COLUMNS / vocabulary)
+    return budget / triton.cdiv(vocabulary, block_v)
 
 
 def sparse_auto_eps(dtype: torch.dtype, V: int, block_v: int, label_smoothing: float = 0.0) -> float | None:
@@ -299,7 +315,7 @@ def plan_call(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, configs: 
         if _is_auto(filter_eps) and backward == "sparse":
             eps = auto_filter_eps(E.dtype, options.get("label_smoothing", 0.0), vocabulary=C.shape[0], block_v=block_v)
         sort = backward == "sparse" if _is_auto(sort_vocab) else sort_vocab
-        return resolve_options(E.dtype, filter_eps=eps, sort_vocab=sort, **options)
+        return resolve_options(E.dtype, filter_eps=eps, vocabulary=C.shape[0], sort_vocab=sort, **options)
 
     dense = resolved("gemm")  # every option checked here
     check_bias_gradient(backward_impl, wants_db)

@@ -135,7 +135,7 @@ def linear_cross_entropy_outputs(
                              f"pass through the custom op's schema), got {type(configs).__name__}")
         check_bias_gradient(backward_impl, grad and wants_db)
         logprob, entropy, _, correct = linear_cross_entropy_outputs_op(
-            E_rows, C, x_rows, bias, ignore_index, softcap, temperature, schema_filter_eps(filter_eps, E.dtype),
+            E_rows, C, x_rows, bias, ignore_index, softcap, temperature, schema_filter_eps(filter_eps, E.dtype, C.shape[0]),
             configs, backward_impl)
     else:
         plan = plan_call(

@@ -44,9 +44,10 @@ from helpers.compare.trained import ContextMLPLM, context_windows
 # ---------------------------------------------------------------------------------------------
 
 
-def filter_threshold(dtype: torch.dtype) -> float | None:
-    """Our gradient filter's "auto" threshold in ``dtype`` (None: off), as ``helpers.cce`` resolves it."""
-    return resolve_options(dtype).filter_eps
+def filter_threshold(dtype: torch.dtype, vocabulary: int) -> float | None:
+    """Our gradient filter's "auto" threshold in ``dtype`` for ``vocabulary`` classes (None: off), per
+    256 columns, as ``helpers.cce`` resolves it for the dense backwards."""
+    return resolve_options(dtype, vocabulary=vocabulary).filter_eps
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,10 @@ V=256,000, D=2,304) and the Qwen3 head at N=16,384 (V=151,936, D=1,024). In orde
   shipped tiles and at 128 x 128, with the G kernel's time, and the shipped step kernel by kernel;
 - ``timeline`` (GPU only): one shipped step under the profiler, the GPU's idle gaps between kernels
   and the Chrome trace beside the results;
+- ``bench_loop`` (GPU only): the bench's own timing loop (``call_times_ms``: calls back to back, a
+  pair of events around each) for ours and torch.compile, then the same loop under the profiler:
+  per call the events' ms against the kernels' busy and idle ms, and the largest gaps (a step timed
+  at ~60 ms whose kernels were busy ~52 ms at the Gemma-2-2B head);
 - ``small_n``: forward+backward through autograd at the Qwen3 head with N = 1,024 and 4,096 (the
   host bounds them): as shipped, G chunks at the budget's width, G-kernel descriptors off and on.
 
@@ -90,7 +94,7 @@ G_CANDIDATES = [L(128, 256, 64, 8, 3, GROUP_N=16, **P), L(64, 256, 64, 4, 2, GRO
 SPARSE_FORWARD_CANDIDATES = [L(256, 128, 64, 8, 3, **T), L(128, 256, 64, 8, 3), L(256, 128, 64, 8, 4, **T),
                              L(256, 128, 128, 8, 2, **T), L(256, 128, 64, 8, 3, GROUP_N=4, **T)]
 SECTIONS = ("forward", "g_kernel", "host", "order", "sparse_forward", "e2e_hopper", "chunks", "small_n", "dense",
-            "timeline", "cublas", "realistic")
+            "timeline", "cublas", "realistic", "bench_loop")
 
 
 def label(cfg: LaunchConfig) -> str:
@@ -131,7 +135,7 @@ class Case:
     def __init__(self, name, N, V, D, dtype, device, regime="uniform"):
         self.name, self.N, self.V, self.D, self.dtype, self.device = name, N, V, D, dtype, device
         self.E, self.C, self.x = make_inputs(N, V, D, dtype, device, regime=regime, seed=N)
-        self.options = resolve_options(dtype)
+        self.options = resolve_options(dtype, vocabulary=V)
         _, self.lse = cce_forward(self.E, self.C, self.x, self.options)
         self.grad_rows = torch.full((), 1.0 / N, device=device).expand(N)  # a mean's
 
@@ -504,6 +508,51 @@ def timeline(case, out_dir):
                  largest_gaps=sorted(gaps, reverse=True)[:12], by_kernel=by_kernel_rows[:15])]
 
 
+def bench_loop(case, methods=("ours", "torch_compile"), calls=5):
+    """The bench's timing loop, as ``helpers.compare.bench`` runs it, for each method: the events' ms
+    per call (``call_times_ms``, back to back), then ``calls`` calls back to back under the profiler:
+    per call the span, the kernels' busy ms and the idle gaps, the largest with their neighbours."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from helpers.compare.measure import call_times_ms, loss_step
+
+    records = []
+    for method in methods:
+        E = case.E.detach().clone().requires_grad_(True)
+        C = case.C.detach().clone().requires_grad_(True)
+        step = loss_step(method, E, C, case.x)
+        events_ms = sorted(call_times_ms(step, warmup=3, repeats=7, device=case.device))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                step()
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as folder:  # the kernels as ``timeline`` reads them
+            path = os.path.join(folder, "trace.json")
+            prof.export_chrome_trace(path)
+            events = json.load(open(path))["traceEvents"]
+        kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                         key=lambda e: e["ts"])
+        busy = sum(k.get("dur", 0) for k in kernels) / 1e3
+        span = (kernels[-1]["ts"] + kernels[-1].get("dur", 0) - kernels[0]["ts"]) / 1e3
+        gaps = []
+        for a, b in zip(kernels, kernels[1:]):
+            gap = b["ts"] - (a["ts"] + a.get("dur", 0))
+            if gap > 0:
+                gaps.append((round(gap / 1e3, 3), a["name"][:40], b["name"][:40]))
+        records.append(dict(case=f"bench_loop/{case.name}/{method}", status="ok", events_median_ms=events_ms[3],
+                            events_ms=[round(t, 2) for t in events_ms], span_per_call_ms=round(span / calls, 2),
+                            busy_per_call_ms=round(busy / calls, 2),
+                            idle_per_call_ms=round(sum(g[0] for g in gaps) / calls, 2),
+                            kernels_per_call=len(kernels) / calls, largest_gaps=sorted(gaps, reverse=True)[:8]))
+        del E, C, step
+    return records
+
+
 def host_sweep(case, base, repeats, cuda):
     """The "gemm" backward's wall time against its host time (until ``cce_backward`` returns, the
     GPU still working) per G-kernel variant: pointer loads, descriptor loads with a pointer G
@@ -571,7 +620,7 @@ def realistic_filter(name, N, V, D, dtype, device, repeats):
     case = Case(name, N, V, D, dtype, device, regime="realistic")
     records = []
     for sort in (False, True):
-        options = resolve_options(dtype, sort_vocab=sort)
+        options = resolve_options(dtype, vocabulary=V, sort_vocab=sort)
         stats = {}
         case.backward(options=options, stats=stats)
         ms = latency(lambda: case.backward(options=options), warmup=1, repeats=repeats,
@@ -651,6 +700,9 @@ def main():
 
         for name in cases:
             c.run(f"timeline/{name}", timeline, cases[name], os.path.dirname(os.path.abspath(args.out)))
+    if cuda and not args.tier and "bench_loop" in sections:
+        for name in cases:
+            c.run(f"bench_loop/{name}", bench_loop, cases[name])
     if not args.tier and "small_n" in sections:
         for N in (1024, 4096) if cuda else (scale(1024, 24),):
             c.run(f"small_n/{N}", small_n_sweep, N, scale(QWEN3.V, 301), scale(QWEN3.D, 24), dtype, device, repeats,

@@ -25,9 +25,9 @@ On a CUDA machine (written for an H200: torch 2.11, triton 3.6) it checks, in or
 ``unseen``); the default is all, in that order.
 
 Pass rules. Loss: relative error <= 1e-5 (fp32) or 1e-4 (fp16/bf16, whose inputs are exact in
-fp32). Gradients, "exact" variants (filter off; FullC's dC; FullE's dE): <= 1.5x the naive path's
-error in fp16/bf16, <= 1e-5 in fp32. Gradients under the filter drop entries below eps by design:
-on these random (non-sparse) inputs that error is reported and only bounded (<= 0.1).
+fp32). Gradients in fp16/bf16: <= 1.5x the naive path's error, with the filter at its "auto"
+threshold or off. In fp32 (where "auto" is off): <= 1e-5, and a gradient filtered by a threshold
+given by hand (FullC's dE, FullE's dC) is only bounded (<= 0.1).
 Each case runs in try/except; the exit status is 1 if any case failed. Cases that would start
 after ``--budget-s`` seconds are recorded as skipped. ``--tiny`` shrinks every shape so the script
 itself can be checked on a CPU under the Triton interpreter.
@@ -163,7 +163,7 @@ def check_shape(shape_name, N, V, D, dtype_name, spec_name, variant_names, devic
         options = dict(opts, **VARIANTS[variant])
         if variant in ("full_c", "full_e") and dtype == torch.float32:
             options["filter_eps"] = 2.0**-12  # "auto" is off in fp32: give FullC/FullE a filter
-        resolved = resolve_options(dtype, **options)
+        resolved = resolve_options(dtype, vocabulary=V, **options)
         stats = {}
         loss, dE, dC = ours(E, C, x, go, stats=stats, **options)
         rec = dict(case=f"{shape_name}/{dtype_name}/{spec_name}/{variant}", N=N, V=V, D=D,
@@ -390,7 +390,8 @@ def main():
                 continue
             seen.add(shape)
             for dtype_name, regime, spec_name in combos:
-                spec_name = spec_name if N >= 7 else "none"  # every 7th token ignored: one token would be
+                if spec_name == "sum_ignore" and N < 7:  # every 7th token ignored: one token would be all
+                    spec_name = "none"
                 c.run(f"unseen/{head}/{dtype_name}/{regime}", check_shape, head, *shape, dtype_name, spec_name,
                       ["default", "filter_off"], device, chunk, regime=regime)
 
@@ -416,8 +417,9 @@ def add_sections(parser):
 
 
 def judge(rec: dict, dtype: torch.dtype, resolved) -> None:
-    """The pass rules, set on ``rec`` as status (and problems): loss <= 1e-4 (1e-5 fp32); an exact
-    gradient <= 1e-5 in fp32, else <= 1.5x the naive path's error; a filtered one <= 0.1."""
+    """The pass rules, set on ``rec`` as status (and problems): loss <= 1e-4 (1e-5 fp32); a gradient
+    <= 1.5x the naive path's error in fp16/bf16, filtered or not ("auto"'s threshold promises it);
+    in fp32 <= 1e-5, or <= 0.1 where a threshold given by hand filters it."""
     filtered = resolved.filter_eps is not None
     loss_tol = 1e-5 if dtype == torch.float32 else 1e-4
     problems = []
@@ -425,7 +427,7 @@ def judge(rec: dict, dtype: torch.dtype, resolved) -> None:
         problems.append(f"loss err > {loss_tol}")
     for grad, exact in (("dE", not filtered or resolved.full_e), ("dC", not filtered or resolved.full_c)):
         err, ratio = rec[f"{grad}_err"], rec[f"{grad}_ratio"]
-        if not exact:
+        if not exact and dtype == torch.float32:  # a threshold given by hand ("auto" is off in fp32)
             if not err <= 0.1:
                 problems.append(f"{grad} (filtered) err > 0.1")
         elif dtype == torch.float32:

@@ -157,7 +157,7 @@ def test_the_sparse_backwards_hand_over_is_gemms():
     configs = small()
     sparse = resolve_options(torch.float16, filter_eps=sparse_auto_eps(torch.float16, V, 16), sort_vocab=True)
     _, lse, _ = cce_forward(E, C, x, sparse, configs, emit_activity=True)
-    gE, gC, _ = cce_backward(E, C, x, lse, torch.full((N,), 1.0 / N), resolve_options(torch.float16), configs,
+    gE, gC, _ = cce_backward(E, C, x, lse, torch.full((N,), 1.0 / N), resolve_options(torch.float16, vocabulary=V), configs,
                              backward_impl="gemm")
     assert torch.equal(dE, gE) and torch.equal(dC, gC)
 

@@ -499,14 +499,24 @@ def test_bad_options_name_the_option(options, message):
         linear_cross_entropy(*make_inputs(torch.float32), **options)
 
 
-def test_filter_eps_defaults_from_the_dtype():
-    assert resolve_options(torch.bfloat16).filter_eps == 2.0**-12
-    assert resolve_options(torch.float16).filter_eps == 2.0**-15
-    assert resolve_options(torch.float32).filter_eps is None
-    assert resolve_options(torch.bfloat16, label_smoothing=0.1).filter_eps is None
+def test_filter_eps_defaults_from_the_dtype_and_the_vocabulary():
+    """"auto": the dtype's eps per 256 columns up to 8,192 classes, then lower, so that a row drops at
+    most the sparse backward's budget (2^-7 of its |G| mass in bf16, 2^-10 in fp16) over the whole
+    vocabulary; the vocabulary is required for it."""
+    for V in (301, 8192):
+        assert resolve_options(torch.bfloat16, vocabulary=V).filter_eps == 2.0**-12
+        assert resolve_options(torch.float16, vocabulary=V).filter_eps == 2.0**-15
+    assert resolve_options(torch.bfloat16, vocabulary=262_144).filter_eps == 2.0**-17
+    assert resolve_options(torch.float16, vocabulary=262_144).filter_eps == 2.0**-20
+    for V in (8192, 151_936, 262_144):  # the bound: eps x V / 256 tiles' worth of mass <= the budget
+        assert resolve_options(torch.bfloat16, vocabulary=V).filter_eps * V / 256 <= 2.0**-7
+    assert resolve_options(torch.float32, vocabulary=301).filter_eps is None
+    assert resolve_options(torch.bfloat16, vocabulary=301, label_smoothing=0.1).filter_eps is None
     assert resolve_options(torch.bfloat16, filter_eps=0).filter_eps is None
     assert resolve_options(torch.float32, filter_eps=1e-3).filter_eps == 1e-3
-    assert isinstance(resolve_options(torch.float32), CCEOptions)
+    assert isinstance(resolve_options(torch.float32, filter_eps=None), CCEOptions)
+    with pytest.raises(ValueError, match="vocabulary"):
+        resolve_options(torch.bfloat16)
 
 
 def test_why_unavailable_speaks_plainly():
@@ -556,7 +566,7 @@ def test_the_persistent_g_kernel_gives_the_same_bits(tma, subtile, filtered, sor
     plain = dataclasses.replace(base.backward_gemm[2], tma=tma)
     walked = dataclasses.replace(plain, persistent=1, g_subtile=subtile)
     E, C, x = make_inputs(dtype, n=45, v=203, d=40, ignore=[3])
-    options = resolve_options(dtype, filter_eps="auto" if filtered else None, sort_vocab=sort)
+    options = resolve_options(dtype, filter_eps="auto" if filtered else None, vocabulary=203, sort_vocab=sort)
     _, lse = cce_forward(E, C, x, options)
     go = upstream("mean", n=45)
     results = []
@@ -605,7 +615,7 @@ def test_row_gradient_kernels_match_the_torch_expressions(N, case):
         grad_rows = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE)
     if case == "nan":
         grad_rows[N // 2], kept[N // 2] = float("nan"), True
-    options = resolve_options(torch.float32, z_loss=1e-3, label_smoothing=0.1)
+    options = resolve_options(torch.float32, filter_eps=None, z_loss=1e-3, label_smoothing=0.1)
     up = RowGradient.of(grad_rows, grad_lse, kept, lse, options)
     want = _row_gradient_torch(grad_rows, grad_lse, kept, lse, options.z_loss, options.label_smoothing)
     # A GPU: fp32's rounding, relative to the terms (a coefficient g (1 + 2 zl lse) + h near 0 cancels).

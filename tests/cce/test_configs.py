@@ -439,3 +439,31 @@ def test_the_filter_threshold_is_per_256_columns():
     assert tile_eps(2.0**-12, 256) == 2.0**-12
     assert tile_eps(2.0**-15, 64) == 2.0**-17
     assert tile_eps(None, 128) == 0.0
+
+
+def test_the_auto_filter_bounds_what_a_large_vocabularys_rows_lose():
+    """The dense backwards' "auto" threshold at V = 262,144 (a Gemma-3 head), realistic softmax, in
+    float64 with the production row-mass rule on the Hopper G kernel's 64 x 256 tiles: the filter's
+    share of dE's norm stays far below naive bf16's error (~2.5e-3). At the old fixed 2^-12 it did not
+    (6.5e-3 here; on an H200 dE reached 1.63x the naive path's error at that head)."""
+    import torch
+
+    from helpers.cce.options import resolve_options
+    from helpers.compare.inputs import make_inputs
+    from helpers.lab.teaching import row_mass_mask
+
+    N, V, D = 64, 262_144, 64
+    E, C, x = make_inputs(N, V, D, torch.float32, "cpu", regime="realistic", seed=0)
+    E, C = E.double(), C.double()
+    G = torch.softmax(E @ C.T, dim=1)
+    G[torch.arange(N), x] -= 1
+    dE = G @ C
+
+    def filter_share(eps):
+        kept = row_mass_mask(G, 64, 256, eps).repeat_interleave(256, dim=1)[:, :V]  # (1, V): one row block
+        return ((G * ~kept) @ C).norm().item() / dE.norm().item()
+
+    auto = resolve_options(torch.bfloat16, vocabulary=V).filter_eps
+    assert auto == 2.0**-17
+    assert filter_share(auto) < 2.5e-4, filter_share(auto)
+    assert filter_share(2.0**-12) > 2.5e-3  # the old threshold: what the test would have caught

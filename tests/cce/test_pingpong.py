@@ -80,7 +80,7 @@ def test_the_gluon_forward_says_why_it_does_not_run():
     from helpers.cce.options import resolve_options
 
     host = tier("hopper-227k").host
-    o = resolve_options(torch.bfloat16)
+    o = resolve_options(torch.bfloat16, vocabulary=300)
     E, C = torch.zeros(64, 1024, dtype=torch.bfloat16), torch.zeros(300, 1024, dtype=torch.bfloat16)
     wide_E, wide_C = torch.zeros(64, 2304, dtype=torch.bfloat16), torch.zeros(300, 2304, dtype=torch.bfloat16)
     reasons = {
@@ -102,6 +102,6 @@ def test_the_loss_says_which_kernel_made_its_lse():
 
     E, C, stats = _cpu_gemm_call()
     assert stats["forward"] == "triton", stats
-    host, o = tier("hopper-227k").host, resolve_options(torch.float32)
+    host, o = tier("hopper-227k").host, resolve_options(torch.float32, vocabulary=C.shape[0])
     assert forward_kernel(E, C, None, o, host, bits=True) == "triton with bits"
     assert forward_kernel(E, C, None, o, host, bits=False) == "triton"  # a CPU: not the Gluon kernel

@@ -108,12 +108,12 @@ def test_auto_filter_eps_and_sort_have_one_owner(dtype, backward_impl, configs, 
     ran = plan.backward_impl
     assert ran == (backward_impl if backward_impl != "auto" else
                    "sparse" if configs and dtype == torch.float16 else "gemm")
-    sparse = dict(vocabulary=301, block_v=plan.configs.sparse_for(dtype).BLOCK_V) if ran == "sparse" else {}
-    assert plan.options.filter_eps == auto_filter_eps(dtype, **sparse)
+    sparse = dict(block_v=plan.configs.sparse_for(dtype).BLOCK_V) if ran == "sparse" else {}
+    assert plan.options.filter_eps == auto_filter_eps(dtype, vocabulary=301, **sparse)
     assert plan.options.sort_vocab == (ran == "sparse")
     assert (plan.auto is None) == (backward_impl != "auto")
     if ran == "sparse":
-        assert plan.fallback == replace(plan.options, filter_eps=auto_filter_eps(dtype), sort_vocab=False)
+        assert plan.fallback == replace(plan.options, filter_eps=auto_filter_eps(dtype, vocabulary=301), sort_vocab=False)
     else:
         assert plan.fallback is None
     forget_backward_choices()

@@ -12,8 +12,9 @@ below eps. A row has T = ceil(V / BLOCK_V) tiles, so at most T * eps of its |G| 
 sum |G| <= 2, more with z-loss or a gradient into the lse) is dropped. For this backward "auto"
 picks eps = B / T with B one machine epsilon of the dtype (``helpers.cce.options.SPARSE_ROW_BUDGET``:
 2^-7 bf16, 2^-10 fp16): at most B of each row's gradient mass is dropped, and a flat softmax (every
-tile ~1/T) keeps every tile. The "gemm" backward's eps = 2^-12 per tile, applied per row, dropped
-up to 2% of a row's mass at V = 256,000 and put dE 5-9x the naive bf16 path's error (notes); a
+tile ~1/T) keeps every tile. A fixed eps = 2^-12 per tile, applied per row, dropped up to 2%
+of a row's mass at V = 256,000 and put dE 5-9x the naive bf16 path's error (notes), so the dense
+backwards' "auto" now holds a row to the same B (``helpers.cce.options.auto_filter_eps``); a
 number passed as ``filter_eps`` is used as given, per tile. ``stats`` reports the softmax mass each row lost.
 
 The work (kernels: ``helpers/cce/kernels/pair_gradients.py``; the pair lists:
