@@ -544,7 +544,15 @@ def bench_loop(case, methods=("ours", "torch_compile"), calls=5):
             gap = b["ts"] - (a["ts"] + a.get("dur", 0))
             if gap > 0:
                 gaps.append((round(gap / 1e3, 3), a["name"][:40], b["name"][:40]))
-        records.append(dict(case=f"bench_loop/{case.name}/{method}", status="ok", events_median_ms=events_ms[3],
+        by_kernel: dict[str, list] = {}  # each kernel name's launches and ms per call, the largest first
+        for k in kernels:
+            entry = by_kernel.setdefault(k["name"][:60], [0, 0.0])
+            entry[0] += 1 / calls
+            entry[1] += k.get("dur", 0) / 1e3 / calls
+        by_kernel_rows = sorted(([name, round(n, 1), round(ms, 3)] for name, (n, ms) in by_kernel.items()),
+                                key=lambda r: -r[2])[:12]
+        records.append(dict(case=f"bench_loop/{case.name}/{method}", status="ok", by_kernel=by_kernel_rows,
+                            events_median_ms=events_ms[3],
                             events_ms=[round(t, 2) for t in events_ms], span_per_call_ms=round(span / calls, 2),
                             busy_per_call_ms=round(busy / calls, 2),
                             idle_per_call_ms=round(sum(g[0] for g in gaps) / calls, 2),
