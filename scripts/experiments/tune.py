@@ -37,8 +37,9 @@ V=256,000, D=2,304) and the Qwen3 head at N=16,384 (V=151,936, D=1,024). In orde
   and the Chrome trace beside the results;
 - ``bench_loop`` (GPU only): the bench's own timing loop (``call_times_ms``: calls back to back, a
   pair of events around each) for ours and torch.compile, then the same loop under the profiler:
-  per call the events' ms against the kernels' busy and idle ms, and the largest gaps (a step timed
-  at ~60 ms whose kernels were busy ~52 ms at the Gemma-2-2B head);
+  per call the events' ms against the kernels' busy and idle ms, the largest gaps and each kernel's
+  ms, and the SM clock and power ``nvidia-smi`` samples during 20 more calls (at the Gemma-2-2B head
+  every kernel of ours ran 9-29% slower in the loop than in one step);
 - ``small_n``: forward+backward through autograd at the Qwen3 head with N = 1,024 and 4,096 (the
   host bounds them): as shipped, G chunks at the budget's width, G-kernel descriptors off and on.
 
@@ -508,6 +509,40 @@ def timeline(case, out_dir):
                  largest_gaps=sorted(gaps, reverse=True)[:12], by_kernel=by_kernel_rows[:15])]
 
 
+def gpu_clock_during(fn) -> dict:
+    """The SM clock (MHz), power (W) and temperature (C) that ``nvidia-smi`` samples every 20 ms while
+    ``fn`` runs: median and lowest clock, median and highest power, highest temperature ("clock_note"
+    says why not, where it cannot run)."""
+    import statistics
+    import subprocess
+
+    query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
+             "-i", str(torch.cuda.current_device()), "-lms", "20"]
+    try:
+        sampler = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError as error:
+        fn()
+        return {"clock_note": f"nvidia-smi did not run: {error}"}
+    try:
+        fn()
+        torch.cuda.synchronize()
+    finally:
+        sampler.terminate()
+        out, _ = sampler.communicate(timeout=10)
+    rows = []
+    for line in out.splitlines():
+        try:
+            rows.append([float(v) for v in line.split(",")])
+        except ValueError:
+            continue
+    if not rows:
+        return {"clock_note": "nvidia-smi returned no samples"}
+    clock, power, temperature = zip(*rows)
+    return {"sm_clock_mhz_median": statistics.median(clock), "sm_clock_mhz_min": min(clock),
+            "power_w_median": statistics.median(power), "power_w_max": max(power),
+            "temperature_c_max": max(temperature), "clock_samples": len(rows)}
+
+
 def bench_loop(case, methods=("ours", "torch_compile"), calls=5):
     """The bench's timing loop, as ``helpers.compare.bench`` runs it, for each method: the events' ms
     per call (``call_times_ms``, back to back), then ``calls`` calls back to back under the profiler:
@@ -526,6 +561,7 @@ def bench_loop(case, methods=("ours", "torch_compile"), calls=5):
         C = case.C.detach().clone().requires_grad_(True)
         step = loss_step(method, E, C, case.x)
         events_ms = sorted(call_times_ms(step, warmup=3, repeats=7, device=case.device))
+        clocks = gpu_clock_during(lambda step=step: call_times_ms(step, warmup=0, repeats=20, device=case.device))
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
@@ -551,7 +587,7 @@ def bench_loop(case, methods=("ours", "torch_compile"), calls=5):
             entry[1] += k.get("dur", 0) / 1e3 / calls
         by_kernel_rows = sorted(([name, round(n, 1), round(ms, 3)] for name, (n, ms) in by_kernel.items()),
                                 key=lambda r: -r[2])[:12]
-        records.append(dict(case=f"bench_loop/{case.name}/{method}", status="ok", by_kernel=by_kernel_rows,
+        records.append(dict(case=f"bench_loop/{case.name}/{method}", status="ok", by_kernel=by_kernel_rows, **clocks,
                             events_median_ms=events_ms[3],
                             events_ms=[round(t, 2) for t in events_ms], span_per_call_ms=round(span / calls, 2),
                             busy_per_call_ms=round(busy / calls, 2),
