@@ -297,25 +297,27 @@ def problem_key(E: torch.Tensor, C: torch.Tensor, o: CCEOptions, configs: CCECon
 
 def plan_call(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, configs: CCEConfigs | str | None,
               return_lse: bool, need: tuple[bool, bool, bool], wants_db: bool, filter_eps="auto",
-              sort_vocab="auto", **options) -> CCEPlan:
+              sort_vocab="auto", vocabulary: int | None = None, **options) -> CCEPlan:
     """``linear_cross_entropy``'s plan: the backward's name, the options (``resolve_options``; "auto"
     eps by ``auto_filter_eps``, per row for "sparse"; "auto" sort for "sparse" only), the bias's
     gradient against the backward (``wants_db``: the bias requires grad), the device and dtype
     (``why_unavailable``), the tier, then for "auto" the backward (``helpers.cce.auto``). E (N, D) and
-    C (V, D) give the device, the dtype and the sizes."""
+    C (V, D) give the device, the dtype and the sizes; ``vocabulary`` (default V) is the whole
+    vocabulary "auto"'s threshold bounds a row's loss over, where C is one rank's shard of it."""
     check_backward_impl(backward_impl, BACKWARD_CHOICES)
     if not (_is_auto(sort_vocab) or isinstance(sort_vocab, bool)):
         raise ValueError(f"sort_vocab must be 'auto', True or False, got {sort_vocab!r}")
     configs = resolve_configs(configs, E.device)
     block_v = configs.sparse_for(E.dtype).BLOCK_V
+    V = C.shape[0] if vocabulary is None else vocabulary
 
     def resolved(backward: str) -> CCEOptions:
         """The options as ``backward`` runs them."""
         eps = filter_eps
         if _is_auto(filter_eps) and backward == "sparse":
-            eps = auto_filter_eps(E.dtype, options.get("label_smoothing", 0.0), vocabulary=C.shape[0], block_v=block_v)
+            eps = auto_filter_eps(E.dtype, options.get("label_smoothing", 0.0), vocabulary=V, block_v=block_v)
         sort = backward == "sparse" if _is_auto(sort_vocab) else sort_vocab
-        return resolve_options(E.dtype, filter_eps=eps, vocabulary=C.shape[0], sort_vocab=sort, **options)
+        return resolve_options(E.dtype, filter_eps=eps, vocabulary=V, sort_vocab=sort, **options)
 
     dense = resolved("gemm")  # every option checked here
     check_bias_gradient(backward_impl, wants_db)

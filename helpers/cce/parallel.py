@@ -351,7 +351,8 @@ def vocab_parallel_cross_entropy(
     plan = plan_call(
         E, C_local, backward_impl=backward_impl, configs=configs, return_lse=return_lse,
         need=_need(E, C_local, bias_local), wants_db=bias_local is not None and bias_local.requires_grad,
-        filter_eps=filter_eps, ignore_index=ignore_index, reduction="none" if weight is not None else reduction,
+        filter_eps=filter_eps, vocabulary=vocab_size, ignore_index=ignore_index,
+        reduction="none" if weight is not None else reduction,
         softcap=softcap, sort_vocab=sort_vocab, accumulation=accumulation, full_c=full_c, full_e=full_e,
         z_loss=z_loss, label_smoothing=label_smoothing, temperature=temperature,
     )
@@ -438,7 +439,8 @@ def vocab_parallel_outputs(
     plan = plan_call(
         E, C_local, backward_impl=backward_impl, configs=configs, return_lse=False,
         need=_need(E, C_local, bias_local), wants_db=bias_local is not None and bias_local.requires_grad,
-        filter_eps=filter_eps, ignore_index=ignore_index, softcap=softcap, temperature=temperature,
+        filter_eps=filter_eps, vocabulary=vocab_size, ignore_index=ignore_index, softcap=softcap,
+        temperature=temperature,
     )
     lead = x.shape
     x = _shifted(x, shift, ignore_index).reshape(-1)

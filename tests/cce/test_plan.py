@@ -94,6 +94,23 @@ def test_the_configs_are_resolved_once_per_call(monkeypatch):
         assert len(calls) == 1, impl
 
 
+@pytest.mark.parametrize("backward_impl", ["gemm", "sparse"])
+def test_a_shards_threshold_is_the_whole_vocabularys(backward_impl):
+    """"auto" bounds what a row loses over the whole vocabulary: a rank holding one shard of C (the
+    vocabulary-parallel loss passes ``vocabulary``) takes the threshold of all V classes, not of its
+    shard's, so the ranks together drop at most the budget."""
+    from helpers.cce.options import plan_call
+
+    E = torch.randn(37, 24, dtype=torch.float16)
+    C = torch.randn(40_000, 24, dtype=torch.float16)
+    kw = dict(backward_impl=backward_impl, configs=SPARSE_HERE, return_lse=False, need=(True, True, False),
+              wants_db=False)
+    whole = plan_call(E, C, **kw).options.filter_eps
+    shard = plan_call(E, C[:10_000], vocabulary=40_000, **kw).options.filter_eps
+    alone = plan_call(E, C[:10_000], **kw).options.filter_eps
+    assert shard == whole and alone > whole, (shard, whole, alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("backward_impl, configs", [("gemm", None), ("sparse", None), ("auto", None),
                                                     ("auto", SPARSE_HERE)], ids=str)
