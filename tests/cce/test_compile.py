@@ -105,6 +105,25 @@ def test_compiled_loss_matches_eager(options):
     assert_equal(gradients(model, compiled, inputs, x, **options), want)
 
 
+def test_compiled_loss_with_a_symbolic_vocabulary_matches_eager():
+    """Under ``dynamic=True`` with C an input (not a parameter, whose shape dynamo keeps static): the
+    filter's "auto" threshold, which falls with V, is resolved from C's shape in the traced call too."""
+    E = torch.randn(N, H, requires_grad=True)
+    C = torch.randn(V, H, requires_grad=True)
+    _, x = batch()
+
+    def fn(E, C, x):
+        return linear_cross_entropy(E, C, x)
+
+    want = fn(E, C, x)
+    want_grads = torch.autograd.grad(want, (E, C))
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=True)(E, C, x)
+    got_grads = torch.autograd.grad(got, (E, C))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_compiled_loss_with_class_weights_and_shift():
     model = Model()
     inputs, x = batch()
