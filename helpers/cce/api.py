@@ -33,8 +33,8 @@ defaults from the dtype and the vocabulary ("auto"): 2^-12 for bf16 as in the pa
 machine epsilon), the same 2^-5 of fp16's (2^-15), lower past 8,192 classes so that a row drops at
 most 2^-7 (bf16) or 2^-10 (fp16) of its |G| mass over the whole vocabulary (2^-17 bf16 at 262,144:
 at 2^-12 a Gemma-3-1B head's dE reached 1.6x the naive path's error on an H200); off for fp32; off
-with label smoothing, whose uniform -ls/V term sits below eps in every tile. ``full_c`` / ``full_e`` (the paper's CCE-Kahan-FullC/FullE)
-keep the filter for one gradient only. In the "gemm" backward the filter zeroes tiles of G but the
+with label smoothing, whose uniform -ls/V term sits below eps in every tile. ``full_c`` / ``full_e``
+(the paper's CCE-Kahan-FullC/FullE) keep the filter for one gradient only. In the "gemm" backward the filter zeroes tiles of G but the
 cuBLAS products still multiply them, so it saves no time there (docs/PERFORMANCE.md).
 
 Vocabulary sort (paper section 4.3): ``sort_vocab=True`` orders the vocabulary by average logit
@@ -152,9 +152,9 @@ def linear_cross_entropy(
     z_loss: adds z_loss * lse^2 per kept token. label_smoothing: torch's definition, in [0, 1].
     filter_eps: "auto" (for "gemm" and "atomic" per 256 columns: min(2^-12, 2^-7 x 256 / V) bf16,
         min(2^-15, 2^-10 x 256 / V) fp16; for "sparse" per row, below; off for fp32 and with label
-        smoothing), a number (0 = off; per tile, as given, for
-        every backward) or None (off). "auto" follows the backward that runs, also under
-        ``backward_impl="auto"`` and in the sparse backward's hand-over to "gemm".
+        smoothing), a number (0 = off; per tile, as given, for every backward) or None (off). "auto"
+        follows the backward that runs, also under ``backward_impl="auto"`` and in the sparse
+        backward's hand-over to "gemm".
     sort_vocab: order the vocabulary by average logit for the filter: "auto" (for "sparse" only),
         True or False.
     accumulation: "fp32" (fp32 scratch, rounded once per row chunk) or "kahan" (also compensates
