@@ -487,7 +487,13 @@ def timeline(case, out_dir):
         torch.cuda.synchronize()
     path = os.path.join(out_dir, f"trace_{case.name}.json")
     prof.export_chrome_trace(path)
-    events = json.load(open(path))["traceEvents"]
+    return [dict(case=f"timeline/{case.name}", status="ok", **kernel_summary(json.load(open(path))["traceEvents"]))]
+
+
+def kernel_summary(events: list, calls: int = 1) -> dict:
+    """The GPU's side of a Chrome trace's ``events`` (kernels, memsets, copies), per call of ``calls``:
+    the span from the first kernel's start to the last's end, the busy and idle ms, the kernels, the
+    largest idle gaps with the kernels on either side, and each kernel name's launches and ms."""
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
                      key=lambda e: e["ts"])
     gaps = []
@@ -495,18 +501,17 @@ def timeline(case, out_dir):
         gap = b["ts"] - (a["ts"] + a.get("dur", 0))
         if gap > 0:
             gaps.append((round(gap / 1e3, 3), a["name"][:40], b["name"][:40]))
-    busy = sum(k.get("dur", 0) for k in kernels) / 1e3
-    span = (kernels[-1]["ts"] + kernels[-1].get("dur", 0) - kernels[0]["ts"]) / 1e3
-    # Where the busy time goes: each kernel name's launches and ms, the largest first.
     by_kernel: dict[str, list] = {}
     for k in kernels:
         entry = by_kernel.setdefault(k["name"][:60], [0, 0.0])
         entry[0] += 1
         entry[1] += k.get("dur", 0) / 1e3
-    by_kernel_rows = sorted(([name, n, round(ms, 3)] for name, (n, ms) in by_kernel.items()), key=lambda r: -r[2])
-    return [dict(case=f"timeline/{case.name}", status="ok", span_ms=round(span, 2), busy_ms=round(busy, 2),
-                 idle_ms=round(sum(g[0] for g in gaps), 2), kernels=len(kernels),
-                 largest_gaps=sorted(gaps, reverse=True)[:12], by_kernel=by_kernel_rows[:15])]
+    span = (kernels[-1]["ts"] + kernels[-1].get("dur", 0) - kernels[0]["ts"]) / 1e3
+    return dict(span_ms=round(span / calls, 2), busy_ms=round(sum(ms for _, ms in by_kernel.values()) / calls, 2),
+                idle_ms=round(sum(g[0] for g in gaps) / calls, 2), kernels=len(kernels) / calls,
+                largest_gaps=sorted(gaps, reverse=True)[:12],
+                by_kernel=sorted(([name, round(n / calls, 1), round(ms / calls, 3)] for name, (n, ms) in by_kernel.items()),
+                                 key=lambda r: -r[2])[:15])
 
 
 def gpu_clock_during(fn) -> dict:
@@ -545,8 +550,8 @@ def gpu_clock_during(fn) -> dict:
 
 def bench_loop(case, methods=("ours", "torch_compile"), calls=5):
     """The bench's timing loop, as ``helpers.compare.bench`` runs it, for each method: the events' ms
-    per call (``call_times_ms``, back to back), then ``calls`` calls back to back under the profiler:
-    per call the span, the kernels' busy ms and the idle gaps, the largest with their neighbours."""
+    per call (``call_times_ms``, back to back), then ``calls`` calls back to back under the profiler,
+    per call (``kernel_summary``), and the clock and power during 20 more (``gpu_clock_during``)."""
     import json
     import os
     import tempfile
@@ -567,32 +572,12 @@ def bench_loop(case, methods=("ours", "torch_compile"), calls=5):
             for _ in range(calls):
                 step()
             torch.cuda.synchronize()
-        with tempfile.TemporaryDirectory() as folder:  # the kernels as ``timeline`` reads them
+        with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "trace.json")
             prof.export_chrome_trace(path)
-            events = json.load(open(path))["traceEvents"]
-        kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
-                         key=lambda e: e["ts"])
-        busy = sum(k.get("dur", 0) for k in kernels) / 1e3
-        span = (kernels[-1]["ts"] + kernels[-1].get("dur", 0) - kernels[0]["ts"]) / 1e3
-        gaps = []
-        for a, b in zip(kernels, kernels[1:]):
-            gap = b["ts"] - (a["ts"] + a.get("dur", 0))
-            if gap > 0:
-                gaps.append((round(gap / 1e3, 3), a["name"][:40], b["name"][:40]))
-        by_kernel: dict[str, list] = {}  # each kernel name's launches and ms per call, the largest first
-        for k in kernels:
-            entry = by_kernel.setdefault(k["name"][:60], [0, 0.0])
-            entry[0] += 1 / calls
-            entry[1] += k.get("dur", 0) / 1e3 / calls
-        by_kernel_rows = sorted(([name, round(n, 1), round(ms, 3)] for name, (n, ms) in by_kernel.items()),
-                                key=lambda r: -r[2])[:12]
-        records.append(dict(case=f"bench_loop/{case.name}/{method}", status="ok", by_kernel=by_kernel_rows, **clocks,
-                            events_median_ms=events_ms[3],
-                            events_ms=[round(t, 2) for t in events_ms], span_per_call_ms=round(span / calls, 2),
-                            busy_per_call_ms=round(busy / calls, 2),
-                            idle_per_call_ms=round(sum(g[0] for g in gaps) / calls, 2),
-                            kernels_per_call=len(kernels) / calls, largest_gaps=sorted(gaps, reverse=True)[:8]))
+            summary = kernel_summary(json.load(open(path))["traceEvents"], calls)
+        records.append(dict(case=f"bench_loop/{case.name}/{method}", status="ok", events_median_ms=events_ms[3],
+                            events_ms=[round(t, 2) for t in events_ms], **summary, **clocks))
         del E, C, step
     return records
 
