@@ -548,13 +548,17 @@ def gpu_clock_during(fn) -> dict:
             "temperature_c_max": max(temperature), "clock_samples": len(rows)}
 
 
-def bench_loop(case, methods=("ours", "torch_compile"), calls=5):
+def bench_loop(case, methods=("ours", "torch_compile", "ours_budget_4g"), calls=5, pause_s=0.25):
     """The bench's timing loop, as ``helpers.compare.bench`` runs it, for each method: the events' ms
     per call (``call_times_ms``, back to back), then ``calls`` calls back to back under the profiler,
-    per call (``kernel_summary``), and the clock and power during 20 more (``gpu_clock_during``)."""
+    per call (``kernel_summary``), the clock and power during 20 more (``gpu_clock_during``), and
+    ``paced_ms``: 5 calls each after ``pause_s`` of idle GPU (a cool, unthrottled start: if the loop's
+    calls are slower than these, the GPU slowed under sustained load, not the schedule).
+    ``ours_budget_4g`` holds the logits in chunks (three products, not four)."""
     import json
     import os
     import tempfile
+    import time
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -567,6 +571,11 @@ def bench_loop(case, methods=("ours", "torch_compile"), calls=5):
         step = loss_step(method, E, C, case.x)
         events_ms = sorted(call_times_ms(step, warmup=3, repeats=7, device=case.device))
         clocks = gpu_clock_during(lambda step=step: call_times_ms(step, warmup=0, repeats=20, device=case.device))
+        paced = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            time.sleep(pause_s)
+            paced += call_times_ms(step, warmup=0, repeats=1, device=case.device)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
@@ -577,7 +586,8 @@ def bench_loop(case, methods=("ours", "torch_compile"), calls=5):
             prof.export_chrome_trace(path)
             summary = kernel_summary(json.load(open(path))["traceEvents"], calls)
         records.append(dict(case=f"bench_loop/{case.name}/{method}", status="ok", events_median_ms=events_ms[3],
-                            events_ms=[round(t, 2) for t in events_ms], **summary, **clocks))
+                            events_ms=[round(t, 2) for t in events_ms], paced_ms=[round(t, 2) for t in paced],
+                            **summary, **clocks))
         del E, C, step
     return records
 
