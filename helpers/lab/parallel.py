@@ -22,6 +22,7 @@ notebook 07 and ``scripts/gpu/vocab_parallel.py`` share:
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import time
@@ -256,9 +257,14 @@ def _entry(rank, world, backend, init_method, folder, timeout_s, worker, args):
 def stop_rank(finished: bool = True) -> None:
     """Leave the process group. A rank that ``finished`` first waits at a barrier for every other
     rank to finish too: one that tore gloo down while a peer's last send to it was in flight died
-    with SIGABRT ("terminate called without an active exception"). A failing rank leaves at once
-    (the launcher then stops the others)."""
+    with SIGABRT ("terminate called without an active exception"). Before that, a garbage
+    collection frees what reference cycles still hold (an FSDP2 model's hooks hold its state,
+    collective work and tensors among it) while the group and the interpreter are alive: freed at
+    the interpreter's exit instead, gloo's work objects can take the GIL during finalization, which
+    also aborts (a suspicion, not reproduced: the rare abort in an FSDP test). A failing rank leaves
+    at once (the launcher then stops the others)."""
     if finished:
+        gc.collect()
         dist.barrier()
     dist.destroy_process_group()
 
