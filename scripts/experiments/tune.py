@@ -50,12 +50,14 @@ Triton interpreter, to check the script (timings meaningless there).
 
 from __future__ import annotations
 
+# _common first: on a CPU it sets TRITON_INTERPRET before triton is imported (triton's own
+# helpers, tl.sum among them, are made interpreted or not when triton is imported).
+from _common import Checker, finish, script_setup
 import dataclasses
 
 import torch
 import triton
 import triton.language as tl
-from _common import Checker, finish, script_setup
 
 from helpers.cce import cce_backward, cce_forward, gemm_chunks, linear_cross_entropy, resolve_options
 from helpers.cce.kernels.configs import LaunchConfig, select_configs, tier

@@ -28,9 +28,11 @@ row or two), many with frequent tokens at 65,536 rows. So:
 
 from __future__ import annotations
 
+# _common first: on a CPU it sets TRITON_INTERPRET before triton is imported (triton's own
+# helpers, tl.sum among them, are made interpreted or not when triton is imported).
+from _common import Checker, finish, script_setup
 import torch
 import triton
-from _common import Checker, finish, script_setup
 
 from helpers.cce import linear_cross_entropy
 from helpers.cce.backward.gemm import gemm_chunks

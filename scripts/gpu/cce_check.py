@@ -19,10 +19,13 @@ On a CUDA machine (written for an H200: torch 2.11, triton 3.6) it checks, in or
 6. heads it was not tuned on (``HEADS``: public models' heads at odd token counts, and edge shapes:
    one token, fewer classes than a tile, a row stride the copy engine cannot read), bf16 (uniform
    and realistic softmaxes) and fp16, each record naming the kernels that ran (``stats``: the
-   forward's lse, the backward, the G kernels), so a path that fell back is seen, not hidden.
+   forward's lse, the backward, the G kernels), so a path that fell back is seen, not hidden;
+7. ``--random K`` drawn heads (``random_cases``, seeded by ``--seed``): N, V and D log-uniform (D
+   sometimes not a multiple of 8), a softmax regime, a spec and a backward ("auto", "gemm",
+   "sparse", "atomic") each drawn, in bf16 and fp16, under the same pass rules: shapes nobody chose.
 
 ``--sections`` runs only some of them (``reference``, ``heads``, ``big``, ``bench``, ``rest``,
-``unseen``); the default is all, in that order.
+``unseen``, ``random``); the default is all, in that order.
 
 Pass rules. Loss: relative error <= 1e-5 (fp32) or 1e-4 (fp16/bf16, whose inputs are exact in
 fp32). Gradients in fp16/bf16: <= 1.5x the naive path's error, with the filter at its "auto"
@@ -35,10 +38,12 @@ itself can be checked on a CPU under the Triton interpreter.
 
 from __future__ import annotations
 
+# _common first: on a CPU it sets TRITON_INTERPRET before triton is imported (triton's own
+# helpers, tl.sum among them, are made interpreted or not when triton is imported).
+from _common import Checker, finish, script_setup
 import torch
 import torch.nn.functional as F
 import triton
-from _common import Checker, finish, script_setup
 
 from helpers.cce import linear_cross_entropy, resolve_options, why_unavailable
 from helpers.cce.kernels.configs import select_configs
@@ -73,7 +78,7 @@ HEADS = {
     "few-classes": (100, 7, 40),  # fewer classes than a tile
     "odd-stride": (130, 5_003, 100),  # a 16-bit row of 200 bytes: not readable by the copy engine
 }
-SECTIONS = ("reference", "heads", "big", "bench", "rest", "unseen")
+SECTIONS = ("reference", "heads", "big", "bench", "rest", "unseen", "random")
 VARIANTS = {
     "default": dict(),
     "filter_off": dict(filter_eps=None),
@@ -81,7 +86,43 @@ VARIANTS = {
     "kahan": dict(accumulation="kahan", filter_eps=None),
     "full_c": dict(full_c=True),
     "full_e": dict(full_e=True),
+    "gemm": dict(backward_impl="gemm"),
+    "sparse": dict(backward_impl="sparse"),
+    "atomic": dict(backward_impl="atomic"),
 }
+
+
+def random_cases(count: int, seed: int, tiny: bool, low: list[str]) -> list[tuple]:
+    """``count`` drawn cases (name, N, V, D, dtype name, spec name, variant, regime): N in [1, 16,384]
+    and V in [2, 262,144] log-uniform, D in [8, 4,096] log-uniform (a multiple of 8 three times in
+    four, else any), N x V x D at most 1.5e13 (the float64 reference's time); ``tiny``: at most
+    (40, 400, 40) and no "trained" regime, for the interpreter."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+
+    def log_uniform(lo, hi):
+        return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+    cases = []
+    while len(cases) < count:
+        N, V, D = log_uniform(1, 16_384), log_uniform(2, 262_144), log_uniform(8, 4_096)
+        if rng.random() < 0.75:
+            D = max(8, D // 8 * 8)
+        if tiny:
+            N, V, D = min(N, 40), min(V, 400), min(D, 40)
+        if N * V * D > 1.5e13:
+            continue
+        # "trained" trains a small model per (V, D) first (seconds on a GPU; not under the interpreter).
+        regime = rng.choice(["uniform", "realistic"] * 2 + ([] if tiny else ["trained"]))
+        spec = rng.choice([name for name in SPECS if name != "all_ignored"])
+        if SPECS[spec].get("ignore") == "some" and N < 7:  # every 7th token ignored: a few would be all
+            spec = "none"
+        variant = rng.choice(["default", "default", "gemm", "sparse", "atomic", "filter_off"])
+        dtype_name = rng.choice(low)
+        cases.append((f"random{len(cases)}", N, V, D, dtype_name, spec, variant, regime))
+    return cases
 
 
 def make_inputs(N, V, D, dtype, spec, device, seed=0, regime="uniform"):
@@ -163,7 +204,7 @@ def check_shape(shape_name, N, V, D, dtype_name, spec_name, variant_names, devic
         options = dict(opts, **VARIANTS[variant])
         if variant in ("full_c", "full_e") and dtype == torch.float32:
             options["filter_eps"] = 2.0**-12  # "auto" is off in fp32: give FullC/FullE a filter
-        resolved = resolve_options(dtype, vocabulary=V, **options)
+        resolved = resolve_options(dtype, vocabulary=V, **{k: v for k, v in options.items() if k != "backward_impl"})
         stats = {}
         loss, dE, dC = ours(E, C, x, go, stats=stats, **options)
         rec = dict(case=f"{shape_name}/{dtype_name}/{spec_name}/{variant}", N=N, V=V, D=D,
@@ -395,6 +436,13 @@ def main():
                 c.run(f"unseen/{head}/{dtype_name}/{regime}", check_shape, head, *shape, dtype_name, spec_name,
                       ["default", "filter_off"], device, chunk, regime=regime)
 
+    # 7. Drawn heads, options and backwards (``random_cases``).
+    if "random" in sections:
+        count = args.random if args.random is not None else 4 if args.tiny else 24
+        for name, N, V, D, dtype_name, spec_name, variant, regime in random_cases(count, args.seed, args.tiny, low):
+            c.run(f"{name}/{dtype_name}/{regime}/{spec_name}/{variant}", check_shape, name, N, V, D, dtype_name,
+                  spec_name, [variant], device, chunk, regime=regime)
+
     # The table.
     print("\n" + "=" * 110)
     print(f"{'case':58s} {'status':7s} {'loss':>8s} {'dE':>8s} {'dC':>8s} {'dE/nv':>6s} {'dC/nv':>6s}"
@@ -414,6 +462,9 @@ def main():
 def add_sections(parser):
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                         help="the sections to run (module doc; default: all)")
+    parser.add_argument("--random", type=int, default=None, metavar="K",
+                        help="the drawn heads of the random section (default 24; 4 with --tiny)")
+    parser.add_argument("--seed", type=int, default=0, help="the random section's seed (default 0)")
 
 
 def judge(rec: dict, dtype: torch.dtype, resolved) -> None:
