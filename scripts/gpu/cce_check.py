@@ -22,7 +22,8 @@ On a CUDA machine (written for an H200: torch 2.11, triton 3.6) it checks, in or
    forward's lse, the backward, the G kernels), so a path that fell back is seen, not hidden;
 7. ``--random K`` drawn heads (``random_cases``, seeded by ``--seed``): N, V and D log-uniform (D
    sometimes not a multiple of 8), a softmax regime, a spec and a backward ("auto", "gemm",
-   "sparse", "atomic") each drawn, in bf16 and fp16, under the same pass rules: shapes nobody chose.
+   "sparse", "atomic") each drawn, in bf16 and fp16, under the same pass rules: shapes nobody chose;
+   ``--random-sparse``: heads large enough for the sparse backward, on peaked softmaxes.
 
 ``--sections`` runs only some of them (``reference``, ``heads``, ``big``, ``bench``, ``rest``,
 ``unseen``, ``random``); the default is all, in that order.
@@ -92,11 +93,16 @@ VARIANTS = {
 }
 
 
-def random_cases(count: int, seed: int, tiny: bool, low: list[str]) -> list[tuple]:
+def random_cases(count: int, seed: int, tiny: bool, low: list[str], sparse: bool = False) -> list[tuple]:
     """``count`` drawn cases (name, N, V, D, dtype name, spec name, variant, regime): N in [1, 16,384]
     and V in [2, 262,144] log-uniform, D in [8, 4,096] log-uniform (a multiple of 8 three times in
     four, else any), N x V x D at most 1.5e13 (the float64 reference's time); ``tiny``: at most
-    (40, 400, 40) and no "trained" regime, for the interpreter."""
+    (40, 400, 40) and no "trained" regime, for the interpreter.
+
+    ``sparse``: heads large enough for the sparse backward (N x V / 256 >= 1.1 x 2^23 (row, tile)
+    pairs, ``HostTuning.sparse_min_pairs``; N in [2,048, 32,768], V in [8,192, 262,144], D in [64,
+    4,096], N x V x D at most 5e13) on a peaked softmax ("realistic", or "trained" one time in four),
+    run by "auto" or forced "sparse"; smaller ones run "gemm" whatever is asked."""
     import math
     import random
 
@@ -107,19 +113,28 @@ def random_cases(count: int, seed: int, tiny: bool, low: list[str]) -> list[tupl
 
     cases = []
     while len(cases) < count:
-        N, V, D = log_uniform(1, 16_384), log_uniform(2, 262_144), log_uniform(8, 4_096)
+        if sparse:
+            N, V, D = log_uniform(2_048, 32_768), log_uniform(8_192, 262_144), log_uniform(64, 4_096)
+        else:
+            N, V, D = log_uniform(1, 16_384), log_uniform(2, 262_144), log_uniform(8, 4_096)
         if rng.random() < 0.75:
             D = max(8, D // 8 * 8)
         if tiny:
             N, V, D = min(N, 40), min(V, 400), min(D, 40)
-        if N * V * D > 1.5e13:
+        elif sparse and N * V / 256 < 1.1 * 2**23:
+            continue
+        if N * V * D > (5e13 if sparse else 1.5e13):
             continue
         # "trained" trains a small model per (V, D) first (seconds on a GPU; not under the interpreter).
-        regime = rng.choice(["uniform", "realistic"] * 2 + ([] if tiny else ["trained"]))
+        if sparse:
+            regime = rng.choice(["realistic"] * 3 + ([] if tiny else ["trained"]))
+        else:
+            regime = rng.choice(["uniform", "realistic"] * 2 + ([] if tiny else ["trained"]))
         spec = rng.choice([name for name in SPECS if name != "all_ignored"])
         if SPECS[spec].get("ignore") == "some" and N < 7:  # every 7th token ignored: a few would be all
             spec = "none"
-        variant = rng.choice(["default", "default", "gemm", "sparse", "atomic", "filter_off"])
+        variant = rng.choice(["default", "sparse"] if sparse else
+                             ["default", "default", "gemm", "sparse", "atomic", "filter_off"])
         dtype_name = rng.choice(low)
         cases.append((f"random{len(cases)}", N, V, D, dtype_name, spec, variant, regime))
     return cases
@@ -439,7 +454,8 @@ def main():
     # 7. Drawn heads, options and backwards (``random_cases``).
     if "random" in sections:
         count = args.random if args.random is not None else 4 if args.tiny else 24
-        for name, N, V, D, dtype_name, spec_name, variant, regime in random_cases(count, args.seed, args.tiny, low):
+        drawn = random_cases(count, args.seed, args.tiny, low, sparse=args.random_sparse)
+        for name, N, V, D, dtype_name, spec_name, variant, regime in drawn:
             c.run(f"{name}/{dtype_name}/{regime}/{spec_name}/{variant}", check_shape, name, N, V, D, dtype_name,
                   spec_name, [variant], device, chunk, regime=regime)
 
@@ -465,6 +481,8 @@ def add_sections(parser):
     parser.add_argument("--random", type=int, default=None, metavar="K",
                         help="the drawn heads of the random section (default 24; 4 with --tiny)")
     parser.add_argument("--seed", type=int, default=0, help="the random section's seed (default 0)")
+    parser.add_argument("--random-sparse", action="store_true",
+                        help="draw heads large enough for the sparse backward, on peaked softmaxes (random_cases)")
 
 
 def judge(rec: dict, dtype: torch.dtype, resolved) -> None:
