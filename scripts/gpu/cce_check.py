@@ -224,7 +224,8 @@ def check_shape(shape_name, N, V, D, dtype_name, spec_name, variant_names, devic
         loss, dE, dC = ours(E, C, x, go, stats=stats, **options)
         rec = dict(case=f"{shape_name}/{dtype_name}/{spec_name}/{variant}", N=N, V=V, D=D,
                    filter_eps=resolved.filter_eps, regime=regime, forward=stats.get("forward"),
-                   backward=stats.get("backward"), g_kernels=stats.get("g_kernels"))
+                   backward=stats.get("backward"), g_kernels=stats.get("g_kernels"),
+                   **{k: stats[k] for k in ("auto", "fallback", "density") if stats.get(k) is not None})
         all_ignored = spec_name == "all_ignored"
         if all_ignored:
             ok = bool(torch.isnan(loss).item()) and not dE.any().item() and not dC.any().item()
