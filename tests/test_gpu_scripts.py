@@ -105,3 +105,35 @@ def test_the_gluon_g_kernels_barrier_protocol_reads_each_step_it_waited_for():
     result = json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1])
     assert result["status"] == "ok" and not result["failures"], result
     assert result["failing_without_turns"] > 0, result
+
+
+def test_cce_checks_drawn_heads_keep_their_bounds():
+    """``cce_check.py --sections random``: the same heads for the same seed, within the ranges its doc
+    gives, and with ``--random-sparse`` large enough for the sparse backward (else it runs "gemm")."""
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "scripts" / "gpu"))
+    try:
+        spec = importlib.util.spec_from_file_location("cce_check_script", ROOT / "scripts" / "gpu" / "cce_check.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "scripts" / "gpu"))
+    from helpers.cce.kernels.configs import HostTuning
+
+    drawn = module.random_cases(200, 3, False, ["bf16", "fp16"])
+    assert drawn == module.random_cases(200, 3, False, ["bf16", "fp16"])
+    assert drawn != module.random_cases(200, 4, False, ["bf16", "fp16"])
+    for _, N, V, D, dtype_name, spec_name, variant, regime in drawn:
+        assert 1 <= N <= 16_384 and 2 <= V <= 262_144 and 8 <= D <= 4_096 and N * V * D <= 1.5e13
+        assert spec_name in module.SPECS and spec_name != "all_ignored" and variant in module.VARIANTS
+        assert not (module.SPECS[spec_name].get("ignore") == "some" and N < 7)
+    assert {c[7] for c in drawn} == {"uniform", "realistic", "trained"}
+    assert {c[6] for c in drawn} == {"default", "gemm", "sparse", "atomic", "filter_off"}
+    assert any(c[3] % 8 for c in drawn)  # D not a multiple of 8 (no copy-engine reads) among them
+    pairs = HostTuning().sparse_min_pairs
+    for _, N, V, D, _, _, variant, regime in module.random_cases(100, 3, False, ["bf16"], sparse=True):
+        assert N * V / 256 >= pairs and N * V * D <= 5e13
+        assert regime in ("realistic", "trained") and variant in ("default", "sparse")
+    for _, N, V, D, *_rest, regime in module.random_cases(50, 3, True, ["fp16"], sparse=True):
+        assert N <= 40 and V <= 400 and D <= 40 and regime != "trained"
