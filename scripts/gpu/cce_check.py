@@ -47,7 +47,8 @@ import torch.nn.functional as F
 import triton
 
 from helpers.cce import linear_cross_entropy, resolve_options, why_unavailable
-from helpers.cce.kernels.configs import select_configs
+from helpers.cce.kernels.configs import HostTuning, select_configs
+from helpers.cce.options import too_small
 from helpers.compare.inputs import ignore_targets, make_inputs as regime_inputs
 from helpers.spec import reference_loss_and_grads, relative_error
 from helpers.compare.heads import GEMMA2, QWEN3
@@ -99,8 +100,8 @@ def random_cases(count: int, seed: int, tiny: bool, low: list[str], sparse: bool
     four, else any), N x V x D at most 1.5e13 (the float64 reference's time); ``tiny``: at most
     (40, 400, 40) and no "trained" regime, for the interpreter.
 
-    ``sparse``: heads large enough for the sparse backward (N x V / 256 >= 1.1 x 2^23 (row, tile)
-    pairs, ``HostTuning.sparse_min_pairs``; N in [2,048, 32,768], V in [8,192, 262,144], D in [64,
+    ``sparse``: heads large enough for the sparse backward (1.1x ``HostTuning.sparse_min_pairs``
+    (row, 256-column tile) pairs, by ``helpers.cce.options.too_small``; N in [2,048, 32,768], V in [8,192, 262,144], D in [64,
     4,096], N x V x D at most 5e13) on a peaked softmax ("realistic", or "trained" one time in four),
     run by "auto" or forced "sparse"; smaller ones run "gemm" whatever is asked."""
     import math
@@ -121,7 +122,7 @@ def random_cases(count: int, seed: int, tiny: bool, low: list[str], sparse: bool
             D = max(8, D // 8 * 8)
         if tiny:
             N, V, D = min(N, 40), min(V, 400), min(D, 40)
-        elif sparse and N * V / 256 < 1.1 * 2**23:
+        elif sparse and too_small(N, V, 256, int(1.1 * HostTuning().sparse_min_pairs)):
             continue
         if N * V * D > (5e13 if sparse else 1.5e13):
             continue
