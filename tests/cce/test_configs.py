@@ -206,12 +206,17 @@ def compile_ours(request):
     )
     return dict(request, shared=compiled.metadata.shared, budget=tier.shared_memory_bytes,
                 config=repr(cfg), compiled_for=[major, minor],
-                accumulator_operands=ACCUMULATOR_AS_OPERAND.findall(compiled.asm["ttgir"]))
+                accumulator_operands=ACCUMULATOR_AS_OPERAND.findall(compiled.asm["ttgir"]),
+                divisions=sorted(set(FP32_DIVISION.findall(compiled.asm["ptx"]))))
 
 
 # In TTGIR: a dot's accumulator layout (#mma) converted to a dot's register-operand layout.
 ACCUMULATOR_AS_OPERAND = re.compile(
     r"ttg\.convert_layout \S+ : tensor<[^>]*#mma\d*> -> tensor<[^>]*#ttg\.dot_op<[^>]*>>")
+
+
+# In PTX: an fp32 division, and how it rounds (div.rn: correctly; div.full / div.approx: within ulps).
+FP32_DIVISION = re.compile(r"\bdiv\.[a-z.]*f32\b")
 
 
 def compile_apple(request):
@@ -365,6 +370,19 @@ def test_hopper_backward_keeps_no_accumulator_in_registers_as_operand(compiled, 
         f"Triton {compiled['triton']}: {_key(r)} feeds an accumulator to a dot from registers: "
         f"{r['accumulator_operands'][0][:300]}"
     )
+
+
+@pytest.mark.slow  # compiles kernels for sm_75/sm_80/sm_90 (a minute on a cold cache)
+@pytest.mark.parametrize("request_", [r for r in _our_requests() if r["kernel"] in ROW_KERNELS], ids=_key)
+def test_row_kernels_divide_with_correct_rounding(compiled, request_):
+    """A row's coefficient g / |g| must be exactly +-1 and w / max w at most 1: the sparse backward's
+    bits hold for |a| <= 1 and refuse a call past it. Triton's ``/`` compiles to div.full.f32 (within
+    2 ulp), which put |a| past 1 for some rows on an H200 (``helpers/cce/kernels/row_weights.py``); the
+    interpreter divides exactly, so only the compiled code shows it."""
+    r = compiled[_key(request_)]
+    assert "error" not in r, f"Triton {compiled['triton']} failed to compile {_key(r)}: {r['error']}"
+    approximate = [d for d in r["divisions"] if d != "div.rn.f32"]
+    assert not approximate, f"Triton {compiled['triton']}: {_key(r)} divides with {approximate}"
 
 
 @pytest.mark.slow  # compiles kernels for sm_75/sm_80/sm_90 (a minute on a cold cache)

@@ -21,8 +21,14 @@ rows cost the GPU there; past it, one program's walk would cost the GPU more tha
 The same arithmetic, in the same fp32 order, as the torch expressions it replaced, NaN included
 (a NaN upstream gradient at a kept row makes w, its coefficients and w_scale NaN, as
 ``torch.maximum`` and ``amax`` do): the same bits under the interpreter, within fp32's rounding on a
-GPU (whose division and fused multiply-adds round differently). The torch expressions stay in
+GPU (whose fused multiply-adds round differently). The torch expressions stay in
 tests/cce/test_cce.py as the reference.
+
+Every division is correctly rounded (``tl.math.div_rn``), as torch's is. Triton's ``/`` on fp32
+compiles to ``div.full.f32``, within 2 ulp: g / |g| came out past 1 for some g on an H200, past the
+|a| <= 1 the forward's activity bits are made for, so the sparse backward refused every call with a
+per-row upstream gradient (``reduction="none"``). Rounded correctly, g / |g| is exactly +-1 and
+w / max w is at most 1 (exactly 1 for a mean or a sum); the bounds the bits and w_rel rely on hold.
 """
 
 import triton
@@ -47,9 +53,9 @@ def _block_weights(g_ptr, h_ptr, kept_ptr, lse_ptr, w_ptr, coef_ptr, rows, N, st
     w = tl.maximum(tl.abs(g), tl.abs(h), propagate_nan=tl.PropagateNan.ALL)
     safe = tl.where(w > 0, w, 1.0)
     tl.store(w_ptr + rows, w, mask=inside)
-    tl.store(coef_ptr + rows, (g * (1.0 + 2.0 * z_loss * lse) + h) / safe, mask=inside)
-    tl.store(coef_ptr + stride_coef + rows, g * (1.0 - label_smoothing) / safe, mask=inside)
-    tl.store(coef_ptr + 2 * stride_coef + rows, g * label_smoothing / safe, mask=inside)
+    tl.store(coef_ptr + rows, tl.math.div_rn(g * (1.0 + 2.0 * z_loss * lse) + h, safe), mask=inside)
+    tl.store(coef_ptr + stride_coef + rows, tl.math.div_rn(g * (1.0 - label_smoothing), safe), mask=inside)
+    tl.store(coef_ptr + 2 * stride_coef + rows, tl.math.div_rn(g * label_smoothing, safe), mask=inside)
     w_in = tl.where(inside, w, 0.0)
     return tl.max(w_in, axis=0), tl.max((w_in != w_in).to(tl.int32), axis=0)
 
@@ -113,4 +119,5 @@ def _store_w_rel(w_ptr, w_rel_ptr, rows, N, scale):
     """w_rel = w / w_scale of ``rows`` (0 where w_scale is 0)."""
     inside = rows < N
     w = tl.load(w_ptr + rows, mask=inside, other=0.0)
-    tl.store(w_rel_ptr + rows, tl.where(scale > 0, w / tl.where(scale > 0, scale, 1.0), 0.0), mask=inside)
+    w_rel = tl.math.div_rn(w, tl.where(scale > 0, scale, 1.0))
+    tl.store(w_rel_ptr + rows, tl.where(scale > 0, w_rel, 0.0), mask=inside)
