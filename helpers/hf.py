@@ -484,8 +484,7 @@ def patch(model, *, allow_unlisted: bool = False, loss=None, memory_budget="min"
     if class_weight is not None:  # on any device (moved at each call): checked against the head's size only
         device = class_weight.device if isinstance(class_weight, torch.Tensor) else None
         try:
-            check_weight(class_weight, torch.empty(model.lm_head.out_features, 0, device=device), label_smoothing=0.0,
-                         z_loss=0.0)
+            check_weight(class_weight, torch.empty(model.lm_head.out_features, 0, device=device))
         except (TypeError, ValueError) as error:
             raise type(error)(f"class_weight: {error}") from None
     state = dataclasses.replace(state, loss=loss, class_weight=class_weight, temperature=temperature)

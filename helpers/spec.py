@@ -11,7 +11,9 @@ loss adds (``helpers.cce``), torch's label smoothing ``ls`` and PaLM's z-loss ``
     loss_i = lse_i - (1 - ls) z_{i, x_i} - (ls / V) sum_v z_{i, v} + zl * lse_i^2;
 
 with a temperature tau the logits are cap(E @ C^T + b) / tau before all of this, and class weights
-``weight`` are torch's (row i counts w_{x_i}); the loss is then reduced exactly as
+``weight`` are torch's (row i counts w_{x_i}, its smoothing term weights each class: torch's
+``F.cross_entropy(weight=, label_smoothing=)``; the z-loss is not weighted, and a mean divides it by
+the kept count, as Liger's kernel and its tests do); the loss is then reduced exactly as
 ``torch.nn.functional.cross_entropy`` does on fp32 logits:
 
 - ``"none"``: a length-N vector, 0 at ignored tokens;
@@ -177,7 +179,8 @@ def reference_loss(
     """The loss as the specification above defines it, computed in ``dtype`` (float64 by default);
     ``bias`` (V,) is added to every row's logits before the soft cap, ``temperature`` divides the
     capped logits (before the lse and everything after it), ``weight`` (V,) is torch's class weight
-    (``F.cross_entropy(weight=...)``: row i counts w_{x_i}; "mean" divides by the kept rows' weights).
+    (``F.cross_entropy(weight=...)``: row i counts w_{x_i}; "mean" divides by the kept rows' weights;
+    the z-loss stays unweighted, divided by the kept count for a mean: the module doc).
 
     Differentiable: autograd through it gives the reference dE and dC (in ``dtype``; pass leaf
     tensors already upcast when you want their ``.grad``).
@@ -186,8 +189,6 @@ def reference_loss(
     x = x.long()
     if weight is not None:
         weight = weight.to(dtype)
-        if z_loss:
-            raise ValueError("the specification defines no z-loss with class weights")
     loss = F.cross_entropy(z, x, weight=weight, ignore_index=ignore_index, reduction=reduction,
                            label_smoothing=label_smoothing)
     if z_loss:

@@ -69,7 +69,7 @@ from dataclasses import replace
 
 import torch
 
-from helpers.cce.class_weights import check_weight, weighted_reduction
+from helpers.cce.class_weights import check_weight, weighted_reduction, z_loss_term
 from helpers.cce.forward_grads import ForwardGradsFunction, plan_schedule
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import CCEPlan, check_bias_gradient, plan_call
@@ -193,8 +193,10 @@ def linear_cross_entropy(
     temperature: tau > 0; the logits are softcap(E C^T + bias) / tau before everything else (the
         lse, the z-loss, label smoothing, the returned lse); "sparse" runs "gemm" when tau != 1.
     weight: (V,) class weights, torch's ``weight=``: row i's loss is scaled by weight[x_i] and "mean"
-        divides by the kept targets' weights (``helpers.cce.class_weights``; not with label
-        smoothing or the z-loss). Per-token log-probabilities, entropies and accuracy:
+        divides by the kept targets' weights; with label smoothing the smoothing term is weighted per
+        class, as torch does; a z-loss stays unweighted and a mean divides it by the kept count, as
+        Liger does (``helpers.cce.class_weights``; weight with label smoothing not under
+        torch.compile). Per-token log-probabilities, entropies and accuracy:
         ``helpers.cce.outputs.linear_cross_entropy_outputs``.
     memory_budget: "min" (the default: the recompute design above, within ~1.1-1.2 LB at LLM heads;
         up to ``HostTuning.g_buffer_max_bytes`` more on a small head whose G chunks in place would all
@@ -228,7 +230,12 @@ def linear_cross_entropy(
     memory_budget = check_memory_budget(memory_budget)
     quiet = no_host_sync(E)  # traced by torch.compile or captured by a CUDA graph: no host reads
     if weight is not None:
-        check_weight(weight, C, label_smoothing=label_smoothing, z_loss=z_loss, read_values=not quiet)
+        check_weight(weight, C, read_values=not quiet)
+    # Class weights (``helpers.cce.class_weights``): the kernels give unweighted rows, or weighted ones
+    # with label smoothing (they sum the weighted logits), and no z-loss, which is added from the lse.
+    smoothing_weight = weight is not None and label_smoothing > 0
+    kernel_z_loss = 0.0 if weight is not None else z_loss
+    lse_wanted = return_lse or (weight is not None and bool(z_loss))
     if quiet:
         backward_impl = traceable_backward(backward_impl)
         if stats is not None:
@@ -250,17 +257,20 @@ def linear_cross_entropy(
             raise ValueError("configs must be a tier's name or None under torch.compile (a CCEConfigs object cannot "
                              f"pass through the custom op's schema), got {type(configs).__name__}")
         check_bias_gradient(backward_impl, grad and wants_db)
+        if smoothing_weight:
+            raise ValueError("weight with label_smoothing is not supported under torch.compile (the custom op's "
+                             "schema carries no class weights); call it eagerly, or use one or the other")
         loss, lse, _ = linear_cross_entropy_op(
-            E_rows, C, x_rows, bias, ignore_index, "none" if weight is not None else reduction, softcap, z_loss,
+            E_rows, C, x_rows, bias, ignore_index, "none" if weight is not None else reduction, softcap, kernel_z_loss,
             label_smoothing, temperature, schema_filter_eps(filter_eps, E.dtype, C.shape[0], label_smoothing),
             False if isinstance(sort_vocab, str) and sort_vocab == "auto" else sort_vocab, accumulation, full_c,
-            full_e, configs, backward_impl, return_lse)
+            full_e, configs, backward_impl, lse_wanted)
     else:
         plan = plan_call(
             E, C,
             backward_impl=backward_impl,
             configs=configs,
-            return_lse=return_lse,
+            return_lse=lse_wanted,
             need=(grad and E.requires_grad, grad and C.requires_grad, grad and wants_db),
             wants_db=wants_db,
             filter_eps=filter_eps,
@@ -271,13 +281,15 @@ def linear_cross_entropy(
             accumulation=accumulation,
             full_c=full_c,
             full_e=full_e,
-            z_loss=z_loss,
+            z_loss=kernel_z_loss,
             label_smoothing=label_smoothing,
             temperature=temperature,
         )
+        if smoothing_weight:
+            plan = replace(plan, class_weight=weight.to(torch.float32).contiguous())
         schedule = None
         if memory_budget != "min" or stats is not None:  # "min" without stats: no model to run
-            schedule = plan_schedule(E_rows, C, bias, plan, memory_budget, return_lse=return_lse)
+            schedule = plan_schedule(E_rows, C, bias, plan, memory_budget, return_lse=lse_wanted)
             if stats is not None:
                 stats.update(schedule.as_stats())
         if schedule is not None and schedule.tuning():  # recompute under a tight budget (``Schedule.tuning``)
@@ -287,7 +299,9 @@ def linear_cross_entropy(
             return ForwardGradsFunction.apply(E_rows, C, x_rows, bias, plan, schedule, stats)
         loss, lse = LinearCrossEntropyFunction.apply(E_rows, C, x_rows, bias, plan, stats, not quiet)
     if weight is not None:
-        loss = weighted_reduction(loss, x_rows, weight, ignore_index, reduction)
+        loss = weighted_reduction(loss, x_rows, weight, ignore_index, reduction, weighted=smoothing_weight)
+        if z_loss:
+            loss = loss + z_loss_term(lse, x_rows, z_loss, ignore_index, reduction)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, lse.reshape(lead)) if return_lse else loss

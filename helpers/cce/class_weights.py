@@ -1,19 +1,30 @@
 """Class weights with torch's ``F.cross_entropy(weight=...)`` semantics, on top of the per-row loss.
 
-A class weight w (V,) makes row i count w_{x_i}:
+A class weight w (V,) makes row i count t_i = w_{x_i} (0 at ignored rows):
 
-    "none": w_{x_i} loss_i (0 at ignored rows),  "sum": sum_i w_{x_i} loss_i,
-    "mean": sum_i w_{x_i} loss_i / sum_{i kept} w_{x_i}
+    "none": t_i loss_i,  "sum": sum_i t_i loss_i,  "mean": sum_i t_i loss_i / sum_i t_i
 
 (torch's weighted mean divides by the kept targets' weights, not by their count). It needs nothing of
 the logits: the kernels compute the unweighted rows ("none"), and the weighting is N-sized arithmetic
-that autograd differentiates, so each row's upstream gradient reaches the backward scaled by w_{x_i}
+that autograd differentiates, so each row's upstream gradient reaches the backward scaled by t_i
 (``helpers.cce.backward.rows.RowGradient``'s per-row w). Like torch: NaN for a mean over no kept token
 (gradients 0), NaN for a mean whose kept targets all weigh 0.
 
-Not supported with a weight (each raises): label smoothing (torch weights its smoothing term per class,
-sum_c w_c (lse - z_c), a weighted logit sum per row that the kernels do not make) and the z-loss (torch
-has none, so its weighting would be ours to invent).
+With label smoothing eps torch weights the smoothing term by class too, so a row is no longer t_i times
+the unweighted one (V classes, W = sum_c w_c, z the row's logits, lse their log-sum-exp):
+
+    loss_i = (1 - eps) t_i (lse_i - z_{i, x_i}) + (eps / V) sum_c w_c (lse_i - z_{i, c})
+           = (1 - eps) t_i (lse_i - z_{i, x_i}) + (eps / V) (W lse_i - sum_c w_c z_{i, c})
+
+and "mean" still divides by sum_i t_i. The kernels then sum w_c z_{i, c} in the forward (as they sum
+the logits for unweighted smoothing) and form G's smoothing term as c_i w_v / V
+(``helpers/cce/kernels/gradient_tile.py``); ``smoothed_rows`` assembles the row and
+``RowGradient.of_class_weights`` its coefficients. The Gluon kernels do not take class weights: such a
+call runs the Triton ones.
+
+With the z-loss, the z-loss is not weighted (torch defines none; Liger's kernel and its tests add
+zl lse_i^2 per kept row, divided by the kept count for a mean, to the weighted cross-entropy):
+``z_loss_term``, from the lse the kernels return, which backpropagates through it.
 """
 
 from __future__ import annotations
@@ -21,9 +32,9 @@ from __future__ import annotations
 import torch
 
 
-def check_weight(weight, C: torch.Tensor, *, label_smoothing: float, z_loss: float, read_values: bool = True) -> None:
+def check_weight(weight, C: torch.Tensor, *, read_values: bool = True) -> None:
     """Raise a ``TypeError``/``ValueError`` naming ``weight`` unless it is a finite, non-negative
-    floating-point (V,) tensor on C's device and the options allow it. Checking the values reads one
+    floating-point (V,) tensor on C's device. Checking the values reads one
     flag of the weight (a device sync on a GPU); ``read_values=False`` (torch.compile, CUDA graph
     capture) skips that check: a negative or non-finite weight then gives that loss, unreported."""
     V = C.shape[0]
@@ -38,21 +49,47 @@ def check_weight(weight, C: torch.Tensor, *, label_smoothing: float, z_loss: flo
         raise ValueError(f"weight must be on C's device ({C.device}), got {weight.device}")
     if read_values and bool(((weight < 0) | ~torch.isfinite(weight)).any()):
         raise ValueError("weight must hold finite weights >= 0")
-    if label_smoothing:
-        raise ValueError("weight with label_smoothing is not supported (torch weights the smoothing term per "
-                         "class, which the kernels do not compute); use one or the other")
-    if z_loss:
-        raise ValueError("weight with z_loss is not supported (torch defines no weighted z-loss); "
-                         "use one or the other")
+
+
+def target_weights(x: torch.Tensor, weight: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """t_i = weight[x_i] at kept rows, 0 at ignored ones, (N,) fp32."""
+    kept = x != ignore_index
+    return torch.where(kept, weight.to(torch.float32)[torch.where(kept, x, 0)], 0.0)
+
+
+def smoothed_rows(plain: torch.Tensor, lse: torch.Tensor, weighted_sum: torch.Tensor, x: torch.Tensor,
+                  weight: torch.Tensor, label_smoothing: float, ignore_index: int) -> torch.Tensor:
+    """Each row's loss under class weights with label smoothing (module doc), already weighted, (N,)
+    fp32 and 0 at ignored rows: from the kernels' ``plain`` rows lse_i - z_{i, x_i}, the lse and
+    ``weighted_sum`` = sum_c w_c z_{i, c}."""
+    eps, V = label_smoothing, weight.shape[0]
+    t = target_weights(x, weight, ignore_index)
+    total = weight.to(torch.float32).sum()
+    rows = (1.0 - eps) * t * plain + (eps / V) * (total * lse - weighted_sum)
+    return torch.where(x != ignore_index, rows, 0.0)
+
+
+def z_loss_term(lse: torch.Tensor, x: torch.Tensor, z_loss: float, ignore_index: int,
+                reduction: str) -> torch.Tensor:
+    """zl lse_i^2 at kept rows, unweighted, reduced by the kept count for a mean (module doc);
+    differentiable through ``lse``."""
+    kept = x != ignore_index
+    rows = torch.where(kept, z_loss * lse * lse, 0.0)
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / kept.sum().clamp(min=1)  # no kept row: the weighted mean is NaN already
 
 
 def weighted_reduction(loss_rows: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, ignore_index: int,
-                       reduction: str) -> torch.Tensor:
+                       reduction: str, *, weighted: bool = False) -> torch.Tensor:
     """The per-row losses (N,) (0 at ignored rows) weighted by their targets' class weights and
-    reduced as torch does (module doc), differentiable through ``loss_rows``."""
+    reduced as torch does (module doc), differentiable through ``loss_rows``; ``weighted``: the rows
+    already carry their weights (``smoothed_rows``), only the reduction is left."""
     kept = x != ignore_index
-    w_rows = torch.where(kept, weight.to(torch.float32)[torch.where(kept, x, 0)], 0.0)
-    weighted = loss_rows * w_rows
+    w_rows = target_weights(x, weight, ignore_index)
+    weighted = loss_rows if weighted else loss_rows * w_rows
     if reduction == "none":
         return weighted
     if reduction == "sum":

@@ -28,6 +28,7 @@ import torch
 import triton
 
 from helpers.cce.activity import Activity, coef_bound
+from helpers.cce.class_weights import smoothed_rows
 from helpers.cce.descriptors import operand_descriptors, tma_ready
 from helpers.cce.device import device_info
 from helpers.cce.shared import vocabulary_order
@@ -51,6 +52,7 @@ def cce_forward(
     return_lse: bool = False,
     counts: torch.Tensor | None = None,
     counted: Callable[[], None] | None = None,
+    class_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Activity]:
     """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32), from Algorithms 1 and 2; with
     ``emit_activity``, a third element: the ``Activity`` the "sparse" backward needs (the options
@@ -66,6 +68,8 @@ def cce_forward(
     the first launch (``indexed_dot_kernel``); ``counted`` is called once that launch is queued, so
     a caller may queue their copy to the host there and wait for that launch alone
     (``helpers.cce.ops.loss_forward``).
+    ``class_weight``: (V,) fp32 class weights with label smoothing (``helpers.cce.class_weights``): the
+    rows come weighted (``smoothed_rows``), the smoothing term summed with the weights; no z-loss.
     """
     # E (N, D), C (V, D), x (N,)
     V = C.shape[0]
@@ -81,8 +85,13 @@ def cce_forward(
 
     # Algorithm 2: lse over vocabulary splits, (SPLITS, N), then merged.
     smoothing = o.label_smoothing > 0
+    weighted = class_weight is not None
+    if weighted and (emit_activity or not smoothing or o.z_loss):
+        raise ValueError("class_weight is for label smoothing without a z-loss or activity bits "
+                         "(helpers.cce.class_weights)")
     if not emit_activity:
-        lse_split, logit_sum_split, _ = _lse_splits(E, C, bias, o, fwd, v_splits, softcap, host=configs.host)
+        lse_split, logit_sum_split, _ = _lse_splits(E, C, bias, o, fwd, v_splits, softcap, host=configs.host,
+                                                    class_weight=class_weight)
         activity = None
     else:
         lse_split, logit_sum_split, activity = _lse_with_activity(
@@ -90,19 +99,23 @@ def cce_forward(
     # The splits merged and each row's loss, in one launch (``row_loss_kernel``).
     N = x.shape[0]
     lse, loss = (torch.empty(N, dtype=torch.float32, device=E.device) for _ in range(2))
+    # Class weights: the kernel's rows are lse - z_x, weighted with the smoothing term after it.
     row_loss_kernel[(triton.cdiv(N, ROW_BLOCK),)](
         lse_split, logit_sum_split, target_logit, x, lse, loss,
         N, lse_split.shape[0], lse_split.stride(0), x.stride(0), o.ignore_index,
-        1.0 - o.label_smoothing, o.label_smoothing / V, float(o.z_loss),
-        SMOOTHING=smoothing, Z_LOSS=bool(o.z_loss), BLOCK=ROW_BLOCK)
+        1.0 if weighted else 1.0 - o.label_smoothing, o.label_smoothing / V, float(o.z_loss),
+        SMOOTHING=smoothing and not weighted, Z_LOSS=bool(o.z_loss), BLOCK=ROW_BLOCK)
+    if weighted:
+        loss = smoothed_rows(loss, lse, logit_sum_split.sum(0), x, class_weight, o.label_smoothing, o.ignore_index)
     return (loss, lse) if activity is None else (loss, lse, activity)
 
 
-def _lse_splits(E, C, bias, o: CCEOptions, fwd, v_splits, softcap, x=None, host=None):
+def _lse_splits(E, C, bias, o: CCEOptions, fwd, v_splits, softcap, x=None, host=None, class_weight=None):
     """Algorithm 2 without bits: (lse_split, logit_sum_split, row_stats), each split's rows (SPLITS, N);
     with targets ``x``, row_stats = (entropy_split, max_split, target_split) (``lse_forward_kernel``'s
     ROW_STATS), else None. With a tier's ``host`` (``HostTuning.lse_pingpong_max_d``) and the splits
-    left to the launcher, the plain lse runs the Gluon kernel where it applies (``lse_pingpong_reason``)."""
+    left to the launcher, the plain lse runs the Gluon kernel where it applies (``lse_pingpong_reason``).
+    ``class_weight``: the logit sums are weighted by it (``cce_forward``)."""
     N, D = E.shape
     V = C.shape[0]
     if host is not None and v_splits is None and x is None and lse_pingpong_reason(E, C, bias, o, host) is None:
@@ -127,6 +140,7 @@ def _lse_splits(E, C, bias, o: CCEOptions, fwd, v_splits, softcap, x=None, host=
         E.stride(0), E.stride(1), C.stride(0), C.stride(1),
         softcap, 0.0, 1.0 / o.temperature,
         ROW_STATS=x is not None,
+        class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,
         **launch,
     )
     return lse_split, logit_sum_split, stats

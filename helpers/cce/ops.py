@@ -82,7 +82,8 @@ def loss_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):
         loss_rows, lse, activity = cce_forward(E, C, x, options, plan.configs, bias=bias, emit_activity=True,
                                                return_lse=plan.return_lse, counts=counts, counted=counted)
     else:
-        loss_rows, lse = cce_forward(E, C, x, options, plan.configs, bias=bias, counts=counts, counted=counted)
+        loss_rows, lse = cce_forward(E, C, x, options, plan.configs, bias=bias, counts=counts, counted=counted,
+                                     class_weight=plan.class_weight)
     if check_targets:  # the forward's kernels read C's row 0 for a target out of range
         raise_for_targets(x, V, options.ignore_index, reads[0]())
     n_kept = counts[0]

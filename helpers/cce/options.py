@@ -271,6 +271,9 @@ class CCEPlan:
     fallback: CCEOptions | None = None
     # backward_impl="auto" only: what it chose and why, and the problem whose record the backward updates.
     auto: AutoChoice | None = None
+    # Class weights with label smoothing (``helpers.cce.class_weights``): (V,) fp32, summed with the logits
+    # in the forward and carried by G's smoothing term; the rows come weighted. None otherwise.
+    class_weight: torch.Tensor | None = None
 
     @property
     def emit_activity(self) -> bool:

@@ -345,7 +345,10 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
     if weight is not None:
         # check_weight reads V and the device from its C: the whole vocabulary's, as no rank holds it.
-        check_weight(weight, C_local.new_empty(vocab_size, 0), label_smoothing=label_smoothing, z_loss=z_loss)
+        check_weight(weight, C_local.new_empty(vocab_size, 0))
+        if label_smoothing or z_loss:
+            raise ValueError("weight with label_smoothing or z_loss is not supported by the vocabulary-parallel loss "
+                             "(each rank would need the weighted logit sums of every shard); use one or the other")
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
     plan = plan_call(

@@ -26,13 +26,14 @@ import pytest
 
 KERNEL_FLAGS = {
     # (kernel, variant) -> the constexpr flags compiled: every flag on, and every flag off.
-    ("lse_forward", "all"): dict(HAS_SOFTCAP=True, SUM_LOGITS=True, EMIT_BITS=False, SORTED=False, SUB=1),
+    ("lse_forward", "all"): dict(HAS_SOFTCAP=True, SUM_LOGITS=True, EMIT_BITS=False, SORTED=False, SUB=1,
+                                 CLASS_WEIGHTS=True),
     ("lse_forward", "none"): dict(HAS_SOFTCAP=False, SUM_LOGITS=False, EMIT_BITS=False, SORTED=False, SUB=1),
     # The forward of backward_impl="sparse": activity bits, sorted walk (SUB from the tier's tiles).
     ("lse_forward", "bits"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SUM_LOGITS=False, EMIT_BITS=True,
                                   SORTED=True),
     ("backward", "all"): dict(HAS_SOFTCAP=True, FILTER=True, FULL_E=True, FULL_C=True, SORTED=True,
-                              DC_LOCAL=True, COUNT_SKIPS=True),
+                              DC_LOCAL=True, COUNT_SKIPS=True, CLASS_WEIGHTS=True),
     ("backward", "none"): dict(HAS_SOFTCAP=False, FILTER=False, FULL_E=False, FULL_C=False,
                                SORTED=False, DC_LOCAL=False, COUNT_SKIPS=False),
     ("indexed_dot", "all"): dict(HAS_SOFTCAP=True),
@@ -43,7 +44,7 @@ KERNEL_FLAGS = {
                                       SORTED=True, E_DESC=True),
     ("backward_gemm", "tma"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, FILTER=True, SPLIT_G=False, SORTED=False,
                                    E_DESC=True, G_DESC=True),
-    ("backward_gemm", "all"): dict(HAS_SOFTCAP=True, FILTER=True, SPLIT_G=True, SORTED=True),
+    ("backward_gemm", "all"): dict(HAS_SOFTCAP=True, FILTER=True, SPLIT_G=True, SORTED=True, CLASS_WEIGHTS=True),
     ("backward_gemm", "none"): dict(HAS_SOFTCAP=False, FILTER=False, SPLIT_G=False, SORTED=False),
     # backward_impl="sparse" (helpers/cce/kernels/pair_gradients.py).
     ("sparse_dE_pack", "all"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SORTED=True, STATS=True),

@@ -207,6 +207,10 @@ LOSS_CASES = {
     "weight_none_temperature": dict(weight=True, reduction="none", temperature=0.6),
     "temperature_z_loss": dict(temperature=1.7, z_loss=0.05, reduction="none"),
     "temperature_label_smoothing": dict(temperature=0.8, label_smoothing=0.1),
+    # torch weights the smoothing term per class; the z-loss stays unweighted (``helpers.cce.class_weights``).
+    "weight_smoothing_softcap_z_loss": dict(weight=True, label_smoothing=0.1, softcap=2.5, z_loss=0.05),
+    "weight_smoothing_none_temperature": dict(weight=True, reduction="none", label_smoothing=0.3, temperature=0.7),
+    "weight_z_loss_sum": dict(weight=True, reduction="sum", z_loss=0.05),
 }
 
 
@@ -268,11 +272,47 @@ def test_weighted_loss_atomic_and_the_gate_fails_without_the_weights():
     assert min(errors((E1.grad, C1.grad), ugrads[:2])) > 100 * TOL[torch.float32]
 
 
-def test_weighted_mean_over_no_kept_token_is_nan_with_zero_gradients_as_torch():
+@pytest.mark.parametrize("impl", ["gemm", "atomic"])
+def test_weighted_smoothing_weights_each_class_and_the_gate_fails_without(impl):
+    """Class weights with label smoothing: torch weights the smoothing term by class, sum_c w_c (lse - z_c),
+    so a row is not w_{x_i} times the unweighted smoothed row. Ours matches torch (both backwards: G's
+    smoothing term carries w_v); the row-scaled loss it replaced misses the same tolerance."""
+    E, C, bias, x = make_inputs(torch.float32, scale=2.0)
+    w = class_weight()
+    go = torch.tensor(1.0, device=DEVICE)
+    opts = dict(weight=w, label_smoothing=0.4, softcap=2.5, z_loss=0.01)
+    E1, C1 = leaves(E, C)
+    loss = linear_cross_entropy(E1, C1, x, bias=bias, backward_impl=impl, **opts)
+    loss.backward()
+    rloss, rgrads = run_loss_reference(E, C, bias, x, go, **opts)
+    torch.testing.assert_close(loss.detach().double(), rloss, rtol=2e-5, atol=2e-5)
+    assert max(errors((E1.grad, C1.grad), rgrads[:2])) < TOL[torch.float32]
+    # The row-scaled form: w_{x_i} times the unweighted row, reduced by the kept weights.
+    E2, C2 = leaves(E, C, dtype=torch.float64)
+    rows = reference_loss(E2, C2, x, bias=bias.double(), reduction="none", label_smoothing=0.4, softcap=2.5)
+    kept = x != -100
+    t = torch.where(kept, w.double()[torch.where(kept, x, 0)], 0.0)
+    scaled = (rows * t).sum() / t.sum()
+    scaled.backward()
+    assert abs(float(scaled.detach()) - float(rloss)) > 100 * 2e-5 * abs(float(rloss))
+    assert min(errors((E1.grad, C1.grad), (E2.grad, C2.grad))) > 100 * TOL[torch.float32]
+
+
+def test_weighted_smoothing_is_refused_under_compile_by_name(monkeypatch):
+    """The custom op's schema carries no class weights: a traced call says so instead of dropping them."""
+    E, C, _, x = make_inputs(torch.float32)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(ValueError, match="weight with label_smoothing is not supported under torch.compile"):
+        linear_cross_entropy(E, C, x, weight=class_weight(), label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, z_loss=0.01)], ids=["weight", "smoothing_z_loss"])
+def test_weighted_mean_over_no_kept_token_is_nan_with_zero_gradients_as_torch(options):
     E, C, bias, x = make_inputs(torch.float32)
     x = torch.full_like(x, -100)
-    loss, grads = run_loss(E, C, bias, x, torch.tensor(1.0, device=DEVICE), weight=class_weight())
-    rloss, rgrads = run_loss_reference(E, C, bias, x, torch.tensor(1.0, device=DEVICE), weight=class_weight())
+    opts = dict(weight=class_weight(), **options)
+    loss, grads = run_loss(E, C, bias, x, torch.tensor(1.0, device=DEVICE), **opts)
+    rloss, rgrads = run_loss_reference(E, C, bias, x, torch.tensor(1.0, device=DEVICE), **opts)
     assert math.isnan(float(loss)) and math.isnan(float(rloss))
     assert all((g == 0).all() for g in grads) and all((g == 0).all() for g in rgrads)
 
@@ -292,8 +332,6 @@ def test_bad_temperature_is_named(temperature):
     ([1.0] * V, {}, TypeError, "weight must be None or a torch.Tensor"),
     (-torch.ones(V), {}, ValueError, "weight must hold finite weights >= 0"),
     (torch.full((V,), float("nan")), {}, ValueError, "weight must hold finite weights >= 0"),
-    (torch.ones(V), dict(label_smoothing=0.1), ValueError, "weight with label_smoothing is not supported"),
-    (torch.ones(V), dict(z_loss=1e-4), ValueError, "weight with z_loss is not supported"),
 ])
 def test_bad_weight_is_named(weight, options, error, match):
     E, C, _, x = make_inputs(torch.float32)

@@ -301,6 +301,9 @@ def check_errors(rank, world):
     expect_error("outside [0, V=67)", lambda: call(targets=bad))
     expect_error("dE_reduction must be one of", lambda: call(dE_reduction="reduce_scatter"))
     expect_error('backward_impl="sparse" is not supported', lambda: call(backward_impl="sparse"))
+    weight = torch.ones(V)
+    expect_error("weight with label_smoothing or z_loss is not supported by the vocabulary-parallel loss",
+                 lambda: call(weight=weight, label_smoothing=0.1))
     # After all of these, a good call still works (no rank left behind in a collective).
     assert torch.isfinite(call())
 

@@ -84,7 +84,11 @@ def run_backward(E, C, x, lse, grad_rows, plan: CCEPlan, n_chunk: int | None = N
     and what "auto"'s record learns from it (``helpers.cce.auto``). ``stats["backward"]``: the
     backward that ran; ``stats["auto"]``: why "auto" chose as it did."""
     o, configs, need = plan.options, plan.configs, plan.need
-    up = RowGradient.of(grad_rows, grad_lse, x != o.ignore_index, lse, o)
+    cw = plan.class_weight
+    if cw is None:
+        up = RowGradient.of(grad_rows, grad_lse, x != o.ignore_index, lse, o)
+    else:
+        up = RowGradient.of_class_weights(grad_rows, grad_lse, x != o.ignore_index, x, cw, o.label_smoothing)
     if stats is not None and plan.auto is not None:
         stats["auto"] = plan.auto.why
     if plan.backward_impl == "sparse":
@@ -101,7 +105,7 @@ def run_backward(E, C, x, lse, grad_rows, plan: CCEPlan, n_chunk: int | None = N
         # "gemm" as backward_impl="gemm" runs it (``CCEPlan.fallback``): its own eps, and unsorted (the
         # sort serves the filter, which in "gemm" saves no time; sorted, it would gather C's rows).
         grads = backward_gemm(E, C, x, lse, up, None, plan.fallback, configs.backward_gemm_for(E.dtype), n_chunk,
-                              v_chunk, stats, bias, need, host=configs.host)
+                              v_chunk, stats, bias, need, host=configs.host, class_weight=cw)
         if stats is not None:
             stats.update(backward="gemm", fallback=reason, density=sparse["density"] if sparse else None)
         return grads
@@ -110,7 +114,7 @@ def run_backward(E, C, x, lse, grad_rows, plan: CCEPlan, n_chunk: int | None = N
     order = vocabulary_order(E, C) if o.sort_vocab else None
     if plan.backward_impl == "gemm":
         return backward_gemm(E, C, x, lse, up, order, o, configs.backward_gemm_for(E.dtype), n_chunk, v_chunk,
-                             stats, bias, need, host=configs.host)
+                             stats, bias, need, host=configs.host, class_weight=cw)
     dE, dC = backward_atomic(E, C, x, lse, up, order, o, configs.for_dtype(E.dtype)[1], n_chunk, v_chunk, stats,
-                             bias, need[:2])
+                             bias, need[:2], class_weight=cw)
     return dE, dC, None

@@ -35,10 +35,10 @@ def atomic_chunks(N: int, V: int, D: int, dtype: torch.dtype) -> tuple[int, int]
 
 def backward_atomic(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg: LaunchConfig,
                     n_chunk: int | None, v_chunk: int | None, stats: dict | None, bias=None,
-                    need: tuple[bool, bool] = (True, True)):
+                    need: tuple[bool, bool] = (True, True), *, class_weight=None):
     """(dE, dC) in E's dtype, each None where ``need`` (dE, dC) says it is not wanted (its atomics
     are then compiled out); see ``helpers.cce.backward.cce_backward`` for the arguments. A bias
-    enters the logits; its gradient is the "gemm" backward's."""
+    enters the logits; its gradient is the "gemm" backward's. ``class_weight``: as ``backward_gemm``'s."""
     need_dE, need_dC = need
     N, D = E.shape
     V = C.shape[0]
@@ -46,7 +46,7 @@ def backward_atomic(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, c
     skip_count = torch.zeros(1, dtype=torch.int32, device=device)
     counters = {"tiles": 0, "launches": 0}
     launch = dict(C=C, bias=bias, up=up, vocab_order=vocab_order, o=o, cfg=cfg, skip_count=skip_count,
-                  counters=counters, count_skips=stats is not None, need=need)
+                  counters=counters, count_skips=stats is not None, need=need, class_weight=class_weight)
     dE = dC = None
     unused = torch.empty(1, 1, dtype=torch.float32, device=device)  # the pointer of a gradient not wanted
 
@@ -92,7 +92,7 @@ def backward_atomic(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, c
 
 
 def _launch(E, x, lse, rows, dE_acc, dC_acc, v_begin, v_count, *, dc_local, C, bias, up, vocab_order, o, cfg,
-            skip_count, counters, count_skips, need):
+            skip_count, counters, count_skips, need, class_weight):
     """One launch over E[rows] x vocabulary positions [v_begin, v_begin + v_count)."""
     E_rows, x_rows = E[rows], x[rows]
     coef = up.coef[:, rows]
@@ -120,5 +120,6 @@ def _launch(E, x, lse, rows, dE_acc, dC_acc, v_begin, v_count, *, dc_local, C, b
         DOT_PRECISION=dot_precision(E.dtype),
         inv_temperature=1.0 / o.temperature,
         ENTROPY=up.coef.shape[0] > 3,
+        class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,
         **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
     )

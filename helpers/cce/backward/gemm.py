@@ -233,7 +233,8 @@ def fp32_product(out, a, b, *, alpha: float, accumulate: bool, mode: str):
 
 def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg: LaunchConfig,
                   n_chunk: int | None, v_chunk: int | None, stats: dict | None, bias=None,
-                  need: tuple[bool, bool, bool] = (True, True, False), *, host: HostTuning, g_chunk=None):
+                  need: tuple[bool, bool, bool] = (True, True, False), *, host: HostTuning, g_chunk=None,
+                  class_weight=None):
     """(dE, dC, db), each None where ``need`` (dE, dC, db) says it is not wanted: per (row chunk,
     vocabulary chunk), G_c from ``gradient_chunk_kernel``, then dC[v0:v1] = w_scale G_c^T (w_rel E),
     db[v0:v1] = w_scale G_c^T w_rel and dE_acc += G_c C[v0:v1] in cuBLAS; the other arguments are
@@ -251,7 +252,8 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     ``g_chunk``: a caller's own G, for a loss that is not this one's (``helpers.cce.distill``'s
     divergences): ``g_chunk(G, n0, n1, v0, v1)`` writes G_c of rows [n0, n1) and columns [v0, v1) into
     G (rows, v1 - v0), unscaled by the rows' w as ours is, and returns the tiles it computed; x and
-    lse are then not read, and the options must have no filter.
+    lse are then not read, and the options must have no filter. ``class_weight``: (V,) fp32, the class
+    weights G's smoothing term carries (``helpers.cce.class_weights``; the Triton G kernel only).
     """
     need_dE, need_dC, need_db = need
     N, D = E.shape
@@ -277,9 +279,9 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # Hopper, 16-bit, no soft cap or bias: the warp-specialized G kernel, for the chunks whose
     # operands the copy engine can read (its 64-row tiles: twice the filter's tile records).
     pingpong = None
-    # The Gluon kernel forms the plain G only: no temperature, no entropy term (``gradient_tile``).
+    # The Gluon kernel forms the plain G only: no temperature, entropy term or class weights (``gradient_tile``).
     if (host.g_pingpong and g_chunk is None and device.type == "cuda" and o.temperature == 1.0
-            and up.coef.shape[0] == 3):
+            and up.coef.shape[0] == 3 and class_weight is None):
         from helpers.cce.kernels import gradient_chunk_pingpong as pingpong
 
         if pingpong.pingpong_reason(device, dtype, device_info(device).capability, sorted_vocab=vocab_order is not None,
@@ -385,6 +387,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                     DOT_PRECISION=dot_precision(dtype),
                     E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=cfg.persistent > 0,
                     inv_temperature=1.0 / o.temperature, ENTROPY=up.coef.shape[0] > 3,
+                    class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,
                     **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
                 )
             counters["tiles"] += tiles

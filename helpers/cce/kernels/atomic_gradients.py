@@ -121,6 +121,8 @@ def backward_atomic_kernel(
     DOT_PRECISION: tl.constexpr,
     inv_temperature=1.0,  # 1 / temperature (``gradient_tile``)
     ENTROPY: tl.constexpr = False,  # coef has a fourth row: the entropy's term (``gradient_tile``)
+    class_weight_ptr=None,  # (V,) fp32: the smoothing term's class weights (CLASS_WEIGHTS, ``gradient_tile``)
+    CLASS_WEIGHTS: tl.constexpr = False,
 ):
     # 1. [Grouped order, Triton tutorial 03] GROUP_N row blocks in a row take turns over the
     # vocabulary blocks, so a C strip is reused from L2 by GROUP_N programs.
@@ -144,7 +146,8 @@ def backward_atomic_kernel(
     G = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
                       V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
                       BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
-                      inv_temperature=inv_temperature, ENTROPY=ENTROPY)
+                      inv_temperature=inv_temperature, ENTROPY=ENTROPY, class_weight_ptr=class_weight_ptr,
+                      CLASS_WEIGHTS=CLASS_WEIGHTS)
 
     g_rel = tl.load(g_rel_ptr + rows, mask=row_mask, other=0.0)
     g_scale = tl.load(g_scale_ptr)

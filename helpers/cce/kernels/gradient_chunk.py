@@ -89,6 +89,8 @@ def gradient_chunk_kernel(
     PERSISTENT: tl.constexpr = False,  # each program walks tiles pid, pid + programs, ... (one flattened loop)
     inv_temperature=1.0,  # 1 / temperature (``gradient_tile``)
     ENTROPY: tl.constexpr = False,  # coef has a fourth row: the entropy's term (``gradient_tile``)
+    class_weight_ptr=None,  # (V,) fp32: the smoothing term's class weights (CLASS_WEIGHTS, ``gradient_tile``)
+    CLASS_WEIGHTS: tl.constexpr = False,
 ):
     if PERSISTENT:
         # [Persistent walk] one loop over this program's tiles, flattened with the logit loop inside,
@@ -101,14 +103,14 @@ def gradient_chunk_kernel(
                 tile_kept_ptr, N, V, D, v_begin, v_count, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
                 stride_Gn, stride_Gv, stride_coef, softcap, eps, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N,
                 HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE,
-                inv_temperature, ENTROPY)
+                inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS)
     else:
         _gradient_chunk_tile(
             tl.program_id(0), E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, G_ptr,
             G_exact_ptr, tile_kept_ptr, N, V, D, v_begin, v_count, stride_En, stride_Ed, stride_Cv, stride_Cd,
             stride_x, stride_Gn, stride_Gv, stride_coef, softcap, eps, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N,
             HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE,
-            inv_temperature, ENTROPY)
+            inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS)
 
 
 @triton.jit
@@ -119,7 +121,8 @@ def _gradient_chunk_tile(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, FILTER: tl.constexpr, SPLIT_G: tl.constexpr,
     SORTED: tl.constexpr, DOT_PRECISION: tl.constexpr, E_DESC: tl.constexpr, G_DESC: tl.constexpr,
-    G_SUBTILE: tl.constexpr, inv_temperature, ENTROPY: tl.constexpr,
+    G_SUBTILE: tl.constexpr, inv_temperature, ENTROPY: tl.constexpr, class_weight_ptr,
+    CLASS_WEIGHTS: tl.constexpr,
 ):
     """Tile ``tile`` of the chunk (``gradient_chunk_kernel``'s arguments)."""
     # 1. [Grouped order] the tile's place in the chunk; C strips are shared through L2.
@@ -141,7 +144,7 @@ def _gradient_chunk_tile(
                       V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
                       BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
                       E_DESC, E_DESC and not SORTED, pid_n * BLOCK_N, v_begin + pid_v * BLOCK_V,
-                      inv_temperature, ENTROPY)
+                      inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS)
 
     if G_DESC:
         dtype = G_ptr.dtype

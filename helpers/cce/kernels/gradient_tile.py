@@ -5,7 +5,8 @@
     G_{i, v} = a_i S_{i, v} - b_i [v = x_i] - c_i / V,    S = exp(z - lse),
 
 times 1 / temperature and 1 - (z / softcap)^2 under the soft cap (z = cap(E C^T + b) / temperature).
-With ENTROPY (per-token outputs with an entropy gradient, ``helpers.cce.outputs``) a fourth row
+With CLASS_WEIGHTS (torch's class weights with label smoothing, ``helpers.cce.class_weights``) the
+smoothing term is c_i w_v / V, w the class weights (V,). With ENTROPY (per-token outputs with an entropy gradient, ``helpers.cce.outputs``) a fourth row
 coefficient d adds d_i S_{i, v} (z_{i, v} - lse_i): the entropy's gradient -S (z - lse + H) is not of
 the form above (``helpers.cce.backward.rows.RowGradient.of_outputs``). The row coefficients come from the host
 (``helpers.cce.backward.rows.RowGradient``): for the loss alone a = 1 + 2 zl lse, b = 1 - ls, c = ls,
@@ -58,6 +59,8 @@ def gradient_tile(
     row0=0, col0=0,
     inv_temperature=1.0,
     ENTROPY: tl.constexpr = False,
+    class_weight_ptr=None,
+    CLASS_WEIGHTS: tl.constexpr = False,
 ):
     """G = dloss_i / dz_{i, v} / w_i for the tile, (BLOCK_N, BLOCK_V) fp32; 0 at ignored rows and
     padding. Shared by every backward kernel (this file's callers and ``pair_gradients.py``'s,
@@ -66,7 +69,8 @@ def gradient_tile(
                                      row_mask, col_mask, V, D,
                                      stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
                                      softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
-                                     E_DESC, C_DESC, row0, col0, inv_temperature, ENTROPY)
+                                     E_DESC, C_DESC, row0, col0, inv_temperature, ENTROPY, class_weight_ptr,
+                                     CLASS_WEIGHTS)
     return G
 
 
@@ -89,6 +93,8 @@ def gradient_and_softmax_tile(
     row0=0, col0=0,  # with E_DESC: the tile's first row of E and (C_DESC) of C
     inv_temperature=1.0,  # 1 / temperature: the logits are cap(E C^T + b) / temperature
     ENTROPY: tl.constexpr = False,  # coef has a fourth row d: G += d S (z - lse) (module doc)
+    class_weight_ptr=None,  # (V,) fp32 class weights w (CLASS_WEIGHTS only)
+    CLASS_WEIGHTS: tl.constexpr = False,  # the smoothing term is c_i w_v / V (module doc)
 ):
     """(G, S): ``gradient_tile``'s G and the softmax S = exp(z - lse) it was formed from, both
     (BLOCK_N, BLOCK_V) fp32 and 0 in padding columns (the "sparse" backward reports the softmax
@@ -122,7 +128,11 @@ def gradient_and_softmax_tile(
     log_S = z - lse[:, None]
     S = tl.exp(log_S)
     is_target = x[:, None] == cols.to(tl.int32)[None, :]
-    G = a[:, None] * S - tl.where(is_target, b[:, None], 0.0) - c[:, None] / V
+    if CLASS_WEIGHTS:
+        w = tl.load(class_weight_ptr + cols, mask=col_mask, other=0.0)
+        G = a[:, None] * S - tl.where(is_target, b[:, None], 0.0) - c[:, None] * (w[None, :] / V)
+    else:
+        G = a[:, None] * S - tl.where(is_target, b[:, None], 0.0) - c[:, None] / V
     if ENTROPY:
         # The entropy's term: -e S (z - lse + H) = d S log S + (-e H) S, the second part already in a.
         d = tl.load(coef_ptr + 3 * stride_coef + rows, mask=row_mask, other=0.0)

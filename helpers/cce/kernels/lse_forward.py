@@ -10,7 +10,8 @@ Global memory written: one lse per (row, split), SPLITS * N * 4 bytes, instead o
 logits. The splits exist only to give the GPU enough programs when N is small (N / BLOCK_N
 programs would leave most SMs idle); the host merges them with a logsumexp over SPLITS.
 With a bias, z = E C^T + b; with a soft cap and a temperature tau, z = cap(E C^T + b) / tau. With label smoothing the kernel also sums the logits of each row (the smoothing term needs
-sum_v z_{i, v}). Reference: ``torch.logsumexp(reference_logits(E, C, softcap), dim=1)``.
+sum_v z_{i, v}; with class weights w, sum_v w_v z_{i, v}: ``helpers.cce.class_weights``). Reference:
+``torch.logsumexp(reference_logits(E, C, softcap), dim=1)``.
 
 Row statistics (ROW_STATS, for ``helpers.cce.outputs``): the entropy of the split's softmax from one
 more running sum t = sum_v exp(z_v - m) (z_v - m), rescaled with s (H = log s - t / s), the split's
@@ -52,7 +53,7 @@ def lse_forward_kernel(
     E_ptr, C_ptr,  # E (N, D), C (V, D)
     bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     lse_split_ptr,  # (SPLITS, N) fp32: the lse of each row over one vocabulary split
-    logit_sum_split_ptr,  # (SPLITS, N) fp32: sum_v z_{i, v} over the split (SUM_LOGITS only)
+    logit_sum_split_ptr,  # (SPLITS, N) fp32: sum_v z_{i, v} (w_v z_{i, v}: CLASS_WEIGHTS) over the split (SUM_LOGITS only)
     bits_ptr,  # (ceil(T / 8), N) uint8: activity bits of sub-tiles of BLOCK_V / SUB (EMIT_BITS only)
     seed_add_ptr, seed_max_ptr,  # (N,) fp32 lower bounds of each row's lse, -inf for none (EMIT_BITS)
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
@@ -82,6 +83,8 @@ def lse_forward_kernel(
     E_DESC: tl.constexpr = False,  # E_ptr is a tensor descriptor (and C_ptr too, unless SORTED)
     SPLIT_MAJOR: tl.constexpr = False,  # grid (SPLITS, N / BLOCK_N) instead of (N / BLOCK_N, SPLITS)
     ROW_STATS: tl.constexpr = False,  # also the entropy, the max and the target's logit (unsorted only)
+    class_weight_ptr=None,  # (V,) fp32 class weights w: SUM_LOGITS sums w_v z_{i, v} (CLASS_WEIGHTS only)
+    CLASS_WEIGHTS: tl.constexpr = False,
 ):
     if SPLIT_MAJOR:  # the splits of one row block are consecutive programs: they share E's strip in L2
         split = tl.program_id(0)
@@ -135,7 +138,12 @@ def lse_forward_kernel(
         if v0 + BLOCK_V > V:
             z = tl.where((v0 + tl.arange(0, BLOCK_V) < V)[None, :], z, float("-inf"))
         if SUM_LOGITS:
-            logit_sum += tl.sum(tl.where(z > float("-inf"), z, 0.0), axis=1)
+            if CLASS_WEIGHTS:  # torch's weighted smoothing term: w follows C's rows (and the sort)
+                w_cols = c_rows if SORTED else (v0 + tl.arange(0, BLOCK_V)).to(tl.int64)
+                w = tl.load(class_weight_ptr + w_cols, mask=(v0 + tl.arange(0, BLOCK_V)) < V, other=0.0)
+                logit_sum += tl.sum(tl.where(z > float("-inf"), z, 0.0) * w[None, :], axis=1)
+            else:
+                logit_sum += tl.sum(tl.where(z > float("-inf"), z, 0.0), axis=1)
         # 2. [Online softmax] Every tile holds at least one real column (v0 < V), so m' is finite
         # after the first tile.
         m_new = tl.maximum(m, tl.max(z, axis=1))
