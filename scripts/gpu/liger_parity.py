@@ -20,6 +20,10 @@ Sections:
    ``helpers.spec.reference_loss``), judged as ``cce_check.py`` judges: the loss within 1e-4, each
    gradient within 1.5x the naive bf16 path's error.
 
+3. ``speed``: what the options cost, at the Qwen3 head with N 16,384 bf16 tokens: forward and backward
+   (median ms, ``triton.testing.do_bench``) and peak memory beyond the inputs, ours with label smoothing
+   alone, ours and Liger with class weights too (the combined options).
+
 ``--tiny``: fp32 and the small shape only, under the interpreter; Liger is not run (its kernels need a GPU).
 """
 
@@ -153,6 +157,34 @@ def check_gate(N, V, D, dtype, backward_impl, device):
     return record
 
 
+def time_options(N, V, D, dtype, method, weighted, device, cuda):
+    """(ms, peak MiB beyond the inputs: the gradients included) of one forward and backward with the
+    combined options."""
+    import triton
+
+    E, C, x = regime_inputs(N, V, D, dtype, device, regime="realistic", seed=0)
+    E.requires_grad_(True)
+    C.requires_grad_(True)
+    w = torch.rand(V, generator=torch.Generator(device="cpu").manual_seed(1)).to(device) + 0.25 if weighted else None
+    options = dict(weight=w is not None, label_smoothing=0.1, ignore_index=-100, z_loss=1e-4, softcap=30.0)
+    fn = ours if method == "ours" else liger
+
+    def step():
+        fn(E, C, None, x, w, "mean", options).backward()
+
+    step()
+    if not cuda:
+        return dict(method=method, weighted=weighted, N=N, V=V, D=D, status="ok")
+    E.grad = C.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = triton.testing.do_bench(step, grad_to_none=[E, C], warmup=10, rep=100, return_mode="median")
+    return dict(method=method, weighted=weighted, N=N, V=V, D=D, ms=ms, peak_MiB=peak, status="ok")
+
+
 def main():
     args, cuda, device, scale = script_setup(__doc__, "liger_parity.jsonl", 300.0)
     c = Checker(args.budget_s, device, args.out)
@@ -179,6 +211,10 @@ def main():
     dtype = torch.bfloat16 if cuda else torch.float32
     for backward_impl in ("auto", "gemm", "atomic"):
         c.run(f"gate/{backward_impl}", check_gate, N, V, D, dtype, backward_impl, device)
+    N = scale(16384, 37)
+    for method, weighted in (("ours", False), ("ours", True)) + ((("liger", True),) if run_liger else ()):
+        c.run(f"speed/{method}/{'weights' if weighted else 'no weights'}", time_options, N, V, D, dtype, method,
+              weighted, device, cuda)
     finish(c, args.out, cuda)
 
 

@@ -287,6 +287,11 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         if pingpong.pingpong_reason(device, dtype, device_info(device).capability, sorted_vocab=vocab_order is not None,
                                     split=split, softcap=o.softcap is not None, bias=bias is not None):
             pingpong = None
+    # The Triton G kernel's persistent walk, but one program per tile with class weights: on an H200
+    # (Triton 3.6) the flattened persistent loop with their load gave a wrong G (dE and dC 0.9-1.1
+    # relative error against float64, bf16 and fp16), where one program per tile, the same tiles, gave
+    # the unweighted path's error (docs/measurements/h200-2026-12-04c).
+    persistent = cfg.persistent if class_weight is None else 0
     block_n = min(cfg.BLOCK_N, pingpong.BLOCK_N) if pingpong else cfg.BLOCK_N
     tiles_max = triton.cdiv(n_chunk, block_n) * triton.cdiv(widest, cfg.BLOCK_V)
     # The Triton kernel records its tiles only with the filter on; the Gluon kernel always does (a
@@ -371,7 +376,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                 if tma and host.g_store_tma and not split and key not in G_descs:
                     G_descs[key] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V // cfg.g_subtile)
                 G_desc = G_descs.get(key) if tma and host.g_store_tma else None
-                gradient_chunk_kernel[(min(tiles, cfg.persistent * programs) if cfg.persistent else tiles,)](
+                gradient_chunk_kernel[(min(tiles, persistent * programs) if persistent else tiles,)](
                     E_arg, C_arg, x[n0:n1], lse[n0:n1], coef, bias if bias is not None else lse,
                     vocab_order if vocab_order is not None else tile_kept,
                     G if G_desc is None else G_desc, G_exact, tile_kept,
@@ -385,7 +390,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                     SPLIT_G=split,
                     SORTED=vocab_order is not None,
                     DOT_PRECISION=dot_precision(dtype),
-                    E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=cfg.persistent > 0,
+                    E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=persistent > 0,
                     inv_temperature=1.0 / o.temperature, ENTROPY=up.coef.shape[0] > 3,
                     class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,
                     **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
