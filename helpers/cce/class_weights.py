@@ -20,7 +20,9 @@ and "mean" still divides by sum_i t_i. The kernels then sum w_c z_{i, c} in the 
 the logits for unweighted smoothing) and form G's smoothing term as c_i w_v / V
 (``helpers/cce/kernels/gradient_tile.py``); ``smoothed_rows`` assembles the row and
 ``RowGradient.of_class_weights`` its coefficients. The Gluon kernels do not take class weights: such a
-call runs the Triton ones.
+call runs the Triton ones, the "gemm" backward's G kernel one program per tile (``backward_gemm``: its
+persistent walk gave a wrong G with them on an H200). Measured against Liger's own test grid and float64
+on an H200: ``scripts/gpu/liger_parity.py``.
 
 With the z-loss, the z-loss is not weighted (torch defines none; Liger's kernel and its tests add
 zl lse_i^2 per kept row, divided by the kept count for a mean, to the weighted cross-entropy):
