@@ -35,8 +35,10 @@ import torch
 
 
 def check_weight(weight, C: torch.Tensor, *, read_values: bool = True) -> None:
-    """Raise a ``TypeError``/``ValueError`` naming ``weight`` unless it is a finite, non-negative
-    floating-point (V,) tensor on C's device. Checking the values reads one
+    """Raise a ``TypeError``/``ValueError`` naming ``weight`` unless it is a finite floating-point (V,)
+    tensor on C's device. Negative weights are taken, as torch and Liger take them (a class that
+    pushes its logit down); a weighted mean whose kept weights sum to 0 is then inf or NaN, as torch's.
+    Checking the values reads one
     flag of the weight (a device sync on a GPU); ``read_values=False`` (torch.compile, CUDA graph
     capture) skips that check: a negative or non-finite weight then gives that loss, unreported."""
     V = C.shape[0]
@@ -49,8 +51,8 @@ def check_weight(weight, C: torch.Tensor, *, read_values: bool = True) -> None:
         raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
     if weight.device != C.device:
         raise ValueError(f"weight must be on C's device ({C.device}), got {weight.device}")
-    if read_values and bool(((weight < 0) | ~torch.isfinite(weight)).any()):
-        raise ValueError("weight must hold finite weights >= 0")
+    if read_values and not bool(torch.isfinite(weight).all()):
+        raise ValueError("weight must hold finite weights (no NaN or inf)")
 
 
 def target_weights(x: torch.Tensor, weight: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -15,6 +15,8 @@ Sections:
    (so a failure is ours, not the grid's). Each records the share of the tolerance used: the largest
    |ours - reference| / (atol + rtol |reference|) over every element, passing at <= 1. Our inputs are made as the test makes them (the head's weight
    and bias uniform in [0, 1), E normal, a random share of the targets ignored), from our own seed.
+   Then its ``test_correctness_functional``'s inputs (normal, class weights of both signs: torch and
+   Liger take negative weights) with the combined options, a mean, on its two odd shapes.
 2. ``gate``: the combined options at an LLM head (Qwen3-0.6B: V 151,936, D 1,024; N 4,096 tokens) in
    bf16, our "gemm" and "atomic" backwards and the default "auto", against float64 (autograd through
    ``helpers.spec.reference_loss``), judged as ``cce_check.py`` judges: the loss within 1e-4, each
@@ -47,17 +49,27 @@ OPTION_SETS = {
     "defaults": dict(weight=False, label_smoothing=0.0, ignore_index=-100, z_loss=0.0, softcap=None),
     "combined": dict(weight=True, label_smoothing=0.1, ignore_index=42, z_loss=1e-4, softcap=30.0),
 }
+# Its ``test_correctness_functional``: normal inputs and class weights (negative ones among them), the
+# combined options, a mean, on two odd shapes (it compares Liger's two entry points; we compare with torch).
+FUNCTIONAL_SHAPES = [(2, 2, 8, 8), (9, 7, 41, 41)]
+FUNCTIONAL = dict(weight="signed", label_smoothing=0.1, ignore_index=-100, z_loss=1e-4, softcap=30.0)
 
 
 def liger_inputs(BT, H, V, dtype, bias, options, device, seed):
+    """As Liger's tests make them: the head uniform in [0, 1) and some targets ignored, or (signed
+    weights: its functional test) the head, bias and class weights normal and every target kept."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    C = torch.rand(V, H, generator=g).to(dtype).to(device)
-    b = torch.rand(V, generator=g).to(dtype).to(device) if bias else None
+    signed = options["weight"] == "signed"
+    C = (torch.randn if signed else torch.rand)(V, H, generator=g).to(dtype).to(device)
+    b = (torch.randn if signed else torch.rand)(V, generator=g).to(dtype).to(device) if bias else None
     E = torch.randn(BT, H, generator=g).to(dtype).to(device)
     x = torch.randint(0, V, (BT,), generator=g)
-    ignored = torch.randperm(BT, generator=g)[: int(torch.randint(1, max(2, BT // 2), (1,), generator=g))]
-    x[ignored] = options["ignore_index"]
-    w = torch.rand(V, generator=g).to(device) if options["weight"] else None
+    if not signed:
+        ignored = torch.randperm(BT, generator=g)[: int(torch.randint(1, max(2, BT // 2), (1,), generator=g))]
+        x[ignored] = options["ignore_index"]
+    w = None
+    if options["weight"]:
+        w = (torch.randn if signed else torch.rand)(V, generator=g).to(device)
     return E, C, b, x.to(device), w
 
 
@@ -109,7 +121,7 @@ def close(got, ref, atol, rtol):
 
 def check_liger_grid(shape, reduction, dtype, atol, rtol, bias, option_name, device, seed, run_liger):
     B, T, H, V = shape
-    options = OPTION_SETS[option_name]
+    options = FUNCTIONAL if option_name == "functional" else OPTION_SETS[option_name]
     E, C, b, x, w = liger_inputs(B * T, H, V, dtype, bias, options, device, seed)
     ref = run_one(torch_reference, E, C, b, x, w, reduction, options)
     record = dict(B=B, T=T, H=H, V=V, dtype=str(dtype).removeprefix("torch."), reduction=reduction, bias=bias,
@@ -207,6 +219,15 @@ def main():
                     name = f"liger/{'x'.join(map(str, shape))}/{reduction}/{str(dtype)[6:]}/bias={bias}/{option_name}"
                     c.run(name, check_liger_grid, shape, reduction, dtype, atol, rtol, bias, option_name, device,
                           seed, run_liger, required=True)
+    for shape in FUNCTIONAL_SHAPES:
+        for reduction, dtype, atol, rtol in TOLERANCES[:2]:  # a mean, bf16 and fp32
+            if dtype != torch.float32 and not cuda:
+                continue
+            for bias in (True, False):
+                seed += 1
+                name = f"liger/{'x'.join(map(str, shape))}/{reduction}/{str(dtype)[6:]}/bias={bias}/functional"
+                c.run(name, check_liger_grid, shape, reduction, dtype, atol, rtol, bias, "functional", device,
+                      seed, run_liger, required=True)
     N, V, D = scale(4096, 37), scale(QWEN3.V, 257), scale(QWEN3.D, 24)
     dtype = torch.bfloat16 if cuda else torch.float32
     for backward_impl in ("auto", "gemm", "atomic"):

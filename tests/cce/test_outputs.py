@@ -211,11 +211,15 @@ LOSS_CASES = {
     "weight_smoothing_softcap_z_loss": dict(weight=True, label_smoothing=0.1, softcap=2.5, z_loss=0.05),
     "weight_smoothing_none_temperature": dict(weight=True, reduction="none", label_smoothing=0.3, temperature=0.7),
     "weight_z_loss_sum": dict(weight=True, reduction="sum", z_loss=0.05),
+    # Negative weights, as torch and Liger's own tests take them (a sum: a mean's divisor may be ~0).
+    "signed_weight_smoothing_sum": dict(weight="signed", reduction="sum", label_smoothing=0.2, softcap=2.5),
+    "signed_weight_none": dict(weight="signed", reduction="none"),
 }
 
 
-def class_weight(seed=3):
-    w = torch.rand(V, generator=torch.Generator().manual_seed(seed)) * 2
+def class_weight(seed=3, signed=False):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, generator=g) if signed else torch.rand(V, generator=g) * 2
     w[:5] = 0  # some classes count for nothing
     return w.to(DEVICE)
 
@@ -239,8 +243,9 @@ def run_loss_reference(E, C, bias, x, grad_output, **options):
 @pytest.mark.parametrize("impl", ["gemm", "sparse"])
 def test_loss_with_temperature_and_weights_against_float64(case, dtype, impl):
     opts = dict(LOSS_CASES[case])
-    if opts.pop("weight", False):
-        opts["weight"] = class_weight()
+    weight = opts.pop("weight", False)
+    if weight:
+        opts["weight"] = class_weight(signed=weight == "signed")
     E, C, bias, x = make_inputs(dtype, scale=2.0)
     go = upstream(5) if opts.get("reduction") == "none" else torch.tensor(1.7, device=DEVICE)
     stats = {}
@@ -330,8 +335,8 @@ def test_bad_temperature_is_named(temperature):
     (torch.ones(V, 1), {}, ValueError, "weight must have shape"),
     (torch.ones(V, dtype=torch.int64), {}, TypeError, "weight must be a floating-point tensor"),
     ([1.0] * V, {}, TypeError, "weight must be None or a torch.Tensor"),
-    (-torch.ones(V), {}, ValueError, "weight must hold finite weights >= 0"),
-    (torch.full((V,), float("nan")), {}, ValueError, "weight must hold finite weights >= 0"),
+    (torch.full((V,), float("inf")), {}, ValueError, r"weight must hold finite weights \(no NaN or inf\)"),
+    (torch.full((V,), float("nan")), {}, ValueError, r"weight must hold finite weights \(no NaN or inf\)"),
 ])
 def test_bad_weight_is_named(weight, options, error, match):
     E, C, _, x = make_inputs(torch.float32)

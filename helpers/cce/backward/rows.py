@@ -93,18 +93,20 @@ class RowGradient:
             G = g [alpha S - beta [v = x] - eps w_v / V] + h S,  alpha = (1 - eps) t + eps W / V,  beta = (1 - eps) t,
 
         so a = (g alpha + h) / w, b = g beta / w, c = g eps / w, the kernels multiplying c / V by w_v
-        (CLASS_WEIGHTS). w = max(|g| alpha, |h|) keeps |a| <= 2, |b| <= 1 and each |c| w_v / V <= 1
-        (alpha >= eps W / V >= eps w_v / V): G's entries stay of size ~1 in fp16 whatever the weights'
-        scale, which w carries instead."""
+        (CLASS_WEIGHTS). w = max(|g| k, |h|) with k = max(|alpha|, |beta|, eps max|w_v| / V) keeps
+        |a| <= 2, |b| <= 1 and each |c w_v| / V <= 1, negative weights included: G's entries stay of
+        size ~1 in fp16 whatever the weights' scale, which w carries instead."""
         N = kept.shape[0]
         eps, V = label_smoothing, weight.shape[0]
         g = torch.where(kept, grad_rows.to(torch.float32).expand(N), 0.0)
         h = grad_lse.to(torch.float32) if grad_lse is not None else torch.zeros_like(g)
         t = torch.where(kept, weight.to(torch.float32)[torch.where(kept, x, 0)], 0.0)
-        alpha = (1.0 - eps) * t + (eps / V) * weight.to(torch.float32).sum()
-        w = torch.maximum(g.abs() * alpha, h.abs())
+        weight = weight.to(torch.float32)
+        alpha, beta = (1.0 - eps) * t + (eps / V) * weight.sum(), (1.0 - eps) * t
+        k = torch.maximum(torch.maximum(alpha.abs(), beta.abs()), (eps / V) * weight.abs().amax())
+        w = torch.maximum(g.abs() * k, h.abs())
         safe = torch.where(w > 0, w, 1.0)
-        coef = torch.stack([(g * alpha + h) / safe, g * (1.0 - eps) * t / safe, g * eps / safe])
+        coef = torch.stack([(g * alpha + h) / safe, g * beta / safe, g * eps / safe])
         w_scale = w.amax().reshape(1)
         w_rel = torch.where(w_scale > 0, w / w_scale, 0.0)
         return cls(w, w_rel, w_scale, False, coef)
