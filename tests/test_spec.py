@@ -99,7 +99,14 @@ def test_temperature_weight_and_outputs_follow_their_definitions():
     torch.testing.assert_close(logprob[rows], (z[rows, x[rows]] - lse[rows]))
     assert (entropy[~kept] == 0).all() and (logprob[~kept] == 0).all() and not correct[~kept].any()
     assert torch.equal(correct[rows], z[rows].argmax(1) == x[rows])
+    # Class weights with label smoothing and the z-loss: torch weights the smoothing term per class; the
+    # z-loss is unweighted, a mean dividing it by the kept count (Liger's definition).
+    eps, zl = 0.3, 0.1
+    t = w[x[rows]]
+    lse_kept = torch.logsumexp(z[rows], 1)
+    smoothed = (1 - eps) * t * (lse_kept - z[rows, x[rows]]) + eps / 53 * (w * (lse_kept[:, None] - z[rows])).sum(1)
+    expected = smoothed.sum() / t.sum() + zl * (lse_kept**2).sum() / len(rows)
+    got = reference_loss(E, C, x, softcap=2.0, temperature=0.6, weight=w, label_smoothing=eps, z_loss=zl)
+    torch.testing.assert_close(got, expected)
     C[x[0]] = C[z[0].argmax()]  # a tie at row 0: the target is among the maxima
     assert reference_outputs(E, C, x, softcap=2.0, temperature=0.6)[2][0]
-    with pytest.raises(ValueError, match="no z-loss with class weights"):
-        reference_loss(E, C, x, weight=w, z_loss=0.1)
