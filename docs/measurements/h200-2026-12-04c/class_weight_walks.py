@@ -1,8 +1,15 @@
-import sys, os, dataclasses, torch
+"""The "gemm" backward with class weights and label smoothing by the G kernel's walk, against float64
+(run from the checkout's root on a GPU; its output: class_weight_walks.txt)."""
+import dataclasses
+import os
+import sys
+
+import torch
+
 sys.path.insert(0, os.getcwd())
-from helpers.cce import linear_cross_entropy
-from helpers.cce.kernels.configs import select_configs, tier
-from helpers.spec import reference_loss, relative_error
+from helpers.cce import linear_cross_entropy  # noqa: E402
+from helpers.cce.kernels.configs import select_configs, tier  # noqa: E402
+from helpers.spec import reference_loss, relative_error  # noqa: E402
 torch.backends.cuda.matmul.allow_tf32 = False
 dev = "cuda"
 N, V, D = 2048, 65536, 1024
