@@ -25,8 +25,10 @@ variants = {
   "ampere": tier("ampere-163k"),
 }
 for dt in [torch.bfloat16, torch.float16]:
-    E = (torch.randn(N, D, generator=g) * 0.05).to(dt).to(dev); C = (torch.randn(V, D, generator=g) * 0.05).to(dt).to(dev)
-    x = torch.randint(0, V, (N,), generator=g).to(dev); x[::7] = 42
+    E = (torch.randn(N, D, generator=g) * 0.05).to(dt).to(dev)
+    C = (torch.randn(V, D, generator=g) * 0.05).to(dt).to(dev)
+    x = torch.randint(0, V, (N,), generator=g).to(dev)
+    x[::7] = 42
     w = (torch.rand(V, generator=g) + 0.25).to(dev)
     for ls, wt in [(0.1, w), (0.1, None), (0.0, w)]:
         opts = dict(weight=wt, label_smoothing=ls, ignore_index=42, softcap=30.0)
