@@ -124,13 +124,16 @@ def test_compiled_loss_with_a_symbolic_vocabulary_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_compiled_loss_with_class_weights_and_shift():
+@pytest.mark.parametrize("z_loss", [0.0, 0.01])
+def test_compiled_loss_with_class_weights_and_shift(z_loss):
+    """With a z-loss too: it is added from the returned lse, unweighted (``helpers.cce.class_weights``)."""
     model = Model()
     inputs, x = batch()
     weight = torch.rand(V) + 0.5
 
     def fn(inputs, x):
-        return linear_cross_entropy(model.body(inputs), model.head, x.view(1, N), weight=weight, shift=True)
+        return linear_cross_entropy(model.body(inputs), model.head, x.view(1, N), weight=weight, shift=True,
+                                    z_loss=z_loss)
 
     want = gradients(model, fn, inputs.view(1, N, H), x)
     got = gradients(model, torch.compile(fn, fullgraph=True, backend="aot_eager"), inputs.view(1, N, H), x)
