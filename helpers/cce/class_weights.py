@@ -56,9 +56,12 @@ def check_weight(weight, C: torch.Tensor, *, read_values: bool = True) -> None:
 
 
 def target_weights(x: torch.Tensor, weight: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """t_i = weight[x_i] at kept rows, 0 at ignored ones, (N,) fp32."""
+    """t_i = weight[x_i] at kept rows, 0 at ignored ones, (N,) fp32. A target outside [0, V) reads class
+    0's weight instead of indexing out of bounds (a device assert on a GPU): the forward runs this before
+    the targets' range is checked, and reports such a target right after (``helpers.cce.ops``)."""
     kept = x != ignore_index
-    return torch.where(kept, weight.to(torch.float32)[torch.where(kept, x, 0)], 0.0)
+    index = torch.where(kept, x, 0).clamp(0, weight.shape[0] - 1)
+    return torch.where(kept, weight.to(torch.float32)[index], 0.0)
 
 
 def smoothed_rows(plain: torch.Tensor, lse: torch.Tensor, weighted_sum: torch.Tensor, x: torch.Tensor,

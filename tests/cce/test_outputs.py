@@ -303,6 +303,16 @@ def test_weighted_smoothing_weights_each_class_and_the_gate_fails_without(impl):
     assert min(errors((E1.grad, C1.grad), (E2.grad, C2.grad))) > 100 * TOL[torch.float32]
 
 
+@pytest.mark.parametrize("target", [V, -3])
+def test_weighted_smoothing_names_a_bad_target(target):
+    """The weighted rows are made in the forward, before the targets' range is read: a target outside
+    [0, V) must still get the loss's own error (not an index error, a device assert on a GPU)."""
+    E, C, _, x = make_inputs(torch.float32)
+    x[5] = target
+    with pytest.raises(ValueError, match=f"x holds target {target}, outside"):
+        linear_cross_entropy(E, C, x, weight=class_weight(), label_smoothing=0.1)
+
+
 def test_weighted_smoothing_is_refused_under_compile_by_name(monkeypatch):
     """The custom op's schema carries no class weights: a traced call says so instead of dropping them."""
     E, C, _, x = make_inputs(torch.float32)

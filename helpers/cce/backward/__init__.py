@@ -88,7 +88,7 @@ def run_backward(E, C, x, lse, grad_rows, plan: CCEPlan, n_chunk: int | None = N
     if cw is None:
         up = RowGradient.of(grad_rows, grad_lse, x != o.ignore_index, lse, o)
     else:
-        up = RowGradient.of_class_weights(grad_rows, grad_lse, x != o.ignore_index, x, cw, o.label_smoothing)
+        up = RowGradient.of_class_weights(grad_rows, grad_lse, x, o.ignore_index, cw, o.label_smoothing)
     if stats is not None and plan.auto is not None:
         stats["auto"] = plan.auto.why
     if plan.backward_impl == "sparse":

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from helpers.cce.class_weights import target_weights
 from helpers.cce.kernels.row_weights import ONE_PROGRAM_ROWS, row_scale_kernel, row_weights_kernel
 from helpers.cce.options import CCEOptions
 
@@ -84,8 +85,8 @@ class RowGradient:
         return cls(w, w_rel, w_scale, False, coef)
 
     @classmethod
-    def of_class_weights(cls, grad_rows: torch.Tensor, grad_lse: torch.Tensor | None, kept: torch.Tensor,
-                         x: torch.Tensor, weight: torch.Tensor, label_smoothing: float) -> RowGradient:
+    def of_class_weights(cls, grad_rows: torch.Tensor, grad_lse: torch.Tensor | None, x: torch.Tensor,
+                         ignore_index: int, weight: torch.Tensor, label_smoothing: float) -> RowGradient:
         """The rows of a loss with class weights w and label smoothing eps (``helpers.cce.class_weights``:
         row i's loss is already weighted, t_i = w_{x_i}, W = sum_c w_c; no z-loss in it): with g_i its
         upstream gradient and h_i the gradient into the lse,
@@ -96,11 +97,12 @@ class RowGradient:
         (CLASS_WEIGHTS). w = max(|g| k, |h|) with k = max(|alpha|, |beta|, eps max|w_v| / V) keeps
         |a| <= 2, |b| <= 1 and each |c w_v| / V <= 1, negative weights included: G's entries stay of
         size ~1 in fp16 whatever the weights' scale, which w carries instead."""
-        N = kept.shape[0]
+        N = x.shape[0]
+        kept = x != ignore_index
         eps, V = label_smoothing, weight.shape[0]
         g = torch.where(kept, grad_rows.to(torch.float32).expand(N), 0.0)
         h = grad_lse.to(torch.float32) if grad_lse is not None else torch.zeros_like(g)
-        t = torch.where(kept, weight.to(torch.float32)[torch.where(kept, x, 0)], 0.0)
+        t = target_weights(x, weight, ignore_index)
         weight = weight.to(torch.float32)
         alpha, beta = (1.0 - eps) * t + (eps / V) * weight.sum(), (1.0 - eps) * t
         k = torch.maximum(torch.maximum(alpha.abs(), beta.abs()), (eps / V) * weight.abs().amax())
