@@ -12,19 +12,19 @@ Sections:
 
 1. ``liger``: that grid, our loss against that reference with Liger's own tolerances (atol, rtol) on the
    loss and every gradient (E, C, bias), and Liger 0.8.5's loss on the same inputs where it is installed
-   (so a failure is ours, not the grid's). Each records the share of the tolerance used: the largest
-   |ours - reference| / (atol + rtol |reference|) over every element, passing at <= 1. The reference is
-   itself rounded (16-bit logits), so each record also gives ours' and the reference's relative errors
-   against float64 (the same formula on the inputs upcast); past the tolerance a case passes only where
-   ours is at least as close to float64 as the reference on the loss and every gradient. Our inputs are made as the test makes them (the head's weight
-   and bias uniform in [0, 1), E normal, a random share of the targets ignored), from our own seed.
-   Then its ``test_correctness_functional``'s inputs (normal, class weights of both signs: torch and
-   Liger take negative weights) with the combined options, a mean, on its two odd shapes.
+   (so a failure is ours, not the grid's). Our inputs are made as the test makes them (the head's weight
+   and bias uniform in [0, 1), E normal, a random share of the targets ignored), from our own seed. Then
+   its ``test_correctness_functional``'s inputs (normal, class weights of both signs: torch and Liger
+   take negative weights) with the combined options, a mean, on its two odd shapes. Each case records
+   the share of the tolerance used: the largest |ours - reference| / (atol + rtol |reference|) over every
+   element, passing at <= 1. The reference is itself rounded (16-bit logits), so each case also gives
+   ours' and the reference's relative errors against float64 (the same formula on the inputs upcast);
+   past the tolerance a case passes only where ours is at least as close to float64 as the reference on
+   the loss and every gradient, and its status says so.
 2. ``gate``: the combined options at an LLM head (Qwen3-0.6B: V 151,936, D 1,024; N 4,096 tokens) in
    bf16, our "gemm" and "atomic" backwards and the default "auto", against float64 (autograd through
    ``helpers.spec.reference_loss``), judged as ``cce_check.py`` judges: the loss within 1e-4, each
    gradient within 1.5x the naive bf16 path's error.
-
 3. ``speed``: what the options cost, at the Qwen3 head with N 16,384 bf16 tokens: forward and backward
    (median ms, ``triton.testing.do_bench``) and peak memory beyond the inputs, ours with label smoothing
    alone, ours and Liger with class weights too (the combined options).
