@@ -6,9 +6,10 @@
 
 times 1 / temperature and 1 - (z / softcap)^2 under the soft cap (z = cap(E C^T + b) / temperature).
 With CLASS_WEIGHTS (torch's class weights with label smoothing, ``helpers.cce.class_weights``) the
-smoothing term is c_i w_v / V, w the class weights (V,). With ENTROPY (per-token outputs with an entropy gradient, ``helpers.cce.outputs``) a fourth row
-coefficient d adds d_i S_{i, v} (z_{i, v} - lse_i): the entropy's gradient -S (z - lse + H) is not of
-the form above (``helpers.cce.backward.rows.RowGradient.of_outputs``). The row coefficients come from the host
+smoothing term is c_i w_v / V, w the class weights (V,). With ENTROPY (per-token outputs with an
+entropy gradient, ``helpers.cce.outputs``) a fourth row coefficient d adds d_i S_{i, v} (z_{i, v} - lse_i):
+the entropy's gradient -S (z - lse + H) is not of the form above
+(``helpers.cce.backward.rows.RowGradient.of_outputs``). The row coefficients come from the host
 (``helpers.cce.backward.rows.RowGradient``): for the loss alone a = 1 + 2 zl lse, b = 1 - ls, c = ls,
 each divided by the row's weight w (its upstream gradient, applied after the products); a gradient
 flowing into the returned lse adds to a; ignored rows and padding have a = b = c = 0. The "atomic" kernel

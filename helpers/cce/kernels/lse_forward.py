@@ -53,7 +53,8 @@ def lse_forward_kernel(
     E_ptr, C_ptr,  # E (N, D), C (V, D)
     bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     lse_split_ptr,  # (SPLITS, N) fp32: the lse of each row over one vocabulary split
-    logit_sum_split_ptr,  # (SPLITS, N) fp32: sum_v z_{i, v} (w_v z_{i, v}: CLASS_WEIGHTS) over the split (SUM_LOGITS only)
+    logit_sum_split_ptr,  # (SPLITS, N) fp32: sum_v z_{i, v} over the split, w_v z_{i, v} with CLASS_WEIGHTS
+    # (SUM_LOGITS only)
     bits_ptr,  # (ceil(T / 8), N) uint8: activity bits of sub-tiles of BLOCK_V / SUB (EMIT_BITS only)
     seed_add_ptr, seed_max_ptr,  # (N,) fp32 lower bounds of each row's lse, -inf for none (EMIT_BITS)
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
