@@ -248,8 +248,8 @@ def check_shape(shape_name, N, V, D, dtype_name, spec_name, variant_names, devic
 
 def check_outputs(shape_name, N, V, D, dtype_name, device):
     """The per-token outputs (``linear_cross_entropy_outputs``: logprob and entropy, each with a random
-    upstream gradient) and the loss with class weights, both under a temperature (0.7) and the soft
-    cap, every 7th token ignored, against float64 (``reference_outputs``, ``reference_loss``) beside
+    upstream gradient) and the loss with class weights (alone, and with label smoothing and a z-loss),
+    all under a temperature (0.7) and the soft cap, every 7th token ignored, against float64 (``reference_outputs``, ``reference_loss``) beside
     the naive path (logits in the dtype, then fp32). Pass: values <= 1e-4 relative; each gradient within
     the gate's bound, max(the dtype's floor, 2x naive's error) (``gate_bound``)."""
     from helpers.cce import linear_cross_entropy_outputs
@@ -276,6 +276,11 @@ def check_outputs(shape_name, N, V, D, dtype_name, device):
         target = torch.where(kept, x, 0)
         logprob = torch.where(kept, log_p.gather(1, target[:, None])[:, 0], 0.0)
         return logprob, torch.where(kept, -(log_p.exp() * log_p).sum(dim=1), 0.0)
+
+    def naive_smoothed_z(z, x, w):
+        kept = x != -100
+        square = torch.where(kept, 1e-4 * torch.logsumexp(z, dim=1) ** 2, 0.0)
+        return F.cross_entropy(z, x, weight=w, label_smoothing=0.1) + square.sum() / kept.sum()
 
     def grads(fn, E_, C_):
         E_, C_ = E_.detach().clone().requires_grad_(True), C_.detach().clone().requires_grad_(True)
@@ -305,6 +310,13 @@ def check_outputs(shape_name, N, V, D, dtype_name, device):
                     weighted(lambda E_, C_: reference_loss(E_, C_, x, softcap=softcap, temperature=tau,
                                                            weight=weight.double())),
                     weighted(lambda E_, C_: F.cross_entropy(naive_logits(E_, C_), x, weight=weight.float()))),
+        # With label smoothing (weighted per class, as torch) and the z-loss (unweighted, as Liger).
+        "weights_smoothing_z_loss": (
+            weighted(lambda E_, C_: linear_cross_entropy(E_, C_, x, softcap=softcap, temperature=tau, weight=weight,
+                                                         label_smoothing=0.1, z_loss=1e-4)),
+            weighted(lambda E_, C_: reference_loss(E_, C_, x, softcap=softcap, temperature=tau, weight=weight.double(),
+                                                   label_smoothing=0.1, z_loss=1e-4)),
+            weighted(lambda E_, C_: naive_smoothed_z(naive_logits(E_, C_), x, weight.float()))),
     }
     records = []
     for name, (ours_fn, ref_fn, naive_fn) in runs.items():
