@@ -96,12 +96,12 @@ def weighted_reduction(loss_rows: torch.Tensor, x: torch.Tensor, weight: torch.T
     already carry their weights (``smoothed_rows``), only the reduction is left."""
     kept = x != ignore_index
     w_rows = target_weights(x, weight, ignore_index)
-    weighted = loss_rows if weighted else loss_rows * w_rows
+    rows = loss_rows if weighted else loss_rows * w_rows
     if reduction == "none":
-        return weighted
+        return rows
     if reduction == "sum":
-        return weighted.sum()
+        return rows.sum()
     # All ignored: NaN with zero gradients, as torch (divide by 1, then replace the value).
     any_kept = kept.any()
-    loss = weighted.sum() / torch.where(any_kept, w_rows.sum(), 1.0)
+    loss = rows.sum() / torch.where(any_kept, w_rows.sum(), 1.0)
     return torch.where(any_kept, loss, float("nan"))
