@@ -1,10 +1,19 @@
-"""Shared test setup: every test runs on the CPU; helpers switches the Triton interpreter on."""
+"""Shared test setup: every test runs on the CPU; helpers switches the Triton interpreter on.
 
-import helpers  # noqa: F401  (on a CPU it switches the Triton interpreter on: helpers.env)
+On any machine: a GPU is hidden from the tests (before torch is imported), so the README's test command
+passes on a GPU machine as on CI. ``HELPERS_TEST_GPU=1`` leaves it visible for the GPU form of the
+tests that have one (tests/cce: their tensors on "cuda", the tier of the GPU; the rest skip there):
+``HELPERS_TEST_GPU=1 python -m pytest -p no:cacheprovider tests/cce``."""
+
 import os
-import types
 
-import pytest
+if os.environ.get("HELPERS_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import helpers  # noqa: F401,E402  (on a CPU it switches the Triton interpreter on: helpers.env)
+import types  # noqa: E402
+
+import pytest  # noqa: E402
 
 from helpers.compare import verdicts
 from helpers.cce.kernels.configs import CPU_TIER_ENV

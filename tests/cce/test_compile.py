@@ -27,6 +27,8 @@ import helpers.cce.backward.gemm as gemm_module  # noqa: E402
 from helpers.cce import linear_cross_entropy, linear_cross_entropy_outputs  # noqa: E402
 from helpers.cce import ops  # noqa: E402
 
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tests (the Triton interpreter)")
+
 N, V, D, H = 13, 37, 16, 8  # odd sizes: partial tiles everywhere
 
 

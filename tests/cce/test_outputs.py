@@ -350,6 +350,7 @@ def test_bad_temperature_is_named(temperature):
 ])
 def test_bad_weight_is_named(weight, options, error, match):
     E, C, _, x = make_inputs(torch.float32)
+    weight = weight.to(DEVICE) if isinstance(weight, torch.Tensor) else weight  # a device check comes first
     with pytest.raises(error, match=match):
         linear_cross_entropy(E, C, x, weight=weight, **options)
 

@@ -4,6 +4,7 @@ the CPU checks is when the loss may use them. Its sm_90
 compile and its barrier protocol: ``tests/test_gpu_scripts.py``; its bits against the Triton kernel's
 on an H200: ``scripts/experiments/gluon_g.py``."""
 
+import pytest
 import torch
 
 from helpers.cce.kernels import gradient_chunk_pingpong as pingpong
@@ -51,6 +52,7 @@ def _cpu_gemm_call():
     return E, C, stats
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tests (the Triton interpreter)")
 def test_the_cpu_backward_counts_its_g_kernels_and_uses_the_triton_one():
     _, _, stats = _cpu_gemm_call()
     assert stats["g_kernels"]["pingpong"] == 0 and stats["g_kernels"]["triton"] == stats["launches"] > 0
@@ -95,6 +97,7 @@ def test_the_gluon_forward_says_why_it_does_not_run():
     assert "sm_90" in reasons["cpu"] or "Gluon" in reasons["cpu"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tests (the Triton interpreter)")
 def test_the_loss_says_which_kernel_made_its_lse():
     """``stats["forward"]``: on a CPU the Triton kernel; with the sparse backward's bits, the bits' kernel."""
     from helpers.cce.forward import forward_kernel

@@ -27,6 +27,11 @@ from helpers.compare.inputs import make_inputs  # noqa: E402
 from helpers.spec import reference_logits, reference_loss, reference_loss_and_grads, relative_error  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Sized for the interpreter tier's 16-column tiles (44 tiles at V = 700): at a GPU tier's 64-128 columns
+# the realistic regime's bits mark 90-96% of the pairs at these sizes and the sparse path hands over
+# (measured on an H200). The GPU's check of the sparse backward, at sizes it pays: scripts/gpu/cce_check.py
+# --random-sparse.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tests (the interpreter tier's tiles)")
 N, V, D = 45, 700, 24  # 3 row blocks of the forward's 16, 44 tiles of 16 columns (the last partial)
 DTYPES = [torch.float32, torch.float16]
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
