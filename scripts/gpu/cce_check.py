@@ -478,14 +478,15 @@ def main():
     # The table.
     print("\n" + "=" * 110)
     print(f"{'case':58s} {'status':7s} {'loss':>8s} {'dE':>8s} {'dC':>8s} {'dE/nv':>6s} {'dC/nv':>6s}"
-          f" {'MB':>8s} {'/LB':>6s} {'ms':>7s}")
+          f" {'MB':>8s} {'/LB':>6s} {'ms':>7s} ran")
     for r in c.records:
         def f(key, fmt):
             width = int(fmt.split(".")[0])
             return format(r[key], fmt) if isinstance(r.get(key), (int, float)) else "-".rjust(width)
         print(f"{r['case'][:58]:58s} {r.get('status', '?')[:7]:7s} {f('loss_err', '8.1e')} "
               f"{f('dE_err', '8.1e')} {f('dC_err', '8.1e')} {f('dE_ratio', '6.2f')} {f('dC_ratio', '6.2f')}"
-              f" {f('peak_mb', '8.0f')} {f('peak_over_lb', '6.3f')} {f('fwd_bwd_ms', '7.2f')}")
+              f" {f('peak_mb', '8.0f')} {f('peak_over_lb', '6.3f')} {f('fwd_bwd_ms', '7.2f')}"
+              f" {r.get('backward', '-')}")  # the backward that ran (a forced "sparse" may hand over)
         if r.get("problems") or r.get("error"):
             print(f"    -> {r.get('problems') or r.get('error')}")
     finish(c, args.out, cuda)
