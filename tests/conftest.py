@@ -2,7 +2,7 @@
 
 On any machine: a GPU is hidden from the tests (before torch is imported), so the README's test command
 passes on a GPU machine as on CI. ``HELPERS_TEST_GPU=1`` leaves it visible for the GPU form of the
-tests that have one (tests/cce: their tensors on "cuda", the tier of the GPU; the rest skip there):
+tests that have one (tests/cce: their tensors on "cuda", the tier of the GPU; the CPU-only ones skip there):
 ``HELPERS_TEST_GPU=1 python -m pytest -p no:cacheprovider tests/cce``."""
 
 import os
