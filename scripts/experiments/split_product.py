@@ -56,9 +56,9 @@ import triton.language as tl  # noqa: E402
 from helpers.cce.backward.gemm import fp32_product, product_mode  # noqa: E402
 from helpers.compare.results_file import ResultsWriter, run_meta  # noqa: E402
 
+
 @triton.jit
 def split_product_kernel(  # the module doc's; the tiles: ``TILES``
-
     G_ptr,  # (M, K) G_c in the dtype, or a tensor descriptor of (BLOCK_N, BLOCK_V) blocks (G_DESC)
     C_ptr,  # (K, D) C_c in the dtype, or a tensor descriptor of (BLOCK_V, BLOCK_D) blocks (C_DESC)
     hi_ptr,  # (M, D) int16: the accumulator's top 16 bits (dE's rows, read as int16)
