@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -54,6 +55,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from helpers.cce.backward.gemm import fp32_product, product_mode  # noqa: E402
+from helpers.compare.measure import call_times_ms  # noqa: E402
 from helpers.compare.results_file import ResultsWriter, run_meta  # noqa: E402
 
 
@@ -152,20 +154,6 @@ def split_product(hi_rows, lo, G, C_c, w, *, accumulate, final, tile, descriptor
         BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, GROUP_N=8, num_warps=warps, num_stages=stages)
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def section_time(writer, device, dtype, tiny) -> int:
     failed = 0
     for name, rows, cols, D in SHAPES if not tiny else [("tiny", 40, 96, 48)]:
@@ -190,7 +178,7 @@ def section_time(writer, device, dtype, tiny) -> int:
             record = dict(case=f"time/{name}/{key}", rows=rows, cols=cols, D=D)
             try:
                 if device == "cuda":
-                    ms = median_ms(fn, 20)
+                    ms = statistics.median(call_times_ms(fn, warmup=1, repeats=20, device=device))
                     record.update(ms=round(ms, 4), tflops=round(flop / ms / 1e9, 1))
                     base = ms if key == "cublas_fp32" else base
                     if base:
