@@ -7,13 +7,13 @@ The float64 gate compares whole gradients, where a confident row (p_target near 
 (p - 1) C_x + sum_v p_v C_v of size ~(1 - p) |C|) weighs little. RL and inspection of per-token
 gradients read rows one by one. The backward recomputes each logit z and subtracts the stored lse,
 both fp32 numbers of the logits' magnitude, so p_x - 1 = exp(z_x - lse) - 1 carries an absolute error
-of a few units in the last place of |z| (|z| ~ 30: ~4e-6), whatever 1 - p is. torch's softmax works
-from z - max instead, where the target's own term is exact.
+of a few units in the last place of |z| (|z| ~ 30: ~4e-6), whatever 1 - p is. torch on fp32 logits has
+one such rounding per logit; ours adds the lse's and a recomputed logit's.
 
 Per margin (the target's logit leads every other by about that much; V 301, D 16, 6 rows) and dtype:
 1 - p of the most confident row, and the largest per-row relative error of dE against float64 for
 ours, for torch on logits in the dtype (the gate's naive path), and for torch on fp32 logits of the
-same inputs. Nothing is asserted: it measures (status "ok" when every number is finite).
+same inputs, against ``helpers.spec.reference_loss_and_grads`` (float64). Nothing is asserted: it measures (status "ok" when every number is finite).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from helpers.cce import linear_cross_entropy  # noqa: E402
 from helpers.compare.results_file import ResultsWriter, run_meta  # noqa: E402
+from helpers.spec import reference_loss_and_grads  # noqa: E402
 
 N, V, D = 6, 301, 16
 
@@ -52,8 +53,8 @@ def row_errors(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def measure(margin: float, dtype: torch.dtype, device: str) -> dict:
     E, C, x = (t.to(dtype) if t.is_floating_point() else t for t in inputs(margin, device))
-    leaves = {}
-    for name, cast in (("exact", torch.float64), ("naive", dtype), ("naive_fp32", torch.float32)):
+    leaves = {"exact": reference_loss_and_grads(E, C, x, reduction="sum")[1]}
+    for name, cast in (("naive", dtype), ("naive_fp32", torch.float32)):
         e, c = (t.detach().to(cast).requires_grad_() for t in (E, C))
         F.cross_entropy((e @ c.T).float(), x, reduction="sum").backward()
         leaves[name] = e.grad
