@@ -87,15 +87,15 @@ from helpers.spec import validate_inputs
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """(loss, lse) of CE(E C^T + b, x) with the CCE kernels, E (N, D) and x (N,), by a ``CCEPlan``
-    (``helpers.cce.options.plan_call``); backward recomputes the logits (it saves only lse) and
+    (``helpers.cce.options.plan_call``); backward recomputes the logits (it saves the lse and r) and
     computes only the gradients the plan says are wanted. The host functions it runs, and the custom
     ops that ``torch.compile`` traces instead: ``helpers.cce.ops``. ``check_targets``: the targets'
     range check (``ops.loss_forward`` says what it costs)."""
 
     @staticmethod
     def forward(ctx, E, C, x, bias, plan: CCEPlan, stats=None, check_targets=True):
-        loss, lse, n_kept, activity = loss_forward(E, C, x, bias, plan, check_targets=check_targets)
-        ctx.save_for_backward(E, C, x, lse, n_kept, bias)
+        loss, lse, r, n_kept, activity = loss_forward(E, C, x, bias, plan, check_targets=check_targets)
+        ctx.save_for_backward(E, C, x, lse, r, n_kept, bias)
         ctx.plan, ctx.stats, ctx.activity = plan, stats, activity
         ctx.set_materialize_grads(False)  # an output nobody uses gets None, not a tensor of zeros
         ctx.mark_non_differentiable(n_kept)
@@ -104,8 +104,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, grad_lse):
-        E, C, x, lse, n_kept, bias = ctx.saved_tensors
-        dE, dC, db = loss_backward(E, C, x, lse, n_kept, bias, grad_loss, grad_lse, ctx.plan, ctx.stats, ctx.activity)
+        E, C, x, lse, r, n_kept, bias = ctx.saved_tensors
+        dE, dC, db = loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, ctx.plan, ctx.stats,
+                                   ctx.activity)
         return dE, dC, None, db, None, None, None
 
 
@@ -260,7 +261,7 @@ def linear_cross_entropy(
         if smoothing_weight:
             raise ValueError("weight with label_smoothing is not supported under torch.compile (the custom op's "
                              "schema carries no class weights); call it eagerly, or use one or the other")
-        loss, lse, _ = linear_cross_entropy_op(
+        loss, lse, _, _ = linear_cross_entropy_op(
             E_rows, C, x_rows, bias, ignore_index, "none" if weight is not None else reduction, softcap, kernel_z_loss,
             label_smoothing, temperature, schema_filter_eps(filter_eps, E.dtype, C.shape[0], label_smoothing),
             False if isinstance(sort_vocab, str) and sort_vocab == "auto" else sort_vocab, accumulation, full_c,

@@ -54,8 +54,11 @@ def cce_forward(
     counted: Callable[[], None] | None = None,
     class_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Activity]:
-    """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32), from Algorithms 1 and 2; with
-    ``emit_activity``, a third element: the ``Activity`` the "sparse" backward needs (the options
+    """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32; r (N,) fp32, each row's non-target
+    softmax mass 1 - p(target), to fp32's relative precision (``lse_forward_kernel``'s NONTARGET: the
+    backward's target column and a confident token's loss are formed from it), 1 where the target is
+    ignored), from Algorithms 1 and 2; with
+    ``emit_activity``, a fourth element: the ``Activity`` the "sparse" backward needs (the options
     must have a filter: ``options.filter_eps``; ``options.sort_vocab`` walks the sorted vocabulary).
     ``return_lse``: the lse is returned to the caller, so a gradient may flow into it and the bits are
     made for a larger softmax coefficient (``helpers.cce.activity.coef_bound``).
@@ -90,60 +93,66 @@ def cce_forward(
         raise ValueError("class_weight is for label smoothing without a z-loss or activity bits "
                          "(helpers.cce.class_weights)")
     if not emit_activity:
-        lse_split, logit_sum_split, _ = _lse_splits(E, C, bias, o, fwd, v_splits, softcap, host=configs.host,
-                                                    class_weight=class_weight)
+        lse_split, nontarget_split, logit_sum_split, _ = _lse_splits(
+            E, C, bias, x, target_logit, o, fwd, v_splits, softcap, host=configs.host, class_weight=class_weight)
         activity = None
     else:
-        lse_split, logit_sum_split, activity = _lse_with_activity(
+        lse_split, nontarget_split, logit_sum_split, activity = _lse_with_activity(
             E, C, bias, x, target_logit, o, configs, v_splits, softcap, return_lse)
     # The splits merged and each row's loss, in one launch (``row_loss_kernel``).
     N = x.shape[0]
-    lse, loss = (torch.empty(N, dtype=torch.float32, device=E.device) for _ in range(2))
+    lse, r, loss = (torch.empty(N, dtype=torch.float32, device=E.device) for _ in range(3))  # no views: a custom
+    # op's outputs may not alias each other
     # Class weights: the kernel's rows are lse - z_x, weighted with the smoothing term after it.
     row_loss_kernel[(triton.cdiv(N, ROW_BLOCK),)](
-        lse_split, logit_sum_split, target_logit, x, lse, loss,
+        lse_split, nontarget_split, logit_sum_split, target_logit, x, lse, r, loss,
         N, lse_split.shape[0], lse_split.stride(0), x.stride(0), o.ignore_index,
         1.0 if weighted else 1.0 - o.label_smoothing, o.label_smoothing / V, float(o.z_loss),
         SMOOTHING=smoothing and not weighted, Z_LOSS=bool(o.z_loss), BLOCK=ROW_BLOCK)
     if weighted:
         loss = smoothed_rows(loss, lse, logit_sum_split.sum(0), x, class_weight, o.label_smoothing, o.ignore_index)
-    return (loss, lse) if activity is None else (loss, lse, activity)
+    return (loss, lse, r) if activity is None else (loss, lse, r, activity)
 
 
-def _lse_splits(E, C, bias, o: CCEOptions, fwd, v_splits, softcap, x=None, host=None, class_weight=None):
-    """Algorithm 2 without bits: (lse_split, logit_sum_split, row_stats), each split's rows (SPLITS, N);
-    with targets ``x``, row_stats = (entropy_split, max_split, target_split) (``lse_forward_kernel``'s
+def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softcap, row_stats=False, host=None,
+                class_weight=None):
+    """Algorithm 2 without bits: (lse_split, nontarget_split, logit_sum_split, row_stats), each split's
+    rows (SPLITS, N); nontarget_split: the lse of each split without the target x's column (NONTARGET;
+    ``target_logit``: Algorithm 1's z_x, the target's term of the plain walk's sums);
+    with ``row_stats``, row_stats = (entropy_split, max_split, target_split) (``lse_forward_kernel``'s
     ROW_STATS), else None. With a tier's ``host`` (``HostTuning.lse_pingpong_max_d``) and the splits
     left to the launcher, the plain lse runs the Gluon kernel where it applies (``lse_pingpong_reason``).
     ``class_weight``: the logit sums are weighted by it (``cce_forward``)."""
     N, D = E.shape
     V = C.shape[0]
-    if host is not None and v_splits is None and x is None and lse_pingpong_reason(E, C, bias, o, host) is None:
+    x = x.contiguous()
+    if (host is not None and v_splits is None and not row_stats
+            and lse_pingpong_reason(E, C, bias, o, host) is None):
         from helpers.cce.kernels.lse_forward_pingpong import lse_forward_pingpong
 
-        lse_split = lse_forward_pingpong(E, C)
-        return lse_split, lse_split, None
+        lse_split, nontarget_split = lse_forward_pingpong(E, C, x, target_logit, o.ignore_index)
+        return lse_split, nontarget_split, lse_split, None
     n_blocks, v_splits = split_grid(N, fwd, E.device, v_splits, D, E.element_size())
     v_blocks = triton.cdiv(V, fwd.BLOCK_V)
     blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
     v_splits = triton.cdiv(v_blocks, blocks_per_split)
-    lse_split = torch.empty(v_splits, N, dtype=torch.float32, device=E.device)
+    lse_split, nontarget_split = torch.empty(2, v_splits, N, dtype=torch.float32, device=E.device).unbind(0)
     logit_sum_split = torch.empty_like(lse_split) if o.label_smoothing > 0 else lse_split
-    stats = None if x is None else tuple(torch.empty_like(lse_split) for _ in range(3))
+    stats = tuple(torch.empty_like(lse_split) for _ in range(3)) if row_stats else None
     E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=False)
     launch = _launch_flags(fwd, o, bias, E.dtype, n_blocks, e_desc)
     lse_forward_kernel[grid_order(n_blocks, v_splits)](
         E_arg, C_arg, bias if bias is not None else lse_split, lse_split, logit_sum_split,
         lse_split, lse_split, lse_split, lse_split,  # no bits, seeds or order
-        x if x is not None else lse_split, *(stats or (lse_split,) * 3),
-        N, V, D, 0, blocks_per_split,
+        x, *(stats or (lse_split,) * 3), nontarget_split, target_logit,
+        N, V, D, 0, o.ignore_index, blocks_per_split,
         E.stride(0), E.stride(1), C.stride(0), C.stride(1),
         softcap, 0.0, 1.0 / o.temperature,
-        ROW_STATS=x is not None,
+        ROW_STATS=row_stats, NONTARGET=True,
         class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,
         **launch,
     )
-    return lse_split, logit_sum_split, stats
+    return lse_split, nontarget_split, logit_sum_split, stats
 
 
 def lse_pingpong_reason(E, C, bias, o: CCEOptions, host) -> str | None:
@@ -184,31 +193,34 @@ def cce_forward_outputs(
     v_splits: int | None = None,
     bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprob, entropy, lse, correct), each (N,), of one pass over the logits
+    """(logprob, entropy, lse, correct, r), each (N,), of one pass over the logits
     z = cap(E C^T + b) / temperature (``options``' soft cap and temperature; the loss options are not
-    read): logprob = z_x - lse, entropy H = lse - sum_v softmax(z)_v z_v, correct = the target is
-    among the row's largest logits. Ignored rows: 0, 0, their lse, False. ``helpers.cce.outputs``
-    gives them gradients."""
+    read): logprob = z_x - lse (log1p(-r) where r < 1/2: a confident token's, to fp32's relative
+    precision), entropy H = lse - sum_v softmax(z)_v z_v, correct = the target is among the row's
+    largest logits, r = 1 - softmax(z)_x (``cce_forward``'s). Ignored rows: 0, 0, their lse, False, 1.
+    ``helpers.cce.outputs`` gives them gradients."""
     o = options
     configs = resolve_configs(configs, E.device)
     fwd, _, dot_cfg = configs.for_dtype(E.dtype)
     softcap = o.softcap if o.softcap is not None else 1.0
     # Algorithm 1: z_{i, x_i} as the loss's forward makes it; the accuracy uses the LSE tiles' own copy.
     target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg)
-    lse_split, _, (entropy_split, max_split, target_split) = _lse_splits(
-        E, C, bias, replace(o, label_smoothing=0.0), fwd, v_splits, softcap, x=x)
+    lse_split, nontarget_split, _, (entropy_split, max_split, target_split) = _lse_splits(
+        E, C, bias, x, target_logit, replace(o, label_smoothing=0.0), fwd, v_splits, softcap, row_stats=True)
     lse, entropy, row_max = merge_row_stats(lse_split, entropy_split, max_split)
+    r = nontarget_mass(nontarget_split, lse)
     kept = x != o.ignore_index
-    logprob = torch.where(kept, target_logit - lse, 0.0)
+    logprob = torch.where(kept, log_target_prob(target_logit, lse, r), 0.0)
     # Ties: correct when the target's logit equals the row's largest (the target is among the maxima).
     correct = kept & (target_split.sum(dim=0) >= row_max)
-    return logprob, torch.where(kept, entropy, 0.0), lse, correct
+    return logprob, torch.where(kept, entropy, 0.0), lse, correct, r
 
 
 class RowStatistics(NamedTuple):
     """Each row's statistics of its logits over C's rows, each (N,) fp32 (``cce_forward_rows``)."""
 
     lse: torch.Tensor  # log sum_v exp(z_v)
+    lse_nontarget: torch.Tensor  # log sum_{v != x} exp(z_v) (-inf where only the target's column is here)
     target_logit: torch.Tensor  # z_{i, x_i} (Algorithm 1); 0 where x_i is ignore_index
     logit_sum: torch.Tensor | None  # sum_v z_v, with label smoothing only
     entropy: torch.Tensor | None = None  # lse - sum_v softmax(z)_v z_v (``outputs`` only)
@@ -239,15 +251,16 @@ def cce_forward_rows(
     target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg)
     if outputs:
         o = replace(o, label_smoothing=0.0)
-    lse_split, logit_sum_split, row_stats = _lse_splits(E, C, bias, o, fwd, v_splits, softcap,
-                                                        x=x if outputs else None)
+    lse_split, nontarget_split, logit_sum_split, row_stats = _lse_splits(E, C, bias, x, target_logit, o, fwd,
+                                                                         v_splits, softcap, row_stats=outputs)
     logit_sum = logit_sum_split.sum(dim=0) if o.label_smoothing > 0 else None
+    lse_nontarget = torch.logsumexp(nontarget_split, dim=0)
     if not outputs:
         lse = torch.logsumexp(lse_split, dim=0) if lse_split.shape[0] > 1 else lse_split[0]
-        return RowStatistics(lse, target_logit, logit_sum)
+        return RowStatistics(lse, lse_nontarget, target_logit, logit_sum)
     entropy_split, max_split, target_split = row_stats
     lse, entropy, row_max = merge_row_stats(lse_split, entropy_split, max_split)
-    return RowStatistics(lse, target_logit, None, entropy, row_max, target_split.sum(dim=0))
+    return RowStatistics(lse, lse_nontarget, target_logit, None, entropy, row_max, target_split.sum(dim=0))
 
 
 def _indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg, counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -266,6 +279,18 @@ def _indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg, counts: torch.Tensor | N
         **dot_cfg.tiles("BLOCK_N", "BLOCK_D"), **dot_cfg.launch,
     )
     return target_logit
+
+
+def nontarget_mass(nontarget_split: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """r = 1 - p(target) of each row, (N,) fp32, from its splits' non-target lse (SPLITS, N) and its lse:
+    exp(lse_u - lse), to fp32's relative precision (``lse_forward_kernel``'s NONTARGET)."""
+    return torch.exp(torch.logsumexp(nontarget_split, dim=0) - lse)
+
+
+def log_target_prob(target_logit: torch.Tensor, lse: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """log p(target) of each row: log1p(-r) where r < 1/2 (a confident token: z_x - lse, two rounded
+    numbers of |z|'s size, would be off by ~ulp(|z|) where the answer is ~ -r), else z_x - lse."""
+    return torch.where(r < 0.5, torch.log1p(-r.clamp(max=0.5)), target_logit - lse)
 
 
 def merge_row_stats(lse_split: torch.Tensor, entropy_split: torch.Tensor, max_split: torch.Tensor):
@@ -342,7 +367,7 @@ def _launch_flags(cfg, o: CCEOptions, bias, dtype, n_blocks: int, e_desc: bool) 
 
 
 def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_splits, softcap, return_lse):
-    """Algorithm 2 with activity bits: (lse_split, logit_sum_split, Activity); the module doc says
+    """Algorithm 2 with activity bits: (lse_split, nontarget_split, logit_sum_split, Activity); the module doc says
     how the bits' lower bound is kept tight (target seed; pilot launch when sorted)."""
     if o.filter_eps is None:
         raise ValueError("activity bits need a gradient filter (options.filter_eps)")
@@ -376,25 +401,37 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
     blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks))) if v_blocks else byte_blocks
     blocks_per_split = triton.cdiv(blocks_per_split, byte_blocks) * byte_blocks
     splits = triton.cdiv(v_blocks, blocks_per_split) if v_blocks else 0
-    lse_split = torch.empty((1 if pilot else 0) + splits, N, dtype=torch.float32, device=device)
+    lse_split, nontarget_split = torch.empty(2, (1 if pilot else 0) + splits, N, dtype=torch.float32,
+                                             device=device).unbind(0)
+    # The targets as the kernel walks the columns: their sorted positions in the sorted walk (-1 where
+    # ignored or out of range: no column), so that a tile holds a target where its positions do.
+    if order is not None:
+        position = torch.empty_like(order)
+        position[order] = torch.arange(V, device=device, dtype=order.dtype)
+        x_walk = torch.where((x >= 0) & (x < V) & (x != o.ignore_index), position[x.clamp(0, V - 1)], -1)
+        ignore_walk = -1  # already applied: a position equal to ignore_index is a kept target's
+    else:
+        x_walk, ignore_walk = x.contiguous(), o.ignore_index
     logit_sum_split = torch.empty_like(lse_split) if o.label_smoothing > 0 else lse_split
     common = (N, V, E.shape[1])
     strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1))
     E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=order is not None)
     flags = dict(_launch_flags(fwd, o, bias, E.dtype, n_blocks, e_desc),
-                 EMIT_BITS=True, SORTED=order is not None, SUB=sub)
+                 EMIT_BITS=True, SORTED=order is not None, SUB=sub, NONTARGET=True)
     order_arg = order if order is not None else seed_max
     bias_arg = bias if bias is not None else seed_max
     if pilot:
         # The pilot: the first sorted positions in one split, seeded by the target only.
         lse_forward_kernel[grid_order(n_blocks, 1)](
             E_arg, C_arg, bias_arg, lse_split[0], logit_sum_split[0], bits, seed_add, seed_max, order_arg,
-            *(seed_max,) * 4, *common, 0, triton.cdiv(pilot, fwd.BLOCK_V), *strides, softcap, eps,
+            x_walk, *(seed_max,) * 3, nontarget_split[0], target_logit, *common, 0, ignore_walk,
+            triton.cdiv(pilot, fwd.BLOCK_V), *strides, softcap, eps,
             1.0 / o.temperature, **flags)
         seed_add = lse_split[0]
     if splits:
         lse_forward_kernel[grid_order(n_blocks, splits)](
             E_arg, C_arg, bias_arg, lse_split[1 if pilot else 0:], logit_sum_split[1 if pilot else 0:], bits,
-            seed_add, seed_max, order_arg, *(seed_max,) * 4,
-            *common, pilot, blocks_per_split, *strides, softcap, eps, 1.0 / o.temperature, **flags)
-    return lse_split, logit_sum_split, Activity(bits, bits_v, V, order, o.filter_eps, pilot, coef_max)
+            seed_add, seed_max, order_arg, x_walk, *(seed_max,) * 3, nontarget_split[1 if pilot else 0:],
+            target_logit, *common, pilot, ignore_walk, blocks_per_split, *strides, softcap, eps, 1.0 / o.temperature,
+            **flags)
+    return lse_split, nontarget_split, logit_sum_split, Activity(bits, bits_v, V, order, o.filter_eps, pilot, coef_max)

@@ -11,10 +11,10 @@ option is an int, float, bool or str of the op's schema, and the op rebuilds the
 custom op of its own. Both callers run ``loss_forward`` / ``loss_backward`` (``outputs_forward`` /
 ``outputs_backward``), so the two paths compute the same numbers.
 
-    cce::linear_cross_entropy(E, C, x, bias, <options>) -> (loss, lse, n_kept)
-    cce::linear_cross_entropy_backward(E, C, x, bias, lse, n_kept, grad_loss, grad_lse, <options>,
+    cce::linear_cross_entropy(E, C, x, bias, <options>) -> (loss, lse, n_kept, r)
+    cce::linear_cross_entropy_backward(E, C, x, bias, lse, r, n_kept, grad_loss, grad_lse, <options>,
                                        need_E, need_C, need_bias) -> (dE, dC, db)
-    cce::linear_cross_entropy_outputs(E, C, x, bias, <options>) -> (logprob, entropy, lse, correct)
+    cce::linear_cross_entropy_outputs(E, C, x, bias, <options>) -> (logprob, entropy, lse, correct, r)
     cce::linear_cross_entropy_outputs_backward(...) -> (dE, dC, db)
 
 A gradient that is not wanted comes back from a backward op as an empty tensor (a schema's outputs
@@ -63,8 +63,9 @@ def traceable_backward(backward_impl: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def loss_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):
-    """(loss, lse, n_kept, activity) of E (N, D), C (V, D), x (N,) by ``plan``: the loss reduced as
-    ``plan.options.reduction`` says, the lse (N,) fp32, the kept rows' count (an int64 scalar), the
+    """(loss, lse, r, n_kept, activity) of E (N, D), C (V, D), x (N,) by ``plan``: the loss reduced as
+    ``plan.options.reduction`` says, the lse (N,) fp32, each row's non-target mass r (N,) fp32
+    (``cce_forward``'s: the backward's target column), the kept rows' count (an int64 scalar), the
     "sparse" backward's bits (None without).
 
     ``check_targets``: raise for a target outside [0, V) that is not ignore_index. It costs one
@@ -79,11 +80,11 @@ def loss_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):
     counted = (lambda: reads.append(read_later(counts[1]))) if check_targets else None
     activity = None
     if plan.emit_activity:  # the "sparse" backward's bits (``CCEPlan.emit_activity``)
-        loss_rows, lse, activity = cce_forward(E, C, x, options, plan.configs, bias=bias, emit_activity=True,
-                                               return_lse=plan.return_lse, counts=counts, counted=counted)
+        loss_rows, lse, r, activity = cce_forward(E, C, x, options, plan.configs, bias=bias, emit_activity=True,
+                                                  return_lse=plan.return_lse, counts=counts, counted=counted)
     else:
-        loss_rows, lse = cce_forward(E, C, x, options, plan.configs, bias=bias, counts=counts, counted=counted,
-                                     class_weight=plan.class_weight)
+        loss_rows, lse, r = cce_forward(E, C, x, options, plan.configs, bias=bias, counts=counts, counted=counted,
+                                        class_weight=plan.class_weight)
     if check_targets:  # the forward's kernels read C's row 0 for a target out of range
         raise_for_targets(x, V, options.ignore_index, reads[0]())
     n_kept = counts[0]
@@ -93,12 +94,12 @@ def loss_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):
         loss = loss_rows.sum()
     else:
         loss = loss_rows.sum() / n_kept  # 0 / 0 = NaN when every token is ignored, as torch
-    return loss, lse, n_kept, activity
+    return loss, lse, r, n_kept, activity
 
 
-def loss_backward(E, C, x, lse, n_kept, bias, grad_loss, grad_lse, plan: CCEPlan, stats=None, activity=None):
+def loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, plan: CCEPlan, stats=None, activity=None):
     """(dE, dC, db) of ``loss_forward``'s loss and lse, given their upstream gradients (either None);
-    None for a gradient ``plan.need`` does not ask for."""
+    None for a gradient ``plan.need`` does not ask for. ``r``: ``loss_forward``'s."""
     if not any(plan.need) or (grad_loss is None and grad_lse is None):
         return None, None, None
     N = x.shape[0]
@@ -114,25 +115,26 @@ def loss_backward(E, C, x, lse, n_kept, bias, grad_loss, grad_lse, plan: CCEPlan
         grad_rows = (grad_loss.to(torch.float32) / n_kept.clamp(min=1)).expand(N)
     if stats is not None:  # the kernel that made the forward's lse (a bench says which path it timed)
         stats["forward"] = forward_kernel(E, C, bias, plan.options, plan.configs.host, bits=activity is not None)
-    return run_backward(E, C, x, lse, grad_rows, plan, stats=stats, grad_lse=grad_lse, bias=bias, activity=activity)
+    return run_backward(E, C, x, lse, r, grad_rows, plan, stats=stats, grad_lse=grad_lse, bias=bias,
+                        activity=activity)
 
 
 def outputs_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):
-    """(logprob, entropy, lse, correct), each (N,), of ``helpers.cce.outputs``; ``check_targets`` as
-    ``loss_forward`` (the read follows the forward's kernels)."""
+    """(logprob, entropy, lse, correct, r), each (N,), of ``helpers.cce.outputs`` (r: ``cce_forward_outputs``'s);
+    ``check_targets`` as ``loss_forward`` (the read follows the forward's kernels)."""
     o = plan.options
-    logprob, entropy, lse, correct = cce_forward_outputs(E, C, x, o, plan.configs, bias=bias)
+    logprob, entropy, lse, correct, r = cce_forward_outputs(E, C, x, o, plan.configs, bias=bias)
     if check_targets:
         raise_for_targets(x, C.shape[0], o.ignore_index)
-    return logprob, entropy, lse, correct
+    return logprob, entropy, lse, correct, r
 
 
-def outputs_backward(E, C, x, lse, entropy, bias, grad_logprob, grad_entropy, plan: CCEPlan, stats=None):
+def outputs_backward(E, C, x, lse, entropy, r, bias, grad_logprob, grad_entropy, plan: CCEPlan, stats=None):
     """(dE, dC, db) of ``outputs_forward``'s logprob and entropy (either gradient None)."""
     if not any(plan.need) or (grad_logprob is None and grad_entropy is None):
         return None, None, None
     o, configs = plan.options, plan.configs
-    up = RowGradient.of_outputs(grad_logprob, grad_entropy, x != o.ignore_index, entropy)
+    up = RowGradient.of_outputs(grad_logprob, grad_entropy, x != o.ignore_index, entropy, r)
     if plan.backward_impl == "atomic":
         dE, dC = backward_atomic(E, C, x, lse, up, None, o, configs.for_dtype(E.dtype)[1], None, None, stats, bias,
                                  plan.need[:2])
@@ -168,12 +170,12 @@ def linear_cross_entropy_op(
     ignore_index: int, reduction: str, softcap: Optional[float], z_loss: float, label_smoothing: float,
     temperature: float, filter_eps: Optional[float], sort_vocab: bool, accumulation: str, full_c: bool,
     full_e: bool, configs: Optional[str], backward_impl: str, return_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, lse, n_kept) of ``linear_cross_entropy`` (E (N, D), x (N,)), targets unchecked."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, n_kept, r) of ``linear_cross_entropy`` (E (N, D), x (N,)), targets unchecked."""
     plan = _loss_plan(E, C, (ignore_index, reduction, softcap, z_loss, label_smoothing, temperature, filter_eps,
                              sort_vocab, accumulation, full_c, full_e, configs, backward_impl, return_lse))
-    loss, lse, n_kept, _ = loss_forward(E, C, x, bias, plan, check_targets=False)
-    return loss, lse, n_kept
+    loss, lse, r, n_kept, _ = loss_forward(E, C, x, bias, plan, check_targets=False)
+    return loss, lse, n_kept, r
 
 
 @linear_cross_entropy_op.register_fake
@@ -181,13 +183,14 @@ def _(E, C, x, bias, *options):
     plan = _loss_plan(E, C, options)  # the options' errors at trace time, as in an eager call
     N = E.shape[0]
     loss = E.new_empty((N,) if plan.options.reduction == "none" else (), dtype=torch.float32)
-    return loss, E.new_empty((N,), dtype=torch.float32), x.new_empty((), dtype=torch.int64)
+    return (loss, E.new_empty((N,), dtype=torch.float32), x.new_empty((), dtype=torch.int64),
+            E.new_empty((N,), dtype=torch.float32))
 
 
 @torch.library.custom_op("cce::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward_op(
     E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], lse: torch.Tensor,
-    n_kept: torch.Tensor, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
+    r: torch.Tensor, n_kept: torch.Tensor, grad_loss: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor],
     ignore_index: int, reduction: str, softcap: Optional[float], z_loss: float, label_smoothing: float,
     temperature: float, filter_eps: Optional[float], sort_vocab: bool, accumulation: str, full_c: bool,
     full_e: bool, configs: Optional[str], backward_impl: str, return_lse: bool,
@@ -197,12 +200,12 @@ def linear_cross_entropy_backward_op(
     options = (ignore_index, reduction, softcap, z_loss, label_smoothing, temperature, filter_eps, sort_vocab,
                accumulation, full_c, full_e, configs, backward_impl, return_lse)
     plan = _loss_plan(E, C, options, (need_E, need_C, need_bias))
-    grads = loss_backward(E, C, x, lse, n_kept, bias, grad_loss, grad_lse if return_lse else None, plan)
+    grads = loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse if return_lse else None, plan)
     return _filled(grads, E, C, bias)
 
 
 @linear_cross_entropy_backward_op.register_fake
-def _(E, C, x, bias, lse, n_kept, grad_loss, grad_lse, *options_and_need):
+def _(E, C, x, bias, lse, r, n_kept, grad_loss, grad_lse, *options_and_need):
     return _gradients_like(E, C, bias, options_and_need[-3:])
 
 
@@ -218,18 +221,18 @@ def _gradients_like(E, C, bias, need):
 
 def _setup_loss(ctx, inputs, output):
     E, C, x, bias, *options = inputs
-    _, lse, n_kept = output
-    ctx.save_for_backward(E, C, x, bias, lse, n_kept)
+    _, lse, n_kept, r = output
+    ctx.save_for_backward(E, C, x, bias, lse, r, n_kept)
     ctx.options = tuple(options)
 
 
-def _loss_gradients(ctx, grad_loss, grad_lse, _grad_n_kept):
-    E, C, x, bias, lse, n_kept = ctx.saved_tensors
+def _loss_gradients(ctx, grad_loss, grad_lse, _grad_n_kept, _grad_r):
+    E, C, x, bias, lse, r, n_kept = ctx.saved_tensors
     need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
     none = (None,) * (4 + len(ctx.options))
     if not any(need):
         return none
-    dE, dC, db = linear_cross_entropy_backward_op(E, C, x, bias, lse, n_kept, grad_loss, grad_lse, *ctx.options,
+    dE, dC, db = linear_cross_entropy_backward_op(E, C, x, bias, lse, r, n_kept, grad_loss, grad_lse, *ctx.options,
                                                   *need)
     return (dE if need[0] else None, dC if need[1] else None, None, db if need[2] else None) + none[4:]
 
@@ -249,8 +252,8 @@ def linear_cross_entropy_outputs_op(
     E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor],
     ignore_index: int, softcap: Optional[float], temperature: float, filter_eps: Optional[float],
     configs: Optional[str], backward_impl: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprob, entropy, lse, correct) of ``linear_cross_entropy_outputs`` (x (N,)), targets unchecked."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob, entropy, lse, correct, r) of ``linear_cross_entropy_outputs`` (x (N,)), targets unchecked."""
     plan = _outputs_plan(E, C, (ignore_index, softcap, temperature, filter_eps, configs, backward_impl))
     return outputs_forward(E, C, x, bias, plan, check_targets=False)
 
@@ -260,41 +263,41 @@ def _(E, C, x, bias, *options):
     _outputs_plan(E, C, options)
     N = E.shape[0]
     rows = tuple(E.new_empty((N,), dtype=torch.float32) for _ in range(3))
-    return (*rows, x.new_empty((N,), dtype=torch.bool))
+    return (*rows, x.new_empty((N,), dtype=torch.bool), E.new_empty((N,), dtype=torch.float32))
 
 
 @torch.library.custom_op("cce::linear_cross_entropy_outputs_backward", mutates_args=())
 def linear_cross_entropy_outputs_backward_op(
     E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor], lse: torch.Tensor,
-    entropy: torch.Tensor, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
+    entropy: torch.Tensor, r: torch.Tensor, grad_logprob: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor],
     ignore_index: int, softcap: Optional[float], temperature: float, filter_eps: Optional[float],
     configs: Optional[str], backward_impl: str, need_E: bool, need_C: bool, need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, db) of ``cce::linear_cross_entropy_outputs``; empty where not wanted."""
     plan = _outputs_plan(E, C, (ignore_index, softcap, temperature, filter_eps, configs, backward_impl),
                          (need_E, need_C, need_bias))
-    return _filled(outputs_backward(E, C, x, lse, entropy, bias, grad_logprob, grad_entropy, plan), E, C, bias)
+    return _filled(outputs_backward(E, C, x, lse, entropy, r, bias, grad_logprob, grad_entropy, plan), E, C, bias)
 
 
 @linear_cross_entropy_outputs_backward_op.register_fake
-def _(E, C, x, bias, lse, entropy, grad_logprob, grad_entropy, *options_and_need):
+def _(E, C, x, bias, lse, entropy, r, grad_logprob, grad_entropy, *options_and_need):
     return _gradients_like(E, C, bias, options_and_need[-3:])
 
 
 def _setup_outputs(ctx, inputs, output):
     E, C, x, bias, *options = inputs
-    _, entropy, lse, _ = output
-    ctx.save_for_backward(E, C, x, bias, lse, entropy)
+    _, entropy, lse, _, r = output
+    ctx.save_for_backward(E, C, x, bias, lse, entropy, r)
     ctx.options = tuple(options)
 
 
-def _outputs_gradients(ctx, grad_logprob, grad_entropy, _grad_lse, _grad_correct):
-    E, C, x, bias, lse, entropy = ctx.saved_tensors
+def _outputs_gradients(ctx, grad_logprob, grad_entropy, _grad_lse, _grad_correct, _grad_r):
+    E, C, x, bias, lse, entropy, r = ctx.saved_tensors
     need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
     none = (None,) * (4 + len(ctx.options))
     if not any(need):
         return none
-    dE, dC, db = linear_cross_entropy_outputs_backward_op(E, C, x, bias, lse, entropy, grad_logprob, grad_entropy,
+    dE, dC, db = linear_cross_entropy_outputs_backward_op(E, C, x, bias, lse, entropy, r, grad_logprob, grad_entropy,
                                                           *ctx.options, *need)
     return (dE if need[0] else None, dC if need[1] else None, None, db if need[2] else None) + none[4:]
 

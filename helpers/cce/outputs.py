@@ -52,13 +52,13 @@ class TokenOutputs(NamedTuple):
 
 class LinearOutputsFunction(torch.autograd.Function):
     """(logprob, entropy, correct) of E (N, D), C (V, D), x (N,) by a ``CCEPlan``; the backward
-    recomputes the logits (it saves the lse and the entropy only). Its host functions, and the custom
+    recomputes the logits (it saves the lse, the entropy and r only). Its host functions, and the custom
     ops ``torch.compile`` traces instead: ``helpers.cce.ops``."""
 
     @staticmethod
     def forward(ctx, E, C, x, bias, plan: CCEPlan, stats=None, check_targets=True):
-        logprob, entropy, lse, correct = outputs_forward(E, C, x, bias, plan, check_targets=check_targets)
-        ctx.save_for_backward(E, C, x, lse, entropy, bias)
+        logprob, entropy, lse, correct, r = outputs_forward(E, C, x, bias, plan, check_targets=check_targets)
+        ctx.save_for_backward(E, C, x, lse, entropy, r, bias)
         ctx.plan, ctx.stats = plan, stats
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(correct)
@@ -67,8 +67,8 @@ class LinearOutputsFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprob, grad_entropy, _grad_correct):
-        E, C, x, lse, entropy, bias = ctx.saved_tensors
-        dE, dC, db = outputs_backward(E, C, x, lse, entropy, bias, grad_logprob, grad_entropy, ctx.plan, ctx.stats)
+        E, C, x, lse, entropy, r, bias = ctx.saved_tensors
+        dE, dC, db = outputs_backward(E, C, x, lse, entropy, r, bias, grad_logprob, grad_entropy, ctx.plan, ctx.stats)
         return dE, dC, None, db, None, None, None
 
 
@@ -134,7 +134,7 @@ def linear_cross_entropy_outputs(
             raise ValueError("configs must be a tier's name or None under torch.compile (a CCEConfigs object cannot "
                              f"pass through the custom op's schema), got {type(configs).__name__}")
         check_bias_gradient(backward_impl, grad and wants_db)
-        logprob, entropy, _, correct = linear_cross_entropy_outputs_op(
+        logprob, entropy, _, correct, _ = linear_cross_entropy_outputs_op(
             E_rows, C, x_rows, bias, ignore_index, softcap, temperature, schema_filter_eps(filter_eps, E.dtype, C.shape[0]),
             configs, backward_impl)
     else:

@@ -7,11 +7,12 @@ vocabulary-parallel loss must then combine the ranks' logits without gathering t
 head (V = 151,936) on 8 ranks with N = 131,072 tokens each rank's logit slice is
 N * V / 8 * 2 = 5.0 GB in bf16, its gradient as much again. Here each rank runs our forward on its
 slice (no logits in memory, ``helpers.cce.forward.cce_forward_rows``) and the ranks exchange, per
-row, a few fp32 numbers: one ``all_gather`` of (k, N) with k = 2 (lse_r, the target logit if rank r
-owns the target), 3 with label smoothing (+ the slice's logit sum), 5 for the per-token outputs
-(+ entropy_r, max_r, the target from the max's tile): k * N * 4 bytes a rank, 1 MiB at N = 131,072,
-k = 2. The backward sends dE once (an ``all_reduce`` of N * D in E's dtype, 256 MiB at the Qwen3
-head in bf16), or leaves it to the caller (``dE_reduction="none"``).
+row, a few fp32 numbers: one ``all_gather`` of (k, N) with k = 3 (lse_r, the target logit if rank r
+owns the target, the slice's lse without the target's column: r = 1 - p(target) to fp32's relative
+precision, ``helpers.cce.forward.nontarget_mass``), 4 with label smoothing (+ the slice's logit sum),
+6 for the per-token outputs (+ entropy_r, max_r, the target from the max's tile): k * N * 4 bytes a
+rank, 1.5 MiB at N = 131,072, k = 3. The backward sends dE once (an ``all_reduce`` of N * D in E's dtype,
+256 MiB at the Qwen3 head in bf16), or leaves it to the caller (``dE_reduction="none"``).
 
 The math. With the global lse_i = log sum_r exp(lse_{r, i}) (``torch.logsumexp`` over the gathered
 (R, N)) and the target logit z_{i, x_i} from the one rank whose slice holds x_i:
@@ -54,7 +55,7 @@ from helpers.cce.backward.atomic import backward_atomic
 from helpers.cce.backward.gemm import backward_gemm
 from helpers.cce.backward.rows import RowGradient
 from helpers.cce.class_weights import check_weight, weighted_reduction
-from helpers.cce.forward import cce_forward_rows, merge_row_stats
+from helpers.cce.forward import cce_forward_rows, log_target_prob, merge_row_stats, nontarget_mass
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import CCEPlan, plan_call
 from helpers.cce.outputs import TokenOutputs
@@ -207,17 +208,19 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         x_local, owned = layout.local_targets(x, o.ignore_index)
         # 1. This slice's statistics: lse_r, z_{i, x_i} where the target is here, sum_{v in r} z_v.
         local = cce_forward_rows(E, C_local, x_local, _local_options(plan), plan.configs, bias=bias_local)
-        rows = [local.lse, torch.where(owned, local.target_logit, 0.0)]
+        # The slice's non-target lse: its whole lse where the target is elsewhere (x_local matches nothing).
+        rows = [local.lse, torch.where(owned, local.target_logit, 0.0), local.lse_nontarget]
         if o.label_smoothing > 0:
             rows.append(local.logit_sum)
         # 2. [Exchange] every rank's statistics, (R, k, N); merged alike on every rank.
         gathered = _all_gather_rows(torch.stack(rows), layout)
         lse = torch.logsumexp(gathered[:, 0], dim=0)  # lse = log sum_r exp(lse_r)
         target_logit = gathered[:, 1].sum(dim=0)  # one rank's value, zeros elsewhere
+        r = nontarget_mass(gathered[:, 2], lse)  # 1 - p(target), to fp32's relative precision
         # 3. The loss of each row, as ``cce_forward`` combines one device's statistics.
-        loss_rows = lse - (1.0 - o.label_smoothing) * target_logit
+        loss_rows = -log_target_prob(target_logit, lse, r) + o.label_smoothing * target_logit
         if o.label_smoothing > 0:
-            loss_rows = loss_rows - (o.label_smoothing / layout.vocab_size) * gathered[:, 2].sum(dim=0)
+            loss_rows = loss_rows - (o.label_smoothing / layout.vocab_size) * gathered[:, 3].sum(dim=0)
         if o.z_loss:
             loss_rows = loss_rows + o.z_loss * lse * lse
         kept = x != o.ignore_index
@@ -229,7 +232,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
             loss = loss_rows.sum()
         else:
             loss = loss_rows.sum() / n_kept  # NaN when every token is ignored, as torch
-        ctx.save_for_backward(E, C_local, x_local, kept, lse, n_kept, bias_local)
+        ctx.save_for_backward(E, C_local, x_local, kept, lse, r, n_kept, bias_local)
         ctx.plan, ctx.layout, ctx.dE_reduction, ctx.stats = plan, layout, dE_reduction, stats
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(n_kept)
@@ -238,7 +241,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, grad_lse):
-        E, C_local, x_local, kept, lse, n_kept, bias_local = ctx.saved_tensors
+        E, C_local, x_local, kept, lse, r, n_kept, bias_local = ctx.saved_tensors
         plan, layout = ctx.plan, ctx.layout
         none = (None,) * 8
         if not any(plan.need) or (grad_loss is None and grad_lse is None):
@@ -253,7 +256,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
             grad_rows = grad_loss.to(torch.float32).expand(N)
         else:
             grad_rows = (grad_loss.to(torch.float32) / n_kept.clamp(min=1)).expand(N)
-        up = RowGradient.of(grad_rows, grad_lse, kept, lse, o)
+        up = RowGradient.of(grad_rows, grad_lse, kept, lse, r, o)
         if o.label_smoothing > 0:
             # The kernels divide c by their own C's rows (V_r); the smoothing spreads over all V.
             scale = torch.tensor([1.0, 1.0, layout.V_local / layout.vocab_size], device=E.device)
@@ -381,15 +384,17 @@ class VocabParallelOutputsFunction(torch.autograd.Function):
         local = cce_forward_rows(E, C_local, x_local, _local_options(plan), plan.configs, bias=bias_local,
                                  outputs=True)
         rows = [local.lse, local.entropy, local.row_max, torch.where(owned, local.target_logit, 0.0),
-                local.target_in_tile]  # the last is 0 off this slice (x_local = NO_TARGET matches no tile)
+                local.target_in_tile,  # 0 off this slice (x_local = NO_TARGET matches no tile)
+                local.lse_nontarget]  # the slice's whole lse off this slice
         gathered = _all_gather_rows(torch.stack(rows), layout)
         lse, entropy, row_max = merge_row_stats(gathered[:, 0], gathered[:, 1], gathered[:, 2])
         target_logit, target_in_tile = gathered[:, 3].sum(dim=0), gathered[:, 4].sum(dim=0)
+        r = nontarget_mass(gathered[:, 5], lse)
         kept = x != o.ignore_index
-        logprob = torch.where(kept, target_logit - lse, 0.0)
+        logprob = torch.where(kept, log_target_prob(target_logit, lse, r), 0.0)
         entropy = torch.where(kept, entropy, 0.0)
         correct = kept & (target_in_tile >= row_max)  # ties: the target among the maxima
-        ctx.save_for_backward(E, C_local, x_local, kept, lse, entropy, bias_local)
+        ctx.save_for_backward(E, C_local, x_local, kept, lse, entropy, r, bias_local)
         ctx.plan, ctx.layout, ctx.dE_reduction, ctx.stats = plan, layout, dE_reduction, stats
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(correct)
@@ -398,11 +403,11 @@ class VocabParallelOutputsFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprob, grad_entropy, _grad_correct):
-        E, C_local, x_local, kept, lse, entropy, bias_local = ctx.saved_tensors
+        E, C_local, x_local, kept, lse, entropy, r, bias_local = ctx.saved_tensors
         plan = ctx.plan
         if not any(plan.need) or (grad_logprob is None and grad_entropy is None):
             return (None,) * 8
-        up = RowGradient.of_outputs(grad_logprob, grad_entropy, kept, entropy)
+        up = RowGradient.of_outputs(grad_logprob, grad_entropy, kept, entropy, r)
         dE, dC, db = _slice_backward(E, C_local, x_local, lse, up, plan, bias_local, ctx.stats)
         return _reduce_dE(dE, ctx.layout, ctx.dE_reduction), dC, None, db, None, None, None, None
 

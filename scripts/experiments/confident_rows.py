@@ -59,13 +59,15 @@ def measure(margin: float, dtype: torch.dtype, device: str) -> dict:
         F.cross_entropy((e @ c.T).float(), x, reduction="sum").backward()
         leaves[name] = e.grad
     e, c = (t.detach().requires_grad_() for t in (E, C))
-    linear_cross_entropy(e, c, x, reduction="sum").backward()
+    stats = {}
+    linear_cross_entropy(e, c, x, reduction="sum", stats=stats).backward()
     z = E.double() @ C.double().T
     p = torch.softmax(z, dim=1).gather(1, x[:, None]).squeeze(1)
     record = dict(case=f"margin{margin:g}/{str(dtype).replace('torch.', '')}", margin=margin,
                   one_minus_p_min=(1 - p).min().item(),
                   ours=row_errors(e.grad, leaves["exact"]), naive=row_errors(leaves["naive"], leaves["exact"]),
-                  naive_fp32=row_errors(leaves["naive_fp32"], leaves["exact"]))
+                  naive_fp32=row_errors(leaves["naive_fp32"], leaves["exact"]),
+                  forward=stats.get("forward"), backward=stats.get("backward"), g_kernels=stats.get("g_kernels"))
     finite = all(math.isfinite(record[k]) for k in ("ours", "naive", "naive_fp32"))
     record["status"] = "ok" if finite else "not finite"
     return record

@@ -139,11 +139,11 @@ class Case:
         self.name, self.N, self.V, self.D, self.dtype, self.device = name, N, V, D, dtype, device
         self.E, self.C, self.x = make_inputs(N, V, D, dtype, device, regime=regime, seed=N)
         self.options = resolve_options(dtype, vocabulary=V)
-        _, self.lse = cce_forward(self.E, self.C, self.x, self.options)
+        _, self.lse, self.r = cce_forward(self.E, self.C, self.x, self.options)
         self.grad_rows = torch.full((), 1.0 / N, device=device).expand(N)  # a mean's
 
     def backward(self, **kw):
-        return cce_backward(self.E, self.C, self.x, self.lse, self.grad_rows,
+        return cce_backward(self.E, self.C, self.x, self.lse, self.r, self.grad_rows,
                             kw.pop("options", self.options), backward_impl="gemm", **kw)
 
 
@@ -154,7 +154,7 @@ def forward_sweep(case, base, candidates, repeats):
         try:
             configs = with_config(base, "forward", cfg)
             run = lambda: cce_forward(case.E, case.C, case.x, case.options, configs)  # noqa: E731
-            _, lse = run()
+            _, lse, _ = run()
             ms = latency(run, warmup=1, repeats=repeats, device=case.device).median_ms
             rec.update(ms=round(ms, 2), tflops=product_tflops(case.N, case.V, case.D, ms))
             if first is None:
@@ -360,7 +360,7 @@ def sparse_forward_sweep(case, base, candidates, repeats):
         try:
             configs = with_config(base, "forward_sorted", cfg)
             run = lambda: cce_forward(case.E, case.C, case.x, options, configs, emit_activity=True)  # noqa: E731
-            _, lse, activity = run()
+            _, lse, _, activity = run()
             ms = latency(run, warmup=1, repeats=repeats, device=case.device).median_ms
             ones = sum(((activity.bits >> k) & 1).sum() for k in range(8))
             rec.update(ms=round(ms, 2), tflops=product_tflops(case.N, case.V, case.D, ms),

@@ -158,8 +158,8 @@ def test_the_sparse_backwards_hand_over_is_gemms():
     assert bits and stats["backward"] == "gemm" and stats["fallback"] and "auto" not in stats
     configs = small()
     sparse = resolve_options(torch.float16, filter_eps=sparse_auto_eps(torch.float16, V, 16), sort_vocab=True)
-    _, lse, _ = cce_forward(E, C, x, sparse, configs, emit_activity=True)
-    gE, gC, _ = cce_backward(E, C, x, lse, torch.full((N,), 1.0 / N), resolve_options(torch.float16, vocabulary=V), configs,
+    _, lse, r, _ = cce_forward(E, C, x, sparse, configs, emit_activity=True)
+    gE, gC, _ = cce_backward(E, C, x, lse, r, torch.full((N,), 1.0 / N), resolve_options(torch.float16, vocabulary=V), configs,
                              backward_impl="gemm")
     assert torch.equal(dE, gE) and torch.equal(dC, gC)
 
@@ -237,4 +237,4 @@ def test_the_module_and_the_host_function_take_the_default():
     LinearCrossEntropy(configs=small(), stats=stats)(Eg, C, x).backward()
     assert stats["backward"] == "gemm" and stats["auto"].startswith("probe")
     with pytest.raises(ValueError, match="decides before the forward"):
-        cce_backward(E, C, x, torch.zeros(N), torch.ones(N), backward_impl="auto")
+        cce_backward(E, C, x, torch.zeros(N), torch.ones(N), torch.ones(N), backward_impl="auto")

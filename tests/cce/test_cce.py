@@ -179,9 +179,9 @@ def test_chunked_host_paths(dtype, accumulation, impl):
     (for "gemm", vocabulary chunks of 100: not a multiple of BLOCK_V, partial tiles in each)."""
     E, C, x = make_inputs(dtype, ignore=[5])
     options = resolve_options(dtype, filter_eps=None, sort_vocab=True, accumulation=accumulation)
-    loss_rows, lse = cce_forward(E, C, x, options, v_splits=3)
+    loss_rows, lse, r = cce_forward(E, C, x, options, v_splits=3)
     go = upstream("none")
-    dE, dC, _ = cce_backward(E, C, x, lse, go, options, n_chunk=16, v_chunk=100, backward_impl=impl)
+    dE, dC, _ = cce_backward(E, C, x, lse, r, go, options, n_chunk=16, v_chunk=100, backward_impl=impl)
     rloss, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
     torch.testing.assert_close(loss_rows.double(), rloss, rtol=TOL[dtype], atol=TOL[dtype])
     assert relative_error(dE, rdE) < TOL[dtype] and relative_error(dC, rdC) < TOL[dtype]
@@ -195,9 +195,9 @@ def test_kahan_compensates_the_folds_of_dC(impl):
     errors = {}
     for accumulation in ("fp32", "kahan"):
         options = resolve_options(torch.float16, filter_eps=None, accumulation=accumulation)
-        _, lse = cce_forward(E, C, x, options)
+        _, lse, r = cce_forward(E, C, x, options)
         grad_rows = go.expand(N).float()
-        _, dC, _ = cce_backward(E, C, x, lse, grad_rows, options, n_chunk=1, v_chunk=64,
+        _, dC, _ = cce_backward(E, C, x, lse, r, grad_rows, options, n_chunk=1, v_chunk=64,
                              backward_impl=impl)
         errors[accumulation] = relative_error(dC, reference_loss_and_grads(E, C, x, go, reduction="sum")[2])
     assert errors["kahan"] < 0.6 * errors["fp32"], errors
@@ -229,9 +229,9 @@ def test_filter_skips_tiles_when_the_softmax_is_peaked(dtype, backward_impl):
     skipped = {}
     for name, eps, sort in (("off", None, False), ("on", 2.0**-12, False), ("sorted", 2.0**-12, True)):
         options = resolve_options(dtype, filter_eps=eps, sort_vocab=sort)
-        _, lse = cce_forward(E, C, x, options)
+        _, lse, r = cce_forward(E, C, x, options)
         stats = {}
-        dE, dC, _ = cce_backward(E, C, x, lse, go, options, stats=stats, **backward_impl)
+        dE, dC, _ = cce_backward(E, C, x, lse, r, go, options, stats=stats, **backward_impl)
         skipped[name] = stats["skipped"] / stats["tiles"]
         # What the filter drops is below eps per entry, ~1e-6 here: under fp16's rounding, and a
         # visible 3e-5 in fp32 (where "auto" keeps the filter off).
@@ -293,9 +293,9 @@ def test_gemm_products_as_on_a_gpu(mode, n_chunk):
     E, C, x = make_inputs(torch.float16, d=64, ignore=[3, 20])  # D >= BLOCK_V: dE's rows hold a chunk
     go = upstream("none")
     options = resolve_options(torch.float16, filter_eps=None)
-    _, lse = cce_forward(E, C, x, options)
+    _, lse, r = cce_forward(E, C, x, options)
     stats = {}
-    dE, dC, _ = cce_backward(E, C, x, lse, go, options, tier_with(product_mode=mode), n_chunk=n_chunk, v_chunk=64,
+    dE, dC, _ = cce_backward(E, C, x, lse, r, go, options, tier_with(product_mode=mode), n_chunk=n_chunk, v_chunk=64,
                              stats=stats, backward_impl="gemm")
     # Chunks at most 64 wide (5 or more a row chunk), G never in a buffer (fp16, dE wanted).
     assert stats["products"] == mode and stats["launches"] >= (3 if n_chunk else 1) * 5
@@ -415,9 +415,9 @@ def test_every_place_of_G_gives_the_reference(mode, dtype, need, n_chunk, share)
     bias = torch.randn(701, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE) if need[2] else None
     go = upstream("none", n=61)
     options = resolve_options(dtype, filter_eps=None)
-    _, lse = cce_forward(E, C, x, options, bias=bias)
+    _, lse, r = cce_forward(E, C, x, options, bias=bias)
     stats = {}
-    dE, dC, db = cce_backward(E, C, x, lse, go, options, configs, stats=stats, backward_impl="gemm", bias=bias,
+    dE, dC, db = cce_backward(E, C, x, lse, r, go, options, configs, stats=stats, backward_impl="gemm", bias=bias,
                               need=need)
     E64, C64 = E.double().requires_grad_(need[0]), C.double().requires_grad_(True)
     b64 = bias.double().requires_grad_(True) if bias is not None else None
@@ -457,7 +457,7 @@ def test_gemm_chunks_bound_the_scratch():
 def test_bad_backward_impl_names_the_argument():
     E, C, x = make_inputs(torch.float32)
     with pytest.raises(ValueError, match="backward_impl"):
-        cce_backward(E, C, x, torch.zeros(N), torch.ones(N), backward_impl="v2")
+        cce_backward(E, C, x, torch.zeros(N), torch.ones(N), torch.ones(N), backward_impl="v2")
 
 
 BAD_INPUTS = [
@@ -567,26 +567,28 @@ def test_the_persistent_g_kernel_gives_the_same_bits(tma, subtile, filtered, sor
     walked = dataclasses.replace(plain, persistent=1, g_subtile=subtile)
     E, C, x = make_inputs(dtype, n=45, v=203, d=40, ignore=[3])
     options = resolve_options(dtype, filter_eps="auto" if filtered else None, vocabulary=203, sort_vocab=sort)
-    _, lse = cce_forward(E, C, x, options)
+    _, lse, r = cce_forward(E, C, x, options)
     go = upstream("mean", n=45)
     results = []
     for cfg in (plain, walked):
         stats = {}
         configs = dataclasses.replace(base, backward_gemm={**base.backward_gemm, 2: cfg})
-        results.append((cce_backward(E, C, x, lse, go, options, configs, stats=stats, backward_impl="gemm"), stats))
+        results.append((cce_backward(E, C, x, lse, r, go, options, configs, stats=stats, backward_impl="gemm"), stats))
     (dE0, dC0, _), s0 = results[0]
     (dE1, dC1, _), s1 = results[1]
     assert torch.equal(dE0, dE1) and torch.equal(dC0, dC1)
     assert s0["tiles"] == s1["tiles"] and s0.get("skipped") == s1.get("skipped")
 
 
-def _row_gradient_torch(grad_rows, grad_lse, kept, lse, z_loss, label_smoothing):
-    """``RowGradient.of`` as the torch expressions its kernels replaced: (w, w_rel, w_scale, coef)."""
+def _row_gradient_torch(grad_rows, grad_lse, kept, lse, r, z_loss, label_smoothing):
+    """``RowGradient.of`` as the torch expressions its kernels replaced: (w, w_rel, w_scale, coef), coef's
+    second row the target column's t = (a - b) - a r."""
     g = torch.where(kept, grad_rows.to(torch.float32), 0.0)
     h = grad_lse.to(torch.float32) if grad_lse is not None else torch.zeros_like(g)
     w = torch.maximum(g.abs(), h.abs())
     safe = torch.where(w > 0, w, 1.0)
-    coef = torch.stack([(g * (1.0 + 2.0 * z_loss * lse) + h) / safe, g * (1.0 - label_smoothing) / safe,
+    a = (g * (1.0 + 2.0 * z_loss * lse) + h) / safe
+    coef = torch.stack([a, (g * (2.0 * z_loss * lse + label_smoothing) + h) / safe - a * r,
                         g * label_smoothing / safe])
     w_scale = w.amax().reshape(1)
     return w, torch.where(w_scale > 0, w / w_scale, 0.0), w_scale, coef
@@ -605,6 +607,7 @@ def test_row_gradient_kernels_match_the_torch_expressions(N, case):
 
     gen = torch.Generator().manual_seed(N)
     lse = torch.randn(N, generator=gen).to(DEVICE)
+    r = torch.rand(N, generator=gen).pow(8).to(DEVICE)  # non-target masses down to ~1e-30
     kept = (torch.rand(N, generator=gen) > 0.3).to(DEVICE)
     grad_lse = torch.randn(N, generator=gen).to(DEVICE) if case in ("lse", "nan") else None
     if case in ("mean", "all_ignored"):
@@ -616,8 +619,8 @@ def test_row_gradient_kernels_match_the_torch_expressions(N, case):
     if case == "nan":
         grad_rows[N // 2], kept[N // 2] = float("nan"), True
     options = resolve_options(torch.float32, filter_eps=None, z_loss=1e-3, label_smoothing=0.1)
-    up = RowGradient.of(grad_rows, grad_lse, kept, lse, options)
-    want = _row_gradient_torch(grad_rows, grad_lse, kept, lse, options.z_loss, options.label_smoothing)
+    up = RowGradient.of(grad_rows, grad_lse, kept, lse, r, options)
+    want = _row_gradient_torch(grad_rows, grad_lse, kept, lse, r, options.z_loss, options.label_smoothing)
     # A GPU: fp32's rounding, relative to the terms (a coefficient g (1 + 2 zl lse) + h near 0 cancels).
     rtol, atol = (0.0, 0.0) if DEVICE == "cpu" else (1e-6, 1e-6)
     for got, expected in zip((up.w, up.w_rel, up.w_scale, up.coef), want):

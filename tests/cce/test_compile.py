@@ -228,11 +228,11 @@ def test_the_ops_read_nothing_on_the_host():
     nothing on the host at run time either: the ops' forwards and backwards, called as the graph calls them."""
     E, C, x, bias = (t.detach() for t in op_inputs())
     with HostReads() as reads:
-        loss, lse, n_kept = ops.linear_cross_entropy_op(E, C, x, bias, *LOSS_OPTIONS)
-        ops.linear_cross_entropy_backward_op(E, C, x, bias, lse, n_kept, torch.ones(()), torch.rand(N),
+        loss, lse, n_kept, r = ops.linear_cross_entropy_op(E, C, x, bias, *LOSS_OPTIONS)
+        ops.linear_cross_entropy_backward_op(E, C, x, bias, lse, r, n_kept, torch.ones(()), torch.rand(N),
                                              *LOSS_OPTIONS, True, True, True)
-        _, entropy, lse, _ = ops.linear_cross_entropy_outputs_op(E, C, x, bias, *OUTPUTS_OPTIONS)
-        ops.linear_cross_entropy_outputs_backward_op(E, C, x, bias, lse, entropy, torch.rand(N), torch.rand(N),
+        _, entropy, lse, _, r = ops.linear_cross_entropy_outputs_op(E, C, x, bias, *OUTPUTS_OPTIONS)
+        ops.linear_cross_entropy_outputs_backward_op(E, C, x, bias, lse, entropy, r, torch.rand(N), torch.rand(N),
                                                      *OUTPUTS_OPTIONS, True, True, True)
     assert reads.count == 0
 
@@ -244,14 +244,14 @@ def test_opcheck():
     E, C, x, bias = op_inputs()
     loss_options, outputs_options = LOSS_OPTIONS, OUTPUTS_OPTIONS
     torch.library.opcheck(ops.linear_cross_entropy_op, (E, C, x, bias, *loss_options))
-    loss, lse, n_kept = ops.linear_cross_entropy_op(E.detach(), C.detach(), x, bias.detach(), *loss_options)
+    loss, lse, n_kept, r = ops.linear_cross_entropy_op(E.detach(), C.detach(), x, bias.detach(), *loss_options)
     plain = tuple(t.detach() for t in (E, C, x, bias))
-    backward_args = (*plain, lse, n_kept, torch.ones(()), torch.rand(N), *loss_options, True, True, True)
+    backward_args = (*plain, lse, r, n_kept, torch.ones(()), torch.rand(N), *loss_options, True, True, True)
     not_autograd = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(ops.linear_cross_entropy_backward_op, backward_args, test_utils=not_autograd)
     torch.library.opcheck(ops.linear_cross_entropy_outputs_op, (E, C, x, bias, *outputs_options))
-    _, entropy, lse, _ = ops.linear_cross_entropy_outputs_op(*plain, *outputs_options)
-    outputs_backward_args = (*plain, lse, entropy, torch.rand(N), torch.rand(N), *outputs_options, True, True, True)
+    _, entropy, lse, _, r_out = ops.linear_cross_entropy_outputs_op(*plain, *outputs_options)
+    outputs_backward_args = (*plain, lse, entropy, r_out, torch.rand(N), torch.rand(N), *outputs_options, True, True, True)
     torch.library.opcheck(ops.linear_cross_entropy_outputs_backward_op, outputs_backward_args, test_utils=not_autograd)
 
 

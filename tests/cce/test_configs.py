@@ -27,11 +27,11 @@ import pytest
 KERNEL_FLAGS = {
     # (kernel, variant) -> the constexpr flags compiled: every flag on, and every flag off.
     ("lse_forward", "all"): dict(HAS_SOFTCAP=True, SUM_LOGITS=True, EMIT_BITS=False, SORTED=False, SUB=1,
-                                 CLASS_WEIGHTS=True),
+                                 CLASS_WEIGHTS=True, NONTARGET=True),
     ("lse_forward", "none"): dict(HAS_SOFTCAP=False, SUM_LOGITS=False, EMIT_BITS=False, SORTED=False, SUB=1),
     # The forward of backward_impl="sparse": activity bits, sorted walk (SUB from the tier's tiles).
     ("lse_forward", "bits"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SUM_LOGITS=False, EMIT_BITS=True,
-                                  SORTED=True),
+                                  SORTED=True, NONTARGET=True),
     ("backward", "all"): dict(HAS_SOFTCAP=True, FILTER=True, FULL_E=True, FULL_C=True, SORTED=True,
                               DC_LOCAL=True, COUNT_SKIPS=True, CLASS_WEIGHTS=True),
     ("backward", "none"): dict(HAS_SOFTCAP=False, FILTER=False, FULL_E=False, FULL_C=False,
@@ -39,9 +39,9 @@ KERNEL_FLAGS = {
     ("indexed_dot", "all"): dict(HAS_SOFTCAP=True),
     # Tensor descriptors (TMA), on the tiers whose configuration asks for them (``LaunchConfig.tma``).
     ("lse_forward", "tma"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SUM_LOGITS=True, E_DESC=True,
-                                 SPLIT_MAJOR=True),
+                                 SPLIT_MAJOR=True, NONTARGET=True),
     ("lse_forward", "bits_tma"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SUM_LOGITS=False, EMIT_BITS=True,
-                                      SORTED=True, E_DESC=True),
+                                      SORTED=True, E_DESC=True, NONTARGET=True),
     ("backward_gemm", "tma"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, FILTER=True, SPLIT_G=False, SORTED=False,
                                    E_DESC=True, G_DESC=True),
     ("backward_gemm", "all"): dict(HAS_SOFTCAP=True, FILTER=True, SPLIT_G=True, SORTED=True, CLASS_WEIGHTS=True),

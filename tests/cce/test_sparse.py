@@ -126,13 +126,13 @@ def run_sparse(E, C, x, go, *, eps=EPS, sort=False, reduction="mean", stats=None
     dtype = E.dtype
     configs = configs or small()
     o = resolve_options(dtype, filter_eps=eps, sort_vocab=sort, reduction=reduction, **options)
-    _, lse, activity = cce_forward(E, C, x, o, configs, v_splits=3, bias=bias, emit_activity=True,
+    _, lse, r, activity = cce_forward(E, C, x, o, configs, v_splits=3, bias=bias, emit_activity=True,
                                    return_lse=grad_lse is not None)
     grad_rows = go.float().expand(E.shape[0]) if go.dim() == 0 else go.float()
     if reduction == "mean":
         grad_rows = grad_rows / (x != -100).sum().clamp(min=1)
     need = need or (True, True, bias is not None)
-    dE, dC, db = cce_backward(E, C, x, lse, grad_rows, o, configs, stats=stats, backward_impl="sparse",
+    dE, dC, db = cce_backward(E, C, x, lse, r, grad_rows, o, configs, stats=stats, backward_impl="sparse",
                               activity=activity, bias=bias, grad_lse=grad_lse, need=need)
     return dE, dC, db, activity
 
@@ -214,8 +214,8 @@ def test_uniform_hands_over_to_gemm(dtype):
     dE, dC, _, _ = run_sparse(E, C, x, go, stats=stats)
     assert stats["fallback"] and "mark" in stats["fallback"] and stats["density"] > 0.9
     o = resolve_options(dtype, filter_eps=EPS)
-    _, lse = cce_forward(E, C, x, o, small(), v_splits=3)
-    gE, gC, _ = cce_backward(E, C, x, lse, go.float().expand(N) / N, o, small(), backward_impl="gemm")
+    _, lse, r = cce_forward(E, C, x, o, small(), v_splits=3)
+    gE, gC, _ = cce_backward(E, C, x, lse, r, go.float().expand(N) / N, o, small(), backward_impl="gemm")
     assert torch.equal(dE, gE) and torch.equal(dC, gC)
 
 
@@ -243,8 +243,8 @@ def test_uniform_forced_sparse_equals_gemm(dtype):
     dE, dC, _, _ = run_sparse(E, C, x, go, reduction="none", stats=stats, configs=small(dense_fallback=1.01))
     assert stats["fallback"] is None and stats["kept_pairs"] == stats["pairs"]
     o = resolve_options(dtype, filter_eps=EPS, reduction="none")
-    _, lse = cce_forward(E, C, x, o, small())
-    gE, gC, _ = cce_backward(E, C, x, lse, go.float(), o, small(), backward_impl="gemm")
+    _, lse, r = cce_forward(E, C, x, o, small())
+    gE, gC, _ = cce_backward(E, C, x, lse, r, go.float(), o, small(), backward_impl="gemm")
     assert relative_error(dE, gE) < TOL[dtype] and relative_error(dC, gC) < TOL[dtype]
     _, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="none")
     assert relative_error(dE, rdE) < TOL[dtype] and relative_error(dC, rdC) < TOL[dtype]
@@ -273,8 +273,8 @@ def test_forward_bits_never_miss_a_tile(sort, bias):
     E, C, x = inputs(torch.float32, ignore=[9])
     bias = head_bias(torch.float32) if bias else None
     o = resolve_options(torch.float32, filter_eps=EPS, sort_vocab=sort, softcap=20.0)
-    loss, lse, act = cce_forward(E, C, x, o, small(), v_splits=3, bias=bias, emit_activity=True)
-    loss0, lse0 = cce_forward(E, C, x, o, small(), v_splits=3, bias=bias)
+    loss, lse, r, act = cce_forward(E, C, x, o, small(), v_splits=3, bias=bias, emit_activity=True)
+    loss0, lse0, r0 = cce_forward(E, C, x, o, small(), v_splits=3, bias=bias)
     torch.testing.assert_close(lse, lse0, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=1e-5)
     z = reference_logits(E, C, 20.0, bias=bias)
@@ -370,12 +370,12 @@ def test_bits_past_the_last_tile_are_ignored():
     E, C, x = inputs(torch.float32)
     go = upstream("mean")
     o = resolve_options(torch.float32, filter_eps=EPS)
-    _, lse, act = cce_forward(E, C, x, o, small(), v_splits=3, emit_activity=True)
+    _, lse, r, act = cce_forward(E, C, x, o, small(), v_splits=3, emit_activity=True)
     assert act.tiles % 8
     act.bits[-1] |= 0xFF << (act.tiles % 8) & 0xFF
     grad_rows = go.float().expand(N) / (x != -100).sum()
     stats = {}
-    dE, dC, _ = cce_backward(E, C, x, lse, grad_rows, o, small(), stats=stats, backward_impl="sparse", activity=act)
+    dE, dC, _ = cce_backward(E, C, x, lse, r, grad_rows, o, small(), stats=stats, backward_impl="sparse", activity=act)
     assert stats["fallback"] is None
     rdE, rdC, _ = filtered_reference(E, C, x, go, EPS, act.order, act.block_v)
     assert relative_error(dE, rdE) < TOL[torch.float32] and relative_error(dC, rdC) < TOL[torch.float32]
@@ -496,12 +496,12 @@ def test_a_coefficient_past_the_forwards_bound_runs_gemm():
     |a| reaches 2, the bits may miss tiles, so "gemm" runs, and its result is gemm's to the bit."""
     E, C, x = inputs(torch.float32)
     o = resolve_options(torch.float32, filter_eps=EPS, reduction="sum")
-    _, lse, act = cce_forward(E, C, x, o, small(), emit_activity=True)
+    _, lse, r, act = cce_forward(E, C, x, o, small(), emit_activity=True)
     g, h = torch.ones(N), torch.full((N,), 0.5)
     stats = {}
-    got = cce_backward(E, C, x, lse, g, o, small(), stats=stats, backward_impl="sparse", activity=act, grad_lse=h)
+    got = cce_backward(E, C, x, lse, r, g, o, small(), stats=stats, backward_impl="sparse", activity=act, grad_lse=h)
     assert "exceeds the 1 the forward's bits were made for" in stats["fallback"]
-    want = cce_backward(E, C, x, lse, g, o, small(), backward_impl="gemm", grad_lse=h)
+    want = cce_backward(E, C, x, lse, r, g, o, small(), backward_impl="gemm", grad_lse=h)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

@@ -34,6 +34,7 @@ def cce_backward(
     C: torch.Tensor,
     x: torch.Tensor,
     lse: torch.Tensor,
+    r: torch.Tensor,
     grad_rows: torch.Tensor,
     options: CCEOptions = CCEOptions(),
     configs: CCEConfigs | str | None = None,
@@ -50,6 +51,7 @@ def cce_backward(
     """(dE (N, D), dC (V, D), db (V,)) in the inputs' dtypes; None for a gradient that ``need``
     (dE, dC, db) does not ask for, which is then not computed.
 
+    lse, r: (N,) fp32 each, ``cce_forward``'s lse and non-target mass r = 1 - p(target).
     grad_rows: (N,) fp32, the upstream gradient of each row's loss (0 at ignored rows is implied).
     grad_lse: (N,) fp32 or None, the gradient flowing into the returned lse (``return_lse``).
     bias: the head's bias (V,), or None. backward_impl: "gemm", "atomic" or "sparse" (module doc;
@@ -73,11 +75,11 @@ def cce_backward(
     the launches whose every tile the filter skipped (their GEMMs multiply zeros).
     """
     plan = plan_for(E, C, options, configs, backward_impl, return_lse=grad_lse is not None, need=need)
-    return run_backward(E, C, x, lse, grad_rows, plan, n_chunk, v_chunk, stats, grad_lse=grad_lse, bias=bias,
+    return run_backward(E, C, x, lse, r, grad_rows, plan, n_chunk, v_chunk, stats, grad_lse=grad_lse, bias=bias,
                         activity=activity)
 
 
-def run_backward(E, C, x, lse, grad_rows, plan: CCEPlan, n_chunk: int | None = None, v_chunk: int | None = None,
+def run_backward(E, C, x, lse, r, grad_rows, plan: CCEPlan, n_chunk: int | None = None, v_chunk: int | None = None,
                  stats: dict | None = None, *, grad_lse=None, bias=None, activity: Activity | None = None):
     """``cce_backward`` by a resolved ``CCEPlan`` (``helpers.cce.options``): the dispatch to the
     plan's backward, the "sparse" backward's hand-over to "gemm" (``stats["fallback"]`` says why),
@@ -86,9 +88,9 @@ def run_backward(E, C, x, lse, grad_rows, plan: CCEPlan, n_chunk: int | None = N
     o, configs, need = plan.options, plan.configs, plan.need
     cw = plan.class_weight
     if cw is None:
-        up = RowGradient.of(grad_rows, grad_lse, x != o.ignore_index, lse, o)
+        up = RowGradient.of(grad_rows, grad_lse, x != o.ignore_index, lse, r, o)
     else:
-        up = RowGradient.of_class_weights(grad_rows, grad_lse, x, o.ignore_index, cw, o.label_smoothing)
+        up = RowGradient.of_class_weights(grad_rows, grad_lse, x, o.ignore_index, cw, o.label_smoothing, r)
     if stats is not None and plan.auto is not None:
         stats["auto"] = plan.auto.why
     if plan.backward_impl == "sparse":

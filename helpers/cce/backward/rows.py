@@ -7,6 +7,10 @@ returned lse, h_i. The gradient with respect to the row's logits is then
     g_i [S (1 + 2 zl lse_i) - (1 - ls) [v = x_i] - ls / V] + h_i S = w_i (a_i S - b_i [v = x_i] - c_i / V)
 
 with w_i = max(|g_i|, |h_i|) and a, b, c the coefficients that remain (each of size about 1). The
+kernels take the target column's value whole, t_i = a_i S_{i, x_i} - b_i = (a_i - b_i) - a_i r_i, from
+r_i = 1 - S_{i, x_i}, the row's non-target mass the forward sums (``helpers.cce.kernels.gradient_tile``:
+at S_x near 1, a S_x - b formed in a kernel is a difference of rounded numbers). So ``coef`` holds
+a, t, c (and the entropy's d). The
 kernels form the bracket, G, unscaled by w: in fp16, w = 1/N times a softmax entry of ~1e-6 falls
 below fp16's smallest subnormal (6e-8) and rounds to zero, whatever a trainer's loss scale does
 later. So dE's products take G and the rows are scaled by w afterwards in fp32, and dC's products
@@ -35,13 +39,14 @@ class RowGradient:
     w_rel: torch.Tensor  # (N,) fp32, w / w_scale
     w_scale: torch.Tensor  # (1,) fp32, max w
     uniform: bool  # every row has the same w: a mean or a sum, no gradient through the lse
-    coef: torch.Tensor  # (3, N) fp32: a, b, c of each row; (4, N) with the entropy's d (``of_outputs``)
+    coef: torch.Tensor  # (3, N) fp32: a, t, c of each row (module doc); (4, N) with the entropy's d (``of_outputs``)
 
     @classmethod
     def of(cls, grad_rows: torch.Tensor, grad_lse: torch.Tensor | None, kept: torch.Tensor,
-           lse: torch.Tensor, o: CCEOptions) -> RowGradient:
+           lse: torch.Tensor, nontarget: torch.Tensor, o: CCEOptions) -> RowGradient:
         """grad_rows: (N,) the loss's upstream gradient per row (an expanded scalar for a mean or a
-        sum); grad_lse: (N,) the gradient flowing into the returned lse, or None. One launch up to
+        sum); grad_lse: (N,) the gradient flowing into the returned lse, or None; nontarget: (N,) fp32,
+        each row's r = 1 - S_x from the forward (``cce_forward``). One launch up to
         ``ONE_PROGRAM_ROWS`` rows, two past it (``helpers.cce.kernels.row_weights``: with few tokens the
         host's launches bound the backward)."""
         N = lse.shape[0]
@@ -55,7 +60,8 @@ class RowGradient:
         uniform = grad_lse is None and (grad_rows.numel() == 1 or grad_rows.stride(0) == 0)
         grad_rows = grad_rows.expand(N)
         row_weights_kernel[(blocks,)](
-            grad_rows, grad_lse if grad_lse is not None else lse, kept, lse, w, coef, block_max, w_rel, w_scale,
+            grad_rows, grad_lse if grad_lse is not None else lse, kept, lse, nontarget, w, coef, block_max, w_rel,
+            w_scale,
             N, grad_rows.stride(0), grad_lse.stride(0) if grad_lse is not None else 0, kept.stride(0),
             coef.stride(0), float(o.z_loss), float(o.label_smoothing), HAS_H=grad_lse is not None, BLOCK=ROW_BLOCK,
             ONE_PROGRAM=one_program)
@@ -65,7 +71,7 @@ class RowGradient:
 
     @classmethod
     def of_outputs(cls, grad_logprob: torch.Tensor | None, grad_entropy: torch.Tensor | None,
-                   kept: torch.Tensor, entropy: torch.Tensor) -> RowGradient:
+                   kept: torch.Tensor, entropy: torch.Tensor, nontarget: torch.Tensor) -> RowGradient:
         """The rows of the per-token outputs (``helpers.cce.outputs``): upstream gradients g into
         logprob = z_x - lse and e into the entropy H = lse - sum_v S_v z_v, each (N,) or None. With
         dlogprob/dz_v = [v = x] - S_v and dH/dz_v = -S_v (z_v - lse + H),
@@ -73,27 +79,34 @@ class RowGradient:
             G = g [v = x] - (g + e H) S - e S (z - lse) = w (a S - b [v = x] + d S (z - lse)),
 
         a = -(g + e H) / w, b = -g / w, c = 0, d = -e / w, w = max(|g|, |e|): coef (4, N), whose fourth
-        row the kernels read with ENTROPY (``gradient_tile``)."""
+        row the kernels read with ENTROPY (``gradient_tile``). Its second row is the target column's
+        a S_x - b + d S_x log S_x with S_x = 1 - r, log S_x = log1p(-r) (module doc), a - b = -e H / w."""
         zeros = torch.zeros_like(entropy)
         g = torch.where(kept, grad_logprob.to(torch.float32), 0.0) if grad_logprob is not None else zeros
         e = torch.where(kept, grad_entropy.to(torch.float32), 0.0) if grad_entropy is not None else zeros
         w = torch.maximum(g.abs(), e.abs())
         safe = torch.where(w > 0, w, 1.0)
-        coef = torch.stack([-(g + e * entropy) / safe, -g / safe, zeros, -e / safe])
+        a, d = -(g + e * entropy) / safe, -e / safe
+        r = nontarget.to(torch.float32)
+        s_log_s = torch.where(r < 1.0, (1.0 - r) * torch.log1p(-r.clamp(max=1.0)), 0.0)  # 0 log 0 = 0
+        t = -(e * entropy) / safe - a * r + d * s_log_s
+        coef = torch.stack([a, t, zeros, d])
         w_scale = w.amax().reshape(1)
         w_rel = torch.where(w_scale > 0, w / w_scale, 0.0)
         return cls(w, w_rel, w_scale, False, coef)
 
     @classmethod
     def of_class_weights(cls, grad_rows: torch.Tensor, grad_lse: torch.Tensor | None, x: torch.Tensor,
-                         ignore_index: int, weight: torch.Tensor, label_smoothing: float) -> RowGradient:
+                         ignore_index: int, weight: torch.Tensor, label_smoothing: float,
+                         nontarget: torch.Tensor) -> RowGradient:
         """The rows of a loss with class weights w and label smoothing eps (``helpers.cce.class_weights``:
         row i's loss is already weighted, t_i = w_{x_i}, W = sum_c w_c; no z-loss in it): with g_i its
         upstream gradient and h_i the gradient into the lse,
 
             G = g [alpha S - beta [v = x] - eps w_v / V] + h S,  alpha = (1 - eps) t + eps W / V,  beta = (1 - eps) t,
 
-        so a = (g alpha + h) / w, b = g beta / w, c = g eps / w, the kernels multiplying c / V by w_v
+        so a = (g alpha + h) / w, b = g beta / w (the kernels take t = (g eps W / V + h) / w - a r, module
+        doc), c = g eps / w, the kernels multiplying c / V by w_v
         (CLASS_WEIGHTS). w = max(|g| k, |h|) with k = max(|alpha|, |beta|, eps max|w_v| / V) keeps
         |a| <= 2, |b| <= 1 and each |c w_v| / V <= 1, negative weights included: G's entries stay of
         size ~1 in fp16 whatever the weights' scale, which w carries instead."""
@@ -108,7 +121,9 @@ class RowGradient:
         k = torch.maximum(torch.maximum(alpha.abs(), beta.abs()), (eps / V) * weight.abs().amax())
         w = torch.maximum(g.abs() * k, h.abs())
         safe = torch.where(w > 0, w, 1.0)
-        coef = torch.stack([(g * alpha + h) / safe, g * beta / safe, g * eps / safe])
+        a = (g * alpha + h) / safe
+        t = (g * ((eps / V) * weight.sum()) + h) / safe - a * nontarget.to(torch.float32)
+        coef = torch.stack([a, t, g * eps / safe])
         w_scale = w.amax().reshape(1)
         w_rel = torch.where(w_scale > 0, w / w_scale, 0.0)
         return cls(w, w_rel, w_scale, False, coef)

@@ -88,7 +88,7 @@ def backward_atomic_kernel(
     # pointers
     E_ptr, C_ptr, x_ptr,  # E (N, D), C (V, D), x (N,) targets
     lse_ptr,  # (N,) fp32 from the forward pass
-    coef_ptr,  # (3 or 4, stride_coef) fp32: each row's G coefficients a, b, c (and d: ENTROPY) (``gradient_tile``)
+    coef_ptr,  # (3 or 4, stride_coef) fp32: each row's G coefficients a, t, c (and d: ENTROPY) (``gradient_tile``)
     bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     g_rel_ptr, g_scale_ptr,  # (N,) fp32 row weight w / g_scale; (1,) fp32 g_scale = max w
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)

@@ -57,7 +57,7 @@ def gradient_chunk_kernel(
     # pointers
     E_ptr, C_ptr, x_ptr,  # E (N, D), C (V, D), x (N,) targets
     lse_ptr,  # (N,) fp32 from the forward pass
-    coef_ptr,  # (3 or 4, stride_coef) fp32: each row's G coefficients a, b, c (and d: ENTROPY) (``gradient_tile``)
+    coef_ptr,  # (3 or 4, stride_coef) fp32: each row's G coefficients a, t, c (and d: ENTROPY) (``gradient_tile``)
     bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
     G_ptr,  # (N, v_count) in E's dtype: G of this chunk, zeros in skipped tiles

@@ -163,22 +163,21 @@ if GLUON_ERROR is None:
             acc = ring_products(e_bufs, c_bufs, ready, empty, turn, j, k_steps,
                                 gl.zeros((BN, BV), dtype=gl.float32, layout=mma), WHICH)
 
-            # 2. G = a S - b [v = x] - c / V with S = exp(z - lse), 0 in padding: ``gradient_tile``'s
-            # formula, operation for operation.
+            # 2. G = a S - c / V off the target, t - c / V on it (t from the host: ``gradient_tile``'s
+            # module doc), S = exp(z - lse), 0 in padding: ``gradient_tile``'s formula, operation for operation.
             rows = row0 + gl.arange(0, BN, layout=row_layout)
             row_mask = rows < N
             local_v = col0 + gl.arange(0, BV, layout=col_layout)
             col_mask = local_v < v_count
             lse = gl.load(lse_ptr + rows, mask=row_mask, other=0.0)
             a = gl.load(coef_ptr + rows, mask=row_mask, other=0.0)
-            b = gl.load(coef_ptr + stride_coef + rows, mask=row_mask, other=0.0)
+            t_x = gl.load(coef_ptr + stride_coef + rows, mask=row_mask, other=0.0)
             c = gl.load(coef_ptr + 2 * stride_coef + rows, mask=row_mask, other=0.0)
             x = gl.load(x_ptr + rows * stride_x, mask=row_mask, other=-1)
             x = gl.where((x >= 0) & (x < V), x, -1).to(gl.int32)
             S_tile = gl.exp(acc - gl.expand_dims(lse, 1))
             is_target = gl.expand_dims(x, 1) == gl.expand_dims(v_begin + local_v, 0)
-            G = (gl.expand_dims(a, 1) * S_tile - gl.where(is_target, gl.expand_dims(b, 1), 0.0)
-                 - gl.expand_dims(c / V, 1))
+            G = gl.where(is_target, gl.expand_dims(t_x, 1), gl.expand_dims(a, 1) * S_tile) - gl.expand_dims(c / V, 1)
             G = gl.where(gl.expand_dims(col_mask, 0), G, 0.0)
 
             # 3. The filter: a tile whose rows each hold less than eps of |G| mass is written as
@@ -213,7 +212,7 @@ if GLUON_ERROR is None:
         # descriptors: E (N, D) in (BLOCK_N, BLOCK_D) blocks, C (V, D) in (BLOCK_V, BLOCK_D), G (N, v_count)
         # in (BLOCK_N, BLOCK_V)
         E_desc, C_desc, G_desc,
-        # pointers: x (N,) targets, lse (N,) fp32, coef (3, stride_coef) fp32 rows a, b, c,
+        # pointers: x (N,) targets, lse (N,) fp32, coef (3, stride_coef) fp32 rows a, t, c,
         # kept (N / BLOCK_N, v_count / BLOCK_V) int8 (0: the filter skipped the tile)
         x_ptr, lse_ptr, coef_ptr, kept_ptr,
         # sizes: this launch covers vocabulary positions [v_begin, v_begin + v_count)

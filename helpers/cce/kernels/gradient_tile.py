@@ -4,6 +4,12 @@
 
     G_{i, v} = a_i S_{i, v} - b_i [v = x_i] - c_i / V,    S = exp(z - lse),
 
+its target column taken from the host as t_i = (a_i - b_i) - a_i r_i (+ the entropy's term below), r_i
+the row's non-target mass 1 - S_{i, x_i} from the forward (``lse_forward_kernel``'s NONTARGET): formed
+here as a exp(z_x - lse) - b it would be a difference of two rounded numbers, wrong by ~ulp(|z|)
+however close S_x is to 1 (the bug class of a peer's 100% error at p >= 0.999). So coef's second row
+is t, not b (``helpers.cce.backward.rows.RowGradient``).
+
 times 1 / temperature and 1 - (z / softcap)^2 under the soft cap (z = cap(E C^T + b) / temperature).
 With CLASS_WEIGHTS (torch's class weights with label smoothing, ``helpers.cce.class_weights``) the
 smoothing term is c_i w_v / V, w the class weights (V,). With ENTROPY (per-token outputs with an
@@ -12,7 +18,7 @@ the entropy's gradient -S (z - lse + H) is not of the form above
 (``helpers.cce.backward.rows.RowGradient.of_outputs``). The row coefficients come from the host
 (``helpers.cce.backward.rows.RowGradient``): for the loss alone a = 1 + 2 zl lse, b = 1 - ls, c = ls,
 each divided by the row's weight w (its upstream gradient, applied after the products); a gradient
-flowing into the returned lse adds to a; ignored rows and padding have a = b = c = 0. The "atomic" kernel
+flowing into the returned lse adds to a; ignored rows and padding have a = t = c = 0. The "atomic" kernel
 (``atomic_gradients.py``), the "gemm" backward's G kernel (``gradient_chunk.py``) and the "sparse"
 backward's kernels (``pair_gradients.py``, through ``gradient_and_softmax_tile``, which also returns
 S) call this one function, so all compute the same G to the bit. ``grouped_tile`` orders their programs as Triton
@@ -43,7 +49,7 @@ def grouped_tile(pid, N, v_count, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, 
 @triton.jit
 def gradient_tile(
     E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,  # E (N, D), C (V, D), x (N,), lse (N,) fp32,
-    # coef (3, N) fp32 rows a, b, c; bias (V,) (HAS_BIAS only)
+    # coef (3, N) fp32 rows a, t, c; bias (V,) (HAS_BIAS only)
     rows, cols,  # (BLOCK_N,) int64, (BLOCK_V,) int32 or int64 indices into E and C
     row_mask, col_mask,
     V, D,
@@ -116,11 +122,11 @@ def gradient_and_softmax_tile(
     # The temperature divides the capped logit (x * 1.0 is exact: no temperature, the same bits).
     z = z * inv_temperature
 
-    # G = a S - b [v = x] - c / V (+ d S (z - lse)), then the chain rule through the temperature
-    # and the soft cap.
+    # G = a S - c / V (+ d S (z - lse)) off the target, t - c / V on it (module doc), then the
+    # chain rule through the temperature and the soft cap.
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     a = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
-    b = tl.load(coef_ptr + stride_coef + rows, mask=row_mask, other=0.0)
+    t_x = tl.load(coef_ptr + stride_coef + rows, mask=row_mask, other=0.0)
     c = tl.load(coef_ptr + 2 * stride_coef + rows, mask=row_mask, other=0.0)
     x = tl.load(x_ptr + rows * stride_x, mask=row_mask, other=-1)
     # Compared in int32 (a valid target is below V < 2^31; anything else matches no column), so
@@ -129,15 +135,18 @@ def gradient_and_softmax_tile(
     log_S = z - lse[:, None]
     S = tl.exp(log_S)
     is_target = x[:, None] == cols.to(tl.int32)[None, :]
-    if CLASS_WEIGHTS:
-        w = tl.load(class_weight_ptr + cols, mask=col_mask, other=0.0)
-        G = a[:, None] * S - tl.where(is_target, b[:, None], 0.0) - c[:, None] * (w[None, :] / V)
-    else:
-        G = a[:, None] * S - tl.where(is_target, b[:, None], 0.0) - c[:, None] / V
+    G = a[:, None] * S
     if ENTROPY:
-        # The entropy's term: -e S (z - lse + H) = d S log S + (-e H) S, the second part already in a.
+        # The entropy's term: -e S (z - lse + H) = d S log S + (-e H) S, the second part already in a
+        # (on the target column, in t).
         d = tl.load(coef_ptr + 3 * stride_coef + rows, mask=row_mask, other=0.0)
         G += d[:, None] * S * log_S
+    G = tl.where(is_target, t_x[:, None], G)
+    if CLASS_WEIGHTS:
+        w = tl.load(class_weight_ptr + cols, mask=col_mask, other=0.0)
+        G = G - c[:, None] * (w[None, :] / V)
+    else:
+        G = G - c[:, None] / V
     G = G * inv_temperature
     if HAS_SOFTCAP:
         G = G * (1.0 - t * t)

@@ -18,6 +18,15 @@ def tanh(y):
 
 
 @triton.jit
+def log1p_neg(r):
+    # log1p(-r) for r in [0, 1), without libdevice (the interpreter has none): with q = 1 - r rounded,
+    # log(q) r / (1 - q) is accurate to a few ulp, 1 - q being exact (Goldberg, "What every computer
+    # scientist should know about floating-point arithmetic", theorem 4); -r where q rounds to 1.
+    q = 1.0 - r
+    return tl.where(q == 1.0, -r, tl.log(q) * tl.math.div_rn(r, tl.where(q == 1.0, 1.0, 1.0 - q)))
+
+
+@triton.jit
 def logit_tile(
     E_ptr, C_ptr,  # E (N, D), C (V, D), any strides
     rows, cols,  # (BLOCK_N,), (BLOCK_V,) int64 indices into E and C

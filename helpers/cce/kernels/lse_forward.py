@@ -18,6 +18,20 @@ more running sum t = sum_v exp(z_v - m) (z_v - m), rescaled with s (H = log s - 
 largest logit and the target's logit as the same tile computed it (so that "the target is a maximum"
 compares bits of one computation). The host merges the splits (``helpers.cce.forward.merge_row_stats``).
 
+The non-target mass (NONTARGET, with the targets x): u = sum_{v != x} exp(z_v - m) over the split,
+written as m + log u (-inf when the split holds nothing but the target). Merged over the splits like
+the lse, it gives each row's r = 1 - p_x = exp(lse_u - lse) to fp32's relative precision however close
+p_x is to 1, where 1 - exp(z_x - lse) is a difference of two rounded numbers of |z|'s size (absolute
+error ~ulp(|z|)). The loss takes -log1p(-r) and the backward's target column (a - b) - a r from it
+(``helpers.cce.backward.rows``). A target outside [0, V) or equal to ignore_index matches no column.
+In the plain walk (no ROW_STATS, no bits) the running sum itself leaves the target's column out (one
+compare and select per logit); with ROW_STATS or bits, which need every column's exp, u is a second,
+masked row sum. In every walk the lse written is m + log(u + exp(z_x - m)), z_x Algorithm 1's target
+logit (``target_logit_ptr``) where the split holds the target. Measured on an H200 (bf16,
+``scripts/experiments/nontarget_cost.py``): a masked second sum in every tile cost the forward 11-16%,
+a per-tile test for "a target in this tile" (a reduction across the program's warps, a barrier) 5-7%
+even where no tile held one. In the sorted walk the host passes each target's sorted position.
+
 Activity bits (EMIT_BITS, for the "sparse" backward, ``helpers/cce/backward/sparse.py``). For
 every row and every sub-tile of BLOCK_V / SUB columns the kernel writes one bit: whether the
 sub-tile's softmax mass may reach eps. It cannot know the final sum yet, so it compares against a
@@ -58,13 +72,16 @@ def lse_forward_kernel(
     bits_ptr,  # (ceil(T / 8), N) uint8: activity bits of sub-tiles of BLOCK_V / SUB (EMIT_BITS only)
     seed_add_ptr, seed_max_ptr,  # (N,) fp32 lower bounds of each row's lse, -inf for none (EMIT_BITS)
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
-    x_ptr,  # (N,) targets (ROW_STATS only)
+    x_ptr,  # (N,) targets (ROW_STATS or NONTARGET); in the sorted walk, their sorted positions
     entropy_split_ptr,  # (SPLITS, N) fp32: the entropy of the split's softmax (ROW_STATS only)
     max_split_ptr,  # (SPLITS, N) fp32: the largest logit of the split (ROW_STATS only)
     target_split_ptr,  # (SPLITS, N) fp32: the target's logit if in the split, else 0 (ROW_STATS only)
+    nontarget_split_ptr,  # (SPLITS, N) fp32: m + log sum_{v != x} exp(z_v - m) over the split (NONTARGET only)
+    target_logit_ptr,  # (N,) fp32: Algorithm 1's z_x (NONTARGET in the plain walk)
     # sizes
     N, V, D,
     v_start,  # first vocabulary position of split 0 (the columns before it belong to another launch)
+    ignore_index,  # a target equal to it matches no column (NONTARGET)
     blocks_per_split,  # vocabulary blocks of BLOCK_V per split
     # strides
     stride_En, stride_Ed, stride_Cv, stride_Cd,
@@ -84,6 +101,7 @@ def lse_forward_kernel(
     E_DESC: tl.constexpr = False,  # E_ptr is a tensor descriptor (and C_ptr too, unless SORTED)
     SPLIT_MAJOR: tl.constexpr = False,  # grid (SPLITS, N / BLOCK_N) instead of (N / BLOCK_N, SPLITS)
     ROW_STATS: tl.constexpr = False,  # also the entropy, the max and the target's logit (unsorted only)
+    NONTARGET: tl.constexpr = False,  # also the non-target mass (module doc)
     class_weight_ptr=None,  # (V,) fp32 class weights w: SUM_LOGITS sums w_v z_{i, v} (CLASS_WEIGHTS only)
     CLASS_WEIGHTS: tl.constexpr = False,
 ):
@@ -103,7 +121,14 @@ def lse_forward_kernel(
     if ROW_STATS:
         t = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum_v exp(z_v - m) (z_v - m), rescaled with s
         target = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if ROW_STATS or NONTARGET:
+        # Compared in int32 (a valid target is below V < 2^31; anything else matches no column).
         x = tl.load(x_ptr + rows, mask=row_mask, other=-1)
+        x = tl.where((x >= 0) & (x < V) & (x != ignore_index), x, -1).to(tl.int32)
+    # The plain walk's running sum s leaves the target out (module doc); otherwise u runs beside it.
+    MASK_S: tl.constexpr = NONTARGET and not ROW_STATS and not EMIT_BITS
+    if NONTARGET and not MASK_S:
+        u = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum_{v != x} exp(z_v - m), rescaled with s
     if EMIT_BITS:
         seed_add = tl.load(seed_add_ptr + rows, mask=row_mask, other=float("-inf"))
         seed_max = tl.load(seed_max_ptr + rows, mask=row_mask, other=float("-inf"))
@@ -149,16 +174,23 @@ def lse_forward_kernel(
         # after the first tile.
         m_new = tl.maximum(m, tl.max(z, axis=1))
         p = tl.exp(z - m_new[:, None])
+        alpha = tl.exp(m - m_new)  # the running sums' rescale (0 before the first tile)
         if ROW_STATS:
             # [Entropy] t = sum_v p_v (z_v - m), kept relative to the running max so that H = log s - t / s
             # never subtracts two logit-sized numbers. On a new max m': sum p' (z - m') =
             # exp(m - m') (t + (m - m') s); the first tile has s = 0 (and m - m' = -inf). Padding: p = 0.
             shift = tl.where(s > 0, m - m_new, 0.0) * s  # (-inf) * 0 never formed: no NaN
-            t = tl.exp(m - m_new) * (t + shift) + tl.sum(p * tl.where(p > 0, z - m_new[:, None], 0.0), axis=1)
+            t = alpha * (t + shift) + tl.sum(p * tl.where(p > 0, z - m_new[:, None], 0.0), axis=1)
             # [Accuracy] the target's logit as this tile computed it: the same bits as the max's.
             hit = (v0 + tl.arange(0, BLOCK_V))[None, :] == x[:, None]
             target += tl.sum(tl.where(hit, z, 0.0), axis=1)
-        s = s * tl.exp(m - m_new) + tl.sum(p, axis=1)
+        if NONTARGET:
+            off_target = (v0 + tl.arange(0, BLOCK_V))[None, :] != x[:, None]
+            if MASK_S:
+                p = tl.where(off_target, p, 0.0)
+            else:
+                u = u * alpha + tl.sum(tl.where(off_target, p, 0.0), axis=1)
+        s = s * alpha + tl.sum(p, axis=1)
         m = m_new
         if EMIT_BITS:
             # 3. [Activity bits] each sub-tile's mass against a lower bound of the final sum.
@@ -175,7 +207,17 @@ def lse_forward_kernel(
 
     # 4. lse = m + log s; a split with no columns gives -inf, which the host's logsumexp ignores.
     out = split.to(tl.int64) * N + rows
-    tl.store(lse_split_ptr + out, m + tl.log(s), mask=row_mask)
+    lse_sum = s
+    if NONTARGET:
+        # The split's sum as the non-target sum plus the target's term from Algorithm 1's z_x where the
+        # split holds it: in every walk, so that every walk's lse has the same bits (the "sparse"
+        # backward's hand-over to "gemm" gives the gemm's gradients exactly).
+        if MASK_S:
+            u = s
+        holds = (x >= v_begin) & (x < v_end)
+        z_x = tl.load(target_logit_ptr + rows, mask=row_mask & holds, other=0.0)
+        lse_sum = u + tl.where(holds, tl.exp(z_x - m), 0.0)
+    tl.store(lse_split_ptr + out, m + tl.log(lse_sum), mask=row_mask)
     if SUM_LOGITS:
         tl.store(logit_sum_split_ptr + out, logit_sum, mask=row_mask)
     if ROW_STATS:
@@ -183,3 +225,5 @@ def lse_forward_kernel(
         tl.store(entropy_split_ptr + out, tl.log(s) - t / s, mask=row_mask)
         tl.store(max_split_ptr + out, m, mask=row_mask)
         tl.store(target_split_ptr + out, target, mask=row_mask)
+    if NONTARGET:
+        tl.store(nontarget_split_ptr + out, m + tl.log(u), mask=row_mask)

@@ -15,6 +15,11 @@ producer walks a program's tiles in order, the consumers take them in turn), onl
 
     z' = z log2(e),  m' = max(m, max_v z'),  s' = s 2^(m - m') + sum_v 2^(z' - m'),  lse = (m + log2 s) / log2(e)
 
+and, given the targets x, the non-target mass u (``lse_forward_kernel``'s NONTARGET in its plain walk: the
+running sum leaves the target's column out, one compare and select per logit; the consumer that holds
+the target's tile adds 2^(z_x' - m) from Algorithm 1's z_x at the end), written as (m + log2 u) / log2(e)
+into a second output of the same shape.
+
 Each program owns one (row block of 64 rows, vocabulary split) pair; its two consumers take its tiles
 in turn, so each ends with the (m, s) of half the split's tiles and writes its own partial lse:
 (2 x SPLITS, N) partials, merged by a logsumexp as the Triton forward's splits are. A consumer given no
@@ -72,8 +77,8 @@ if GLUON_ERROR is None:
         return block * BN, first_tile * BV, tiles
 
     @gluon.jit
-    def _producer(E_desc, C_desc, out_ptr, bufs, bars, N, V, D, tiles_per_split, n_blocks,
-                  SPLIT_FASTEST: gl.constexpr):
+    def _producer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs, bars,
+                  N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST: gl.constexpr):
         """One warp: the copy engine's loads of every tile's E and C blocks, in tile then D order."""
         e_bufs, c_bufs = bufs
         ready, empty, turn = bars
@@ -94,10 +99,10 @@ if GLUON_ERROR is None:
                 it += 1
 
     @gluon.jit
-    def _consumer(E_desc, C_desc, out_ptr, bufs, bars, N, V, D, tiles_per_split, n_blocks,
-                  SPLIT_FASTEST: gl.constexpr, WHICH: gl.constexpr):
+    def _consumer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs, bars,
+                  N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST: gl.constexpr, WHICH: gl.constexpr):
         """One warpgroup: the products of this program's tiles WHICH, WHICH + 2, ..., folded into its
-        running (m, s); then its partial lse."""
+        running (m, s, u); then its partial lse and non-target lse."""
         e_bufs, c_bufs = bufs
         ready, empty, turn = bars
         BN: gl.constexpr = E_desc.block_type.shape[0]
@@ -110,7 +115,11 @@ if GLUON_ERROR is None:
         row0, col0, tiles = _program_tiles(N, V, tiles_per_split, n_blocks, BN, BV, SPLIT_FASTEST)
         k_steps = gl.cdiv(D, BD)
         m = gl.full((BN,), float("-inf"), gl.float32, layout=row_layout)
-        s_sum = gl.zeros((BN,), gl.float32, layout=row_layout)
+        u_sum = gl.zeros((BN,), gl.float32, layout=row_layout)
+        rows = row0 + gl.arange(0, BN, layout=row_layout)
+        # The targets in int32 (a valid one is below V < 2^31; anything else matches no column).
+        x = gl.load(x_ptr + rows, mask=rows < N, other=-1)
+        x = gl.where((x >= 0) & (x < V) & (x != ignore_index), x, -1).to(gl.int32)
         for j in range(WHICH, tiles, 2):
             # 0. The tile's products, this consumer's turn at the ring (the G kernel's protocol).
             acc = ring_products(e_bufs, c_bufs, ready, empty, turn, j, k_steps,
@@ -119,29 +128,43 @@ if GLUON_ERROR is None:
             cols = col0 + j * BV + gl.arange(0, BV, layout=col_layout)
             z = gl.where(gl.expand_dims(cols < V, 0), acc * LOG2E, float("-inf"))
             m_new = gl.maximum(m, gl.max(z, axis=1))
-            s_sum = s_sum * gl.exp2(m - m_new) + gl.sum(gl.exp2(z - gl.expand_dims(m_new, 1)), axis=1)
+            p = gl.exp2(z - gl.expand_dims(m_new, 1))
+            alpha = gl.exp2(m - m_new)
+            p = gl.where(gl.expand_dims(cols, 0) != gl.expand_dims(x, 1), p, 0.0)  # the target's column out
+            u_sum = u_sum * alpha + gl.sum(p, axis=1)
             m = m_new
-        # 2. This consumer's partial lse (-inf where it had no tile: m = -inf, s = 0).
-        rows = row0 + gl.arange(0, BN, layout=row_layout)
+        # 2. This consumer's partial lse and non-target lse (-inf where it had no tile: m = -inf, u = 0);
+        # the target's term where the target's tile was one of this consumer's.
+        local = (x - col0) // BV
+        holds = (x >= col0) & (local < tiles) & (local % 2 == WHICH)
+        z_x = gl.load(target_logit_ptr + rows, mask=(rows < N) & holds, other=0.0) * LOG2E
+        s_sum = u_sum + gl.where(holds, gl.exp2(z_x - m), 0.0)
         split = (gl.program_id(0) % (gl.num_programs(0) // n_blocks) if SPLIT_FASTEST
                  else gl.program_id(0) // n_blocks)
         lse = (m + gl.log2(s_sum)) / LOG2E
         gl.store(out_ptr + (2 * split + WHICH) * N + rows, lse, mask=rows < N)
+        gl.store(nontarget_ptr + (2 * split + WHICH) * N + rows, (m + gl.log2(u_sum)) / LOG2E, mask=rows < N)
 
     @gluon.jit
-    def _consumer_even(E_desc, C_desc, out_ptr, bufs, bars, N, V, D, tiles_per_split, n_blocks,
-                       SPLIT_FASTEST: gl.constexpr):
-        _consumer(E_desc, C_desc, out_ptr, bufs, bars, N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST, 0)
+    def _consumer_even(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs,
+                       bars, N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST: gl.constexpr):
+        _consumer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs, bars,
+                  N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST, 0)
 
     @gluon.jit
-    def _consumer_odd(E_desc, C_desc, out_ptr, bufs, bars, N, V, D, tiles_per_split, n_blocks,
-                      SPLIT_FASTEST: gl.constexpr):
-        _consumer(E_desc, C_desc, out_ptr, bufs, bars, N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST, 1)
+    def _consumer_odd(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs,
+                      bars, N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST: gl.constexpr):
+        _consumer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs, bars,
+                  N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST, 1)
 
     @gluon.jit
     def lse_forward_pingpong_kernel(
         E_desc, C_desc,  # E (N, D) in (BLOCK_N, BLOCK_D) blocks, C (V, D) in (BLOCK_V, BLOCK_D)
         out_ptr,  # (2 x SPLITS, N) fp32: each consumer's partial lse over its tiles of a split
+        x_ptr,  # (N,) int64 targets
+        nontarget_ptr,  # (2 x SPLITS, N) fp32: out's partials without the target's column
+        target_logit_ptr,  # (N,) fp32: Algorithm 1's z_x
+        ignore_index,  # a target equal to it matches no column
         N, V, D, tiles_per_split, n_blocks,  # the grid is n_blocks x SPLITS programs
         STAGES_: gl.constexpr, SPLIT_FASTEST: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -155,8 +178,8 @@ if GLUON_ERROR is None:
             mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
-        args = (E_desc, C_desc, out_ptr, (e_bufs, c_bufs), (ready, empty, turn), N, V, D, tiles_per_split,
-                n_blocks, SPLIT_FASTEST)
+        args = (E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, (e_bufs, c_bufs),
+                (ready, empty, turn), N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST)
         gl.warp_specialize([
             (_consumer_even, args),
             (_consumer_odd, args),
@@ -174,10 +197,14 @@ def pingpong_splits(n_blocks: int, v_tiles: int, multiprocessors: int) -> int:
     return v_tiles
 
 
-def lse_forward_pingpong(E: torch.Tensor, C: torch.Tensor, splits: int | None = None, *, stages: int = STAGES,
-                         split_fastest: bool = False) -> torch.Tensor:
-    """Each consumer's partial lse, (2 x splits, N) fp32; ``torch.logsumexp(out, 0)`` is each row's lse.
-    E (N, D) and C (V, D) 16-bit on an sm_90 GPU, rows 16-byte aligned (the copy engine's)."""
+def lse_forward_pingpong(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, target_logit: torch.Tensor,
+                         ignore_index: int, splits: int | None = None, *, stages: int = STAGES,
+                         split_fastest: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse partials, non-target partials), each (2 x splits, N) fp32: each consumer's partial lse, and
+    the same without the target x's column; ``torch.logsumexp(out, 0)`` is each row's lse (its
+    non-target lse). E (N, D) and C (V, D) 16-bit on an sm_90 GPU, rows 16-byte aligned (the copy
+    engine's); x (N,) targets (one outside [0, V) or equal to ``ignore_index`` matches no column);
+    target_logit (N,) fp32, Algorithm 1's z_x (``helpers.cce.forward``)."""
     N, D = E.shape
     V = C.shape[0]
     n_blocks, v_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(V, BLOCK_V)
@@ -185,11 +212,12 @@ def lse_forward_pingpong(E: torch.Tensor, C: torch.Tensor, splits: int | None = 
         splits = pingpong_splits(n_blocks, v_tiles, torch.cuda.get_device_properties(E.device).multi_processor_count)
     tiles_per_split = triton.cdiv(v_tiles, splits)
     splits = triton.cdiv(v_tiles, tiles_per_split)
-    out = torch.empty(2 * splits, N, dtype=torch.float32, device=E.device)
+    out, nontarget = torch.empty(2, 2 * splits, N, dtype=torch.float32, device=E.device).unbind(0)
     lse_forward_pingpong_kernel[(n_blocks * splits,)](
         pingpong_descriptor(E, BLOCK_N, BLOCK_D), pingpong_descriptor(C, BLOCK_V, BLOCK_D), out,
+        x.to(torch.int64).contiguous(), nontarget, target_logit, ignore_index,
         N, V, D, tiles_per_split, n_blocks, stages, split_fastest, num_warps=4, maxnreg=MAXNREG)
-    return out
+    return out, nontarget
 
 
 def compile_for_sm90(split_fastest: bool = False) -> dict:
@@ -201,7 +229,8 @@ def compile_for_sm90(split_fastest: bool = False) -> dict:
     small = torch.empty(BLOCK_V, BLOCK_V, dtype=torch.bfloat16)
     sig = {"E_desc": mangle_type(pingpong_descriptor(small, BLOCK_N, BLOCK_D)),
            "C_desc": mangle_type(pingpong_descriptor(small, BLOCK_V, BLOCK_D)),
-           "out_ptr": "*fp32", "N": "i32", "V": "i32", "D": "i32", "tiles_per_split": "i32", "n_blocks": "i32",
+           "out_ptr": "*fp32", "x_ptr": "*i64", "nontarget_ptr": "*fp32", "target_logit_ptr": "*fp32",
+           "ignore_index": "i32", "N": "i32", "V": "i32", "D": "i32", "tiles_per_split": "i32", "n_blocks": "i32",
            "STAGES_": "constexpr", "SPLIT_FASTEST": "constexpr", "num_warps": "constexpr"}
     return compile_gluon_sm90(lse_forward_pingpong_kernel, sig,
                               {"STAGES_": STAGES, "SPLIT_FASTEST": split_fastest, "num_warps": 4})

@@ -88,7 +88,7 @@ def add_stats(kept_ptr, accounted_ptr, rows, row_mask, keep, accounted):
 
 @triton.jit
 def sparse_dE_pack_kernel(
-    E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,  # as ``gradient_tile``'s: coef (3, N) fp32 a, b, c
+    E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,  # as ``gradient_tile``'s: coef (3, N) fp32 a, t, c
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
     pack_off_ptr, pair_off_ptr, pair_cnt_ptr, pair_row_ptr,  # the pair index (``locate_pack``)
     pair_slot_ptr,  # (pairs,) int32: each pair's row of Y
@@ -158,7 +158,7 @@ def sparse_dE_reduce_kernel(
 
 @triton.jit
 def sparse_g_kernel(
-    E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,  # as ``gradient_tile``'s: coef (3, N) fp32 a, b, c
+    E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr,  # as ``gradient_tile``'s: coef (3, N) fp32 a, t, c
     vocab_order_ptr,  # (V,) int64: C's row at each sorted position (SORTED only)
     pack_off_ptr, pair_off_ptr, pair_cnt_ptr, pair_row_ptr,  # the pair index (one group: every row)
     w_rel_ptr,  # (N,) fp32: w / w_scale

@@ -12,8 +12,10 @@ Per row i (one program), with z = cap(Z_i) / temperature:
     1. [Online softmax] m, s = running max and sum exp(z - m) over the row's blocks; also z_{x_i}
        and, with label smoothing, sum_v z_v.
     2. lse_i = m + log s;  loss_i = lse_i - (1 - ls) z_{x_i} - (ls / V) sum_v z_v + zl lse_i^2
-       (0 at an ignored row), as ``helpers.cce.forward`` gives it.
+       (0 at an ignored row), as ``helpers.cce.forward`` gives it: lse_i - z_{x_i} taken as
+       -log1p(-r_i) where r_i = u / s < 1/2, u the running sum without the target's column.
     3. G_{i, v} = [a S_{i, v} - b [v = x_i] - c / V] / temperature * (1 - t^2 under the soft cap),
+       its target column (a - b) - a r_i (``gradient_tile``'s module doc),
        S = exp(z - lse), a = 1 + 2 zl lse_i, b = 1 - ls, c = ls (0, 0, 0 at an ignored row): the
        coefficients of ``helpers.cce.backward.rows.RowGradient`` for an upstream gradient of 1
        (the loss's "sum"; a mean's 1 / N_kept is applied to the products' fp32 results, so G in
@@ -29,7 +31,7 @@ already read. Reference: ``helpers.spec.reference_loss`` and autograd through it
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import tanh
+from helpers.cce.kernels.logits import log1p_neg, tanh
 
 
 @triton.jit
@@ -58,6 +60,7 @@ def row_gradient_kernel(
     # 1. [Online softmax] over the row's blocks, in fp32.
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
+    u = tl.zeros((), tl.float32)  # sum_{v != x} exp(z_v - m): the non-target mass, rescaled with s
     z_target = tl.zeros((), tl.float32)
     z_sum = tl.zeros((), tl.float32)
     for v0 in range(0, V, BLOCK_V):
@@ -72,12 +75,17 @@ def row_gradient_kernel(
             z_sum += tl.sum(tl.where(mask, z, 0.0))
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new))
+        p = tl.exp(z - m_new)
+        alpha = tl.exp(m - m_new)
+        u = u * alpha + tl.sum(tl.where(cols == x, 0.0, p))
+        s = s * alpha + tl.sum(p)
         m = m_new
 
     # 2. lse = m + log s, and the row's loss.
     lse = m + tl.log(s)
-    loss = lse - (1.0 - label_smoothing) * z_target + z_loss * lse * lse
+    r = tl.math.div_rn(u, s)  # 1 - S_x to fp32's relative precision (``lse_forward_kernel``'s NONTARGET)
+    nll = tl.where(r < 0.5, -log1p_neg(r), lse - z_target)
+    loss = nll + label_smoothing * z_target + z_loss * lse * lse
     if SUM_LOGITS:
         loss -= label_smoothing / V * z_sum
     tl.store(lse_ptr + row, lse)
@@ -85,7 +93,7 @@ def row_gradient_kernel(
 
     # 3. G over the row, in place: the coefficients of an upstream gradient of 1 (0 when ignored).
     a = tl.where(kept, 1.0 + 2.0 * z_loss * lse, 0.0)
-    b = tl.where(kept, 1.0 - label_smoothing, 0.0)
+    t_x = tl.where(kept, 2.0 * z_loss * lse + label_smoothing, 0.0) - a * r  # a S_x - b = (a - b) - a r
     c = tl.where(kept, label_smoothing, 0.0)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
@@ -96,7 +104,7 @@ def row_gradient_kernel(
             z = softcap * t
         z = z * inv_temperature
         S = tl.exp(z - lse)
-        G = a * S - tl.where(cols == x, b, 0.0) - c / V
+        G = tl.where(cols == x, t_x, a * S) - c / V
         G = G * inv_temperature
         if HAS_SOFTCAP:
             G = G * (1.0 - t * t)

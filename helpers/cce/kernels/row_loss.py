@@ -5,7 +5,14 @@ the merge of the splits (``torch.logsumexp``: several kernels) and the loss's as
 element-wise torch launches of N elements. Per row i (one program per BLOCK rows):
 
     m = max_k lse_split[k, i] (0 where every split is -inf);  lse_i = m + log sum_k exp(lse_split[k, i] - m)
-    loss_i = lse_i - (1 - ls) z_{i, x_i} - (ls / V) sum_k logit_sum_split[k, i] + zl lse_i^2,  0 at an ignored row
+    lse_u,i likewise from nontarget_split (the splits' non-target mass);  r_i = exp(lse_u,i - lse_i)
+    nll_i = -log1p(-r_i) where r_i < 1/2, else lse_i - z_{i, x_i}
+    loss_i = nll_i + ls z_{i, x_i} - (ls / V) sum_k logit_sum_split[k, i] + zl lse_i^2,  0 at an ignored row
+
+r_i = 1 - p(target) comes to fp32's relative precision from the forward's masked sum; lse - z_x, two
+separately rounded numbers of |z|'s size, would be wrong by ~ulp(|z|) (~4e-6 at |z| ~ 30) where the
+loss itself is ~r (a confident token). Where r >= 1/2 the loss is >= log 2 and lse - z_x is exact enough.
+r is stored for the backward (``helpers.cce.backward.rows``).
 
 Reference: the forward's tests against float64 (tests/cce/test_cce.py).
 """
@@ -13,14 +20,16 @@ Reference: the forward's tests against float64 (tests/cce/test_cce.py).
 import triton
 import triton.language as tl
 
+from helpers.cce.kernels.logits import log1p_neg
+
 
 @triton.jit
 def row_loss_kernel(
-    # lse_split, logit_sum_split (SPLITS, N) fp32, rows stride_split apart (logit_sum_split: any
-    # pointer without SMOOTHING); target logit (N,) fp32; x (N,) targets.
-    lse_split_ptr, logit_sum_split_ptr, target_ptr, x_ptr,
-    # Outputs: lse, loss (N,) fp32.
-    lse_ptr, loss_ptr,
+    # lse_split, nontarget_split, logit_sum_split (SPLITS, N) fp32, rows stride_split apart
+    # (logit_sum_split: any pointer without SMOOTHING); target logit (N,) fp32; x (N,) targets.
+    lse_split_ptr, nontarget_split_ptr, logit_sum_split_ptr, target_ptr, x_ptr,
+    # Outputs: lse, r (the non-target mass), loss (N,) fp32.
+    lse_ptr, r_ptr, loss_ptr,
     N, splits, stride_split, stride_x, ignore_index,
     target_weight, smoothing_weight, z_loss,
     SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK: tl.constexpr,
@@ -32,18 +41,23 @@ def row_loss_kernel(
         m = tl.maximum(m, tl.load(lse_split_ptr + k * stride_split + rows, mask=inside, other=0.0))
     m = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([BLOCK], dtype=tl.float32)
+    nontarget = tl.zeros([BLOCK], dtype=tl.float32)  # in the same scale m (every split's u <= its s)
     logit_sum = tl.zeros([BLOCK], dtype=tl.float32)
     for k in range(0, splits):
         total += tl.exp(tl.load(lse_split_ptr + k * stride_split + rows, mask=inside, other=0.0) - m)
+        nontarget += tl.exp(tl.load(nontarget_split_ptr + k * stride_split + rows, mask=inside, other=0.0) - m)
         if SMOOTHING:
             logit_sum += tl.load(logit_sum_split_ptr + k * stride_split + rows, mask=inside, other=0.0)
     lse = m + tl.log(total)
+    r = tl.exp(tl.log(nontarget) - tl.log(total))  # exp(lse_u - lse): relative precision, no 1 - p
     x = tl.load(x_ptr + rows * stride_x, mask=inside, other=ignore_index)
     kept = x != ignore_index
-    loss = lse - target_weight * tl.load(target_ptr + rows, mask=inside, other=0.0)
+    z_x = tl.load(target_ptr + rows, mask=inside, other=0.0)
+    loss = tl.where(r < 0.5, -log1p_neg(r), lse - z_x)
     if SMOOTHING:
-        loss = loss - smoothing_weight * logit_sum
+        loss = loss + (1.0 - target_weight) * z_x - smoothing_weight * logit_sum
     if Z_LOSS:  # only where asked: 0 x lse^2 would make an infinite lse's loss NaN
         loss = loss + z_loss * lse * lse
     tl.store(lse_ptr + rows, lse, mask=inside)
+    tl.store(r_ptr + rows, r, mask=inside)
     tl.store(loss_ptr + rows, tl.where(kept, loss, 0.0), mask=inside)

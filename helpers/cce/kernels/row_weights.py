@@ -8,7 +8,9 @@ launch of its own. Here it is two kernels over blocks of rows:
     row_weights_kernel (one program per BLOCK rows):
         g = g_i at kept rows, else 0;  h = h_i (0 without a gradient into the lse)
         w = max(|g|, |h|);  safe = w where w > 0, else 1
-        coef = ((g (1 + 2 zl lse) + h) / safe,  g (1 - ls) / safe,  g ls / safe)      (3, N)
+        coef = (a, t, c) = ((g (1 + 2 zl lse) + h) / safe,  (g (2 zl lse + ls) + h) / safe - a r,  g ls / safe)
+        (3, N): t is the target column's a S_x - b with S_x = 1 - r, r the row's non-target mass from
+        the forward (``helpers.cce.kernels.gradient_tile``), and a - b formed without the subtraction
         block_max[program] = max w over the program's rows (NaN if any w is NaN)
     row_scale_kernel (the same blocks):
         w_scale = max over block_max (every program reduces them itself; program 0 stores it)
@@ -39,7 +41,7 @@ ONE_PROGRAM_ROWS = 8192  # the most rows one program of ``row_weights_kernel`` t
 
 
 @triton.jit
-def _block_weights(g_ptr, h_ptr, kept_ptr, lse_ptr, w_ptr, coef_ptr, rows, N, stride_g, stride_h, stride_kept,
+def _block_weights(g_ptr, h_ptr, kept_ptr, lse_ptr, r_ptr, w_ptr, coef_ptr, rows, N, stride_g, stride_h, stride_kept,
                    stride_coef, z_loss, label_smoothing, HAS_H: tl.constexpr, BLOCK: tl.constexpr):
     """w and coef of ``rows`` stored; returns (the block's largest w, whether a w is NaN)."""
     inside = rows < N
@@ -53,8 +55,11 @@ def _block_weights(g_ptr, h_ptr, kept_ptr, lse_ptr, w_ptr, coef_ptr, rows, N, st
     w = tl.maximum(tl.abs(g), tl.abs(h), propagate_nan=tl.PropagateNan.ALL)
     safe = tl.where(w > 0, w, 1.0)
     tl.store(w_ptr + rows, w, mask=inside)
-    tl.store(coef_ptr + rows, tl.math.div_rn(g * (1.0 + 2.0 * z_loss * lse) + h, safe), mask=inside)
-    tl.store(coef_ptr + stride_coef + rows, tl.math.div_rn(g * (1.0 - label_smoothing), safe), mask=inside)
+    r = tl.load(r_ptr + rows, mask=inside, other=0.0)
+    a = tl.math.div_rn(g * (1.0 + 2.0 * z_loss * lse) + h, safe)
+    tl.store(coef_ptr + rows, a, mask=inside)
+    t = tl.math.div_rn(g * (2.0 * z_loss * lse + label_smoothing) + h, safe) - a * r
+    tl.store(coef_ptr + stride_coef + rows, t, mask=inside)
     tl.store(coef_ptr + 2 * stride_coef + rows, tl.math.div_rn(g * label_smoothing, safe), mask=inside)
     w_in = tl.where(inside, w, 0.0)
     return tl.max(w_in, axis=0), tl.max((w_in != w_in).to(tl.int32), axis=0)
@@ -63,8 +68,9 @@ def _block_weights(g_ptr, h_ptr, kept_ptr, lse_ptr, w_ptr, coef_ptr, rows, N, st
 @triton.jit
 def row_weights_kernel(
     # g (N,) upstream gradient per row, any float dtype (stride 0: one value for every row); h (N,)
-    # the gradient into the lse, or any pointer without HAS_H; kept (N,) bool; lse (N,) fp32.
-    g_ptr, h_ptr, kept_ptr, lse_ptr,
+    # the gradient into the lse, or any pointer without HAS_H; kept (N,) bool; lse, r (N,) fp32 (r: the
+    # non-target mass).
+    g_ptr, h_ptr, kept_ptr, lse_ptr, r_ptr,
     # Outputs: w (N,) fp32; coef (3, N) fp32, rows stride_coef apart; block_max (programs,) fp32;
     # with ONE_PROGRAM (one program, every row) w_rel (N,) and w_scale (1,) instead of block_max.
     w_ptr, coef_ptr, block_max_ptr, w_rel_ptr, w_scale_ptr,
@@ -77,7 +83,7 @@ def row_weights_kernel(
         nan = 0
         for r0 in range(0, N, BLOCK):
             block_top, block_nan = _block_weights(
-                g_ptr, h_ptr, kept_ptr, lse_ptr, w_ptr, coef_ptr, r0 + tl.arange(0, BLOCK), N, stride_g,
+                g_ptr, h_ptr, kept_ptr, lse_ptr, r_ptr, w_ptr, coef_ptr, r0 + tl.arange(0, BLOCK), N, stride_g,
                 stride_h, stride_kept, stride_coef, z_loss, label_smoothing, HAS_H, BLOCK)
             top = tl.maximum(top, block_top)
             nan = tl.maximum(nan, block_nan)
@@ -89,7 +95,7 @@ def row_weights_kernel(
     else:
         pid = tl.program_id(0)
         block_top, block_nan = _block_weights(
-            g_ptr, h_ptr, kept_ptr, lse_ptr, w_ptr, coef_ptr, pid * BLOCK + tl.arange(0, BLOCK), N, stride_g,
+            g_ptr, h_ptr, kept_ptr, lse_ptr, r_ptr, w_ptr, coef_ptr, pid * BLOCK + tl.arange(0, BLOCK), N, stride_g,
             stride_h, stride_kept, stride_coef, z_loss, label_smoothing, HAS_H, BLOCK)
         tl.store(block_max_ptr + pid, tl.where(block_nan > 0, float("nan"), block_top))
 
