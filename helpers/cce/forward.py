@@ -81,8 +81,10 @@ def cce_forward(
     fwd, _, dot_cfg = configs.for_dtype(E.dtype)
     softcap = o.softcap if o.softcap is not None else 1.0
 
-    # Algorithm 1: z_{i, x_i}, (N,); the counts, which the caller may queue for the host right after.
-    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg, counts)
+    # Algorithm 1: z_{i, x_i}, (N,); the counts, which the caller may queue for the host right after; the
+    # plain forward's tiles that hold a target (``TileFlags``).
+    tile_flags = None if emit_activity else _tile_flags(E, C, bias, o, configs, fwd, v_splits)
+    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg, counts, tile_flags)
     if counted is not None:
         counted()
 
@@ -94,7 +96,8 @@ def cce_forward(
                          "(helpers.cce.class_weights)")
     if not emit_activity:
         lse_split, nontarget_split, logit_sum_split, _ = _lse_splits(
-            E, C, bias, x, target_logit, o, fwd, v_splits, softcap, host=configs.host, class_weight=class_weight)
+            E, C, bias, x, target_logit, o, fwd, v_splits, softcap, host=configs.host, class_weight=class_weight,
+            tile_flags=tile_flags)
         activity = None
     else:
         lse_split, nontarget_split, logit_sum_split, activity = _lse_with_activity(
@@ -115,22 +118,26 @@ def cce_forward(
 
 
 def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softcap, row_stats=False, host=None,
-                class_weight=None):
+                class_weight=None, tile_flags: TileFlags | None = None):
     """Algorithm 2 without bits: (lse_split, nontarget_split, logit_sum_split, row_stats), each split's
     rows (SPLITS, N); nontarget_split: the lse of each split without the target x's column (NONTARGET;
     ``target_logit``: Algorithm 1's z_x, the target's term of the plain walk's sums);
     with ``row_stats``, row_stats = (entropy_split, max_split, target_split) (``lse_forward_kernel``'s
     ROW_STATS), else None. With a tier's ``host`` (``HostTuning.lse_pingpong_max_d``) and the splits
     left to the launcher, the plain lse runs the Gluon kernel where it applies (``lse_pingpong_reason``).
-    ``class_weight``: the logit sums are weighted by it (``cce_forward``)."""
+    ``class_weight``: the logit sums are weighted by it (``cce_forward``). ``tile_flags``: Algorithm 1's
+    flags for the kernel that runs (``_tile_flags``); without, the plain walk masks every tile."""
     N, D = E.shape
     V = C.shape[0]
     x = x.contiguous()
     if (host is not None and v_splits is None and not row_stats
             and lse_pingpong_reason(E, C, bias, o, host) is None):
-        from helpers.cce.kernels.lse_forward_pingpong import lse_forward_pingpong
+        from helpers.cce.kernels import lse_forward_pingpong as pingpong
 
-        lse_split, nontarget_split = lse_forward_pingpong(E, C, x, target_logit, o.ignore_index)
+        flags = tile_flags if tile_flags and (tile_flags.block_n, tile_flags.block_v) == (
+            pingpong.BLOCK_N, pingpong.BLOCK_V) else None
+        lse_split, nontarget_split = pingpong.lse_forward_pingpong(E, C, x, target_logit, o.ignore_index,
+                                                                   tile_flags=flags.flags if flags else None)
         return lse_split, nontarget_split, lse_split, None
     n_blocks, v_splits = split_grid(N, fwd, E.device, v_splits, D, E.element_size())
     v_blocks = triton.cdiv(V, fwd.BLOCK_V)
@@ -139,16 +146,18 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     lse_split, nontarget_split = torch.empty(2, v_splits, N, dtype=torch.float32, device=E.device).unbind(0)
     logit_sum_split = torch.empty_like(lse_split) if o.label_smoothing > 0 else lse_split
     stats = tuple(torch.empty_like(lse_split) for _ in range(3)) if row_stats else None
+    flags = tile_flags if (tile_flags and not row_stats
+                           and (tile_flags.block_n, tile_flags.block_v) == (fwd.BLOCK_N, fwd.BLOCK_V)) else None
     E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=False)
     launch = _launch_flags(fwd, o, bias, E.dtype, n_blocks, e_desc)
     lse_forward_kernel[grid_order(n_blocks, v_splits)](
         E_arg, C_arg, bias if bias is not None else lse_split, lse_split, logit_sum_split,
         lse_split, lse_split, lse_split, lse_split,  # no bits, seeds or order
-        x, *(stats or (lse_split,) * 3), nontarget_split, target_logit,
+        x, *(stats or (lse_split,) * 3), nontarget_split, target_logit, flags.flags if flags else lse_split,
         N, V, D, 0, o.ignore_index, blocks_per_split,
         E.stride(0), E.stride(1), C.stride(0), C.stride(1),
         softcap, 0.0, 1.0 / o.temperature,
-        ROW_STATS=row_stats, NONTARGET=True,
+        ROW_STATS=row_stats, NONTARGET=True, TILE_FLAGS=flags is not None,
         class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,
         **launch,
     )
@@ -263,19 +272,48 @@ def cce_forward_rows(
     return RowStatistics(lse, lse_nontarget, target_logit, None, entropy, row_max, target_split.sum(dim=0))
 
 
-def _indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Algorithm 1: z_{i, x_i} (N,) fp32, 0 at ignored rows; ``counts`` as ``cce_forward``'s."""
+class TileFlags(NamedTuple):
+    """Which (row block, vocabulary tile) pairs of the plain forward's tiling hold a kept row's target:
+    a byte each, (row blocks x tiles,) int8, written by Algorithm 1's launch (``indexed_dot_kernel``'s
+    TILE_FLAGS) and read by the LSE kernel, which masks the target's column in those tiles only."""
+
+    flags: torch.Tensor
+    block_n: int
+    block_v: int
+
+
+def _tile_flags(E, C, bias, o: CCEOptions, configs, fwd, v_splits) -> TileFlags:
+    """Zeroed flags for the tiling of the kernel ``_lse_splits`` will run (the Gluon forward's where it applies)."""
+    N, V = E.shape[0], C.shape[0]
+    if v_splits is None and lse_pingpong_reason(E, C, bias, o, configs.host) is None:
+        from helpers.cce.kernels import lse_forward_pingpong as pingpong
+
+        block_n, block_v = pingpong.BLOCK_N, pingpong.BLOCK_V
+    else:
+        block_n, block_v = fwd.BLOCK_N, fwd.BLOCK_V
+    flags = torch.zeros(triton.cdiv(N, block_n) * triton.cdiv(V, block_v), dtype=torch.int8, device=E.device)
+    return TileFlags(flags, block_n, block_v)
+
+
+def _indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg, counts: torch.Tensor | None = None,
+                 tile_flags: TileFlags | None = None) -> torch.Tensor:
+    """Algorithm 1: z_{i, x_i} (N,) fp32, 0 at ignored rows; ``counts`` as ``cce_forward``'s; ``tile_flags``
+    (``TileFlags``) are set for the LSE kernel that runs next."""
     N, D = E.shape
+    V = C.shape[0]
     target_logit = torch.empty(N, dtype=torch.float32, device=E.device)
+    flags = tile_flags or TileFlags(target_logit, 1, 1)
     indexed_dot_kernel[(triton.cdiv(N, dot_cfg.BLOCK_N),)](
         E, C, x, target_logit, bias if bias is not None else target_logit,
-        counts if counts is not None else target_logit,
-        N, C.shape[0], D,
+        counts if counts is not None else target_logit, flags.flags,
+        N, V, D,
         E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0),
         o.ignore_index, o.softcap if o.softcap is not None else 1.0, 1.0 / o.temperature,
+        flags.block_n, flags.block_v, triton.cdiv(V, flags.block_v),
         HAS_SOFTCAP=o.softcap is not None,
         HAS_BIAS=bias is not None,
         COUNTS=counts is not None,
+        TILE_FLAGS=tile_flags is not None,
         **dot_cfg.tiles("BLOCK_N", "BLOCK_D"), **dot_cfg.launch,
     )
     return target_logit
@@ -424,7 +462,7 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
         # The pilot: the first sorted positions in one split, seeded by the target only.
         lse_forward_kernel[grid_order(n_blocks, 1)](
             E_arg, C_arg, bias_arg, lse_split[0], logit_sum_split[0], bits, seed_add, seed_max, order_arg,
-            x_walk, *(seed_max,) * 3, nontarget_split[0], target_logit, *common, 0, ignore_walk,
+            x_walk, *(seed_max,) * 3, nontarget_split[0], target_logit, seed_max, *common, 0, ignore_walk,
             triton.cdiv(pilot, fwd.BLOCK_V), *strides, softcap, eps,
             1.0 / o.temperature, **flags)
         seed_add = lse_split[0]
@@ -432,6 +470,6 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
         lse_forward_kernel[grid_order(n_blocks, splits)](
             E_arg, C_arg, bias_arg, lse_split[1 if pilot else 0:], logit_sum_split[1 if pilot else 0:], bits,
             seed_add, seed_max, order_arg, x_walk, *(seed_max,) * 3, nontarget_split[1 if pilot else 0:],
-            target_logit, *common, pilot, ignore_walk, blocks_per_split, *strides, softcap, eps, 1.0 / o.temperature,
+            target_logit, seed_max, *common, pilot, ignore_walk, blocks_per_split, *strides, softcap, eps, 1.0 / o.temperature,
             **flags)
     return lse_split, nontarget_split, logit_sum_split, Activity(bits, bits_v, V, order, o.filter_eps, pilot, coef_max)

@@ -27,7 +27,7 @@ import pytest
 KERNEL_FLAGS = {
     # (kernel, variant) -> the constexpr flags compiled: every flag on, and every flag off.
     ("lse_forward", "all"): dict(HAS_SOFTCAP=True, SUM_LOGITS=True, EMIT_BITS=False, SORTED=False, SUB=1,
-                                 CLASS_WEIGHTS=True, NONTARGET=True),
+                                 CLASS_WEIGHTS=True, NONTARGET=True, TILE_FLAGS=True),
     ("lse_forward", "none"): dict(HAS_SOFTCAP=False, SUM_LOGITS=False, EMIT_BITS=False, SORTED=False, SUB=1),
     # The forward of backward_impl="sparse": activity bits, sorted walk (SUB from the tier's tiles).
     ("lse_forward", "bits"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SUM_LOGITS=False, EMIT_BITS=True,
@@ -36,10 +36,10 @@ KERNEL_FLAGS = {
                               DC_LOCAL=True, COUNT_SKIPS=True, CLASS_WEIGHTS=True),
     ("backward", "none"): dict(HAS_SOFTCAP=False, FILTER=False, FULL_E=False, FULL_C=False,
                                SORTED=False, DC_LOCAL=False, COUNT_SKIPS=False),
-    ("indexed_dot", "all"): dict(HAS_SOFTCAP=True),
+    ("indexed_dot", "all"): dict(HAS_SOFTCAP=True, TILE_FLAGS=True),
     # Tensor descriptors (TMA), on the tiers whose configuration asks for them (``LaunchConfig.tma``).
     ("lse_forward", "tma"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SUM_LOGITS=True, E_DESC=True,
-                                 SPLIT_MAJOR=True, NONTARGET=True),
+                                 SPLIT_MAJOR=True, NONTARGET=True, TILE_FLAGS=True),
     ("lse_forward", "bits_tma"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SUM_LOGITS=False, EMIT_BITS=True,
                                       SORTED=True, E_DESC=True, NONTARGET=True),
     ("backward_gemm", "tma"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, FILTER=True, SPLIT_G=False, SORTED=False,
@@ -79,7 +79,7 @@ def _signature(kernel_name, fn, dtype):
     """Triton signature strings for each argument of our kernels, by naming convention."""
     pointers = {
         "E_ptr": dtype, "C_ptr": dtype, "x_ptr": "i64", "vocab_order_ptr": "i64",
-        "skip_count_ptr": "i32", "G_ptr": dtype, "G_exact_ptr": dtype, "tile_kept_ptr": "i8",
+        "skip_count_ptr": "i32", "G_ptr": dtype, "G_exact_ptr": dtype, "tile_kept_ptr": "i8", "tile_flags_ptr": "i8",
         "bits_ptr": "u8", "live_ptr": "u8", "seg_start_ptr": "i32", "cnt_ptr": "i32", "popcount_ptr": "i32",
         "off_ptr": "i64", "rank_ptr": "i32", "row_slot_ptr": "i64", "seg_slot_base_ptr": "i64",
         "pair_row_ptr": "i32", "pair_slot_ptr": "i32", "pack_off_ptr": "i64", "pair_off_ptr": "i64",

@@ -4,7 +4,9 @@ The target logit of each row, read without forming the row of logits: one gather
 row per token, N * D multiply-adds in all. Reference: ``reference_logits(E, C, softcap)[i, x[i]]``.
 With COUNTS it also counts the kept rows (a mean's divisor) and the targets outside [0, V) that are
 not ignored (the host's check), as the first launch of the forward, so that the host waits for it
-alone before it raises or goes on.
+alone before it raises or goes on. With TILE_FLAGS it marks, for the LSE kernel that runs next, each
+(row block, vocabulary tile) of that kernel's tiling that holds a kept row's target
+(``lse_forward_kernel``'s TILE_FLAGS): a byte per pair, the buffer zeroed by the host.
 """
 
 import triton
@@ -19,18 +21,21 @@ def indexed_dot_kernel(
     E_ptr, C_ptr, x_ptr, out_ptr,  # E (N, D), C (V, D), x (N,), out (N,) fp32
     bias_ptr,  # (V,) the head's bias (HAS_BIAS only)
     counts_ptr,  # (2,) int64 zeros: kept rows, targets out of range (COUNTS only)
+    tile_flags_ptr,  # (row blocks x tiles,) int8 zeros of the forward's tiling (TILE_FLAGS only)
     # sizes
     N, V, D,
     # strides
     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
     # options
     ignore_index, softcap, inv_temperature,
+    flag_rows, flag_cols, flag_tiles,  # the forward's BLOCK_N, BLOCK_V and tiles a row block (TILE_FLAGS)
     # meta-parameters
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     COUNTS: tl.constexpr,
+    TILE_FLAGS: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -43,6 +48,9 @@ def indexed_dot_kernel(
     if COUNTS:  # exact in any order: int64 atomics
         tl.atomic_add(counts_ptr, tl.sum(kept.to(tl.int64), axis=0))
         tl.atomic_add(counts_ptr + 1, tl.sum((kept & ~inside).to(tl.int64), axis=0))
+    if TILE_FLAGS:
+        flag = (rows // flag_rows) * flag_tiles + tl.where(kept & inside, x, 0) // flag_cols
+        tl.store(tile_flags_ptr + flag, tl.full((BLOCK_N,), 1, tl.int8), mask=kept & inside)
     x = tl.where(kept & inside, x, 0)
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)

@@ -30,7 +30,10 @@ masked row sum. In every walk the lse written is m + log(u + exp(z_x - m)), z_x 
 logit (``target_logit_ptr``) where the split holds the target. Measured on an H200 (bf16,
 ``scripts/experiments/nontarget_cost.py``): a masked second sum in every tile cost the forward 11-16%,
 a per-tile test for "a target in this tile" (a reduction across the program's warps, a barrier) 5-7%
-even where no tile held one. In the sorted walk the host passes each target's sorted position.
+even where no tile held one, the running sum masked in every tile 8-10%. With TILE_FLAGS the plain walk
+masks only the tiles that Algorithm 1's launch flagged (``indexed_dot_kernel``: a byte per (row block,
+tile) that holds a target, read as one scalar a tile), ~BLOCK_N x BLOCK_V / V of them. In the sorted
+walk the host passes each target's sorted position.
 
 Activity bits (EMIT_BITS, for the "sparse" backward, ``helpers/cce/backward/sparse.py``). For
 every row and every sub-tile of BLOCK_V / SUB columns the kernel writes one bit: whether the
@@ -78,6 +81,7 @@ def lse_forward_kernel(
     target_split_ptr,  # (SPLITS, N) fp32: the target's logit if in the split, else 0 (ROW_STATS only)
     nontarget_split_ptr,  # (SPLITS, N) fp32: m + log sum_{v != x} exp(z_v - m) over the split (NONTARGET only)
     target_logit_ptr,  # (N,) fp32: Algorithm 1's z_x (NONTARGET in the plain walk)
+    tile_flags_ptr,  # (row blocks x tiles,) int8: whether a (row block, tile) holds a target (TILE_FLAGS only)
     # sizes
     N, V, D,
     v_start,  # first vocabulary position of split 0 (the columns before it belong to another launch)
@@ -102,6 +106,7 @@ def lse_forward_kernel(
     SPLIT_MAJOR: tl.constexpr = False,  # grid (SPLITS, N / BLOCK_N) instead of (N / BLOCK_N, SPLITS)
     ROW_STATS: tl.constexpr = False,  # also the entropy, the max and the target's logit (unsorted only)
     NONTARGET: tl.constexpr = False,  # also the non-target mass (module doc)
+    TILE_FLAGS: tl.constexpr = False,  # the plain walk masks only the tiles flagged by Algorithm 1's launch
     class_weight_ptr=None,  # (V,) fp32 class weights w: SUM_LOGITS sums w_v z_{i, v} (CLASS_WEIGHTS only)
     CLASS_WEIGHTS: tl.constexpr = False,
 ):
@@ -185,11 +190,14 @@ def lse_forward_kernel(
             hit = (v0 + tl.arange(0, BLOCK_V))[None, :] == x[:, None]
             target += tl.sum(tl.where(hit, z, 0.0), axis=1)
         if NONTARGET:
-            off_target = (v0 + tl.arange(0, BLOCK_V))[None, :] != x[:, None]
             if MASK_S:
-                p = tl.where(off_target, p, 0.0)
+                if TILE_FLAGS:  # one byte a tile, the same for every thread: no reduction across warps
+                    if tl.load(tile_flags_ptr + pid_n * tl.cdiv(V, BLOCK_V) + v0 // BLOCK_V) != 0:
+                        p = tl.where((v0 + tl.arange(0, BLOCK_V))[None, :] != x[:, None], p, 0.0)
+                else:
+                    p = tl.where((v0 + tl.arange(0, BLOCK_V))[None, :] != x[:, None], p, 0.0)
             else:
-                u = u * alpha + tl.sum(tl.where(off_target, p, 0.0), axis=1)
+                u = u * alpha + tl.sum(tl.where((v0 + tl.arange(0, BLOCK_V))[None, :] != x[:, None], p, 0.0), axis=1)
         s = s * alpha + tl.sum(p, axis=1)
         m = m_new
         if EMIT_BITS:

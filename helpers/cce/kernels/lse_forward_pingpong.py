@@ -77,8 +77,9 @@ if GLUON_ERROR is None:
         return block * BN, first_tile * BV, tiles
 
     @gluon.jit
-    def _producer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs, bars,
-                  N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST: gl.constexpr):
+    def _producer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, tile_flags_ptr,
+                  bufs, bars, N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST: gl.constexpr,
+                  TILE_FLAGS: gl.constexpr):
         """One warp: the copy engine's loads of every tile's E and C blocks, in tile then D order."""
         e_bufs, c_bufs = bufs
         ready, empty, turn = bars
@@ -99,8 +100,9 @@ if GLUON_ERROR is None:
                 it += 1
 
     @gluon.jit
-    def _consumer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs, bars,
-                  N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST: gl.constexpr, WHICH: gl.constexpr):
+    def _consumer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, tile_flags_ptr,
+                  bufs, bars, N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST: gl.constexpr,
+                  TILE_FLAGS: gl.constexpr, WHICH: gl.constexpr):
         """One warpgroup: the products of this program's tiles WHICH, WHICH + 2, ..., folded into its
         running (m, s, u); then its partial lse and non-target lse."""
         e_bufs, c_bufs = bufs
@@ -130,7 +132,12 @@ if GLUON_ERROR is None:
             m_new = gl.maximum(m, gl.max(z, axis=1))
             p = gl.exp2(z - gl.expand_dims(m_new, 1))
             alpha = gl.exp2(m - m_new)
-            p = gl.where(gl.expand_dims(cols, 0) != gl.expand_dims(x, 1), p, 0.0)  # the target's column out
+            # The target's column out (only in the tiles Algorithm 1's launch flagged, with TILE_FLAGS).
+            if TILE_FLAGS:
+                if gl.load(tile_flags_ptr + (row0 // BN) * gl.cdiv(V, BV) + col0 // BV + j) != 0:
+                    p = gl.where(gl.expand_dims(cols, 0) != gl.expand_dims(x, 1), p, 0.0)
+            else:
+                p = gl.where(gl.expand_dims(cols, 0) != gl.expand_dims(x, 1), p, 0.0)
             u_sum = u_sum * alpha + gl.sum(p, axis=1)
             m = m_new
         # 2. This consumer's partial lse and non-target lse (-inf where it had no tile: m = -inf, u = 0);
@@ -146,16 +153,18 @@ if GLUON_ERROR is None:
         gl.store(nontarget_ptr + (2 * split + WHICH) * N + rows, (m + gl.log2(u_sum)) / LOG2E, mask=rows < N)
 
     @gluon.jit
-    def _consumer_even(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs,
-                       bars, N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST: gl.constexpr):
-        _consumer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs, bars,
-                  N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST, 0)
+    def _consumer_even(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index,
+                       tile_flags_ptr, bufs, bars, N, V, D, tiles_per_split, n_blocks,
+                       SPLIT_FASTEST: gl.constexpr, TILE_FLAGS: gl.constexpr):
+        _consumer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, tile_flags_ptr,
+                  bufs, bars, N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST, TILE_FLAGS, 0)
 
     @gluon.jit
-    def _consumer_odd(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs,
-                      bars, N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST: gl.constexpr):
-        _consumer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, bufs, bars,
-                  N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST, 1)
+    def _consumer_odd(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index,
+                      tile_flags_ptr, bufs, bars, N, V, D, tiles_per_split, n_blocks,
+                      SPLIT_FASTEST: gl.constexpr, TILE_FLAGS: gl.constexpr):
+        _consumer(E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, tile_flags_ptr,
+                  bufs, bars, N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST, TILE_FLAGS, 1)
 
     @gluon.jit
     def lse_forward_pingpong_kernel(
@@ -165,8 +174,10 @@ if GLUON_ERROR is None:
         nontarget_ptr,  # (2 x SPLITS, N) fp32: out's partials without the target's column
         target_logit_ptr,  # (N,) fp32: Algorithm 1's z_x
         ignore_index,  # a target equal to it matches no column
+        tile_flags_ptr,  # (row blocks x tiles,) int8: the (row block, tile) pairs holding a target (TILE_FLAGS)
         N, V, D, tiles_per_split, n_blocks,  # the grid is n_blocks x SPLITS programs
         STAGES_: gl.constexpr, SPLIT_FASTEST: gl.constexpr, num_warps: gl.constexpr,
+        TILE_FLAGS: gl.constexpr = False,
     ):
         e_bufs = gl.allocate_shared_memory(E_desc.dtype, [STAGES_] + E_desc.block_type.shape, E_desc.layout)
         c_bufs = gl.allocate_shared_memory(C_desc.dtype, [STAGES_] + C_desc.block_type.shape, C_desc.layout)
@@ -178,8 +189,8 @@ if GLUON_ERROR is None:
             mbarrier.init(empty.index(i), count=1)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
-        args = (E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, (e_bufs, c_bufs),
-                (ready, empty, turn), N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST)
+        args = (E_desc, C_desc, out_ptr, x_ptr, nontarget_ptr, target_logit_ptr, ignore_index, tile_flags_ptr,
+                (e_bufs, c_bufs), (ready, empty, turn), N, V, D, tiles_per_split, n_blocks, SPLIT_FASTEST, TILE_FLAGS)
         gl.warp_specialize([
             (_consumer_even, args),
             (_consumer_odd, args),
@@ -199,12 +210,14 @@ def pingpong_splits(n_blocks: int, v_tiles: int, multiprocessors: int) -> int:
 
 def lse_forward_pingpong(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, target_logit: torch.Tensor,
                          ignore_index: int, splits: int | None = None, *, stages: int = STAGES,
-                         split_fastest: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         split_fastest: bool = False, tile_flags: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(lse partials, non-target partials), each (2 x splits, N) fp32: each consumer's partial lse, and
     the same without the target x's column; ``torch.logsumexp(out, 0)`` is each row's lse (its
     non-target lse). E (N, D) and C (V, D) 16-bit on an sm_90 GPU, rows 16-byte aligned (the copy
     engine's); x (N,) targets (one outside [0, V) or equal to ``ignore_index`` matches no column);
-    target_logit (N,) fp32, Algorithm 1's z_x (``helpers.cce.forward``)."""
+    target_logit (N,) fp32, Algorithm 1's z_x (``helpers.cce.forward``); tile_flags: Algorithm 1's flags of
+    this kernel's (BLOCK_N, BLOCK_V) tiling (``helpers.cce.forward.TileFlags``), or None to mask every tile."""
     N, D = E.shape
     V = C.shape[0]
     n_blocks, v_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(V, BLOCK_V)
@@ -216,7 +229,9 @@ def lse_forward_pingpong(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, targ
     lse_forward_pingpong_kernel[(n_blocks * splits,)](
         pingpong_descriptor(E, BLOCK_N, BLOCK_D), pingpong_descriptor(C, BLOCK_V, BLOCK_D), out,
         x.to(torch.int64).contiguous(), nontarget, target_logit, ignore_index,
-        N, V, D, tiles_per_split, n_blocks, stages, split_fastest, num_warps=4, maxnreg=MAXNREG)
+        tile_flags if tile_flags is not None else out,
+        N, V, D, tiles_per_split, n_blocks, stages, split_fastest, num_warps=4, maxnreg=MAXNREG,
+        TILE_FLAGS=tile_flags is not None)
     return out, nontarget
 
 
@@ -230,7 +245,8 @@ def compile_for_sm90(split_fastest: bool = False) -> dict:
     sig = {"E_desc": mangle_type(pingpong_descriptor(small, BLOCK_N, BLOCK_D)),
            "C_desc": mangle_type(pingpong_descriptor(small, BLOCK_V, BLOCK_D)),
            "out_ptr": "*fp32", "x_ptr": "*i64", "nontarget_ptr": "*fp32", "target_logit_ptr": "*fp32",
-           "ignore_index": "i32", "N": "i32", "V": "i32", "D": "i32", "tiles_per_split": "i32", "n_blocks": "i32",
-           "STAGES_": "constexpr", "SPLIT_FASTEST": "constexpr", "num_warps": "constexpr"}
+           "ignore_index": "i32", "tile_flags_ptr": "*i8", "N": "i32", "V": "i32", "D": "i32",
+           "tiles_per_split": "i32", "n_blocks": "i32", "STAGES_": "constexpr", "SPLIT_FASTEST": "constexpr",
+           "num_warps": "constexpr", "TILE_FLAGS": "constexpr"}
     return compile_gluon_sm90(lse_forward_pingpong_kernel, sig,
-                              {"STAGES_": STAGES, "SPLIT_FASTEST": split_fastest, "num_warps": 4})
+                              {"STAGES_": STAGES, "SPLIT_FASTEST": split_fastest, "num_warps": 4, "TILE_FLAGS": True})
