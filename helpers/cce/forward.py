@@ -83,7 +83,8 @@ def cce_forward(
 
     # Algorithm 1: z_{i, x_i}, (N,); the counts, which the caller may queue for the host right after; the
     # plain forward's tiles that hold a target (``TileFlags``).
-    tile_flags = None if emit_activity else _tile_flags(E, C, bias, o, configs, fwd, v_splits)
+    tile_flags = (None if emit_activity else
+                  _tile_flags(x.shape[0], V, *_plain_tiling(E, C, bias, o, configs, fwd, v_splits), E.device))
     target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg, counts, tile_flags)
     if counted is not None:
         counted()
@@ -257,11 +258,15 @@ def cce_forward_rows(
     configs = resolve_configs(configs, E.device)
     fwd, _, dot_cfg = configs.for_dtype(E.dtype)
     softcap = o.softcap if o.softcap is not None else 1.0
-    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg)
+    # The Triton forward (no host tier given to ``_lse_splits``); the tiles holding a target flagged unless
+    # the row statistics walk every column anyway.
+    tile_flags = None if outputs else _tile_flags(x.shape[0], C.shape[0], fwd.BLOCK_N, fwd.BLOCK_V, E.device)
+    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg, tile_flags=tile_flags)
     if outputs:
         o = replace(o, label_smoothing=0.0)
     lse_split, nontarget_split, logit_sum_split, row_stats = _lse_splits(E, C, bias, x, target_logit, o, fwd,
-                                                                         v_splits, softcap, row_stats=outputs)
+                                                                         v_splits, softcap, row_stats=outputs,
+                                                                         tile_flags=tile_flags)
     logit_sum = logit_sum_split.sum(dim=0) if o.label_smoothing > 0 else None
     lse_nontarget = torch.logsumexp(nontarget_split, dim=0)
     if not outputs:
@@ -282,17 +287,19 @@ class TileFlags(NamedTuple):
     block_v: int
 
 
-def _tile_flags(E, C, bias, o: CCEOptions, configs, fwd, v_splits) -> TileFlags:
-    """Zeroed flags for the tiling of the kernel ``_lse_splits`` will run (the Gluon forward's where it applies)."""
-    N, V = E.shape[0], C.shape[0]
+def _tile_flags(N: int, V: int, block_n: int, block_v: int, device) -> TileFlags:
+    """Zeroed flags for a forward tiled (block_n, block_v)."""
+    flags = torch.zeros(triton.cdiv(N, block_n) * triton.cdiv(V, block_v), dtype=torch.int8, device=device)
+    return TileFlags(flags, block_n, block_v)
+
+
+def _plain_tiling(E, C, bias, o: CCEOptions, configs, fwd, v_splits) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_V) of the kernel ``_lse_splits`` runs for the loss (the Gluon forward's where it applies)."""
     if v_splits is None and lse_pingpong_reason(E, C, bias, o, configs.host) is None:
         from helpers.cce.kernels import lse_forward_pingpong as pingpong
 
-        block_n, block_v = pingpong.BLOCK_N, pingpong.BLOCK_V
-    else:
-        block_n, block_v = fwd.BLOCK_N, fwd.BLOCK_V
-    flags = torch.zeros(triton.cdiv(N, block_n) * triton.cdiv(V, block_v), dtype=torch.int8, device=E.device)
-    return TileFlags(flags, block_n, block_v)
+        return pingpong.BLOCK_N, pingpong.BLOCK_V
+    return fwd.BLOCK_N, fwd.BLOCK_V
 
 
 def _indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg, counts: torch.Tensor | None = None,
