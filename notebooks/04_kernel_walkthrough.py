@@ -979,6 +979,14 @@ close_to(dC16, dC16_spec, "fp16 backward kernel (G unscaled) vs spec: dC", 2e-3)
 # to the products' fp32 results. A loss that rounds G/N in the forward pass, before a trainer's
 # loss scale reaches it, cannot be rescued by that scale: notebook 03 measures what it costs Liger
 # in fp16 training. In bf16 (fp32's range, 8 significant bits) the two ways differ only by rounding.
+#
+# One entry the production kernel forms differently: the target's. Here `S - 1.0` subtracts two
+# numbers near 1 when the model is sure of the target (p → 1), and `S` itself came from
+# `exp(z - lse)`, two rounded numbers of the logits' size: the row's gradient is then wrong by about
+# one unit in the last place of |z| however small 1 − p is. The production forward also sums each
+# row's softmax mass *without* the target's column, r = 1 − p, and the backward writes −r (times the
+# row's coefficients) there, so a confident token's gradient keeps fp32's relative precision
+# (`tests/cce/test_confident.py`; the README's Caveats give the figures).
 
 # %% [markdown]
 # That is the whole method: forward keeps N floats, backward recomputes. Peak memory is the
