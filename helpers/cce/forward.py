@@ -131,8 +131,7 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     N, D = E.shape
     V = C.shape[0]
     x = x.contiguous()
-    if (host is not None and v_splits is None and not row_stats
-            and lse_pingpong_reason(E, C, bias, o, host) is None):
+    if host is not None and not row_stats and _runs_gluon(E, C, bias, o, host, v_splits):
         from helpers.cce.kernels import lse_forward_pingpong as pingpong
 
         flags = tile_flags if tile_flags and (tile_flags.block_n, tile_flags.block_v) == (
@@ -163,6 +162,12 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
         **launch,
     )
     return lse_split, nontarget_split, logit_sum_split, stats
+
+
+def _runs_gluon(E, C, bias, o: CCEOptions, host, v_splits) -> bool:
+    """Whether the loss's plain lse runs the Gluon forward: the splits left to the launcher and
+    ``lse_pingpong_reason`` none (one decision for ``_lse_splits`` and ``_plain_tiling``)."""
+    return v_splits is None and lse_pingpong_reason(E, C, bias, o, host) is None
 
 
 def lse_pingpong_reason(E, C, bias, o: CCEOptions, host) -> str | None:
@@ -295,7 +300,7 @@ def _tile_flags(N: int, V: int, block_n: int, block_v: int, device) -> TileFlags
 
 def _plain_tiling(E, C, bias, o: CCEOptions, configs, fwd, v_splits) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_V) of the kernel ``_lse_splits`` runs for the loss (the Gluon forward's where it applies)."""
-    if v_splits is None and lse_pingpong_reason(E, C, bias, o, configs.host) is None:
+    if _runs_gluon(E, C, bias, o, configs.host, v_splits):
         from helpers.cce.kernels import lse_forward_pingpong as pingpong
 
         return pingpong.BLOCK_N, pingpong.BLOCK_V

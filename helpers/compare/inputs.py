@@ -84,6 +84,19 @@ def make_inputs(
     return E.requires_grad_(requires_grad), C.requires_grad_(requires_grad), x
 
 
+def confident_inputs(N: int, V: int, D: int, margin: float, seed: int = 0,
+                     device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """E (N, D), C (V, D) fp32 and targets x (N,) with each row's target logit ahead of every other by
+    about ``margin`` (1 - p(target) ~ V exp(-margin)): the near-certain tokens whose per-row precision
+    ``tests/cce/test_confident.py`` and ``scripts/experiments/confident_rows.py`` measure."""
+    g = torch.Generator().manual_seed(seed)
+    C = torch.randn(V, D, generator=g)
+    x = torch.randint(0, V, (N,), generator=g)
+    direction = C[x] / C[x].norm(dim=1, keepdim=True)
+    E = 0.01 * torch.randn(N, D, generator=g) + direction * (margin + 10.0) / C[x].norm(dim=1, keepdim=True)
+    return E.to(device), C.to(device), x.to(device)
+
+
 def ignore_targets(x: torch.Tensor, which: str = "none", ignore_index: int = -100) -> torch.Tensor:
     """A copy of x with ``which`` targets set to ``ignore_index``: "none", "some" (every 7th token,
     from the first) or "all"."""

@@ -31,20 +31,11 @@ import helpers  # noqa: E402,F401  (the environment first: helpers.env, the inte
 import torch.nn.functional as F  # noqa: E402
 
 from helpers.cce import linear_cross_entropy  # noqa: E402
+from helpers.compare.inputs import confident_inputs  # noqa: E402
 from helpers.compare.results_file import ResultsWriter, run_meta  # noqa: E402
 from helpers.spec import reference_loss_and_grads  # noqa: E402
 
 N, V, D = 6, 301, 16
-
-
-def inputs(margin: float, device: str, seed: int = 0):
-    """E, C, x with each row's target logit ahead of the rest by about ``margin`` (fp32)."""
-    g = torch.Generator().manual_seed(seed)
-    C = torch.randn(V, D, generator=g)
-    x = torch.randint(0, V, (N,), generator=g)
-    direction = C[x] / C[x].norm(dim=1, keepdim=True)
-    E = 0.01 * torch.randn(N, D, generator=g) + direction * (margin + 10.0) / C[x].norm(dim=1, keepdim=True)
-    return E.to(device), C.to(device), x.to(device)
 
 
 def row_errors(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -52,7 +43,7 @@ def row_errors(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def measure(margin: float, dtype: torch.dtype, device: str) -> dict:
-    E, C, x = (t.to(dtype) if t.is_floating_point() else t for t in inputs(margin, device))
+    E, C, x = (t.to(dtype) if t.is_floating_point() else t for t in confident_inputs(N, V, D, margin, device=device))
     leaves = {"exact": reference_loss_and_grads(E, C, x, reduction="sum")[1]}
     for name, cast in (("naive", dtype), ("naive_fp32", torch.float32)):
         e, c = (t.detach().to(cast).requires_grad_() for t in (E, C))

@@ -49,7 +49,8 @@ def run_on_gpu(out: str, sections, cases) -> int:
     import triton
 
     from helpers.cce import resolve_options
-    from helpers.cce.forward import _lse_splits
+    from helpers.cce.forward import _indexed_dot, _lse_splits, _tile_flags
+    from helpers.cce.kernels import lse_forward_pingpong as pingpong
     from helpers.cce.kernels.configs import select_configs
     from helpers.compare import heads
     from helpers.compare.inputs import make_inputs
@@ -68,11 +69,11 @@ def run_on_gpu(out: str, sections, cases) -> int:
         rec = {"case": name, "N": N, "V": V, "D": D, "shipped_forward": repr(fwd)}
         try:
             E, C, x = make_inputs(N, V, D, torch.bfloat16, device, regime="uniform", seed=N)
-            z_x = (E.float() * C[x].float()).sum(1)  # Algorithm 1's target logit, to within its rounding
-            # Algorithm 1's tile flags for the Gluon kernel's (64, 256) tiling, as the loss passes them.
-            tiles = triton.cdiv(V, 256)
-            flags = torch.zeros(triton.cdiv(N, 64) * tiles, dtype=torch.int8, device=device)
-            flags[(torch.arange(N, device=device) // 64) * tiles + x // 256] = 1
+            # Algorithm 1's target logit and its tile flags for the Gluon kernel's tiling, as the loss makes them.
+            tile_flags = _tile_flags(N, V, pingpong.BLOCK_N, pingpong.BLOCK_V, device)
+            z_x = _indexed_dot(E, C, x, None, o, select_configs(device).for_dtype(torch.bfloat16)[2],
+                               tile_flags=tile_flags)
+            flags = tile_flags.flags
 
             def triton_lse():
                 return _lse_splits(E, C, None, x, z_x, o, fwd, None, 1.0)[0]

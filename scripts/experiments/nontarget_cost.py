@@ -27,7 +27,7 @@ import helpers  # noqa: E402,F401  (the environment first: helpers.env, the inte
 
 from helpers.cce import resolve_options  # noqa: E402
 from helpers.cce.descriptors import operand_descriptors  # noqa: E402
-from helpers.cce.forward import _launch_flags, grid_order, split_grid  # noqa: E402
+from helpers.cce.forward import _indexed_dot, _launch_flags, _tile_flags, grid_order, split_grid  # noqa: E402
 from helpers.cce.kernels.configs import select_configs  # noqa: E402
 from helpers.cce.kernels.lse_forward import lse_forward_kernel  # noqa: E402
 from helpers.compare.heads import GEMMA2, QWEN3  # noqa: E402
@@ -49,12 +49,10 @@ def launcher(E, C, x, nontarget: bool, flagged: bool = False):
     lse_split, nontarget_split = torch.empty(2, v_splits, N, dtype=torch.float32, device=E.device).unbind(0)
     E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=False)
     launch = _launch_flags(fwd, o, None, E.dtype, n_blocks, e_desc)
-    z_x = (E.float() * C[x.clamp(min=0)].float()).sum(1)  # Algorithm 1's target logit, to within its rounding
-    # The tile flags as Algorithm 1's launch makes them (``indexed_dot_kernel``'s TILE_FLAGS).
-    flags = torch.zeros(n_blocks * v_blocks, dtype=torch.int8, device=E.device)
-    valid = x >= 0
-    rows = torch.arange(N, device=E.device)
-    flags[(rows[valid] // fwd.BLOCK_N) * v_blocks + x[valid] // fwd.BLOCK_V] = 1
+    # Algorithm 1's target logit and its tile flags, as the loss's forward makes them.
+    tile_flags = _tile_flags(N, V, fwd.BLOCK_N, fwd.BLOCK_V, E.device)
+    z_x = _indexed_dot(E, C, x, None, o, select_configs(E.device).for_dtype(E.dtype)[2], tile_flags=tile_flags)
+    flags = tile_flags.flags
 
     def run():
         lse_forward_kernel[grid_order(n_blocks, v_splits)](

@@ -13,6 +13,7 @@ import torch
 
 import helpers  # noqa: F401  (the environment first: the interpreter on a CPU)
 from helpers.cce import linear_cross_entropy, linear_cross_entropy_outputs
+from helpers.compare import inputs
 from helpers.spec import reference_loss_and_grads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,14 +23,9 @@ N, V, D = 6, 301, 16
 ROW_TOL = 5e-5
 
 
-def confident_inputs(margin: float, seed: int = 0):
+def confident_inputs(margin: float):
     """E, C, x (fp32) with each row's target logit ahead of the rest by about ``margin``."""
-    g = torch.Generator().manual_seed(seed)
-    C = torch.randn(V, D, generator=g)
-    x = torch.randint(0, V, (N,), generator=g)
-    direction = C[x] / C[x].norm(dim=1, keepdim=True)
-    E = 0.01 * torch.randn(N, D, generator=g) + direction * (margin + 10.0) / C[x].norm(dim=1, keepdim=True)
-    return E.to(DEVICE), C.to(DEVICE), x.to(DEVICE)
+    return inputs.confident_inputs(N, V, D, margin, device=DEVICE)
 
 
 def row_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
