@@ -35,7 +35,7 @@ from helpers.cce.shared import vocabulary_order
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
 from helpers.cce.kernels.lse_forward import lse_forward_kernel
-from helpers.cce.kernels.row_loss import row_loss_kernel
+from helpers.cce.kernels.row_loss import ONE_PROGRAM_ROWS as ROW_LOSS_ONE_PROGRAM, row_loss_kernel
 from helpers.cce.options import CCEOptions, dot_precision, resolve_configs
 
 
@@ -50,9 +50,9 @@ def cce_forward(
     bias: torch.Tensor | None = None,
     emit_activity: bool = False,
     return_lse: bool = False,
-    counts: torch.Tensor | None = None,
-    counted: Callable[[], None] | None = None,
+    counted: Callable[[torch.Tensor], None] | None = None,
     class_weight: torch.Tensor | None = None,
+    reduced: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Activity]:
     """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32; r (N,) fp32, each row's non-target
     softmax mass 1 - p(target), to fp32's relative precision (``lse_forward_kernel``'s NONTARGET: the
@@ -66,13 +66,15 @@ def cce_forward(
     ``configs``: a ``CCEConfigs`` (``linear_cross_entropy`` passes its plan's), a tier's name, or None
     for the device's tier. ``v_splits``: vocabulary splits of the LSE grid; None picks enough to fill the device.
     ``bias``: the head's bias (V,), added to every row's logits; None for none.
-    ``counts``: None, or an int64 (2,) tensor of zeros that gets the kept rows' count and the count of
-    targets outside [0, V) that are not ignore_index (a mean's divisor and the target check), from
-    the first launch (``indexed_dot_kernel``); ``counted`` is called once that launch is queued, so
-    a caller may queue their copy to the host there and wait for that launch alone
-    (``helpers.cce.ops.loss_forward``).
+    ``counted``: None, or a function called with ``counts`` once the first launch (``indexed_dot_kernel``)
+    is queued: an int64 (2,) tensor that gets the kept rows' count and the count of targets outside
+    [0, V) that are not ignore_index (a mean's divisor and the target check), so a caller may queue
+    their copy to the host there and wait for that launch alone (``helpers.cce.ops.loss_forward``).
     ``class_weight``: (V,) fp32 class weights with label smoothing (``helpers.cce.class_weights``): the
     rows come weighted (``smoothed_rows``), the smoothing term summed with the weights; no z-loss.
+    ``reduced``: None, or an fp32 scalar that gets the loss reduced as ``options.reduction`` says ("sum"
+    or "mean": over the kept rows, with ``counted``), by the last launch; up to ``ROW_LOSS_ONE_PROGRAM``
+    rows and without class weights (``reduces_in_kernel``).
     """
     # E (N, D), C (V, D), x (N,)
     V = C.shape[0]
@@ -82,12 +84,13 @@ def cce_forward(
     softcap = o.softcap if o.softcap is not None else 1.0
 
     # Algorithm 1: z_{i, x_i}, (N,); the counts, which the caller may queue for the host right after; the
-    # plain forward's tiles that hold a target (``TileFlags``).
-    tile_flags = (None if emit_activity else
-                  _tile_flags(x.shape[0], V, *_plain_tiling(E, C, bias, o, configs, fwd, v_splits), E.device))
+    # plain forward's tiles that hold a target (``TileFlags``). Its zeroed outputs in one allocation.
+    gluon = not emit_activity and _runs_gluon(E, C, bias, o, configs.host, v_splits)
+    tiling = None if emit_activity else _plain_tiling(fwd, gluon)
+    tile_flags, counts = _zeroed(x.shape[0], V, tiling, E.device, counts=counted is not None)
     target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg, counts, tile_flags)
     if counted is not None:
-        counted()
+        counted(counts)
 
     # Algorithm 2: lse over vocabulary splits, (SPLITS, N), then merged.
     smoothing = o.label_smoothing > 0
@@ -97,7 +100,7 @@ def cce_forward(
                          "(helpers.cce.class_weights)")
     if not emit_activity:
         lse_split, nontarget_split, logit_sum_split, _ = _lse_splits(
-            E, C, bias, x, target_logit, o, fwd, v_splits, softcap, host=configs.host, class_weight=class_weight,
+            E, C, bias, x, target_logit, o, fwd, v_splits, softcap, gluon=gluon, class_weight=class_weight,
             tile_flags=tile_flags)
         activity = None
     else:
@@ -108,30 +111,43 @@ def cce_forward(
     lse, r, loss = (torch.empty(N, dtype=torch.float32, device=E.device) for _ in range(3))  # no views: a custom
     # op's outputs may not alias each other
     # Class weights: the kernel's rows are lse - z_x, weighted with the smoothing term after it.
-    row_loss_kernel[(triton.cdiv(N, ROW_BLOCK),)](
+    reduce = 0
+    if reduced is not None:
+        if not reduces_in_kernel(N, o.reduction, weighted) or (o.reduction == "mean" and counts is None):
+            raise ValueError(f"reduced: the kernel reduces a 'sum' or a 'mean' (with counted) of at most "
+                             f"{ROW_LOSS_ONE_PROGRAM} rows without class weights; got {o.reduction!r}, N = {N}")
+        reduce = 1 if o.reduction == "sum" else 2
+    row_loss_kernel[(1 if reduce else triton.cdiv(N, ROW_BLOCK),)](
         lse_split, nontarget_split, logit_sum_split, target_logit, x, lse, r, loss,
+        reduced if reduce else lse, counts if reduce == 2 else x,
         N, lse_split.shape[0], lse_split.stride(0), x.stride(0), o.ignore_index,
         1.0 if weighted else 1.0 - o.label_smoothing, o.label_smoothing / V, float(o.z_loss),
-        SMOOTHING=smoothing and not weighted, Z_LOSS=bool(o.z_loss), BLOCK=ROW_BLOCK)
+        SMOOTHING=smoothing and not weighted, Z_LOSS=bool(o.z_loss), BLOCK=ROW_BLOCK, REDUCE=reduce)
     if weighted:
         loss = smoothed_rows(loss, lse, logit_sum_split.sum(0), x, class_weight, o.label_smoothing, o.ignore_index)
     return (loss, lse, r) if activity is None else (loss, lse, r, activity)
 
 
-def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softcap, row_stats=False, host=None,
+def reduces_in_kernel(N: int, reduction: str, weighted: bool = False) -> bool:
+    """Whether ``cce_forward`` can give the loss reduced from its last launch (``reduced``): a "sum" or a
+    "mean" of at most ``ROW_LOSS_ONE_PROGRAM`` rows (one program walks them: few tokens, where each torch
+    launch is host time) without class weights (weighted after the kernels)."""
+    return reduction in ("sum", "mean") and N <= ROW_LOSS_ONE_PROGRAM and not weighted
+
+
+def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softcap, row_stats=False, gluon=False,
                 class_weight=None, tile_flags: TileFlags | None = None):
     """Algorithm 2 without bits: (lse_split, nontarget_split, logit_sum_split, row_stats), each split's
     rows (SPLITS, N); nontarget_split: the lse of each split without the target x's column (NONTARGET;
     ``target_logit``: Algorithm 1's z_x, the target's term of the plain walk's sums);
     with ``row_stats``, row_stats = (entropy_split, max_split, target_split) (``lse_forward_kernel``'s
-    ROW_STATS), else None. With a tier's ``host`` (``HostTuning.lse_pingpong_max_d``) and the splits
-    left to the launcher, the plain lse runs the Gluon kernel where it applies (``lse_pingpong_reason``).
+    ROW_STATS), else None. ``gluon``: the plain lse runs the Gluon kernel (``_runs_gluon``'s answer).
     ``class_weight``: the logit sums are weighted by it (``cce_forward``). ``tile_flags``: Algorithm 1's
     flags for the kernel that runs (``_tile_flags``); without, the plain walk masks every tile."""
     N, D = E.shape
     V = C.shape[0]
     x = x.contiguous()
-    if host is not None and not row_stats and _runs_gluon(E, C, bias, o, host, v_splits):
+    if gluon and not row_stats:
         from helpers.cce.kernels import lse_forward_pingpong as pingpong
 
         flags = tile_flags if tile_flags and (tile_flags.block_n, tile_flags.block_v) == (
@@ -166,7 +182,7 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
 
 def _runs_gluon(E, C, bias, o: CCEOptions, host, v_splits) -> bool:
     """Whether the loss's plain lse runs the Gluon forward: the splits left to the launcher and
-    ``lse_pingpong_reason`` none (one decision for ``_lse_splits`` and ``_plain_tiling``)."""
+    ``lse_pingpong_reason`` none (``cce_forward`` decides once, for ``_lse_splits`` and ``_plain_tiling``)."""
     return v_splits is None and lse_pingpong_reason(E, C, bias, o, host) is None
 
 
@@ -294,13 +310,25 @@ class TileFlags(NamedTuple):
 
 def _tile_flags(N: int, V: int, block_n: int, block_v: int, device) -> TileFlags:
     """Zeroed flags for a forward tiled (block_n, block_v)."""
-    flags = torch.zeros(triton.cdiv(N, block_n) * triton.cdiv(V, block_v), dtype=torch.int8, device=device)
-    return TileFlags(flags, block_n, block_v)
+    return _zeroed(N, V, (block_n, block_v), device, counts=False)[0]
 
 
-def _plain_tiling(E, C, bias, o: CCEOptions, configs, fwd, v_splits) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_V) of the kernel ``_lse_splits`` runs for the loss (the Gluon forward's where it applies)."""
-    if _runs_gluon(E, C, bias, o, configs.host, v_splits):
+def _zeroed(N: int, V: int, tiling: tuple[int, int] | None, device, *, counts: bool
+            ) -> tuple[TileFlags | None, torch.Tensor | None]:
+    """(the tile flags of a forward tiled ``tiling`` = (block_n, block_v), or None without a tiling;
+    int64 (2,) counts, or None) zeroed by one launch: with few tokens each launch is host time."""
+    n_flags = triton.cdiv(N, tiling[0]) * triton.cdiv(V, tiling[1]) if tiling else 0
+    head = 16 if counts else 0  # the counts' two int64, then the flags' bytes
+    if head + n_flags == 0:
+        return None, None
+    zeros = torch.zeros(head + n_flags, dtype=torch.int8, device=device)
+    return (TileFlags(zeros[head:], *tiling) if tiling else None), (zeros[:head].view(torch.int64) if counts else None)
+
+
+def _plain_tiling(fwd, gluon: bool) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_V) of the kernel ``_lse_splits`` runs for the loss: the Gluon forward's where it
+    runs (``gluon``, ``_runs_gluon``), else the tier's ``fwd``."""
+    if gluon:
         from helpers.cce.kernels import lse_forward_pingpong as pingpong
 
         return pingpong.BLOCK_N, pingpong.BLOCK_V

@@ -42,7 +42,7 @@ from helpers.cce.backward import run_backward
 from helpers.cce.backward.atomic import backward_atomic
 from helpers.cce.backward.gemm import backward_gemm
 from helpers.cce.backward.rows import RowGradient
-from helpers.cce.forward import cce_forward, cce_forward_outputs, forward_kernel
+from helpers.cce.forward import cce_forward, cce_forward_outputs, forward_kernel, reduces_in_kernel
 from helpers.cce.options import CCEPlan, auto_filter_eps, plan_call
 from helpers.cce.shared import read_later
 from helpers.spec import raise_for_targets
@@ -75,20 +75,29 @@ def loss_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):
     V = C.shape[0]
     # The kept rows and the targets out of range, counted by the forward's first launch; their copy to
     # the host is queued right after it and read once the rest is queued (a wait for that launch only).
-    counts = torch.zeros(2, dtype=torch.int64, device=x.device)
-    reads = []
-    counted = (lambda: reads.append(read_later(counts[1]))) if check_targets else None
+    got, reads = [], []
+
+    def counted(counts):
+        got.append(counts)
+        if check_targets:
+            reads.append(read_later(counts[1]))
+
+    # A "sum" or a "mean" of few rows reduced by the forward's last launch (``reduces_in_kernel``).
+    reduced = (torch.empty((), dtype=torch.float32, device=E.device)
+               if reduces_in_kernel(x.shape[0], options.reduction, plan.class_weight is not None) else None)
     activity = None
     if plan.emit_activity:  # the "sparse" backward's bits (``CCEPlan.emit_activity``)
         loss_rows, lse, r, activity = cce_forward(E, C, x, options, plan.configs, bias=bias, emit_activity=True,
-                                                  return_lse=plan.return_lse, counts=counts, counted=counted)
+                                                  return_lse=plan.return_lse, counted=counted, reduced=reduced)
     else:
-        loss_rows, lse, r = cce_forward(E, C, x, options, plan.configs, bias=bias, counts=counts, counted=counted,
-                                        class_weight=plan.class_weight)
+        loss_rows, lse, r = cce_forward(E, C, x, options, plan.configs, bias=bias, counted=counted,
+                                        class_weight=plan.class_weight, reduced=reduced)
     if check_targets:  # the forward's kernels read C's row 0 for a target out of range
         raise_for_targets(x, V, options.ignore_index, reads[0]())
-    n_kept = counts[0]
-    if options.reduction == "none":
+    n_kept = got[0][0]
+    if reduced is not None:
+        loss = reduced
+    elif options.reduction == "none":
         loss = loss_rows
     elif options.reduction == "sum":
         loss = loss_rows.sum()
@@ -102,21 +111,12 @@ def loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, plan: CCEP
     None for a gradient ``plan.need`` does not ask for. ``r``: ``loss_forward``'s."""
     if not any(plan.need) or (grad_loss is None and grad_lse is None):
         return None, None, None
-    N = x.shape[0]
-    reduction = plan.options.reduction
-    if grad_loss is None:
-        grad_rows = torch.zeros(N, dtype=torch.float32, device=E.device)
-    elif reduction == "none":
-        grad_rows = grad_loss.to(torch.float32)
-    elif reduction == "sum":
-        grad_rows = grad_loss.to(torch.float32).expand(N)
-    else:
-        # All ignored: torch's gradients are 0, not NaN, so divide by at least 1.
-        grad_rows = (grad_loss.to(torch.float32) / n_kept.clamp(min=1)).expand(N)
     if stats is not None:  # the kernel that made the forward's lse (a bench says which path it timed)
         stats["forward"] = forward_kernel(E, C, bias, plan.options, plan.configs.host, bits=activity is not None)
-    return run_backward(E, C, x, lse, r, grad_rows, plan, stats=stats, grad_lse=grad_lse, bias=bias,
-                        activity=activity)
+    # The rows' upstream gradient is grad_loss itself (a scalar for a mean or a sum); a mean's division by
+    # the kept rows is made in the row kernel (``RowGradient.of``; with few tokens each launch is host time).
+    return run_backward(E, C, x, lse, r, grad_loss, plan, stats=stats, grad_lse=grad_lse, bias=bias,
+                        activity=activity, divisor=n_kept if plan.options.reduction == "mean" else None)
 
 
 def outputs_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):

@@ -311,6 +311,56 @@ def plan_call(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, configs: 
     if not (_is_auto(sort_vocab) or isinstance(sort_vocab, bool)):
         raise ValueError(f"sort_vocab must be 'auto', True or False, got {sort_vocab!r}")
     configs = resolve_configs(configs, E.device)
+    need = tuple(need)
+    key = _plan_key(E, C, configs, backward_impl, return_lse, need, wants_db, filter_eps, sort_vocab, vocabulary,
+                    options)
+    resolved = _PLANS.get(key) if key is not None else None
+    if resolved is None:
+        resolved = _resolve_plan(E, C, backward_impl=backward_impl, configs=configs, return_lse=return_lse, need=need,
+                                 wants_db=wants_db, filter_eps=filter_eps, sort_vocab=sort_vocab, vocabulary=vocabulary,
+                                 **options)
+        if key is not None:
+            if len(_PLANS) >= _PLANS_KEPT:
+                del _PLANS[next(iter(_PLANS))]  # the oldest problem
+            _PLANS[key] = resolved
+    plan, sparse, problem = resolved
+    if plan.backward_impl != "auto":
+        return plan
+    # "auto": the record decides on every call (it counts calls, ``helpers.cce.auto``).
+    choice = RECORD.choose(problem, configs.host.auto_probe_calls)
+    if choice.backward == "gemm":
+        return replace(plan, backward_impl="gemm", auto=choice)
+    return replace(sparse, auto=choice)
+
+
+# The resolved plans of the last problems (``plan_call``): resolving one is ~0.2 ms of Python, which a
+# call with few tokens pays before its first launch (its host time bounds it, docs/PERFORMANCE.md).
+_PLANS: dict = {}
+_PLANS_KEPT = 64
+
+
+def _plan_key(E, C, configs, backward_impl, return_lse, need, wants_db, filter_eps, sort_vocab, vocabulary,
+              options) -> tuple | None:
+    """What ``_resolve_plan``'s answer depends on, each value with its type (True and 1 are told apart:
+    one is refused where the other is not), or None where an argument is not hashable (it is checked
+    the long way, which says what is wrong with it). The tier by identity: the entry's plan holds it,
+    so its id is not reused while the entry lives."""
+    try:
+        key = (E.device, E.dtype, E.shape[0], E.shape[1], C.shape[0], id(configs), backward_impl, return_lse, need,
+               wants_db, type(filter_eps), filter_eps, type(sort_vocab), sort_vocab, type(vocabulary), vocabulary,
+               *((k, type(v), v) for k, v in sorted(options.items())))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _resolve_plan(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, configs: CCEConfigs, return_lse: bool,
+                  need: tuple[bool, bool, bool], wants_db: bool, filter_eps="auto", sort_vocab="auto",
+                  vocabulary: int | None = None, **options) -> tuple[CCEPlan, CCEPlan | None, tuple | None]:
+    """``plan_call``'s plan before "auto"'s record is asked: (the plan, None, None) for "gemm", "atomic",
+    "sparse" and an "auto" that cannot run "sparse"; for the rest (a plan named "auto" with "gemm"'s
+    options, the "sparse" plan, the record's ``problem_key``), of which ``plan_call`` returns one per call."""
     block_v = configs.sparse_for(E.dtype).BLOCK_V
     V = C.shape[0] if vocabulary is None else vocabulary
 
@@ -327,23 +377,19 @@ def plan_call(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, configs: 
     reason = why_unavailable(E.device, E.dtype, dense.softcap)
     if reason:
         raise RuntimeError(f"helpers.linear_cross_entropy cannot run here: {reason}")
-    need = tuple(need)
     if backward_impl in ("gemm", "atomic"):
-        return CCEPlan(dense, configs, backward_impl, return_lse, need)
+        return CCEPlan(dense, configs, backward_impl, return_lse, need), None, None
     sparse = resolved("sparse")
     cannot = why_sparse_cannot_run(E, C, sparse, configs)
     fallback = replace(dense, sort_vocab=False)
     if backward_impl == "sparse":
-        return CCEPlan(sparse, configs, "sparse", return_lse, need, cannot, fallback)
-    if not any(need):
-        choice = AutoChoice("gemm", "no gradient is wanted")
-    elif cannot:
-        choice = AutoChoice("gemm", cannot)
-    else:
-        choice = RECORD.choose(problem_key(E, C, sparse, configs, return_lse), configs.host.auto_probe_calls)
-    if choice.backward == "gemm":
-        return CCEPlan(dense, configs, "gemm", return_lse, need, auto=choice)
-    return CCEPlan(sparse, configs, "sparse", return_lse, need, None, fallback, choice)
+        return CCEPlan(sparse, configs, "sparse", return_lse, need, cannot, fallback), None, None
+    if not any(need) or cannot:
+        why = "no gradient is wanted" if not any(need) else cannot
+        return CCEPlan(dense, configs, "gemm", return_lse, need, auto=AutoChoice("gemm", why)), None, None
+    return (CCEPlan(dense, configs, "auto", return_lse, need),
+            CCEPlan(sparse, configs, "sparse", return_lse, need, None, fallback),
+            problem_key(E, C, sparse, configs, return_lse))
 
 
 def plan_for(E: torch.Tensor, C: torch.Tensor, options: CCEOptions, configs: CCEConfigs | str | None,

@@ -247,16 +247,9 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         if not any(plan.need) or (grad_loss is None and grad_lse is None):
             return none
         o = plan.options
-        N = x_local.shape[0]
-        if grad_loss is None:
-            grad_rows = torch.zeros(N, dtype=torch.float32, device=E.device)
-        elif o.reduction == "none":
-            grad_rows = grad_loss.to(torch.float32)
-        elif o.reduction == "sum":
-            grad_rows = grad_loss.to(torch.float32).expand(N)
-        else:
-            grad_rows = (grad_loss.to(torch.float32) / n_kept.clamp(min=1)).expand(N)
-        up = RowGradient.of(grad_rows, grad_lse, kept, lse, r, o)
+        # As the one-GPU loss's backward (``helpers.cce.ops.loss_backward``): grad_loss itself, a mean divided in the
+        # row kernel; the rows kept by the global targets (``kept``, a mask: kept where it is not 0).
+        up = RowGradient.of(grad_loss, grad_lse, kept, 0, lse, r, o, n_kept if o.reduction == "mean" else None)
         if o.label_smoothing > 0:
             # The kernels divide c by their own C's rows (V_r); the smoothing spreads over all V.
             scale = torch.tensor([1.0, 1.0, layout.V_local / layout.vocab_size], device=E.device)

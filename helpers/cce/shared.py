@@ -25,8 +25,7 @@ def read_later(t: torch.Tensor) -> Callable[[], float | bool]:
     after it), so a host that launches more work first never leaves the GPU idle; on the CPU, at once."""
     if t.device.type != "cuda":
         return lambda: t.item()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
+    host = t.to("cpu", non_blocking=True)  # into pinned memory, queued on the current stream
     copied = torch.cuda.Event()
     copied.record()
 

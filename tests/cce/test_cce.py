@@ -595,35 +595,47 @@ def _row_gradient_torch(grad_rows, grad_lse, kept, lse, r, z_loss, label_smoothi
 
 
 @pytest.mark.parametrize("N", [1, 37, 2500, 9000])
-@pytest.mark.parametrize("case", ["mean", "none", "lse", "nan", "all_ignored"])
+@pytest.mark.parametrize("case", ["mean", "divided", "none", "lse", "nan", "all_ignored", "no_loss_gradient"])
 def test_row_gradient_kernels_match_the_torch_expressions(N, case):
     """``RowGradient.of``'s kernels give the torch expressions' values: a mean's expanded scalar, a
-    "none" gradient in bf16, a gradient into the lse, a NaN at a kept row (NaN w and w_scale, as torch
-    gives), every row ignored (w_scale 0, w_rel 0); one program walking several blocks (2,500 rows)
-    and one program a block with the second launch (9,000, past ``ONE_PROGRAM_ROWS``). The same bits
-    under the interpreter; on a GPU within fp32's rounding (a compiled kernel divides and fuses
-    multiply-adds as the hardware does)."""
+    mean's scalar and its divisor n_kept (the division the loss's backward made in torch: g / max(n, 1)),
+    a "none" gradient in bf16, a gradient into the lse, a NaN at a kept row (NaN w and w_scale, as torch
+    gives), every row ignored (w_scale 0, w_rel 0), no gradient into the loss (only the lse's); one
+    program walking several blocks (2,500 rows) and one program a block with the second launch (9,000,
+    past ``ONE_PROGRAM_ROWS``). The same bits under the interpreter; on a GPU within fp32's rounding (a
+    compiled kernel divides and fuses multiply-adds as the hardware does)."""
     from helpers.cce.backward.rows import RowGradient
 
     gen = torch.Generator().manual_seed(N)
     lse = torch.randn(N, generator=gen).to(DEVICE)
     r = torch.rand(N, generator=gen).pow(8).to(DEVICE)  # non-target masses down to ~1e-30
     kept = (torch.rand(N, generator=gen) > 0.3).to(DEVICE)
-    grad_lse = torch.randn(N, generator=gen).to(DEVICE) if case in ("lse", "nan") else None
+    grad_lse = torch.randn(N, generator=gen).to(DEVICE) if case in ("lse", "nan", "no_loss_gradient") else None
+    divisor = None
     if case in ("mean", "all_ignored"):
         grad_rows = torch.full((1,), 0.01, device=DEVICE).expand(N)
         if case == "all_ignored":
             kept[:] = False
+    elif case == "divided":  # the loss's backward for a mean: its scalar gradient and n_kept
+        grad_rows, divisor = torch.tensor(0.37, device=DEVICE), kept.sum()
     else:
         grad_rows = torch.randn(N, generator=gen).to(torch.bfloat16).to(DEVICE)
     if case == "nan":
         grad_rows[N // 2], kept[N // 2] = float("nan"), True
     options = resolve_options(torch.float32, filter_eps=None, z_loss=1e-3, label_smoothing=0.1)
-    up = RowGradient.of(grad_rows, grad_lse, kept, lse, r, options)
+    # Rows kept by targets and ignore_index (the loss's own call), or by a mask and 0 (the vocabulary-parallel loss).
+    x = torch.where(kept, torch.arange(N, device=DEVICE) % 7, -100)
+    labels, ignore = (x, -100) if N % 2 else (kept, 0)
+    given = None if case == "no_loss_gradient" else grad_rows
+    up = RowGradient.of(given, grad_lse, labels, ignore, lse, r, options, divisor)
+    if case == "divided":  # torch's division, as the loss's backward made it before the kernel did
+        grad_rows = (grad_rows.to(torch.float32) / divisor.clamp(min=1)).expand(N)
+    elif case == "no_loss_gradient":
+        grad_rows = torch.zeros(N, device=DEVICE)
     want = _row_gradient_torch(grad_rows, grad_lse, kept, lse, r, options.z_loss, options.label_smoothing)
     # A GPU: fp32's rounding, relative to the terms (a coefficient g (1 + 2 zl lse) + h near 0 cancels).
     rtol, atol = (0.0, 0.0) if DEVICE == "cpu" else (1e-6, 1e-6)
     for got, expected in zip((up.w, up.w_rel, up.w_scale, up.coef), want):
         torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, equal_nan=True)
-    assert up.uniform == (case in ("mean", "all_ignored") or N == 1 and grad_lse is None)
+    assert up.uniform == (case in ("mean", "all_ignored", "divided") or N == 1 and grad_lse is None)
     assert bool(up.w_scale.isnan()) == (case == "nan")

@@ -180,3 +180,30 @@ def test_the_sparse_decision_before_any_bit_is_made_is_the_plans(monkeypatch):
     assert planned(monkeypatch, E, C, x, backward_impl="sparse", configs=small).emit_activity
     assert "label smoothing" in planned(monkeypatch, E, C, x, backward_impl="sparse", configs=small,
                                         label_smoothing=0.1, filter_eps=2.0**-10).sparse_reason
+
+
+def test_a_problems_plan_is_resolved_once_and_each_call_still_checked(monkeypatch):
+    """``plan_call`` keeps the resolved plans of the last problems (resolving one is host time a call with
+    few tokens pays before its first launch): the same problem gets the same plan object back, another
+    option value another plan; a value equal to an accepted one but of a refused type is still refused
+    (True is 1 to a dict); an unhashable value gets its own error, not the cache's; "auto" still asks its
+    record on every call."""
+    from helpers.cce.auto import RECORD
+    from helpers.cce.options import plan_call
+
+    E, C = torch.randn(37, 24, dtype=torch.float16), torch.randn(300, 24, dtype=torch.float16)
+    kw = dict(backward_impl="gemm", configs=None, return_lse=False, need=(True, True, False), wants_db=False)
+    first = plan_call(E, C, z_loss=1, **kw)
+    assert plan_call(E, C, z_loss=1, **kw) is first and first.options.z_loss == 1.0
+    assert plan_call(E, C, z_loss=2, **kw).options.z_loss == 2.0
+    assert plan_call(E[:5], C, z_loss=1, **kw) is not first  # another N
+    with pytest.raises(ValueError, match="z_loss must be a number"):
+        plan_call(E, C, z_loss=True, **kw)
+    with pytest.raises(ValueError, match="z_loss must be a number"):
+        plan_call(E, C, z_loss=[1], **kw)
+    asked = []
+    choose = RECORD.choose
+    monkeypatch.setattr(RECORD, "choose", lambda *a, **k: asked.append(a) or choose(*a, **k))
+    auto = dict(kw, backward_impl="auto", configs=SPARSE_HERE)
+    plans = [plan_call(E, C, **auto) for _ in range(3)]
+    assert len(asked) == 3 and all(p.backward_impl in ("gemm", "sparse") for p in plans)

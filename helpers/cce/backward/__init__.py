@@ -80,16 +80,20 @@ def cce_backward(
 
 
 def run_backward(E, C, x, lse, r, grad_rows, plan: CCEPlan, n_chunk: int | None = None, v_chunk: int | None = None,
-                 stats: dict | None = None, *, grad_lse=None, bias=None, activity: Activity | None = None):
+                 stats: dict | None = None, *, grad_lse=None, bias=None, activity: Activity | None = None,
+                 divisor=None):
     """``cce_backward`` by a resolved ``CCEPlan`` (``helpers.cce.options``): the dispatch to the
     plan's backward, the "sparse" backward's hand-over to "gemm" (``stats["fallback"]`` says why),
     and what "auto"'s record learns from it (``helpers.cce.auto``). ``stats["backward"]``: the
-    backward that ran; ``stats["auto"]``: why "auto" chose as it did."""
+    backward that ran; ``stats["auto"]``: why "auto" chose as it did. ``grad_rows`` and ``divisor``:
+    ``RowGradient.of``'s (grad_rows None: no gradient into the loss)."""
     o, configs, need = plan.options, plan.configs, plan.need
     cw = plan.class_weight
     if cw is None:
-        up = RowGradient.of(grad_rows, grad_lse, x != o.ignore_index, lse, r, o)
+        up = RowGradient.of(grad_rows, grad_lse, x, o.ignore_index, lse, r, o, divisor)
     else:
+        if divisor is not None:
+            raise ValueError("class weights reduce after the kernels: their rows take no divisor")
         up = RowGradient.of_class_weights(grad_rows, grad_lse, x, o.ignore_index, cw, o.label_smoothing, r)
     if stats is not None and plan.auto is not None:
         stats["auto"] = plan.auto.why

@@ -27,6 +27,7 @@ time and memory per shape are in docs/PERFORMANCE.md.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -118,7 +119,7 @@ class GemmPlan:
 
     n_chunk: int
     v_chunk: int
-    row_chunks: list
+    row_chunks: tuple  # of (n0, n1, chunks), chunks a tuple of (v0, v1, place): a plan is shared (``gemm_plan``'s cache)
 
     @property
     def widest(self) -> int:
@@ -131,6 +132,7 @@ class GemmPlan:
                     if place == "buffer"], default=0)
 
 
+@functools.lru_cache(maxsize=64)  # a call's plan is ~0.06 ms of Python; a GemmPlan is only read
 def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk: int | None = None,
               v_chunk: int | None = None, *, need_dE: bool = True, need_dC: bool = True,
               sorted_vocab: bool = False, split: bool = False, host: HostTuning = HostTuning()) -> GemmPlan:
@@ -175,8 +177,8 @@ def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk:
         n1 = min(N, n0 + n_chunk)
         chunks = vocab_chunks(n1 - n0, V, D, v_chunk, block_v, max_cols, dE_free=dE_free(n0, n1),
                               dC_free=need_dC and not sorted_vocab and n0 == 0, buffer_cols=buffer_cols)
-        row_chunks.append((n0, n1, chunks))
-    return GemmPlan(n_chunk, v_chunk, row_chunks)
+        row_chunks.append((n0, n1, tuple(chunks)))
+    return GemmPlan(n_chunk, v_chunk, tuple(row_chunks))
 
 
 # How this process makes an fp32-output product of fp16/bf16 operands, per (device, dtype):
@@ -338,12 +340,13 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         w_op = up.w_rel[n0:n1, None].to(dtype) if need_db else None
         coef = up.coef[:, n0:n1]
         # Tensor descriptors only for the chunks whose products outlast the host's launches
-        # (descriptor arguments add host time to every launch); E's and C's made once.
-        E_desc, C_desc, descriptors = operand_descriptors(E_rows, C, cfg, gathered=vocab_order is not None)
+        # (descriptor arguments add host time to every launch); E's and C's made once, the Triton
+        # kernel's at its first chunk (the Gluon kernel may make every chunk).
+        triton_operands = None  # (E's argument, C's argument, whether they are descriptors)
         G_descs = {}
         pp_descs = ({"E": pingpong.pingpong_descriptor(E_rows, pingpong.BLOCK_N, pingpong.BLOCK_D),
                      "C": pingpong.pingpong_descriptor(C, pingpong.BLOCK_V, pingpong.BLOCK_D)}
-                    if pingpong and descriptors else None)
+                    if pingpong and cfg.tma and tma_ready(E_rows) and tma_ready(C) else None)
         for k, (v0, v1, place) in enumerate(chunks):
             cols = v1 - v0
             # G_c's storage (``vocab_chunks``): dE's rows from the first not yet written, dC's
@@ -355,7 +358,6 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
             counters["launches"] += 1
             counters["g_places"][place] += 1
             # 1. G_c: the logit tiles rebuilt, G formed and filtered, written in the dtype.
-            tma = descriptors and 6 * rows * cols * D >= host.tma_min_chunk_flop
             key = (G.data_ptr(), cols)
             # The Gluon kernel for every chunk whose G the copy engine can write: its descriptors are
             # made once per row chunk (E, C) and per place (G), so narrow chunks pay no more host time.
@@ -372,6 +374,10 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
             else:
                 tiles = triton.cdiv(rows, cfg.BLOCK_N) * triton.cdiv(cols, cfg.BLOCK_V)
                 counters["g_kernels"]["triton"] += 1
+                if triton_operands is None:
+                    triton_operands = operand_descriptors(E_rows, C, cfg, gathered=vocab_order is not None)
+                E_desc, C_desc, descriptors = triton_operands
+                tma = descriptors and 6 * rows * cols * D >= host.tma_min_chunk_flop
                 E_arg, C_arg = (E_desc, C_desc) if tma else (E_rows, C)
                 if tma and host.g_store_tma and not split and key not in G_descs:
                     G_descs[key] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V // cfg.g_subtile)

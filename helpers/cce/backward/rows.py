@@ -42,29 +42,33 @@ class RowGradient:
     coef: torch.Tensor  # (3, N) fp32: a, t, c of each row (module doc); (4, N) with the entropy's d (``of_outputs``)
 
     @classmethod
-    def of(cls, grad_rows: torch.Tensor, grad_lse: torch.Tensor | None, kept: torch.Tensor,
-           lse: torch.Tensor, nontarget: torch.Tensor, o: CCEOptions) -> RowGradient:
-        """grad_rows: (N,) the loss's upstream gradient per row (an expanded scalar for a mean or a
-        sum); grad_lse: (N,) the gradient flowing into the returned lse, or None; nontarget: (N,) fp32,
+    def of(cls, grad_rows: torch.Tensor | None, grad_lse: torch.Tensor | None, labels: torch.Tensor, ignore: int,
+           lse: torch.Tensor, nontarget: torch.Tensor, o: CCEOptions, divisor: torch.Tensor | None = None
+           ) -> RowGradient:
+        """grad_rows: the loss's upstream gradient per row, (N,), or one value for every row (a scalar, or
+        an expanded one: a mean or a sum), any float dtype, or None (no gradient into the loss);
+        labels, ignore: a row is kept where labels != ignore (x and ignore_index; or a kept mask and 0);
+        divisor: None, or a mean's n_kept (an int64 scalar): its rows get grad_rows / max(n_kept, 1);
+        grad_lse: (N,) the gradient flowing into the returned lse, or None; nontarget: (N,) fp32,
         each row's r = 1 - S_x from the forward (``cce_forward``). One launch up to
         ``ONE_PROGRAM_ROWS`` rows, two past it (``helpers.cce.kernels.row_weights``: with few tokens the
-        host's launches bound the backward)."""
+        host's launches bound the backward, so the kept mask and the mean's division are made there too)."""
         N = lse.shape[0]
         device = lse.device
-        w, w_rel = (torch.empty(N, dtype=torch.float32, device=device) for _ in range(2))
-        coef = torch.empty(3, N, dtype=torch.float32, device=device)
-        w_scale = torch.empty(1, dtype=torch.float32, device=device)
+        # w, w_rel, coef's three rows and w_scale in one allocation.
+        rows = torch.empty(5 * N + 1, dtype=torch.float32, device=device)
+        w, w_rel, coef, w_scale = rows[:N], rows[N:2 * N], rows[2 * N:5 * N].view(3, N), rows[5 * N:]
         one_program = N <= ONE_PROGRAM_ROWS  # one launch (``row_weights``' doc)
         blocks = 1 if one_program else triton.cdiv(N, ROW_BLOCK)
         block_max = w_scale if one_program else torch.empty(blocks, dtype=torch.float32, device=device)
-        uniform = grad_lse is None and (grad_rows.numel() == 1 or grad_rows.stride(0) == 0)
-        grad_rows = grad_rows.expand(N)
+        uniform = grad_lse is None and (grad_rows is None or grad_rows.numel() == 1 or grad_rows.stride(0) == 0)
+        g = grad_rows.expand(N) if grad_rows is not None else lse
         row_weights_kernel[(blocks,)](
-            grad_rows, grad_lse if grad_lse is not None else lse, kept, lse, nontarget, w, coef, block_max, w_rel,
-            w_scale,
-            N, grad_rows.stride(0), grad_lse.stride(0) if grad_lse is not None else 0, kept.stride(0),
-            coef.stride(0), float(o.z_loss), float(o.label_smoothing), HAS_H=grad_lse is not None, BLOCK=ROW_BLOCK,
-            ONE_PROGRAM=one_program)
+            g, grad_lse if grad_lse is not None else lse, labels, divisor if divisor is not None else labels, lse,
+            nontarget, w, coef, block_max, w_rel, w_scale,
+            N, g.stride(0), grad_lse.stride(0) if grad_lse is not None else 0, labels.stride(0), ignore,
+            coef.stride(0), float(o.z_loss), float(o.label_smoothing), HAS_G=grad_rows is not None,
+            HAS_H=grad_lse is not None, DIVIDE=divisor is not None, BLOCK=ROW_BLOCK, ONE_PROGRAM=one_program)
         if not one_program:
             row_scale_kernel[(blocks,)](w, block_max, w_rel, w_scale, N, blocks, BLOCK=ROW_BLOCK, MAX_BLOCK=1024)
         return cls(w, w_rel, w_scale, uniform, coef)
@@ -113,7 +117,8 @@ class RowGradient:
         N = x.shape[0]
         kept = x != ignore_index
         eps, V = label_smoothing, weight.shape[0]
-        g = torch.where(kept, grad_rows.to(torch.float32).expand(N), 0.0)
+        g = (torch.where(kept, grad_rows.to(torch.float32).expand(N), 0.0) if grad_rows is not None else
+             torch.zeros(N, dtype=torch.float32, device=x.device))
         h = grad_lse.to(torch.float32) if grad_lse is not None else torch.zeros_like(g)
         t = target_weights(x, weight, ignore_index)
         weight = weight.to(torch.float32)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from helpers.cce.device import device_info
 from helpers.cce.kernels.gradient_chunk_pingpong import GLUON_ERROR, MAXNREG, compile_gluon_sm90, pingpong_descriptor
 
 BLOCK_N, BLOCK_V, BLOCK_D = 64, 256, 64  # one consumer's tile; the ring's blocks (the G kernel's)
@@ -222,7 +223,7 @@ def lse_forward_pingpong(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, targ
     V = C.shape[0]
     n_blocks, v_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(V, BLOCK_V)
     if splits is None:
-        splits = pingpong_splits(n_blocks, v_tiles, torch.cuda.get_device_properties(E.device).multi_processor_count)
+        splits = pingpong_splits(n_blocks, v_tiles, device_info(E.device).multiprocessors)
     tiles_per_split = triton.cdiv(v_tiles, splits)
     splits = triton.cdiv(v_tiles, tiles_per_split)
     out, nontarget = torch.empty(2, 2 * splits, N, dtype=torch.float32, device=E.device).unbind(0)

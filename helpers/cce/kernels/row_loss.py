@@ -14,6 +14,10 @@ separately rounded numbers of |z|'s size, would be wrong by ~ulp(|z|) (~4e-6 at 
 loss itself is ~r (a confident token). Where r >= 1/2 the loss is >= log 2 and lse - z_x is exact enough.
 r is stored for the backward (``helpers.cce.backward.rows``).
 
+With REDUCE (up to ``ONE_PROGRAM_ROWS`` rows, one program walking every block) the launch also writes the
+loss reduced: the rows' sum (REDUCE = 1) or that sum over the kept rows' count (REDUCE = 2: 0 / 0 = NaN
+when every row is ignored, as torch), which were two more torch launches after it.
+
 Reference: the forward's tests against float64 (tests/cce/test_cce.py).
 """
 
@@ -23,18 +27,41 @@ import triton.language as tl
 from helpers.cce.kernels.logits import log1p_neg
 
 
+ONE_PROGRAM_ROWS = 8192  # the most rows whose loss one program reduces (REDUCE)
+
+
 @triton.jit
 def row_loss_kernel(
     # lse_split, nontarget_split, logit_sum_split (SPLITS, N) fp32, rows stride_split apart
     # (logit_sum_split: any pointer without SMOOTHING); target logit (N,) fp32; x (N,) targets.
     lse_split_ptr, nontarget_split_ptr, logit_sum_split_ptr, target_ptr, x_ptr,
-    # Outputs: lse, r (the non-target mass), loss (N,) fp32.
-    lse_ptr, r_ptr, loss_ptr,
+    # Outputs: lse, r (the non-target mass), loss (N,) fp32; with REDUCE the reduced loss, an fp32 scalar,
+    # (REDUCE = 2) divided by count_ptr's int64 (the kept rows).
+    lse_ptr, r_ptr, loss_ptr, reduced_ptr, count_ptr,
     N, splits, stride_split, stride_x, ignore_index,
     target_weight, smoothing_weight, z_loss,
-    SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK: tl.constexpr,
+    SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK: tl.constexpr, REDUCE: tl.constexpr = 0,
 ):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if REDUCE == 0:
+        _block_loss(lse_split_ptr, nontarget_split_ptr, logit_sum_split_ptr, target_ptr, x_ptr, lse_ptr, r_ptr,
+                    loss_ptr, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), N, splits, stride_split, stride_x,
+                    ignore_index, target_weight, smoothing_weight, z_loss, SMOOTHING, Z_LOSS, BLOCK)
+    else:
+        total = 0.0
+        for r0 in range(0, N, BLOCK):
+            total += _block_loss(lse_split_ptr, nontarget_split_ptr, logit_sum_split_ptr, target_ptr, x_ptr, lse_ptr,
+                                 r_ptr, loss_ptr, r0 + tl.arange(0, BLOCK), N, splits, stride_split, stride_x,
+                                 ignore_index, target_weight, smoothing_weight, z_loss, SMOOTHING, Z_LOSS, BLOCK)
+        if REDUCE == 2:
+            total = tl.math.div_rn(total, tl.load(count_ptr).to(tl.float32))
+        tl.store(reduced_ptr, total)
+
+
+@triton.jit
+def _block_loss(lse_split_ptr, nontarget_split_ptr, logit_sum_split_ptr, target_ptr, x_ptr, lse_ptr, r_ptr, loss_ptr,
+                rows, N, splits, stride_split, stride_x, ignore_index, target_weight, smoothing_weight, z_loss,
+                SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, BLOCK: tl.constexpr):
+    """lse, r and loss of ``rows`` stored (module doc); returns the sum of their losses."""
     inside = rows < N
     m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     for k in range(0, splits):
@@ -60,4 +87,6 @@ def row_loss_kernel(
         loss = loss + z_loss * lse * lse
     tl.store(lse_ptr + rows, lse, mask=inside)
     tl.store(r_ptr + rows, r, mask=inside)
-    tl.store(loss_ptr + rows, tl.where(kept, loss, 0.0), mask=inside)
+    loss = tl.where(kept & inside, loss, 0.0)
+    tl.store(loss_ptr + rows, loss, mask=inside)
+    return tl.sum(loss, axis=0)

@@ -6,7 +6,8 @@ the per-row arithmetic below was two dozen element-wise torch operators of N ele
 launch of its own. Here it is two kernels over blocks of rows:
 
     row_weights_kernel (one program per BLOCK rows):
-        g = g_i at kept rows, else 0;  h = h_i (0 without a gradient into the lse)
+        g = g_i at kept rows (labels_i != ignore), else 0, divided by max(n_kept, 1) for a mean (DIVIDE);
+        h = h_i (0 without a gradient into the lse)
         w = max(|g|, |h|);  safe = w where w > 0, else 1
         coef = (a, t, c) = ((g (1 + 2 zl lse) + h) / safe,  (g (2 zl lse + ls) + h) / safe - a r,  g ls / safe)
         (3, N): t is the target column's a S_x - b with S_x = 1 - r, r the row's non-target mass from
@@ -41,12 +42,18 @@ ONE_PROGRAM_ROWS = 8192  # the most rows one program of ``row_weights_kernel`` t
 
 
 @triton.jit
-def _block_weights(g_ptr, h_ptr, kept_ptr, lse_ptr, r_ptr, w_ptr, coef_ptr, rows, N, stride_g, stride_h, stride_kept,
-                   stride_coef, z_loss, label_smoothing, HAS_H: tl.constexpr, BLOCK: tl.constexpr):
+def _block_weights(g_ptr, h_ptr, labels_ptr, divisor_ptr, lse_ptr, r_ptr, w_ptr, coef_ptr, rows, N, stride_g, stride_h,
+                   stride_labels, ignore, stride_coef, z_loss, label_smoothing, HAS_G: tl.constexpr,
+                   HAS_H: tl.constexpr, DIVIDE: tl.constexpr, BLOCK: tl.constexpr):
     """w and coef of ``rows`` stored; returns (the block's largest w, whether a w is NaN)."""
     inside = rows < N
-    kept = tl.load(kept_ptr + rows * stride_kept, mask=inside, other=0) != 0
-    g = tl.load(g_ptr + rows * stride_g, mask=inside & kept, other=0.0).to(tl.float32)  # 0 where not kept
+    kept = tl.load(labels_ptr + rows * stride_labels, mask=inside, other=ignore) != ignore
+    if HAS_G:
+        g = tl.load(g_ptr + rows * stride_g, mask=inside & kept, other=0.0).to(tl.float32)  # 0 where not kept
+    else:
+        g = tl.zeros([BLOCK], dtype=tl.float32)
+    if DIVIDE:  # a mean: g / max(n_kept, 1), as torch divides (its gradient is 0, not NaN, with nothing kept)
+        g = tl.math.div_rn(g, tl.maximum(tl.load(divisor_ptr), 1).to(tl.float32))
     if HAS_H:
         h = tl.load(h_ptr + rows * stride_h, mask=inside, other=0.0).to(tl.float32)
     else:
@@ -67,24 +74,26 @@ def _block_weights(g_ptr, h_ptr, kept_ptr, lse_ptr, r_ptr, w_ptr, coef_ptr, rows
 
 @triton.jit
 def row_weights_kernel(
-    # g (N,) upstream gradient per row, any float dtype (stride 0: one value for every row); h (N,)
-    # the gradient into the lse, or any pointer without HAS_H; kept (N,) bool; lse, r (N,) fp32 (r: the
-    # non-target mass).
-    g_ptr, h_ptr, kept_ptr, lse_ptr, r_ptr,
+    # g (N,) upstream gradient per row, any float dtype (stride 0: one value for every row), or any
+    # pointer without HAS_G (g = 0); h (N,) the gradient into the lse, or any pointer without HAS_H;
+    # labels (N,) integers, a row kept where labels != ignore (the targets and ignore_index, or a kept
+    # mask and 0); divisor: an int64 scalar, n_kept, with DIVIDE; lse, r (N,) fp32 (r: the non-target mass).
+    g_ptr, h_ptr, labels_ptr, divisor_ptr, lse_ptr, r_ptr,
     # Outputs: w (N,) fp32; coef (3, N) fp32, rows stride_coef apart; block_max (programs,) fp32;
     # with ONE_PROGRAM (one program, every row) w_rel (N,) and w_scale (1,) instead of block_max.
     w_ptr, coef_ptr, block_max_ptr, w_rel_ptr, w_scale_ptr,
-    N, stride_g, stride_h, stride_kept, stride_coef,
+    N, stride_g, stride_h, stride_labels, ignore, stride_coef,
     z_loss, label_smoothing,
-    HAS_H: tl.constexpr, BLOCK: tl.constexpr, ONE_PROGRAM: tl.constexpr,
+    HAS_G: tl.constexpr, HAS_H: tl.constexpr, DIVIDE: tl.constexpr, BLOCK: tl.constexpr, ONE_PROGRAM: tl.constexpr,
 ):
     if ONE_PROGRAM:
         top = 0.0
         nan = 0
         for r0 in range(0, N, BLOCK):
             block_top, block_nan = _block_weights(
-                g_ptr, h_ptr, kept_ptr, lse_ptr, r_ptr, w_ptr, coef_ptr, r0 + tl.arange(0, BLOCK), N, stride_g,
-                stride_h, stride_kept, stride_coef, z_loss, label_smoothing, HAS_H, BLOCK)
+                g_ptr, h_ptr, labels_ptr, divisor_ptr, lse_ptr, r_ptr, w_ptr, coef_ptr, r0 + tl.arange(0, BLOCK), N,
+                stride_g, stride_h, stride_labels, ignore, stride_coef, z_loss, label_smoothing, HAS_G, HAS_H, DIVIDE,
+                BLOCK)
             top = tl.maximum(top, block_top)
             nan = tl.maximum(nan, block_nan)
         scale = tl.where(nan > 0, float("nan"), top)
@@ -95,8 +104,9 @@ def row_weights_kernel(
     else:
         pid = tl.program_id(0)
         block_top, block_nan = _block_weights(
-            g_ptr, h_ptr, kept_ptr, lse_ptr, r_ptr, w_ptr, coef_ptr, pid * BLOCK + tl.arange(0, BLOCK), N, stride_g,
-            stride_h, stride_kept, stride_coef, z_loss, label_smoothing, HAS_H, BLOCK)
+            g_ptr, h_ptr, labels_ptr, divisor_ptr, lse_ptr, r_ptr, w_ptr, coef_ptr, pid * BLOCK + tl.arange(0, BLOCK),
+            N, stride_g, stride_h, stride_labels, ignore, stride_coef, z_loss, label_smoothing, HAS_G, HAS_H, DIVIDE,
+            BLOCK)
         tl.store(block_max_ptr + pid, tl.where(block_nan > 0, float("nan"), block_top))
 
 
