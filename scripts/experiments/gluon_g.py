@@ -106,7 +106,7 @@ def run_on_gpu(out: str) -> int:
             E, C, x = make_inputs(N, V, D, torch.bfloat16, device, regime="uniform", seed=N)
             o = resolve_options(torch.bfloat16, vocabulary=V)
             _, lse, r = cce_forward(E, C, x, o)
-            up = RowGradient.of(torch.full((N,), 1.0 / N, device=device), None, x != o.ignore_index, lse, r, o)
+            up = RowGradient.of(torch.full((N,), 1.0 / N, device=device), None, x, o.ignore_index, lse, r, o)
             coef = up.coef
             G_ref = torch.empty(N, cols, dtype=E.dtype, device=device)
             G_new = torch.empty_like(G_ref)

@@ -10,6 +10,7 @@ that no longer runs is found before the next GPU call, not during it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -20,8 +21,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The scripts run from a checkout (or its copy on a GPU box), not from an installed package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+# The scripts run from a checkout (or its copy on a GPU box), not from an installed package: this
+# checkout's ``helpers`` unless one is on the path already (an A/B puts another tree first on PYTHONPATH).
+if importlib.util.find_spec("helpers") is None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import triton  # noqa: E402
 
