@@ -70,11 +70,15 @@ class Method:
         reduction: str = "mean",
         softcap: float | None = None,
         stats: dict | None = None,
+        check_targets: bool = True,
     ) -> torch.Tensor:
         """The loss; ``bias``, for a method that ``supports_bias`` (others refuse one); ``stats``, for a
         method that ``counts_skips``, is filled by its backward with what its gradient filter skipped
-        (other methods leave it empty)."""
-        validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias)
+        (other methods leave it empty). ``check_targets``: x's range checked here, a read of the device
+        (a sync: the host waits for all work queued before); False for a caller that checked these
+        targets already (``helpers.compare.measure.loss_step``: a timed call must not wait)."""
+        validate_inputs(E, C, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias,
+                        check_targets=check_targets)
         reason = self.why_unavailable(E.device, E.dtype, softcap)
         if bias is not None and not self.supports_bias:
             reason = reason or f"{self.label} takes no bias"
