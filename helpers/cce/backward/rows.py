@@ -55,9 +55,12 @@ class RowGradient:
         host's launches bound the backward, so the kept mask and the mean's division are made there too)."""
         N = lse.shape[0]
         device = lse.device
-        # w, w_rel, coef's three rows and w_scale in one allocation.
-        rows = torch.empty(5 * N + 1, dtype=torch.float32, device=device)
-        w, w_rel, coef, w_scale = rows[:N], rows[N:2 * N], rows[2 * N:5 * N].view(3, N), rows[5 * N:]
+        # w, w_rel, coef's three rows and w_scale in one allocation, each 16-byte aligned as an allocation of
+        # its own is (the kernels specialise on their pointers' alignment).
+        n = -(-N // 4) * 4
+        rows = torch.empty(5 * n + 1, dtype=torch.float32, device=device)
+        w, w_rel, w_scale = rows[:N], rows[n:n + N], rows[5 * n:]
+        coef = rows[2 * n:5 * n].view(3, n)[:, :N]
         one_program = N <= ONE_PROGRAM_ROWS  # one launch (``row_weights``' doc)
         blocks = 1 if one_program else triton.cdiv(N, ROW_BLOCK)
         block_max = w_scale if one_program else torch.empty(blocks, dtype=torch.float32, device=device)
