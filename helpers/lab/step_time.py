@@ -9,7 +9,8 @@ bookkeeping. So the speed table times each arm apart, the same way for every arm
   Adam and fp16 gradient scaler; ``Arm.loss``: the same autocast and cast of E and C);
 - ``warmup`` untimed steps first (compilation and autotuning happen there), then ``repeats``
   steps timed one by one by ``helpers.compare.measure.call_times_ms``; the median is the number;
-- no ``stats=``: no arm counts skipped tiles while it is timed;
+- no ``stats=``: no arm counts skipped tiles while it is timed; and no device read of the targets (the
+  batches' targets are checked on the host, ``training.Arm.loss``; the loss alone's once before its calls);
 - the loss alone (forward and backward on one batch), called back to back: the host's time per
   call against the device's busy time (``measure.host_and_device_time``). Where the host takes at
   least as long as the GPU, the GPU waits on kernel launches: the arm is host-bound at these sizes,
@@ -25,6 +26,7 @@ import torch
 
 from helpers.compare.measure import call_times_ms, host_and_device_time
 from helpers.lab import training
+from helpers.spec import validate_inputs
 
 
 def time_training_steps(
@@ -65,10 +67,11 @@ def time_training_steps(
     with torch.no_grad():
         E, C, x = arm.loss_inputs(*task.sample(g))
     E, C = E.detach().requires_grad_(True), C.detach().requires_grad_(True)
+    validate_inputs(E, C, x)  # once: a check in each call reads the device, a wait inside the host's time
 
     def loss_call():
         E.grad = C.grad = None
-        arm.loss_fn(E, C, x).backward()
+        arm.loss_fn(E, C, x, check_targets=False).backward()
 
     loss_time = host_and_device_time(loss_call, calls=loss_calls, warmup=1, device=device)
     return {

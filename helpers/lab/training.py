@@ -37,6 +37,7 @@ import torch.nn as nn
 from helpers.cce import resolve_options
 from helpers.compare.methods import get_method
 from helpers.compare.trained import ContextMLPLM, context_windows
+from helpers.spec import raise_for_targets
 
 # ---------------------------------------------------------------------------------------------
 # The losses the arms train with: methods of the registry (``helpers.compare.methods``), presets
@@ -235,9 +236,15 @@ class Arm:
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor, stats: dict | None = None) -> torch.Tensor:
         """The loss of one batch. ``stats``: passed on to a method that counts skipped tiles (None:
-        no counting, and no host read of the counts)."""
+        no counting, and no host read of the counts). Targets on the host (the tasks' batches) are
+        checked there, before they move: the method's own check would read the device, a sync every
+        step that times a host-heavy arm as host plus GPU (``helpers.compare.measure.loss_step``)."""
         extra = {} if stats is None else {"stats": stats}
-        return self.loss_fn(*self.loss_inputs(inputs, targets), **extra)
+        E, C, x = self.loss_inputs(inputs, targets)
+        on_host = targets.device.type == "cpu"
+        if on_host:
+            raise_for_targets(targets, C.shape[0], -100)  # the methods' default ignore_index
+        return self.loss_fn(E, C, x, check_targets=not on_host, **extra)
 
 
 def start_arm(task, variant: str, *, seed: int, lr: float, compute_dtype: torch.dtype,

@@ -116,3 +116,20 @@ def test_a_spread_of_steps_and_a_pretend_card_are_read_out():
     assert not any("pretend" in line for line in plain)
     device_bound = step_time.against_baseline({"exact": exact, "steady": steady})
     assert not any("pretend" in line for line in step_time.describe_step_times("p", device_bound, {}, pretend="T4"))
+
+
+def test_no_timed_call_reads_the_targets_on_the_device(monkeypatch):
+    """The timed steps and loss calls do not check the targets through the method (a device read: the
+    host would wait for the previous step, timing a host-heavy arm as host plus GPU): the batches'
+    targets are checked on the host, before they move, and a bad one is still refused, naming x."""
+    import helpers.compare.methods.entry as entry
+
+    checks = []
+    real = entry.validate_inputs
+    monkeypatch.setattr(entry, "validate_inputs", lambda *a, **k: checks.append(k["check_targets"]) or real(*a, **k))
+    step_time.time_training_steps(small_task(), "exact", warmup=1, repeats=2, loss_calls=2, **TIMING)
+    assert checks and not any(checks), checks
+    arm = training.start_arm(small_task(), "exact", seed=0, lr=1e-3, compute_dtype=torch.float32, device="cpu")
+    inputs, targets = small_task().sample(torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="x holds target 97"):
+        arm.loss(inputs, torch.full_like(targets, 97))
