@@ -15,7 +15,8 @@ run the sparse backward; on an H200 it ran "gemm", ``docs/measurements/h200-2026
 2. the launches per call and the host's time in each CUDA runtime/driver call (torch.profiler:
    ``cudaLaunchKernel``, ``cuLaunchKernelEx``, ``cudaStreamSynchronize``, ``cudaMemcpyAsync``, ...),
    and the aten operators by their host time;
-3. the Python functions by their own time over 20 calls (``cProfile``), the hot path's shape;
+3. the Python functions by their own time over 20 calls (``cProfile``), the hot path's shape, and
+   ours (``helpers``) by cumulative time: which of our steps the host's time is in;
 4. the host's time split without a profiler (``host_split``): each call timed alone after a
    synchronisation, with the time inside Triton's launch path (its argument binding and cache
    lookup, then the launcher), inside cuBLAS's host calls (``torch.mm``/``addmm``) and waiting for
@@ -23,8 +24,9 @@ run the sparse backward; on an H200 it ran "gemm", ``docs/measurements/h200-2026
    operators. cProfile inflates many small Python calls, so only this split gives shares. Python's
    garbage collector is counted too: collections per call by generation, its ms per call.
 
-``--tiny``: a small head on the CPU under the Triton interpreter, to check the script (timings
-meaningless there).
+``--cases NAME ...``: only those cases. ``--tiny``: a small head on the CPU under the Triton interpreter,
+to check the script (timings meaningless there). It prints which ``helpers`` it ran (an A/B puts the other
+tree first on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import pstats
 import torch
 from _common import Checker, finish, script_setup
 
+import helpers
 from helpers.cce import linear_cross_entropy
 from helpers.cce.kernels.configs import select_configs, tier
 from helpers.compare.heads import QWEN3
@@ -73,7 +76,7 @@ def profile_ops(step, cuda: bool, calls: int = 5, top: int = 25) -> dict:
     return {"launches_per_call": launches / calls, "host_ms_by_op": rows[:top]}
 
 
-def python_profile(step, calls: int = 20, top: int = 30) -> list:
+def python_profile(step, calls: int = 20, top: int = 30) -> tuple[list, list]:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
@@ -191,9 +194,7 @@ def main():
               ("nb03-4096/t4-tier/realistic/gemm", 4_096, 32_768, 256, t4, torch.float16, "realistic", "gemm")]
              if not args.tiny else [("tiny-64", 64, 1031, 40, None, dtype, "uniform", "auto"),
                                     ("tiny-64/realistic", 64, 1031, 40, None, dtype, "realistic", "auto")])
-    import helpers
-
-    print(f"helpers from {os.path.dirname(os.path.dirname(helpers.__file__))}")
+    print(f"helpers from {os.path.dirname(os.path.dirname(helpers.__file__))}")  # which tree an A/B timed
     check = Checker(args.budget_s, device)
     for name, N, V, D, configs, dt, regime, backward_impl in cases:
         if args.cases and name not in args.cases:
