@@ -212,8 +212,9 @@ def linear_cross_entropy(
         schedule raises ``helpers.cce.schedules.MemoryBudgetError`` with the numbers.
 
     Host syncs. An eager call with ``stats=None`` reads the device twice: the targets' range flag
-    (a bad target raises a ``ValueError``), queued after the forward's kernels and read before the
-    call returns, so the host waits for the forward (``helpers.cce.ops.loss_forward``), and the
+    (a bad target raises a ``ValueError``), copied right after the forward's first launch, which
+    counts them, and read once the rest is queued, so the host waits for that launch only
+    (``helpers.cce.ops.loss_forward``), and the
     "gemm" backward's scale of dC's product, read once its first chunk is queued; class weights
     add one read of their values; "sparse" and "auto"'s probes read the bits' counts, and a
     memory budget's "forward_grads" schedule reads its count and flag once. Under ``torch.compile`` the
