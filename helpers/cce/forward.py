@@ -150,10 +150,9 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     if gluon and not row_stats:
         from helpers.cce.kernels import lse_forward_pingpong as pingpong
 
-        flags = tile_flags if tile_flags and (tile_flags.block_n, tile_flags.block_v) == (
-            pingpong.BLOCK_N, pingpong.BLOCK_V) else None
+        flags = tile_flags.for_tiling(pingpong.BLOCK_N, pingpong.BLOCK_V) if tile_flags else None
         lse_split, nontarget_split = pingpong.lse_forward_pingpong(E, C, x, target_logit, o.ignore_index,
-                                                                   tile_flags=flags.flags if flags else None)
+                                                                   tile_flags=flags)
         return lse_split, nontarget_split, lse_split, None
     n_blocks, v_splits = split_grid(N, fwd, E.device, v_splits, D, E.element_size())
     v_blocks = triton.cdiv(V, fwd.BLOCK_V)
@@ -162,14 +161,13 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     lse_split, nontarget_split = torch.empty(2, v_splits, N, dtype=torch.float32, device=E.device).unbind(0)
     logit_sum_split = torch.empty_like(lse_split) if o.label_smoothing > 0 else lse_split
     stats = tuple(torch.empty_like(lse_split) for _ in range(3)) if row_stats else None
-    flags = tile_flags if (tile_flags and not row_stats
-                           and (tile_flags.block_n, tile_flags.block_v) == (fwd.BLOCK_N, fwd.BLOCK_V)) else None
+    flags = tile_flags.for_tiling(fwd.BLOCK_N, fwd.BLOCK_V) if tile_flags and not row_stats else None
     E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=False)
     launch = _launch_flags(fwd, o, bias, E.dtype, n_blocks, e_desc)
     lse_forward_kernel[grid_order(n_blocks, v_splits)](
         E_arg, C_arg, bias if bias is not None else lse_split, lse_split, logit_sum_split,
         lse_split, lse_split, lse_split, lse_split,  # no bits, seeds or order
-        x, *(stats or (lse_split,) * 3), nontarget_split, target_logit, flags.flags if flags else lse_split,
+        x, *(stats or (lse_split,) * 3), nontarget_split, target_logit, flags if flags is not None else lse_split,
         N, V, D, 0, o.ignore_index, blocks_per_split,
         E.stride(0), E.stride(1), C.stride(0), C.stride(1),
         softcap, 0.0, 1.0 / o.temperature,
@@ -306,6 +304,10 @@ class TileFlags(NamedTuple):
     flags: torch.Tensor
     block_n: int
     block_v: int
+
+    def for_tiling(self, block_n: int, block_v: int) -> torch.Tensor | None:
+        """The flags where they were made for a (block_n, block_v) tiling, else None (every tile masked)."""
+        return self.flags if (self.block_n, self.block_v) == (block_n, block_v) else None
 
 
 def _tile_flags(N: int, V: int, block_n: int, block_v: int, device) -> TileFlags:
