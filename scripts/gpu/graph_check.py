@@ -16,6 +16,13 @@ under capture or ``torch.compile`` skips. Cases, each written to the results fil
    the backward through the compiled graph (``cce::`` custom ops in CUDA graph trees), timed and
    compared as 2. Under ``--tiny`` (a CPU) the graph case is skipped and the compile case uses the
    "aot_eager" backend, which checks the code paths only.
+4. ``loop_pointers``: whether a training loop hands the loss the same addresses every step, which a
+   CUDA graph captured inside the loss (keyed by its tensors' addresses, so that eager callers need not
+   capture anything) would need to be replayed rather than captured again: a small model (an
+   embedding, one hidden layer, the head C) trained with AdamW, ``zero_grad()`` each step, new targets
+   each step; per step the addresses of the loss's E and x, of C and of C.grad after the backward (dC,
+   which autograd keeps), and the steps from the third on whose addresses all equal the step before's.
+   Predicted on a GPU: all of them (the caching allocator hands back the blocks the last step freed).
 
 Times per call: ``host_ms`` from ``time.perf_counter`` around a batch of calls with one synchronize
 at its end (the wall time a training loop sees), ``launch_ms`` the same before that synchronize (the
@@ -114,6 +121,28 @@ def check_compile(E, C, x, cuda, calls, reference):
     return dict(record, **timed(run, cuda, calls))
 
 
+def check_loop_pointers(N, V, D, dtype, device, steps: int = 10) -> dict:
+    """Case 4 (module doc): the addresses a training loop hands the loss, step by step."""
+    g = torch.Generator().manual_seed(1)
+    embed = torch.nn.Embedding(V, D).to(device=device, dtype=dtype)
+    hidden = torch.nn.Linear(D, D).to(device=device, dtype=dtype)
+    C = torch.nn.Parameter((torch.randn(V, D, generator=g) / D**0.25).to(dtype).to(device))
+    opt = torch.optim.AdamW([*embed.parameters(), *hidden.parameters(), C], lr=1e-3)
+    seen = []
+    for _ in range(steps):
+        ids = torch.randint(0, V, (N,), generator=g).to(device)
+        x = torch.randint(0, V, (N,), generator=g).to(device)
+        E = torch.nn.functional.gelu(hidden(embed(ids)))
+        linear_cross_entropy(E, C, x).backward()
+        seen.append((E.data_ptr(), x.data_ptr(), C.data_ptr(), C.grad.data_ptr()))
+        opt.step()
+        opt.zero_grad()
+    stable = [seen[i] == seen[i - 1] for i in range(2, steps)]
+    return dict(case="loop_pointers", steps=steps, stable_steps=sum(stable), of=len(stable),
+                changed=[i for i, same in zip(range(2, steps), stable) if not same],
+                status="ok", note="addresses mean little on a CPU (no caching allocator)" if device == "cpu" else "")
+
+
 def main():
     args, cuda, device, scale = script_setup(__doc__, "graph_check.jsonl", 300.0)
     N, V, D = scale(1024, 37), scale(QWEN3.V, 301), scale(QWEN3.D, 24)
@@ -139,6 +168,7 @@ def main():
         if writer:
             writer.append(c.records[-1])
     run("compile", check_compile, E, C, x, cuda, calls, reference)
+    run("loop_pointers", check_loop_pointers, N, V, D, dtype, device)
 
     total = time.time() - c.t0
     print(f"{len(c.records)} records, {c.failed} failed, {total:.0f} s")
