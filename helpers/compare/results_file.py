@@ -70,6 +70,14 @@ class ResultsWriter:
         with self.path.open("a") as f:
             f.write(_line({"record": "result", **result}))
 
+    def replace(self, index: int, result: dict) -> None:
+        """Put ``result`` in place of the ``index``-th result appended (0 is the first)."""
+        lines = self.path.read_text().splitlines(keepends=True)
+        if not 0 <= index < len(lines) - 1:
+            raise IndexError(f"index must be in [0, {len(lines) - 1}), got {index}")
+        lines[index + 1] = _line({"record": "result", **result})
+        self.path.write_text("".join(lines))
+
     def update_meta(self, **fields) -> None:
         """Add ``fields`` to the meta record, keeping the results already written."""
         self.meta.update(fields)

@@ -79,3 +79,45 @@ def test_bench_says_which_backward_ran(temporary_method):
     assert note.startswith("sparse: marked"), note
     assert backward_note("ours_gemm", E, C, x) == ""  # a method with one backward has nothing to say
     assert backward_note("ours", E, C, x).startswith("ran the gemm backward: auto, N x tiles")  # "auto": why
+
+
+
+def test_a_host_bound_point_is_timed_again_after_the_others_and_the_faster_round_stands(tmp_path, monkeypatch):
+    """A point's host may run slow for a while (an H200's first point at 1,024 tokens: 3.30 ms a call
+    against 2.01 seconds later): points under ``retime_below_ms`` get a second round after all points,
+    newest first, every method alike; the record keeps both rounds, the file is updated in place."""
+    from helpers.compare import bench
+    from helpers.compare.measure import LatencyStats
+
+    def timings(*fwd_bwd_ms):
+        """A latency that runs the call once and returns the next of ``fwd_bwd_ms`` for a forward+backward
+        (1 ms for a forward alone); the order of the calls it saw in ``seen``."""
+        left = list(fwd_bwd_ms)
+
+        def fake_latency(fn, *, warmup=2, repeats=7, device=None):
+            fn()
+            ms = 1.0 if fn.__name__ == "forward" else left.pop(0)
+            return LatencyStats(median_ms=ms, p10_ms=ms, p90_ms=ms, repeats=repeats)
+
+        return fake_latency
+
+    out = tmp_path / "bench.jsonl"
+    # Round 1: naive 9 ms (its host slow), chunked 4, exact 30 (not host-bound); round 2, newest first:
+    # chunked 5, naive 4.
+    monkeypatch.setattr(bench, "latency", timings(9.0, 4.0, 30.0, 5.0, 4.0))
+    naive, chunked, slow = run_bench(["naive", "chunked", "exact"], ["tiny"], ["uniform"], (torch.float32,),
+                                     Ns=[64], output=out, warmup=0, repeats=2, device="cpu", progress=False,
+                                     retime_below_ms=10.0)
+    assert naive.fwd_bwd_rounds_ms == [9.0, 4.0] and naive.fwd_bwd_ms == 4.0
+    assert "two rounds, 9.00 and 4.00 ms" in naive.note
+    assert chunked.fwd_bwd_rounds_ms == [4.0, 5.0] and chunked.fwd_bwd_ms == 4.0  # the faster round stands
+    assert slow.fwd_bwd_rounds_ms is None and slow.fwd_bwd_ms == 30.0  # past the threshold: one round
+    assert naive.tflops == 6 * 64 * 1031 * 40 / 4e-3 / 1e12
+    _, results = read_results(out)
+    assert [r["fwd_bwd_ms"] for r in results] == [4.0, 4.0, 30.0]
+    assert results[0]["fwd_bwd_rounds_ms"] == [9.0, 4.0] and results[0]["tflops"] == naive.tflops
+    # The CPU's default: no second round.
+    monkeypatch.setattr(bench, "latency", timings(3.0))
+    plain = run_bench(["naive"], ["tiny"], ["uniform"], (torch.float32,), Ns=[64], warmup=0, repeats=1,
+                      device="cpu", progress=False)[0]
+    assert plain.fwd_bwd_rounds_ms is None and plain.fwd_bwd_ms == 3.0 and "two rounds" not in plain.note
