@@ -314,15 +314,15 @@ def plan_call(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, configs: 
     need = tuple(need)
     key = _plan_key(E, C, configs, backward_impl, return_lse, need, wants_db, filter_eps, sort_vocab, vocabulary,
                     options)
-    resolved = _PLANS.get(key) if key is not None else None
+    resolved = _PLANS.pop(key, None) if key is not None else None
     if resolved is None:
         resolved = _resolve_plan(E, C, backward_impl=backward_impl, configs=configs, return_lse=return_lse, need=need,
                                  wants_db=wants_db, filter_eps=filter_eps, sort_vocab=sort_vocab, vocabulary=vocabulary,
                                  **options)
-        if key is not None:
-            if len(_PLANS) >= _PLANS_KEPT:
-                del _PLANS[next(iter(_PLANS))]  # the oldest problem
-            _PLANS[key] = resolved
+        if key is not None and len(_PLANS) >= _PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]  # the problem least recently used
+    if key is not None:
+        _PLANS[key] = resolved  # last in the order: the most recently used
     plan, sparse, problem = resolved
     if plan.backward_impl != "auto":
         return plan
@@ -333,8 +333,9 @@ def plan_call(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, configs: 
     return replace(sparse, auto=choice)
 
 
-# The resolved plans of the last problems (``plan_call``): resolving one is ~0.2 ms of Python, which a
-# call with few tokens pays before its first launch (its host time bounds it, docs/PERFORMANCE.md).
+# The resolved plans of the problems used last (``plan_call``), least recently used first: resolving one
+# is ~0.2 ms of Python, which a call with few tokens pays before its first launch (its host time bounds
+# it, docs/PERFORMANCE.md); a loop whose N changes every call keeps its other problems' plans too.
 _PLANS: dict = {}
 _PLANS_KEPT = 64
 

@@ -11,9 +11,10 @@ its figure. Part 1 times ours and torch.compile's loss (``loss_step``, the bench
 head with 1,024 tokens as the bench does (``latency``: median of 10 calls after 2), again and again for
 ``--seconds``, alternating the two, and records when each window ran and the pinned core's clock
 (``/proc/cpuinfo``'s MHz of the core this process runs on). Part 2: the host's microseconds per call of
-each kind of launch the loss makes (200 back-to-back calls on small tensors, so the GPU never holds the
-host back): an empty tensor, a zeroed one, a slice, a copy to the host's pinned memory, cuBLAS products
-into fp32 (each ``product_mode``), one Triton launch (the row-weights kernel) and the Gluon forward.
+each kind of launch the loss makes (200 back-to-back calls, 100 for the kernels, on small tensors, so
+the GPU never holds the host back): an empty tensor, a zeroed one, a slice, a copy to the host's pinned
+memory, cuBLAS products into fp32 (each ``product_mode``), one Triton launch (the row-weights kernel)
+and the Gluon forward.
 ``--tiny``: a small head on the CPU (timings meaningless there; checks the script).
 """
 

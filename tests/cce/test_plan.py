@@ -201,6 +201,19 @@ def test_a_problems_plan_is_resolved_once_and_each_call_still_checked(monkeypatc
         plan_call(E, C, z_loss=True, **kw)
     with pytest.raises(ValueError, match="z_loss must be a number"):
         plan_call(E, C, z_loss=[1], **kw)
+    # The least recently used problem goes first: a problem used between 64 others keeps its plan.
+    from helpers.cce import options
+
+    monkeypatch.setattr(options, "_PLANS", {})
+    rows = torch.randn(options._PLANS_KEPT + 1, 24, dtype=torch.float16)  # a problem per N
+    hot = plan_call(rows, C, z_loss=1, **kw)
+    others = []
+    for n in range(1, options._PLANS_KEPT + 1):
+        others.append(plan_call(rows[:n], C, z_loss=1, **kw))
+        assert plan_call(rows, C, z_loss=1, **kw) is hot
+    assert len(options._PLANS) == options._PLANS_KEPT
+    assert plan_call(rows[:2], C, z_loss=1, **kw) is others[1]  # kept
+    assert plan_call(rows[:1], C, z_loss=1, **kw) is not others[0]  # the least recently used: resolved again
     asked = []
     choose = RECORD.choose
     monkeypatch.setattr(RECORD, "choose", lambda *a, **k: asked.append(a) or choose(*a, **k))
