@@ -23,6 +23,13 @@ under capture or ``torch.compile`` skips. Cases, each written to the results fil
    each step; per step the addresses of the loss's E and x, of C and of C.grad after the backward (dC,
    which autograd keeps), and the steps from the third on whose addresses all equal the step before's.
    Predicted on a GPU: all of them (the caching allocator hands back the blocks the last step freed).
+5. ``graphed_backward`` (GPU only): a prototype of that graph, here and not in the package. The loss's
+   backward (the "gemm" path: the row weights, the G chunks, the products) is captured the first time its
+   plan's options and its tensors' addresses, shapes and strides are seen, and replayed after; the
+   forward stays eager. Its outputs live in the graph's memory, so each call hands back copies (dC's
+   copy is GPU time and memory the real thing would not spend: it would take dE and dC from the caller's
+   allocator). Against case 1's eager call: the host's time per call (predicted: ~1/3 of eager's, the
+   forward's share) and the gradients (within 1e-3: under capture dC's scale goes through its operand).
 
 Times per call: ``host_ms`` from ``time.perf_counter`` around a batch of calls with one synchronize
 at its end (the wall time a training loop sees), ``launch_ms`` the same before that synchronize (the
@@ -143,6 +150,52 @@ def check_loop_pointers(N, V, D, dtype, device, steps: int = 10) -> dict:
                 status="ok", note="addresses mean little on a CPU (no caching allocator)" if device == "cpu" else "")
 
 
+def check_graphed_backward(E, C, x, calls, reference) -> dict:
+    """Case 5 (module doc): the backward replayed from CUDA graphs keyed by what it reads."""
+    from helpers.cce import api
+
+    original = api.loss_backward
+    graphs = {}
+
+    def tensor_key(t):
+        return None if t is None else (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def graphed(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, plan, stats=None, activity=None):
+        args = (E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, plan, stats, activity)
+        if stats is not None or activity is not None or plan.backward_impl != "gemm":
+            return original(*args)  # counts read on the host, or the sparse backward's bits
+        key = (plan.options, id(plan.configs), plan.need, plan.return_lse,
+               *map(tensor_key, (E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse)))
+        if key not in graphs:
+            if len(graphs) >= 8:  # addresses that keep changing: each capture would hold its own memory
+                return original(*args)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # kernels compiled and caches settled outside the capture
+                original(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs = original(*args)
+            graphs[key] = (graph, outputs)
+        graph, outputs = graphs[key]
+        graph.replay()
+        return tuple(None if t is None else t.clone() for t in outputs)
+
+    api.loss_backward = graphed
+    try:
+        for _ in range(3):
+            got = step(E, C, x)
+        torch.cuda.synchronize()
+        record = dict(case="graphed_backward", **compared(got, reference))
+        record.update(timed(lambda: step(E, C, x), True, calls))
+        # One graph if the timed calls found their addresses again (``grad_loss``, autograd's ones, is new
+        # each call: its block from the caching allocator); up to 8, then eager, if they did not.
+        return dict(record, graphs=len(graphs))
+    finally:
+        api.loss_backward = original
+
+
 def main():
     args, cuda, device, scale = script_setup(__doc__, "graph_check.jsonl", 300.0)
     N, V, D = scale(1024, 37), scale(QWEN3.V, 301), scale(QWEN3.D, 24)
@@ -169,6 +222,12 @@ def main():
             writer.append(c.records[-1])
     run("compile", check_compile, E, C, x, cuda, calls, reference)
     run("loop_pointers", check_loop_pointers, N, V, D, dtype, device)
+    if cuda:
+        run("graphed_backward", check_graphed_backward, E, C, x, calls, reference)
+    else:
+        c.records.append(dict(case="graphed_backward", status="skipped (CUDA graphs need a GPU)"))
+        if writer:
+            writer.append(c.records[-1])
 
     total = time.time() - c.t0
     print(f"{len(c.records)} records, {c.failed} failed, {total:.0f} s")
