@@ -71,8 +71,10 @@ T = dict(tma=True)  # E and C (and G) through tensor descriptors: the copy engin
 # (A forward whose vocabulary loop was fused with its D loop, ``tl.range(flatten=True)``, measured
 # slower on an H200: 13.3 -> 15.1 ms at the Gemma-2-2B head, 8.0 -> 8.5 at Qwen3 16k; the sorted
 # walk 15.1 -> 16.9: docs/PERFORMANCE.md, fifth pass.)
+# 64-row tiles read C twice as often from L2: what the on-chip dE design (docs/PERFORMANCE.md, "what
+# limits it", item 3), whose row blocks are 64 rows, would pay in its forward.
 FORWARD_CANDIDATES = [L(128, 256, 64, 8, 3, **T), L(128, 256, 64, 8, 3), L(256, 128, 64, 8, 4, **T),
-                      L(128, 256, 64, 8, 4, **T), L(128, 256, 64, 8, 3, **T)]
+                      L(128, 256, 64, 8, 4, **T), L(64, 256, 64, 4, 3, **T), L(128, 256, 64, 8, 3, **T)]
 # The Turing tier's (64 KB of shared memory per block; the CPU test compiles the shipped one for
 # sm_75): (BLOCK_N + BLOCK_V) * BLOCK_D * 2 bytes * stages stays at or under 48 KB.
 TURING_CANDIDATES = [L(64, 128, 32, 4, 2), L(128, 128, 32, 8, 2), L(128, 128, 32, 4, 2),
