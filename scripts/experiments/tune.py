@@ -150,11 +150,19 @@ class Case:
 
 
 def forward_sweep(case, base, candidates, repeats):
+    """The Triton forward per candidate (the tier's Gluon forward turned off, or every candidate would time
+    it: ``helpers.cce.forward.lse_pingpong_reason``), then the tier's own forward where it is the Gluon one."""
+    from helpers.cce.forward import forward_kernel
+
     records, first = [], None
-    for cfg in candidates:
-        rec = dict(case=f"forward/{case.name}/{label(cfg)}", status="ok")
+    triton_only = dataclasses.replace(base, host=dataclasses.replace(base.host, lse_pingpong_max_d=0))
+    runs = [(label(cfg), with_config(triton_only, "forward", cfg)) for cfg in candidates]
+    if forward_kernel(case.E, case.C, None, case.options, base.host, bits=False) == "gluon":
+        runs.append(("gluon (the tier's)", base))
+    for name, configs in runs:
+        rec = dict(case=f"forward/{case.name}/{name}", status="ok",
+                   kernel=forward_kernel(case.E, case.C, None, case.options, configs.host, bits=False))
         try:
-            configs = with_config(base, "forward", cfg)
             run = lambda: cce_forward(case.E, case.C, case.x, case.options, configs)  # noqa: E731
             _, lse, _ = run()
             ms = latency(run, warmup=1, repeats=repeats, device=case.device).median_ms
