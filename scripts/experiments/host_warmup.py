@@ -10,7 +10,8 @@ so whatever keeps a fresh process's host slow (a core's clock, cold caches, lazi
 its figure. Part 1 times ours and torch.compile's loss (``loss_step``, the bench's own step) at the Qwen3
 head with 1,024 tokens as the bench does (``latency``: median of 10 calls after 2), again and again for
 ``--seconds``, alternating the two, and records when each window ran and the pinned core's clock
-(``/proc/cpuinfo``'s MHz of the core this process runs on). Part 2: the host's microseconds per call of
+(``/proc/cpuinfo``'s MHz of the core this process runs on) and its busy and steal ticks over the
+window (``/proc/stat``: steal is time the hypervisor gave a ready core to someone else). Part 2: the host's microseconds per call of
 each kind of launch the loss makes (200 back-to-back calls, 100 for the kernels, on small tensors, so
 the GPU never holds the host back): an empty tensor, a zeroed one, a slice, a copy to the host's pinned
 memory, cuBLAS products into fp32 (each ``product_mode``), one Triton launch (the row-weights kernel)
@@ -42,6 +43,22 @@ def core_mhz() -> float | None:
             if fields.get("processor") == str(core) and "cpu MHz" in fields:
                 return float(fields["cpu MHz"])
     except (OSError, ValueError, KeyError):
+        return None
+    return None
+
+
+def core_ticks() -> tuple[int, int] | None:
+    """(this process's core's busy ticks, its steal ticks) from /proc/stat, in USER_HZ (1/100 s): steal is
+    the time a virtual machine's core was ready to run but the hypervisor ran something else."""
+    try:
+        core = f"cpu{min(os.sched_getaffinity(0))}"
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *values = line.split()
+                if name == core:
+                    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, values[:8])
+                    return user + nice + system + irq + softirq, steal
+    except (OSError, ValueError):
         return None
     return None
 
@@ -127,13 +144,16 @@ def main():
     while True:
         for method, step in steps.items():
             started = time.perf_counter() - t0
+            before = core_ticks()
             stats = latency(step, warmup=2, repeats=10, device=device)
+            after = core_ticks()
+            busy, steal = ((after[0] - before[0], after[1] - before[1]) if before and after else (None, None))
             record = dict(part="warmup", window=window, method=method, t_s=round(started, 3),
                           median_ms=stats.median_ms, p10_ms=stats.p10_ms, p90_ms=stats.p90_ms, core_mhz=core_mhz(),
-                          N=N, V=V, D=D, status="ok")
+                          core_busy_ticks=busy, core_steal_ticks=steal, N=N, V=V, D=D, status="ok")
             c._record(record)
             print(f"t {started:6.2f} s  {method:14s} median {stats.median_ms:7.3f} ms  p10 {stats.p10_ms:7.3f}  "
-                  f"p90 {stats.p90_ms:7.3f}  core {record['core_mhz']} MHz")
+                  f"p90 {stats.p90_ms:7.3f}  core {record['core_mhz']} MHz  busy/steal ticks {busy}/{steal}")
         window += 1
         if time.perf_counter() - t0 > seconds:
             break
