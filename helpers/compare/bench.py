@@ -286,6 +286,8 @@ def bench_table(records: list[BenchRecord]) -> str:
 
     for r in records:
         spread = f"{r.fwd_bwd_ms:.1f} ({r.fwd_bwd_p10_ms:.1f}-{r.fwd_bwd_p90_ms:.1f})" if r.fwd_bwd_ms else ""
+        if r.fwd_bwd_rounds_ms:  # a host-bound point timed twice (module doc): both rounds' medians
+            spread += f", rounds {' / '.join(f'{ms:.2f}' for ms in r.fwd_bwd_rounds_ms)}"
         status = r.status if r.status != "ok" else ("ok" if r.gate == "pass" else f"ok, gate {r.gate}")
         if r.note:
             status += f": {r.note[:80]}"

@@ -113,6 +113,7 @@ def test_a_host_bound_point_is_timed_again_after_the_others_and_the_faster_round
     assert chunked.fwd_bwd_rounds_ms == [4.0, 5.0] and chunked.fwd_bwd_ms == 4.0  # the faster round stands
     assert slow.fwd_bwd_rounds_ms is None and slow.fwd_bwd_ms == 30.0  # past the threshold: one round
     assert naive.tflops == 6 * 64 * 1031 * 40 / 4e-3 / 1e12
+    assert "| 4.0 (4.0-4.0), rounds 9.00 / 4.00 |" in bench_table([naive])
     _, results = read_results(out)
     assert [r["fwd_bwd_ms"] for r in results] == [4.0, 4.0, 30.0]
     assert results[0]["fwd_bwd_rounds_ms"] == [9.0, 4.0] and results[0]["tflops"] == naive.tflops
