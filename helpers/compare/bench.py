@@ -41,7 +41,7 @@ from helpers.cce.device import default_device
 from helpers.compare.results_file import ResultsWriter, run_meta
 from helpers.compare.heads import GEMMA2, QWEN3
 from helpers.compare.measure import loss_step
-from helpers.compare.units import dtype_name, lower_bound_bytes
+from helpers.compare.units import dtype_name, lower_bound_bytes, torch_dtype
 
 # name -> (V, D, default N list): the heads of helpers.compare.heads, and a tiny one for CPU checks
 SHAPES = {
@@ -105,9 +105,7 @@ def bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, 
     # previous regime's softmax left for the same shape.
     forget_backward_choices()
     try:
-        E, C, x = make_inputs(N, V, D, dtype, device, regime=regime, seed=N)
-        E.requires_grad_(True)
-        C.requires_grad_(True)
+        E, C, x = point_inputs(regime, dtype, N, V, D, device)
         forward_backward = loss_step(method, E, C, x)  # returns dE, dC: they count in the peak
 
         def forward():  # the targets checked by loss_step (a check in a timed call is a sync)
@@ -128,6 +126,12 @@ def bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, 
     return rec
 
 
+def point_inputs(regime, dtype, N, V, D, device):
+    """A point's E, C (both requiring their gradients) and x: the same for its every round (seed N)."""
+    E, C, x = make_inputs(N, V, D, dtype, device, regime=regime, seed=N)
+    return E.requires_grad_(True), C.requires_grad_(True), x
+
+
 def _set_time(rec: BenchRecord, full, rate) -> None:
     """``rec``'s forward+backward time from ``full`` (a ``LatencyStats``) and the rates it gives."""
     rec.fwd_bwd_ms, rec.fwd_bwd_p10_ms, rec.fwd_bwd_p90_ms = full.median_ms, full.p10_ms, full.p90_ms
@@ -137,16 +141,13 @@ def _set_time(rec: BenchRecord, full, rate) -> None:
 
 def retime_point(rec: BenchRecord, device, warmup, repeats, rate) -> None:
     """The second round of a host-bound point (module doc): ``rec``'s forward+backward timed again on the
-    same inputs (``make_inputs``' seed is N), after the same warm-up; the faster round's median, p10 and
+    same inputs (``point_inputs``), after the same warm-up; the faster round's median, p10 and
     p90 stand, and ``fwd_bwd_rounds_ms`` keeps both medians. An error leaves the first round's figures,
     and the note says so."""
     first = rec.fwd_bwd_ms
     forget_backward_choices()  # "auto" starts from nothing, as in the first round
     try:
-        dtype = getattr(torch, rec.dtype)
-        E, C, x = make_inputs(rec.N, rec.V, rec.D, dtype, device, regime=rec.regime, seed=rec.N)
-        E.requires_grad_(True)
-        C.requires_grad_(True)
+        E, C, x = point_inputs(rec.regime, torch_dtype(rec.dtype), rec.N, rec.V, rec.D, device)
         forward_backward = loss_step(rec.method, E, C, x)
         second = latency(forward_backward, warmup=warmup + 1, repeats=repeats, device=device)  # + the peak's call
     except Exception as error:  # noqa: BLE001  (the first round's figures stand)
@@ -271,7 +272,7 @@ def run_bench(
              if r.status == "ok" and r.fwd_bwd_ms is not None and r.fwd_bwd_ms < retime_below_ms]
     for i in tqdm(again[::-1], desc="bench, second round of few-token points", disable=not progress or not again):
         rec = records[i]
-        retime_point(rec, device, warmup, repeats, rates[getattr(torch, rec.dtype)])
+        retime_point(rec, device, warmup, repeats, rates[torch_dtype(rec.dtype)])
         if store:
             store.replace(i, asdict(rec))
     return records
