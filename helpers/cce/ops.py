@@ -43,6 +43,7 @@ from helpers.cce.backward.atomic import backward_atomic
 from helpers.cce.backward.gemm import backward_gemm
 from helpers.cce.backward.rows import RowGradient
 from helpers.cce.forward import cce_forward, cce_forward_outputs, forward_kernel, reduces_in_kernel
+from helpers.cce.graphs import GRAPHS
 from helpers.cce.options import CCEPlan, auto_filter_eps, plan_call
 from helpers.cce.shared import read_later
 from helpers.spec import raise_for_targets
@@ -115,8 +116,20 @@ def loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, plan: CCEP
         stats["forward"] = forward_kernel(E, C, bias, plan.options, plan.configs.host, bits=activity is not None)
     # The rows' upstream gradient is grad_loss itself (a scalar for a mean or a sum); a mean's division by
     # the kept rows is made in the row kernel (``RowGradient.of``; with few tokens each launch is host time).
-    return run_backward(E, C, x, lse, r, grad_loss, plan, stats=stats, grad_lse=grad_lse, bias=bias,
-                        activity=activity, divisor=n_kept if plan.options.reduction == "mean" else None)
+    divisor = n_kept if plan.options.reduction == "mean" else None
+
+    def backward(E, x, lse, r, grad_loss, grad_lse, divisor, out=None):
+        return run_backward(E, C, x, lse, r, grad_loss, plan, stats=stats, grad_lse=grad_lse, bias=bias,
+                            activity=activity, divisor=divisor, out=out)
+
+    if GRAPHS.applies(E, C, plan, stats, activity):  # few tokens on a GPU: replayed (``helpers.cce.graphs``)
+        need_dE, need_dC, _ = plan.need
+        return GRAPHS.run(
+            backward, copied=dict(E=E, x=x, lse=lse, r=r, grad_loss=grad_loss, grad_lse=grad_lse, divisor=divisor),
+            held=dict(C=C, bias=bias, class_weight=plan.class_weight), plan=plan,
+            outputs=dict(dE=(E.shape, E.dtype, E.device) if need_dE else None,
+                         dC=(C.shape, E.dtype, E.device) if need_dC else None))
+    return backward(E, x, lse, r, grad_loss, grad_lse, divisor)
 
 
 def outputs_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):

@@ -4,7 +4,9 @@ whether a call may read the device on the host at all, and ``MiB``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -37,6 +39,22 @@ def read_later(t: torch.Tensor) -> Callable[[], float | bool]:
 
 
 def no_host_sync(E: torch.Tensor) -> bool:
-    """Whether this call must not read the device on the host: ``torch.compile`` is tracing it, or a
-    CUDA graph is capturing the current stream."""
-    return torch.compiler.is_compiling() or (E.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    """Whether this call must not read the device on the host: ``torch.compile`` is tracing it, a
+    CUDA graph is capturing the current stream, or ``host_reads_off`` holds (this thread runs work
+    that a graph captures, or its warm-up, which must take the captured path)."""
+    return (getattr(_HOST_READS_OFF, "on", False) or torch.compiler.is_compiling()
+            or (E.device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+
+
+_HOST_READS_OFF = threading.local()  # per thread: autograd runs a GPU backward on a thread of its own
+
+
+@contextmanager
+def host_reads_off() -> Iterator[None]:
+    """Calls in this block take the path that reads nothing on the host (``no_host_sync``)."""
+    before = getattr(_HOST_READS_OFF, "on", False)
+    _HOST_READS_OFF.on = True
+    try:
+        yield
+    finally:
+        _HOST_READS_OFF.on = before

@@ -16,20 +16,23 @@ under capture or ``torch.compile`` skips. Cases, each written to the results fil
    the backward through the compiled graph (``cce::`` custom ops in CUDA graph trees), timed and
    compared as 2. Under ``--tiny`` (a CPU) the graph case is skipped and the compile case uses the
    "aot_eager" backend, which checks the code paths only.
-4. ``loop_pointers``: whether a training loop hands the loss the same addresses every step, which a
-   CUDA graph captured inside the loss (keyed by its tensors' addresses, so that eager callers need not
-   capture anything) would need to be replayed rather than captured again: a small model (an
+4. ``loop_pointers``: whether a training loop hands the loss the same addresses every step, which the
+   backward's graphs (``helpers.cce.graphs``: keyed by C's, dE's and dC's addresses, so that eager callers
+   need not capture anything) need to be replayed rather than captured again: a small model (an
    embedding, one hidden layer, the head C) trained with AdamW, ``zero_grad()`` each step, new targets
    each step; per step the addresses of the loss's E and x, of C and of C.grad after the backward (dC,
    which autograd keeps), and the steps from the third on whose addresses all equal the step before's.
    Predicted on a GPU: all of them (the caching allocator hands back the blocks the last step freed).
-5. ``graphed_backward`` (GPU only): a prototype of that graph, here and not in the package. The loss's
-   backward (the "gemm" path: the row weights, the G chunks, the products) is captured the first time its
-   plan's options and its tensors' addresses, shapes and strides are seen, and replayed after; the
-   forward stays eager. Its outputs live in the graph's memory, so each call hands back copies (dC's
-   copy is GPU time and memory the real thing would not spend: it would take dE and dC from the caller's
-   allocator). Against case 1's eager call: the host's time per call (predicted: ~1/3 of eager's, the
-   forward's share) and the gradients (within 1e-3: under capture dC's scale goes through its operand).
+5. ``graphed_backward``: the loss with the backward's CUDA graphs on (``helpers.cce.graphs``, every size:
+   ``HostTuning.graph_backward_us`` raised), called as case 1: the first call eager, the second captured,
+   the rest replayed. Against case 1: the host's time per call (predicted: ~1/3 of eager's, the forward's
+   share), the gradients (within 1e-3: the captured path scales dC through its operand), the peak
+   (predicted: eager's plus E's copy, ~2 MB), and the graphs' counts (predicted: 1 graph).
+6. ``graphed_loop/1`` and ``/2``: case 4's training loop (an embedding, a hidden layer, the head C, AdamW)
+   run twice from one seed, eager and with the graphs, with 1 and 2 backward calls per optimizer step
+   (the second keeps C.grad alive between them, so dC's block alternates): the runs' losses and final C
+   within 1e-2 of each other, and the graphs' counts (predicted: 1 graph and 2 graphs, replays from the
+   third backward call on).
 
 Times per call: ``host_ms`` from ``time.perf_counter`` around a batch of calls with one synchronize
 at its end (the wall time a training loop sees), ``launch_ms`` the same before that synchronize (the
@@ -45,7 +48,10 @@ import torch
 from _common import Checker, script_setup
 
 from helpers.cce import linear_cross_entropy
+from helpers.cce.graphs import GRAPHS
+from helpers.cce.options import resolve_configs
 from helpers.compare.heads import QWEN3
+from helpers.compare.measure import peak_memory
 from helpers.compare.results_file import ResultsWriter, run_meta
 from helpers.spec import relative_error
 
@@ -150,50 +156,67 @@ def check_loop_pointers(N, V, D, dtype, device, steps: int = 10) -> dict:
                 status="ok", note="addresses mean little on a CPU (no caching allocator)" if device == "cpu" else "")
 
 
+def graphed_configs(device):
+    """The device's tier with the backward's graphs on for every size (``HostTuning.graph_backward_us``)."""
+    return resolve_configs(None, device).tuned(graph_backward_us=1e12)
+
+
 def check_graphed_backward(E, C, x, calls, reference) -> dict:
-    """Case 5 (module doc): the backward replayed from CUDA graphs keyed by what it reads."""
-    from helpers.cce import api
+    """Case 5 (module doc): the loss with ``helpers.cce.graphs`` on, called as case 1 calls it."""
+    configs = graphed_configs(E.device)
+    GRAPHS.clear()
 
-    original = api.loss_backward
-    graphs = {}
+    def run():
+        loss = linear_cross_entropy(E, C, x, configs=configs)
+        return (loss, *torch.autograd.grad(loss, (E, C)))
 
-    def tensor_key(t):
-        return None if t is None else (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    for _ in range(3):  # eager (first sight), captured, replayed
+        got = run()
+    torch.cuda.synchronize()
+    record = dict(case="graphed_backward", **compared(got, reference), **timed(run, True, calls))
+    _, eager_peak = peak_memory(lambda: step(E, C, x))
+    _, graphed_peak = peak_memory(run)
+    # One graph if the timed calls found their dE and dC blocks again; each replay's input copies and pool
+    # are in the graphed peak (``peak_memory``).
+    return dict(record, eager_peak_mb=round(eager_peak / 2**20, 1), graphed_peak_mb=round(graphed_peak / 2**20, 1),
+                **{f"graphs_{k}": v for k, v in GRAPHS.summary().items()})
 
-    def graphed(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, plan, stats=None, activity=None):
-        args = (E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, plan, stats, activity)
-        if stats is not None or activity is not None or plan.backward_impl != "gemm":
-            return original(*args)  # counts read on the host, or the sparse backward's bits
-        key = (plan.options, id(plan.configs), plan.need, plan.return_lse,
-               *map(tensor_key, (E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse)))
-        if key not in graphs:
-            if len(graphs) >= 8:  # addresses that keep changing: each capture would hold its own memory
-                return original(*args)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # kernels compiled and caches settled outside the capture
-                original(*args)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outputs = original(*args)
-            graphs[key] = (graph, outputs)
-        graph, outputs = graphs[key]
-        graph.replay()
-        return tuple(None if t is None else t.clone() for t in outputs)
 
-    api.loss_backward = graphed
-    try:
-        for _ in range(3):
-            got = step(E, C, x)
-        torch.cuda.synchronize()
-        record = dict(case="graphed_backward", **compared(got, reference))
-        record.update(timed(lambda: step(E, C, x), True, calls))
-        # One graph if the timed calls found their addresses again (``grad_loss``, autograd's ones, is new
-        # each call: its block from the caching allocator); up to 8, then eager, if they did not.
-        return dict(record, graphs=len(graphs))
-    finally:
-        api.loss_backward = original
+def check_graphed_loop(N, V, D, dtype, device, steps: int, micro_batches: int) -> dict:
+    """Case 6 (module doc): case 4's training loop twice from one seed, eager and with the backward's graphs,
+    ``micro_batches`` backward calls per optimizer step (gradient accumulation keeps C.grad alive)."""
+    def train(configs):
+        torch.manual_seed(2)
+        g = torch.Generator().manual_seed(1)
+        embed = torch.nn.Embedding(V, D).to(device=device, dtype=dtype)
+        hidden = torch.nn.Linear(D, D).to(device=device, dtype=dtype)
+        C = torch.nn.Parameter((torch.randn(V, D, generator=g) / D**0.25).to(dtype).to(device))
+        opt = torch.optim.AdamW([*embed.parameters(), *hidden.parameters(), C], lr=1e-3)
+        losses = []
+        for _ in range(steps):
+            for _ in range(micro_batches):
+                ids = torch.randint(0, V, (N,), generator=g).to(device)
+                x = torch.randint(0, V, (N,), generator=g).to(device)
+                E = torch.nn.functional.gelu(hidden(embed(ids)))
+                loss = linear_cross_entropy(E, C, x, configs=configs) / micro_batches
+                loss.backward()
+                losses.append(float(loss))
+            opt.step()
+            opt.zero_grad()
+        return torch.tensor(losses), C.detach()
+
+    GRAPHS.clear()
+    eager_losses, eager_C = train(resolve_configs(None, device))
+    graphed_losses, graphed_C = train(graphed_configs(device))
+    summary = GRAPHS.summary()
+    C_err = relative_error(graphed_C, eager_C)
+    loss_err = relative_error(graphed_losses, eager_losses)
+    # The captured path scales dC through its operand (``helpers.cce.backward.gemm``): its bits differ from
+    # eager's, so the two runs drift apart by rounding; within 1e-2 after these few steps.
+    worst = max(C_err, loss_err)
+    return dict(case=f"graphed_loop/{micro_batches}", steps=steps, micro_batches=micro_batches,
+                C_err=C_err, loss_err=loss_err, **{f"graphs_{k}": v for k, v in summary.items()},
+                status="ok" if worst <= 1e-2 else "FAIL")
 
 
 def main():
@@ -224,10 +247,13 @@ def main():
     run("loop_pointers", check_loop_pointers, N, V, D, dtype, device, 10 if cuda else 4)  # the CPU: the code path
     if cuda:
         run("graphed_backward", check_graphed_backward, E, C, x, calls, reference)
+        for micro_batches in (1, 2):
+            run(f"graphed_loop/{micro_batches}", check_graphed_loop, N, V, D, dtype, device, 10, micro_batches)
     else:
-        c.records.append(dict(case="graphed_backward", status="skipped (CUDA graphs need a GPU)"))
-        if writer:
-            writer.append(c.records[-1])
+        for name in ("graphed_backward", "graphed_loop"):
+            c.records.append(dict(case=name, status="skipped (CUDA graphs need a GPU)"))
+            if writer:
+                writer.append(c.records[-1])
 
     total = time.time() - c.t0
     print(f"{len(c.records)} records, {c.failed} failed, {total:.0f} s")

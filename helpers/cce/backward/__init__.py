@@ -81,12 +81,15 @@ def cce_backward(
 
 def run_backward(E, C, x, lse, r, grad_rows, plan: CCEPlan, n_chunk: int | None = None, v_chunk: int | None = None,
                  stats: dict | None = None, *, grad_lse=None, bias=None, activity: Activity | None = None,
-                 divisor=None):
+                 divisor=None, out=None):
     """``cce_backward`` by a resolved ``CCEPlan`` (``helpers.cce.options``): the dispatch to the
     plan's backward, the "sparse" backward's hand-over to "gemm" (``stats["fallback"]`` says why),
     and what "auto"'s record learns from it (``helpers.cce.auto``). ``stats["backward"]``: the
     backward that ran; ``stats["auto"]``: why "auto" chose as it did. ``grad_rows`` and ``divisor``:
-    ``RowGradient.of``'s (grad_rows None: no gradient into the loss)."""
+    ``RowGradient.of``'s (grad_rows None: no gradient into the loss). ``out``: "gemm"'s (dE, dC) to write
+    (``backward_gemm``); the other backwards refuse it."""
+    if out is not None and plan.backward_impl != "gemm":
+        raise ValueError(f'out is for the "gemm" backward, not {plan.backward_impl!r}')
     o, configs, need = plan.options, plan.configs, plan.need
     cw = plan.class_weight
     if cw is None:
@@ -120,7 +123,7 @@ def run_backward(E, C, x, lse, r, grad_rows, plan: CCEPlan, n_chunk: int | None 
     order = vocabulary_order(E, C) if o.sort_vocab else None
     if plan.backward_impl == "gemm":
         return backward_gemm(E, C, x, lse, up, order, o, configs.backward_gemm_for(E.dtype), n_chunk, v_chunk,
-                             stats, bias, need, host=configs.host, class_weight=cw)
+                             stats, bias, need, host=configs.host, class_weight=cw, out=out)
     dE, dC = backward_atomic(E, C, x, lse, up, order, o, configs.for_dtype(E.dtype)[1], n_chunk, v_chunk, stats,
                              bias, need[:2], class_weight=cw)
     return dE, dC, None

@@ -236,7 +236,7 @@ def fp32_product(out, a, b, *, alpha: float, accumulate: bool, mode: str):
 def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg: LaunchConfig,
                   n_chunk: int | None, v_chunk: int | None, stats: dict | None, bias=None,
                   need: tuple[bool, bool, bool] = (True, True, False), *, host: HostTuning, g_chunk=None,
-                  class_weight=None):
+                  class_weight=None, out=None):
     """(dE, dC, db), each None where ``need`` (dE, dC, db) says it is not wanted: per (row chunk,
     vocabulary chunk), G_c from ``gradient_chunk_kernel``, then dC[v0:v1] = w_scale G_c^T (w_rel E),
     db[v0:v1] = w_scale G_c^T w_rel and dE_acc += G_c C[v0:v1] in cuBLAS; the other arguments are
@@ -256,6 +256,8 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     G (rows, v1 - v0), unscaled by the rows' w as ours is, and returns the tiles it computed; x and
     lse are then not read, and the options must have no filter. ``class_weight``: (V,) fp32, the class
     weights G's smoothing term carries (``helpers.cce.class_weights``; the Triton G kernel only).
+    ``out``: (dE, dC) to write, (N, D) and (V, D) in E's dtype, each None where not wanted (a CUDA graph
+    writes where its key says, ``helpers.cce.graphs``); None: allocated here.
     """
     need_dE, need_dC, need_db = need
     N, D = E.shape
@@ -302,8 +304,11 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     counting = stats is not None and filtering  # the filter's counts, only where asked (two launches fewer)
     skipped = torch.zeros((), dtype=torch.int64, device=device) if counting else None
     dead_chunks = torch.zeros((), dtype=torch.int64, device=device) if counting else None  # every tile skipped
-    dE = torch.empty(N, D, dtype=dtype, device=device) if need_dE else None
-    dC = torch.empty(V, D, dtype=dtype, device=device) if need_dC else None
+    if out is None:
+        dE = torch.empty(N, D, dtype=dtype, device=device) if need_dE else None
+        dC = torch.empty(V, D, dtype=dtype, device=device) if need_dC else None
+    else:
+        dE, dC = out
     db_acc = torch.zeros(V, dtype=torch.float32, device=device) if need_db else None
     dE_acc = torch.empty(n_chunk, D, dtype=torch.float32, device=device) if low_precision and need_dE else None
     # dC's scale (module doc): alpha read on the host in eager, through the operand where no read may be made.

@@ -1,0 +1,305 @@
+"""The "gemm" backward replayed from CUDA graphs, where the host's launches would bound a call.
+
+Why. With few tokens the GPU finishes our backward before the host has issued it: at the Qwen3 head
+(V 151,936, D 1,024) with 1,024 tokens its ~20 launches (the row weights, five G chunks, their ten
+cuBLAS products, dE's scaling) cost an H200's host 1.2-2.4 ms against ~1.4 ms of products, and a
+training step with small micro-batches pays that every call (docs/PERFORMANCE.md, "1,024 tokens").
+A CUDA graph replays the same launches for ~10 us of host time.
+
+What a graph holds. Capture records every kernel with its arguments, addresses included, and replay
+reads and writes those addresses again. So a graph may only be replayed for a call whose tensors sit
+where the captured call's sat. Per call:
+
+- the small per-call inputs (E, the targets x, the forward's lse and non-target mass r, the kept
+  rows' count, the upstream gradients) are copied into the graph's own buffers before replay: one
+  copy each, N (D + ~4) elements at most, so that a new batch anywhere in memory replays;
+- what is too large to copy (the classifier C, the bias, the class weights) and the gradients the
+  call hands back (dE and dC, allocated from the caller's allocator just before the lookup, so that
+  autograd may keep them: a graph's own output would be overwritten by the next replay) are part of
+  the key by address. A training loop frees last step's gradients before the next backward
+  (``zero_grad``), and the caching allocator hands the same blocks back: one graph per loop, two
+  with gradient accumulation (dC's block alternates);
+- the key also holds the options, the tier, the gradients wanted, and every tensor's shape, strides
+  and dtype: anything else the captured launches depend on is a function of these.
+
+A key is captured the second time it is seen (the first call runs eagerly): a loop whose shapes or
+addresses never repeat pays no capture, and the eager call has compiled every kernel by then. The
+capture runs the backward once more eagerly on a side stream first (that call's answer), with the
+host reads off (``helpers.cce.shared.host_reads_off``: dC's scale enters through its operand, as
+under ``torch.compile``), so that what is captured is what was just run. At most
+``HostTuning.graphs_kept`` graphs live per process; past that, new keys run eagerly. A capture that
+fails (an operation the graph cannot hold) runs eagerly, is not tried again for that key, and warns once.
+
+Memory. The captured call's temporaries (dE's fp32 accumulator, a G buffer, the row weights) live in
+a private pool that stays reserved while the graphs live, shared by the graphs of one device and
+stream (they never run at once), and each graph's input copies stay allocated: neither shows in
+``torch.cuda.memory_allocated`` during a replay. ``peak_bytes`` gives what a replay held there, and
+``helpers.compare.measure.peak_memory`` adds it to a measured peak, so a graphed call is not reported
+below what it uses.
+
+Where it runs (``applies``): CUDA, ``HostTuning.graph_backward_us`` > 0 and the backward's products
+predicted below it (``backward_us``), "gemm" (what "auto" runs on a flat softmax), no ``stats``
+(its counts are read on the host), and not already under capture or ``torch.compile``. What it
+leaves eager: the forward (a third of such a call's host time; its targets' check reads the device),
+the per-token outputs' backward (``helpers.cce.outputs``), "sparse" and "atomic".
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from helpers.cce.options import CCEPlan
+from helpers.cce.shared import host_reads_off, no_host_sync
+
+SEEN_KEPT = 64  # keys seen once, least recently used first: a second sight captures
+
+
+def backward_us(N: int, V: int, D: int, dtype: torch.dtype, plan: CCEPlan) -> float:
+    """The "gemm" backward's products at the tier's matmul rate, microseconds: G's (at the share of
+    cuBLAS's rate our Triton kernels reach) and dE's and dC's where wanted."""
+    host = plan.configs.host
+    tflops = host.matmul_tflops_fp32 if dtype == torch.float32 else host.matmul_tflops_16bit
+    product = 2.0 * N * V * D
+    flop = product / host.triton_share + product * (plan.need[0] + plan.need[1])
+    return flop / (tflops * 1e12) * 1e6
+
+
+class CudaBackend:
+    """CUDA's graphs, streams and allocator, as ``BackwardGraphs`` uses them (tests pass another)."""
+
+    def available(self, E: torch.Tensor) -> bool:
+        return E.device.type == "cuda"
+
+    def empty(self, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A call's gradient, from the caching allocator (which hands a freed block back)."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def stream_id(self, device: torch.device) -> int:
+        return torch.cuda.current_stream(device).stream_id
+
+    def pool(self, device: torch.device):
+        return torch.cuda.graph_pool_handle()
+
+    def reserved(self, device: torch.device) -> int:
+        return torch.cuda.memory_reserved(device)
+
+    @contextmanager
+    def side_stream(self, device: torch.device):
+        """A stream that starts after the current one's work and that the current one waits for after."""
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            yield
+        current.wait_stream(side)
+
+    def capture(self, fn: Callable[[], tuple], device: torch.device, pool) -> tuple[Callable[[], None], tuple]:
+        """(replay, fn's outputs under capture): ``fn`` captured into a graph allocating from ``pool``.
+        "thread_local": autograd runs a GPU backward on a thread of its own, while other threads may
+        call CUDA."""
+        graph = torch.cuda.CUDAGraph()
+        with self.side_stream(device):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                outputs = fn()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except RuntimeError:
+                    pass  # the capture was invalidated by the error being raised
+                raise
+            graph.capture_end()
+        return graph.replay, outputs
+
+
+def _static(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what a graph reads, the buffer a call's tensor is copied into) for an input like ``t``: its
+    shape, strides and dtype; a dimension of stride 0 (an expanded gradient) stays expanded, with
+    one element stored (``_stored``)."""
+    if 0 in t.stride() and t.numel() > 1:
+        buffer = torch.empty([1 if stride == 0 else size for size, stride in zip(t.shape, t.stride())],
+                             dtype=t.dtype, device=t.device)
+        return buffer.expand(t.shape), buffer
+    buffer = torch.empty_like(t, memory_format=torch.preserve_format)  # t's strides where it is dense
+    return buffer, buffer
+
+
+def _stored(t: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """The view of ``t`` that its ``_static`` buffer takes (the key holds t's strides: they match)."""
+    return t.as_strided(buffer.shape, t.stride()) if buffer.shape != t.shape else t
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (tuple(t.shape), t.stride(), t.dtype)
+
+
+def _where(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+@dataclass
+class _Graph:
+    replay: Callable[[], None]
+    copies: list  # (buffer, name) of every copied input
+    outputs: dict  # "out": the call's (dE, dC) while it runs (a replacement backend reads it), else None
+    db: torch.Tensor | None  # the graph's own db: copied out each replay
+    configs: object  # the plan's tier, held so that its id in the key is not reused
+    held_bytes: int  # the input copies (the pool's bytes are counted per pool: its graphs share them)
+    pool_key: tuple
+
+
+@dataclass
+class _Counts:
+    captured: int = 0
+    replayed: int = 0
+    eager_first_sight: int = 0
+    eager_full: int = 0
+    failed: int = 0
+    failures: list = field(default_factory=list)
+
+
+class BackwardGraphs:
+    """The process's backward graphs (module doc); ``GRAPHS`` is the one the loss uses."""
+
+    def __init__(self, backend=None):
+        self.backend = backend if backend is not None else CudaBackend()
+        self._lock = threading.Lock()
+        self._graphs: dict[tuple, _Graph] = {}
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        self._failed: set[tuple] = set()
+        self._pools: dict[tuple, object] = {}
+        self._pool_bytes: dict[tuple, int] = {}
+        self._peak: dict[str, int] = {}
+        self.counts = _Counts()
+
+    def applies(self, E: torch.Tensor, C: torch.Tensor, plan: CCEPlan, stats, activity) -> bool:
+        """Whether this backward call runs through a graph (module doc, "Where it runs")."""
+        limit = plan.configs.host.graph_backward_us
+        return (limit > 0 and plan.backward_impl == "gemm" and stats is None and activity is None
+                and self.backend.available(E) and not no_host_sync(E)
+                and backward_us(E.shape[0], C.shape[0], E.shape[1], E.dtype, plan) < limit)
+
+    def run(self, backward: Callable[..., tuple], *, copied: dict, held: dict, outputs: dict, plan: CCEPlan) -> tuple:
+        """(dE, dC, db) of ``backward(**copied, out=(dE, dC))``, replayed from a graph where one fits.
+
+        copied: the per-call inputs by name (a graph reads its copies of them; None where absent);
+        held: the other tensors the backward reads, by name (the key holds their addresses);
+        outputs: {"dE": (shape, dtype, device) or None, "dC": ...}, allocated here for each call."""
+        dE, dC = (None if spec is None else self.backend.empty(*spec) for spec in (outputs["dE"], outputs["dC"]))
+        device = next(t.device for t in copied.values() if t is not None)
+        stream = self.backend.stream_id(device)
+        key = (str(device), stream, plan.options, id(plan.configs), plan.backward_impl, plan.need, plan.return_lse,
+               tuple((name, _layout(t)) for name, t in copied.items()),
+               tuple((name, _where(t)) for name, t in held.items()),
+               _where(dE), _where(dC))
+        with self._lock:
+            graph = self._graphs.get(key)
+            capture = graph is None and self._capture_now(key, plan)
+        if graph is None and not capture:
+            return backward(**copied, out=(dE, dC))
+        if graph is None:
+            return self._capture(key, backward, copied, (dE, dC), plan, device, stream)
+        for buffer, name in graph.copies:
+            buffer.copy_(_stored(copied[name], buffer))
+        graph.outputs["out"] = (dE, dC)
+        try:
+            graph.replay()
+        finally:
+            graph.outputs["out"] = None  # no reference to a caller's gradient outlives its call
+        self.counts.replayed += 1
+        held_bytes = self._pool_bytes.get(graph.pool_key, 0) + graph.held_bytes
+        self._peak[str(device)] = max(self._peak.get(str(device), 0), held_bytes)
+        return dE, dC, None if graph.db is None else graph.db.clone()
+
+    def _capture_now(self, key: tuple, plan: CCEPlan) -> bool:
+        """Whether to capture ``key`` now: seen once before, never failed, room for a graph."""
+        if key in self._failed or len(self._graphs) >= plan.configs.host.graphs_kept:
+            self.counts.eager_full += key not in self._failed
+            return False
+        if key not in self._seen:
+            self._seen[key] = None
+            if len(self._seen) > SEEN_KEPT:
+                self._seen.popitem(last=False)
+            self.counts.eager_first_sight += 1
+            return False
+        del self._seen[key]
+        return True
+
+    def _capture(self, key, backward, copied: dict, out: tuple, plan: CCEPlan, device, stream) -> tuple:
+        """This call's (dE, dC, db) from an eager run of the captured path, then its graph (module doc)."""
+        statics, copies, copy_bytes = {}, [], 0
+        for name, t in copied.items():
+            if t is None:
+                statics[name] = None
+                continue
+            statics[name], buffer = _static(t)
+            buffer.copy_(_stored(t, buffer))
+            copies.append((buffer, name))
+            copy_bytes += buffer.numel() * buffer.element_size()
+        holder = {"out": out}
+
+        def captured():
+            return backward(**statics, out=holder["out"])
+
+        with host_reads_off():
+            with self.backend.side_stream(device):  # the kernels compiled, the caches filled, this call's answer
+                answer = captured()
+            pool_key = (str(device), stream)
+            pool = self._pools.setdefault(pool_key, self.backend.pool(device))
+            before = self.backend.reserved(device)
+            try:
+                replay, graph_outputs = self.backend.capture(captured, device, pool)
+            except Exception as error:  # an operation the graph cannot hold: this key stays eager
+                with self._lock:
+                    self._failed.add(key)
+                    self.counts.failed += 1
+                    self.counts.failures.append(f"{type(error).__name__}: {error}"[:300])
+                warnings.warn(f"helpers.cce: the backward's CUDA graph could not be captured, it runs eagerly "
+                              f"for this shape: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
+                return answer
+        added = max(0, self.backend.reserved(device) - before)
+        holder["out"] = None
+        graph = _Graph(replay=replay, copies=copies, outputs=holder, db=graph_outputs[2], configs=plan.configs,
+                       held_bytes=copy_bytes, pool_key=pool_key)
+        with self._lock:
+            self._graphs[key] = graph
+            self._pool_bytes[pool_key] = self._pool_bytes.get(pool_key, 0) + added
+            self.counts.captured += 1
+        return answer
+
+    def summary(self) -> dict:
+        """Graphs, their replays and the calls that ran eagerly, and the bytes the graphs hold."""
+        c = self.counts
+        return {"graphs": len(self._graphs), "captured": c.captured, "replayed": c.replayed,
+                "eager_first_sight": c.eager_first_sight, "eager_full": c.eager_full, "failed": c.failed,
+                "failures": list(c.failures),
+                "held_bytes": sum(self._pool_bytes.values()) + sum(g.held_bytes for g in self._graphs.values())}
+
+    def reset_peak(self, device: torch.device | str) -> None:
+        self._peak.pop(str(torch.device(device)), None)
+
+    def peak_bytes(self, device: torch.device | str) -> int:
+        """The most a replay on ``device`` held outside the allocator's count since ``reset_peak``: the
+        pool its graph allocates from and its input copies."""
+        return self._peak.get(str(torch.device(device)), 0)
+
+    def clear(self) -> None:
+        """Drops every graph (their pools are released once nothing else holds them)."""
+        with self._lock:
+            self._graphs.clear()
+            self._seen.clear()
+            self._failed.clear()
+            self._pools.clear()
+            self._pool_bytes.clear()
+            self._peak.clear()
+            self.counts = _Counts()
+
+
+GRAPHS = BackwardGraphs()

@@ -1,0 +1,260 @@
+"""The backward replayed from CUDA graphs (``helpers.cce.graphs``), on the CPU.
+
+No CPU captures a CUDA graph, so ``Simulated`` keeps a graph's contract here: capture records the call,
+replay runs it again on the buffers it was captured with (what a graph's baked addresses read), and its
+allocator hands a freed block back as the caching allocator does. What the graphs decide is then checked
+where no GPU is: when a key is captured, that every per-call input reaches a replay (a stale one gives a
+wrong gradient), what the key holds by address, the calls left eager, and the memory a replay holds.
+That real capture works, and what it saves, is ``scripts/gpu/graph_check.py``'s on a GPU.
+"""
+
+import os
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers.cce import linear_cross_entropy  # noqa: E402
+from helpers.cce.graphs import GRAPHS  # noqa: E402
+from helpers.cce.options import resolve_configs  # noqa: E402
+from helpers.cce.shared import host_reads_off  # noqa: E402
+from helpers.compare import measure  # noqa: E402
+from helpers.compare.inputs import make_inputs  # noqa: E402
+from helpers.spec import reference_loss_and_grads, relative_error  # noqa: E402
+
+N, V, D = 45, 700, 24
+CPU = torch.device("cpu")
+EAGER = resolve_configs(None, CPU)
+GRAPHED = EAGER.tuned(graph_backward_us=1e12, graphs_kept=2)
+
+
+class Simulated:
+    """A CUDA graph's contract on the CPU (module doc)."""
+
+    def __init__(self, fail: str | None = None, pool_bytes: int = 4096):
+        self.fail, self.pool_bytes = fail, pool_bytes
+        self.captures, self._reserved, self._blocks = 0, 0, []
+
+    def available(self, E):
+        return E.device.type == "cpu"
+
+    def empty(self, shape, dtype, device):
+        """A block whose every tensor is gone comes back, as the caching allocator's does."""
+        for block_shape, block_dtype, storage in self._blocks:
+            if (block_shape, block_dtype) == (tuple(shape), dtype) and torch._C._storage_Use_Count(storage._cdata) == 1:
+                return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+        t = torch.empty(shape, dtype=dtype, device=device)
+        self._blocks.append((tuple(shape), dtype, t.untyped_storage()))
+        return t
+
+    def stream_id(self, device):
+        return 0
+
+    def pool(self, device):
+        return object()
+
+    def reserved(self, device):
+        return self._reserved
+
+    @contextmanager
+    def side_stream(self, device):
+        yield
+
+    def capture(self, fn, device, pool):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        self.captures += 1
+        self._reserved += self.pool_bytes
+        outputs = fn()
+        db = outputs[2]  # the graph's own output; dE and dC are the caller's (a graph holds no reference)
+
+        def replay():  # the captured launches again, on the buffers and with the path they were captured with
+            with host_reads_off():
+                again = fn()
+            if db is not None:
+                db.copy_(again[2])
+
+        return replay, outputs
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    """The loss's graphs (``GRAPHS``) on a ``Simulated`` backend, empty at the start and the end."""
+    GRAPHS.clear()
+    monkeypatch.setattr(GRAPHS, "backend", Simulated())
+    yield GRAPHS
+    GRAPHS.clear()
+
+
+def batch(seed, dtype):
+    """(E, C, x) of a new batch: E a new leaf each call, as a model's last layer makes it."""
+    E, C, x = make_inputs(N, V, D, torch.float32, "cpu", regime="realistic", seed=seed)
+    return E.to(dtype).requires_grad_(True), C.to(dtype), x
+
+
+UPSTREAM = {
+    "mean": lambda loss, lse, g: loss,
+    "none, summed": lambda loss, lse, g: loss.sum(),  # an expanded upstream gradient (stride 0)
+    "none, weighted": lambda loss, lse, g: (loss * g).sum(),  # a new upstream vector each call
+    "through the lse": lambda loss, lse, g: loss.sum() + (lse * g).sum(),
+}
+
+
+def gradients(E, C, x, kind, g, configs):
+    """(loss, dE, dC) of one call with ``kind``'s upstream gradient."""
+    reduction = "mean" if kind == "mean" else "none"
+    loss, lse = linear_cross_entropy(E, C, x, reduction=reduction, return_lse=True, backward_impl="gemm",
+                                     configs=configs)
+    objective = UPSTREAM[kind](loss, lse, g)
+    dE, dC = torch.autograd.grad(objective, (E, C))
+    return objective.detach(), dE, dC
+
+
+@pytest.mark.parametrize("kind, dtype", [(kind, torch.float32) for kind in UPSTREAM] + [("mean", torch.float16)])
+def test_a_repeated_call_is_captured_then_replayed_with_each_calls_inputs(simulated, dtype, kind):
+    """New E, targets and upstream gradients every call, C changed in place (an optimizer step): the second
+    call captures, the later ones replay, and each call's gradients are its own (eager's, within rounding,
+    and as close to float64 as eager's)."""
+    C = batch(0, dtype)[1].requires_grad_(True)
+    for call in range(4):
+        E, C_new, x = batch(10 + call, dtype)
+        with torch.no_grad():
+            C.copy_(C_new)
+        g = torch.rand(N, generator=torch.Generator().manual_seed(call))
+        loss, dE, dC = gradients(E, C, x, kind, g, GRAPHED)
+        _, want_dE, want_dC = gradients(E, C, x, kind, g, EAGER)
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-3  # the captured path scales dC through its operand
+        assert relative_error(dE, want_dE) <= tolerance and relative_error(dC, want_dC) <= tolerance, call
+        if kind == "mean":
+            _, ref_dE, ref_dC = reference_loss_and_grads(E.detach(), C.detach(), x)
+            assert relative_error(dE, ref_dE) <= 1.5 * relative_error(want_dE, ref_dE) + 1e-6, call
+            assert relative_error(dC, ref_dC) <= 1.5 * relative_error(want_dC, ref_dC) + 1e-6, call
+        del dE, dC  # their blocks free for the next call, as a training loop leaves them
+    summary = simulated.summary()
+    assert (summary["eager_first_sight"], summary["captured"], summary["replayed"], summary["graphs"]) == (1, 1, 2, 1)
+
+
+def test_a_kept_gradient_or_a_new_classifier_is_another_key(simulated):
+    """dC's block and C's address are read by address. Gradient accumulation, two backward calls per step:
+    the first call's dC becomes C.grad (autograd keeps it), so the second's comes from another block, and
+    ``C.grad = None`` frees the first again for the next step: two keys, two graphs, each replayed from
+    the third step; C.grad is what eager's two calls sum to. A new C tensor is a key not seen before."""
+    C = batch(0, torch.float32)[1].requires_grad_(True)
+    for step in range(3):
+        C.grad, want = None, torch.zeros_like(C)
+        for micro_batch in range(2):
+            E, _, x = batch(20 + 2 * step + micro_batch, torch.float32)
+            linear_cross_entropy(E, C, x, backward_impl="gemm", configs=GRAPHED).backward()
+            want += gradients(E, C, x, "mean", None, EAGER)[2]
+        assert relative_error(C.grad, want) <= 1e-5, step
+    summary = simulated.summary()
+    assert (summary["graphs"], summary["captured"], summary["replayed"]) == (2, 2, 2), summary
+    C2 = C.detach().clone().requires_grad_(True)
+    E, _, x = batch(30, torch.float32)
+    got = gradients(E, C2, x, "mean", None, GRAPHED)[2]
+    assert relative_error(got, gradients(E, C2, x, "mean", None, EAGER)[2]) <= 1e-5
+    after = simulated.summary()
+    assert after["replayed"] == 2 and after["eager_full"] == summary["eager_full"] + 1, after  # no room: eager
+
+
+def test_past_the_graphs_kept_and_after_a_failed_capture_calls_run_eagerly(simulated, monkeypatch):
+    """One graph kept: of two shapes in turn, the first is captured and replayed, the second runs eagerly
+    every call. A capture that fails warns once, answers eagerly, and is not tried again for its key."""
+    C = batch(0, torch.float32)[1].requires_grad_(True)
+    one = GRAPHED.tuned(graphs_kept=1)
+    for call in range(6):
+        rows = (N, N - 7)[call % 2]
+        E, _, x = batch(40 + call, torch.float32)
+        E, x = E.detach()[:rows].requires_grad_(True), x[:rows]
+        got = gradients(E, C, x, "mean", None, one)
+        want = gradients(E, C, x, "mean", None, EAGER)
+        assert all(relative_error(a, b) <= 1e-5 for a, b in zip(got[1:], want[1:])), call
+        del got, want
+    summary = simulated.summary()
+    assert (summary["graphs"], summary["replayed"], summary["eager_full"]) == (1, 1, 2), summary
+
+    simulated.clear()
+    failing = Simulated(fail="operation not permitted when stream is capturing")
+    monkeypatch.setattr(simulated, "backend", failing)
+    E, _, x = batch(50, torch.float32)
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        for _ in range(4):
+            got = [t.clone() for t in gradients(E, C, x, "mean", None, GRAPHED)]  # its blocks free again
+    want = gradients(E, C, x, "mean", None, EAGER)
+    assert all(relative_error(a, b) <= 1e-5 for a, b in zip(got[1:], want[1:]))
+    assert failing.captures == 0 and simulated.summary()["failed"] == 1, simulated.summary()
+    assert "not permitted" in simulated.summary()["failures"][0]
+
+
+def test_calls_a_graph_does_not_fit_run_eagerly(simulated):
+    """Stats (read on the host), the "atomic" and "sparse" backwards, the knob at 0, and products predicted
+    longer than the knob: no graph, no key seen."""
+    E, C, x = batch(60, torch.float32)
+    C.requires_grad_(True)
+    for _ in range(2):  # a key seen twice would be captured
+        linear_cross_entropy(E, C, x, backward_impl="gemm", configs=GRAPHED, stats={}).sum().backward()
+        linear_cross_entropy(E, C, x, backward_impl="atomic", configs=GRAPHED).backward()
+        linear_cross_entropy(E, C, x, backward_impl="gemm", configs=EAGER).backward()
+        linear_cross_entropy(E, C, x, backward_impl="gemm", configs=GRAPHED.tuned(graph_backward_us=1e-3)).backward()
+    summary = simulated.summary()
+    assert summary["eager_first_sight"] == summary["captured"] == summary["replayed"] == 0, summary
+
+
+def test_the_key_holds_the_classifier_and_the_gradients_by_address(simulated):
+    """The backward run through ``run`` directly: the same call replays; C at another address, or dC's
+    block still held by the caller, is another key."""
+    calls = []
+
+    def backward(E, out=None):
+        calls.append("run")
+        out[0].copy_(E * 2)
+        out[1].fill_(float(E.sum()))
+        return out[0], out[1], None
+
+    E, C = torch.randn(4, 3), torch.randn(5, 3)
+    outputs = dict(dE=((4, 3), torch.float32, CPU), dC=((5, 3), torch.float32, CPU))
+
+    def call(E, C):
+        return simulated.run(backward, copied=dict(E=E), held=dict(C=C), outputs=outputs, plan=plan)
+
+    from helpers.cce.options import plan_call
+
+    plan = plan_call(E, C, backward_impl="gemm", configs=GRAPHED, return_lse=False, need=(True, True, False),
+                     wants_db=False)
+    for _ in range(3):
+        dE, dC = call(E, C)[:2]
+        assert torch.equal(dE, E * 2)
+        del dE, dC
+    assert simulated.summary()["replayed"] == 1
+    E2 = torch.randn(4, 3)
+    dE, dC = call(E2, C)[:2]  # a new E is copied in: the graph's answer is E2's
+    assert torch.equal(dE, E2 * 2) and simulated.summary()["replayed"] == 2
+    kept = dC  # the caller keeps dC: the next call's dC is another block
+    dE, dC = call(E, C)[:2]
+    assert dC.data_ptr() != kept.data_ptr() and simulated.summary()["replayed"] == 2
+    del dE, dC, kept
+    call(E, C.clone())
+    assert simulated.summary()["replayed"] == 2 and simulated.summary()["eager_first_sight"] == 3
+
+
+def test_peak_memory_counts_what_a_replay_holds(simulated):
+    """A replay's pool (here 10 MB, the simulated reservation) and its input copies are added to the
+    measured peak; an eager call's peak has neither."""
+    simulated.backend.pool_bytes = 10_000_000
+    C = batch(0, torch.float32)[1].requires_grad_(True)
+
+    def step(seed, configs):
+        E, _, x = batch(seed, torch.float32)
+        return lambda: linear_cross_entropy(E, C, x, backward_impl="gemm", configs=configs).backward()
+
+    for seed in (70, 71):
+        step(seed, GRAPHED)()
+        C.grad = None
+    _, replayed = measure.peak_memory(step(72, GRAPHED), device=CPU)
+    C.grad = None
+    _, eager = measure.peak_memory(step(72, EAGER), device=CPU)
+    assert replayed >= 10_000_000 + N * D * 4 and eager < 1_000_000, (replayed, eager)  # E's copy at least
+    assert simulated.summary()["replayed"] == 1
