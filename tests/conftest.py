@@ -14,6 +14,10 @@ import helpers  # noqa: F401,E402  (on a CPU it switches the Triton interpreter 
 import types  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+from helpers.cce.shared import host_reads_off  # noqa: E402
 
 from helpers.compare import verdicts
 from helpers.cce.kernels.configs import CPU_TIER_ENV
@@ -37,6 +41,73 @@ def temporary_method():
     yield add
     for name in added:
         METHODS.pop(name, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Our backward's CUDA graphs, simulated on the CPU (tests/cce/test_graphs.py)
+# ---------------------------------------------------------------------------------------------
+
+class SimulatedGraphs:
+    """A CUDA graph's contract on the CPU, for ``helpers.cce.graphs``: capture records the call, replay runs it
+    again on the buffers it was captured with (what a graph's baked addresses read), with the host reads off
+    as under capture; its allocator hands a block back once no tensor uses it, as the caching allocator does."""
+
+    def __init__(self, fail: str | None = None, pool_bytes: int = 4096):
+        self.fail, self.pool_bytes = fail, pool_bytes
+        self.captures, self._reserved, self._blocks = 0, 0, []
+
+    def available(self, E):
+        return E.device.type == "cpu"
+
+    def empty(self, shape, dtype, device):
+        """A block whose every tensor is gone comes back, as the caching allocator's does."""
+        for block_shape, block_dtype, storage in self._blocks:
+            if (block_shape, block_dtype) == (tuple(shape), dtype) and torch._C._storage_Use_Count(storage._cdata) == 1:
+                return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+        t = torch.empty(shape, dtype=dtype, device=device)
+        self._blocks.append((tuple(shape), dtype, t.untyped_storage()))
+        return t
+
+    def stream_id(self, device):
+        return 0
+
+    def pool(self, device):
+        return object()
+
+    def reserved(self, device):
+        return self._reserved
+
+    @contextmanager
+    def side_stream(self, device):
+        yield
+
+    def capture(self, fn, device, pool):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        self.captures += 1
+        self._reserved += self.pool_bytes
+        outputs = fn()
+        db = outputs[2]  # the graph's own output; dE and dC are the caller's (a graph holds no reference)
+
+        def replay():  # the captured launches again, on the buffers and with the path they were captured with
+            with host_reads_off():
+                again = fn()
+            if db is not None:
+                db.copy_(again[2])
+
+        return replay, outputs
+
+
+@pytest.fixture
+def simulated_graphs(monkeypatch):
+    """The loss's backward graphs (``helpers.cce.graphs.GRAPHS``) on a ``SimulatedGraphs`` backend, empty at
+    the start and the end."""
+    from helpers.cce.graphs import GRAPHS
+
+    GRAPHS.clear()
+    monkeypatch.setattr(GRAPHS, "backend", SimulatedGraphs())
+    yield GRAPHS
+    GRAPHS.clear()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ addresses never repeat pays no capture, and the eager call has compiled every ke
 capture runs the backward once more eagerly on a side stream first (that call's answer), with the
 host reads off (``helpers.cce.shared.host_reads_off``: dC's scale enters through its operand, as
 under ``torch.compile``), so that what is captured is what was just run. At most
-``HostTuning.graphs_kept`` graphs live per process; past that, new keys run eagerly. A capture that
-fails (an operation the graph cannot hold) runs eagerly, is not tried again for that key, and warns once.
+``HostTuning.graphs_kept`` graphs live per process (those whose C is gone are dropped to make room);
+past that, new keys run eagerly. A capture that fails (an operation the graph cannot hold) runs
+eagerly, is not tried again for that key, and warns once.
 
 Memory. The captured call's temporaries (dE's fp32 accumulator, a G buffer, the row weights) live in
 a private pool that stays reserved while the graphs live, shared by the graphs of one device and
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -148,21 +150,32 @@ def _where(t: torch.Tensor | None) -> tuple | None:
 class _Graph:
     replay: Callable[[], None]
     copies: list  # (buffer, name) of every copied input
-    outputs: dict  # "out": the call's (dE, dC) while it runs (a replacement backend reads it), else None
+    # The held tensors and (dE, dC) of the call replaying it, while it runs, else None: a CUDA graph reads
+    # its baked addresses (the key says they are these), a simulated one (tests/conftest.py) these tensors.
+    call: dict
     db: torch.Tensor | None  # the graph's own db: copied out each replay
     configs: object  # the plan's tier, held so that its id in the key is not reused
+    held: list  # weak references to the tensors its key holds by address (C, the bias, the class weights)
     held_bytes: int  # the input copies (the pool's bytes are counted per pool: its graphs share them)
     pool_key: tuple
 
 
 @dataclass
 class _Counts:
-    captured: int = 0
+    """Each call ``run`` takes is counted once, by what it did."""
+
     replayed: int = 0
+    captured: int = 0  # its answer from the eager run before the capture
+    failed: int = 0  # its capture failed: its answer from the eager run before it
     eager_first_sight: int = 0
-    eager_full: int = 0
-    failed: int = 0
+    eager_full: int = 0  # no room for another graph
+    eager_failed: int = 0  # a key whose capture failed before
     failures: list = field(default_factory=list)
+
+    @property
+    def calls(self) -> int:
+        return (self.replayed + self.captured + self.failed + self.eager_first_sight + self.eager_full
+                + self.eager_failed)
 
 
 class BackwardGraphs:
@@ -187,32 +200,33 @@ class BackwardGraphs:
                 and backward_us(E.shape[0], C.shape[0], E.shape[1], E.dtype, plan) < limit)
 
     def run(self, backward: Callable[..., tuple], *, copied: dict, held: dict, outputs: dict, plan: CCEPlan) -> tuple:
-        """(dE, dC, db) of ``backward(**copied, out=(dE, dC))``, replayed from a graph where one fits.
+        """(dE, dC, db) of ``backward(**copied, **held, out=(dE, dC))``, replayed from a graph where one fits.
 
         copied: the per-call inputs by name (a graph reads its copies of them; None where absent);
-        held: the other tensors the backward reads, by name (the key holds their addresses);
-        outputs: {"dE": (shape, dtype, device) or None, "dC": ...}, allocated here for each call."""
+        held: the other tensors the backward reads, by name (the key holds their addresses, and the plan's
+        class weights'); outputs: {"dE": (shape, dtype, device) or None, "dC": ...}, allocated here for
+        each call. Nothing here keeps a reference to ``held`` or the outputs once the call returns."""
         dE, dC = (None if spec is None else self.backend.empty(*spec) for spec in (outputs["dE"], outputs["dC"]))
         device = next(t.device for t in copied.values() if t is not None)
         stream = self.backend.stream_id(device)
         key = (str(device), stream, plan.options, id(plan.configs), plan.backward_impl, plan.need, plan.return_lse,
                tuple((name, _layout(t)) for name, t in copied.items()),
-               tuple((name, _where(t)) for name, t in held.items()),
+               tuple((name, _where(t)) for name, t in held.items()), _where(plan.class_weight),
                _where(dE), _where(dC))
         with self._lock:
             graph = self._graphs.get(key)
             capture = graph is None and self._capture_now(key, plan)
         if graph is None and not capture:
-            return backward(**copied, out=(dE, dC))
+            return backward(**copied, **held, out=(dE, dC))
         if graph is None:
-            return self._capture(key, backward, copied, (dE, dC), plan, device, stream)
+            return self._capture(key, backward, copied, held, (dE, dC), plan, device, stream)
         for buffer, name in graph.copies:
             buffer.copy_(_stored(copied[name], buffer))
-        graph.outputs["out"] = (dE, dC)
+        graph.call.update(held=held, out=(dE, dC))
         try:
             graph.replay()
         finally:
-            graph.outputs["out"] = None  # no reference to a caller's gradient outlives its call
+            graph.call.update(held=None, out=None)  # no reference to a caller's tensors outlives its call
         self.counts.replayed += 1
         held_bytes = self._pool_bytes.get(graph.pool_key, 0) + graph.held_bytes
         self._peak[str(device)] = max(self._peak.get(str(device), 0), held_bytes)
@@ -220,8 +234,13 @@ class BackwardGraphs:
 
     def _capture_now(self, key: tuple, plan: CCEPlan) -> bool:
         """Whether to capture ``key`` now: seen once before, never failed, room for a graph."""
-        if key in self._failed or len(self._graphs) >= plan.configs.host.graphs_kept:
-            self.counts.eager_full += key not in self._failed
+        if key in self._failed:
+            self.counts.eager_failed += 1
+            return False
+        if len(self._graphs) >= plan.configs.host.graphs_kept:
+            self._drop_orphans()
+        if len(self._graphs) >= plan.configs.host.graphs_kept:
+            self.counts.eager_full += 1
             return False
         if key not in self._seen:
             self._seen[key] = None
@@ -232,7 +251,14 @@ class BackwardGraphs:
         del self._seen[key]
         return True
 
-    def _capture(self, key, backward, copied: dict, out: tuple, plan: CCEPlan, device, stream) -> tuple:
+    def _drop_orphans(self) -> None:
+        """Drops the graphs whose C (or bias, or class weights) is gone: a graph per gate case or benchmark
+        point, each with C of its own, would otherwise fill the room a training loop's graph needs."""
+        for key in [key for key, graph in self._graphs.items() if any(ref() is None for ref in graph.held)]:
+            del self._graphs[key]
+
+    def _capture(self, key, backward, copied: dict, held: dict, out: tuple, plan: CCEPlan, device,
+                 stream) -> tuple:
         """This call's (dE, dC, db) from an eager run of the captured path, then its graph (module doc)."""
         statics, copies, copy_bytes = {}, [], 0
         for name, t in copied.items():
@@ -243,10 +269,10 @@ class BackwardGraphs:
             buffer.copy_(_stored(t, buffer))
             copies.append((buffer, name))
             copy_bytes += buffer.numel() * buffer.element_size()
-        holder = {"out": out}
+        call = {"held": held, "out": out}  # this call's; a replay's while it runs (module doc)
 
         def captured():
-            return backward(**statics, out=holder["out"])
+            return backward(**statics, **call["held"], out=call["out"])
 
         with host_reads_off():
             with self.backend.side_stream(device):  # the kernels compiled, the caches filled, this call's answer
@@ -265,9 +291,10 @@ class BackwardGraphs:
                               f"for this shape: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
                 return answer
         added = max(0, self.backend.reserved(device) - before)
-        holder["out"] = None
-        graph = _Graph(replay=replay, copies=copies, outputs=holder, db=graph_outputs[2], configs=plan.configs,
-                       held_bytes=copy_bytes, pool_key=pool_key)
+        call.update(held=None, out=None)
+        graph = _Graph(replay=replay, copies=copies, call=call, db=graph_outputs[2], configs=plan.configs,
+                       held=[weakref.ref(t) for t in held.values() if t is not None], held_bytes=copy_bytes,
+                       pool_key=pool_key)
         with self._lock:
             self._graphs[key] = graph
             self._pool_bytes[pool_key] = self._pool_bytes.get(pool_key, 0) + added
@@ -277,9 +304,9 @@ class BackwardGraphs:
     def summary(self) -> dict:
         """Graphs, their replays and the calls that ran eagerly, and the bytes the graphs hold."""
         c = self.counts
-        return {"graphs": len(self._graphs), "captured": c.captured, "replayed": c.replayed,
-                "eager_first_sight": c.eager_first_sight, "eager_full": c.eager_full, "failed": c.failed,
-                "failures": list(c.failures),
+        return {"graphs": len(self._graphs), "calls": c.calls, "replayed": c.replayed, "captured": c.captured,
+                "failed": c.failed, "eager_first_sight": c.eager_first_sight, "eager_full": c.eager_full,
+                "eager_failed": c.eager_failed, "failures": list(c.failures),
                 "held_bytes": sum(self._pool_bytes.values()) + sum(g.held_bytes for g in self._graphs.values())}
 
     def reset_peak(self, device: torch.device | str) -> None:

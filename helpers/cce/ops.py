@@ -118,7 +118,7 @@ def loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, plan: CCEP
     # the kept rows is made in the row kernel (``RowGradient.of``; with few tokens each launch is host time).
     divisor = n_kept if plan.options.reduction == "mean" else None
 
-    def backward(E, x, lse, r, grad_loss, grad_lse, divisor, out=None):
+    def backward(E, C, x, lse, r, grad_loss, grad_lse, divisor, bias, out=None):
         return run_backward(E, C, x, lse, r, grad_loss, plan, stats=stats, grad_lse=grad_lse, bias=bias,
                             activity=activity, divisor=divisor, out=out)
 
@@ -126,10 +126,10 @@ def loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, plan: CCEP
         need_dE, need_dC, _ = plan.need
         return GRAPHS.run(
             backward, copied=dict(E=E, x=x, lse=lse, r=r, grad_loss=grad_loss, grad_lse=grad_lse, divisor=divisor),
-            held=dict(C=C, bias=bias, class_weight=plan.class_weight), plan=plan,
+            held=dict(C=C, bias=bias), plan=plan,
             outputs=dict(dE=(E.shape, E.dtype, E.device) if need_dE else None,
                          dC=(C.shape, E.dtype, E.device) if need_dC else None))
-    return backward(E, x, lse, r, grad_loss, grad_lse, divisor)
+    return backward(E, C, x, lse, r, grad_loss, grad_lse, divisor, bias)
 
 
 def outputs_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):

@@ -38,6 +38,7 @@ from helpers.compare.measure import is_out_of_memory, latency, peak_memory, rele
 from helpers.compare.methods import get_method
 from helpers.cce import forget_backward_choices
 from helpers.cce.device import default_device
+from helpers.cce.graphs import GRAPHS
 from helpers.compare.results_file import ResultsWriter, run_meta
 from helpers.compare.heads import GEMMA2, QWEN3
 from helpers.compare.measure import loss_step
@@ -115,9 +116,11 @@ def bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, 
             forward_backward()
         _, peak = peak_memory(forward_backward, device=device)
         rec.peak_mb, rec.peak_over_lb = peak / 1e6, peak / lb
+        before = GRAPHS.summary()
         _set_time(rec, latency(forward_backward, warmup=0, repeats=repeats, device=device), rate)
+        graphs = graphs_note(before, GRAPHS.summary())
         rec.forward_ms = latency(forward, warmup=1, repeats=repeats, device=device).median_ms
-        rec.note = backward_note(method, E, C, x)
+        rec.note = "; ".join(filter(None, (backward_note(method, E, C, x), graphs)))
     except Exception as error:  # noqa: BLE001
         rec.status = "oom" if is_out_of_memory(error) else "error"
         rec.note = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
@@ -149,17 +152,30 @@ def retime_point(rec: BenchRecord, device, warmup, repeats, rate) -> None:
     try:
         E, C, x = point_inputs(rec.regime, torch_dtype(rec.dtype), rec.N, rec.V, rec.D, device)
         forward_backward = loss_step(rec.method, E, C, x)
+        before = GRAPHS.summary()
         second = latency(forward_backward, warmup=warmup + 1, repeats=repeats, device=device)  # + the peak's call
+        graphs = graphs_note(before, GRAPHS.summary(), "calls of the second round, its warm-up's too")
     except Exception as error:  # noqa: BLE001  (the first round's figures stand)
         note = f"second round failed ({type(error).__name__}), the first round's time stands"
     else:
         rec.fwd_bwd_rounds_ms = [first, second.median_ms]
         if second.median_ms < first:
             _set_time(rec, second, rate)
-        note = f"timed in two rounds, {first:.2f} and {second.median_ms:.2f} ms: the faster stands"
+        note = "; ".join(filter(None, (f"timed in two rounds, {first:.2f} and {second.median_ms:.2f} ms: the faster "
+                                       "stands", graphs)))
     rec.note = "; ".join(filter(None, (rec.note, note)))
     E = C = x = forward_backward = None
     release_memory(device)
+
+
+def graphs_note(before: dict, after: dict, calls_of: str = "timed calls") -> str:
+    """What our backward's CUDA graphs did between two of ``GRAPHS.summary()`` (``helpers.cce.graphs``):
+    how many of the calls that could take a graph replayed one ("" where none could)."""
+    calls = after["calls"] - before["calls"]
+    if not calls:
+        return ""
+    replayed = after["replayed"] - before["replayed"]
+    return f"backward replayed from a CUDA graph in {replayed} of {calls} {calls_of}"
 
 
 def backward_note(method: str, E, C, x) -> str:

@@ -111,11 +111,15 @@ def case_inputs(case: GateCase, dtype: torch.dtype, device, seed: int):
 
 
 def run_method(name: str, E, C, x, grad_output, case: GateCase):
-    """(loss, dE, dC) of method ``name`` on fresh leaf copies of E and C."""
+    """(loss, dE, dC) of method ``name`` on fresh leaf copies of E and C: of its last call, where its entry
+    asks for several on the same leaves (``Method.gate_calls``), each from gradients reset to None."""
+    method = get_method(name)
     E_ = E.detach().clone().requires_grad_(True)
     C_ = C.detach().clone().requires_grad_(True)
-    loss = get_method(name)(E_, C_, x, reduction=case.reduction, softcap=case.softcap)
-    loss.backward(grad_output.to(loss.dtype).expand_as(loss))
+    for _ in range(method.gate_calls):
+        E_.grad = C_.grad = None
+        loss = method(E_, C_, x, reduction=case.reduction, softcap=case.softcap)
+        loss.backward(grad_output.to(loss.dtype).expand_as(loss))
     return loss.detach(), E_.grad, C_.grad
 
 

@@ -504,7 +504,9 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def release_memory(device: torch.device | str | None = None) -> None:
-    """Free what a failed or finished step left: Python cycles first, then the CUDA cache."""
+    """Free what a failed or finished step left: our backward's CUDA graphs (keyed by the addresses of
+    tensors now gone, ``helpers.cce.graphs``), Python cycles, then the CUDA cache."""
+    GRAPHS.clear()
     gc.collect()
     if _device(device).type == "cuda":
         torch.cuda.empty_cache()

@@ -1,15 +1,14 @@
 """The backward replayed from CUDA graphs (``helpers.cce.graphs``), on the CPU.
 
-No CPU captures a CUDA graph, so ``Simulated`` keeps a graph's contract here: capture records the call,
-replay runs it again on the buffers it was captured with (what a graph's baked addresses read), and its
-allocator hands a freed block back as the caching allocator does. What the graphs decide is then checked
+No CPU captures a CUDA graph, so ``SimulatedGraphs`` (``tests/conftest.py``) keeps a graph's contract
+here: capture records the call, replay runs it again on the buffers it was captured with (what a graph's
+baked addresses read), and its allocator hands a freed block back as the caching allocator does. What the graphs decide is then checked
 where no GPU is: when a key is captured, that every per-call input reaches a replay (a stale one gives a
 wrong gradient), what the key holds by address, the calls left eager, and the memory a replay holds.
 That real capture works, and what it saves, is ``scripts/gpu/graph_check.py``'s on a GPU.
 """
 
 import os
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,9 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers.cce import linear_cross_entropy  # noqa: E402
-from helpers.cce.graphs import GRAPHS  # noqa: E402
 from helpers.cce.options import resolve_configs  # noqa: E402
-from helpers.cce.shared import host_reads_off  # noqa: E402
 from helpers.compare import measure  # noqa: E402
 from helpers.compare.inputs import make_inputs  # noqa: E402
 from helpers.spec import reference_loss_and_grads, relative_error  # noqa: E402
@@ -29,64 +26,6 @@ N, V, D = 45, 700, 24
 CPU = torch.device("cpu")
 EAGER = resolve_configs(None, CPU)
 GRAPHED = EAGER.tuned(graph_backward_us=1e12, graphs_kept=2)
-
-
-class Simulated:
-    """A CUDA graph's contract on the CPU (module doc)."""
-
-    def __init__(self, fail: str | None = None, pool_bytes: int = 4096):
-        self.fail, self.pool_bytes = fail, pool_bytes
-        self.captures, self._reserved, self._blocks = 0, 0, []
-
-    def available(self, E):
-        return E.device.type == "cpu"
-
-    def empty(self, shape, dtype, device):
-        """A block whose every tensor is gone comes back, as the caching allocator's does."""
-        for block_shape, block_dtype, storage in self._blocks:
-            if (block_shape, block_dtype) == (tuple(shape), dtype) and torch._C._storage_Use_Count(storage._cdata) == 1:
-                return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
-        t = torch.empty(shape, dtype=dtype, device=device)
-        self._blocks.append((tuple(shape), dtype, t.untyped_storage()))
-        return t
-
-    def stream_id(self, device):
-        return 0
-
-    def pool(self, device):
-        return object()
-
-    def reserved(self, device):
-        return self._reserved
-
-    @contextmanager
-    def side_stream(self, device):
-        yield
-
-    def capture(self, fn, device, pool):
-        if self.fail:
-            raise RuntimeError(self.fail)
-        self.captures += 1
-        self._reserved += self.pool_bytes
-        outputs = fn()
-        db = outputs[2]  # the graph's own output; dE and dC are the caller's (a graph holds no reference)
-
-        def replay():  # the captured launches again, on the buffers and with the path they were captured with
-            with host_reads_off():
-                again = fn()
-            if db is not None:
-                db.copy_(again[2])
-
-        return replay, outputs
-
-
-@pytest.fixture
-def simulated(monkeypatch):
-    """The loss's graphs (``GRAPHS``) on a ``Simulated`` backend, empty at the start and the end."""
-    GRAPHS.clear()
-    monkeypatch.setattr(GRAPHS, "backend", Simulated())
-    yield GRAPHS
-    GRAPHS.clear()
 
 
 def batch(seed, dtype):
@@ -114,7 +53,7 @@ def gradients(E, C, x, kind, g, configs):
 
 
 @pytest.mark.parametrize("kind, dtype", [(kind, torch.float32) for kind in UPSTREAM] + [("mean", torch.float16)])
-def test_a_repeated_call_is_captured_then_replayed_with_each_calls_inputs(simulated, dtype, kind):
+def test_a_repeated_call_is_captured_then_replayed_with_each_calls_inputs(simulated_graphs, dtype, kind):
     """New E, targets and upstream gradients every call, C changed in place (an optimizer step): the second
     call captures, the later ones replay, and each call's gradients are its own (eager's, within rounding,
     and as close to float64 as eager's)."""
@@ -133,11 +72,11 @@ def test_a_repeated_call_is_captured_then_replayed_with_each_calls_inputs(simula
             assert relative_error(dE, ref_dE) <= 1.5 * relative_error(want_dE, ref_dE) + 1e-6, call
             assert relative_error(dC, ref_dC) <= 1.5 * relative_error(want_dC, ref_dC) + 1e-6, call
         del dE, dC  # their blocks free for the next call, as a training loop leaves them
-    summary = simulated.summary()
+    summary = simulated_graphs.summary()
     assert (summary["eager_first_sight"], summary["captured"], summary["replayed"], summary["graphs"]) == (1, 1, 2, 1)
 
 
-def test_a_kept_gradient_or_a_new_classifier_is_another_key(simulated):
+def test_a_kept_gradient_or_a_new_classifier_is_another_key(simulated_graphs):
     """dC's block and C's address are read by address. Gradient accumulation, two backward calls per step:
     the first call's dC becomes C.grad (autograd keeps it), so the second's comes from another block, and
     ``C.grad = None`` frees the first again for the next step: two keys, two graphs, each replayed from
@@ -150,17 +89,17 @@ def test_a_kept_gradient_or_a_new_classifier_is_another_key(simulated):
             linear_cross_entropy(E, C, x, backward_impl="gemm", configs=GRAPHED).backward()
             want += gradients(E, C, x, "mean", None, EAGER)[2]
         assert relative_error(C.grad, want) <= 1e-5, step
-    summary = simulated.summary()
+    summary = simulated_graphs.summary()
     assert (summary["graphs"], summary["captured"], summary["replayed"]) == (2, 2, 2), summary
     C2 = C.detach().clone().requires_grad_(True)
     E, _, x = batch(30, torch.float32)
     got = gradients(E, C2, x, "mean", None, GRAPHED)[2]
     assert relative_error(got, gradients(E, C2, x, "mean", None, EAGER)[2]) <= 1e-5
-    after = simulated.summary()
+    after = simulated_graphs.summary()
     assert after["replayed"] == 2 and after["eager_full"] == summary["eager_full"] + 1, after  # no room: eager
 
 
-def test_past_the_graphs_kept_and_after_a_failed_capture_calls_run_eagerly(simulated, monkeypatch):
+def test_past_the_graphs_kept_and_after_a_failed_capture_calls_run_eagerly(simulated_graphs):
     """One graph kept: of two shapes in turn, the first is captured and replayed, the second runs eagerly
     every call. A capture that fails warns once, answers eagerly, and is not tried again for its key."""
     C = batch(0, torch.float32)[1].requires_grad_(True)
@@ -173,23 +112,23 @@ def test_past_the_graphs_kept_and_after_a_failed_capture_calls_run_eagerly(simul
         want = gradients(E, C, x, "mean", None, EAGER)
         assert all(relative_error(a, b) <= 1e-5 for a, b in zip(got[1:], want[1:])), call
         del got, want
-    summary = simulated.summary()
+    summary = simulated_graphs.summary()
     assert (summary["graphs"], summary["replayed"], summary["eager_full"]) == (1, 1, 2), summary
 
-    simulated.clear()
-    failing = Simulated(fail="operation not permitted when stream is capturing")
-    monkeypatch.setattr(simulated, "backend", failing)
+    simulated_graphs.clear()
+    failing = simulated_graphs.backend
+    failing.fail, captures = "operation not permitted when stream is capturing", failing.captures
     E, _, x = batch(50, torch.float32)
     with pytest.warns(RuntimeWarning, match="could not be captured"):
         for _ in range(4):
             got = [t.clone() for t in gradients(E, C, x, "mean", None, GRAPHED)]  # its blocks free again
     want = gradients(E, C, x, "mean", None, EAGER)
     assert all(relative_error(a, b) <= 1e-5 for a, b in zip(got[1:], want[1:]))
-    assert failing.captures == 0 and simulated.summary()["failed"] == 1, simulated.summary()
-    assert "not permitted" in simulated.summary()["failures"][0]
+    assert failing.captures == captures and simulated_graphs.summary()["failed"] == 1, simulated_graphs.summary()
+    assert "not permitted" in simulated_graphs.summary()["failures"][0]
 
 
-def test_calls_a_graph_does_not_fit_run_eagerly(simulated):
+def test_calls_a_graph_does_not_fit_run_eagerly(simulated_graphs):
     """Stats (read on the host), the "atomic" and "sparse" backwards, the knob at 0, and products predicted
     longer than the knob: no graph, no key seen."""
     E, C, x = batch(60, torch.float32)
@@ -199,16 +138,16 @@ def test_calls_a_graph_does_not_fit_run_eagerly(simulated):
         linear_cross_entropy(E, C, x, backward_impl="atomic", configs=GRAPHED).backward()
         linear_cross_entropy(E, C, x, backward_impl="gemm", configs=EAGER).backward()
         linear_cross_entropy(E, C, x, backward_impl="gemm", configs=GRAPHED.tuned(graph_backward_us=1e-3)).backward()
-    summary = simulated.summary()
+    summary = simulated_graphs.summary()
     assert summary["eager_first_sight"] == summary["captured"] == summary["replayed"] == 0, summary
 
 
-def test_the_key_holds_the_classifier_and_the_gradients_by_address(simulated):
+def test_the_key_holds_the_classifier_and_the_gradients_by_address(simulated_graphs):
     """The backward run through ``run`` directly: the same call replays; C at another address, or dC's
     block still held by the caller, is another key."""
     calls = []
 
-    def backward(E, out=None):
+    def backward(E, C, out=None):
         calls.append("run")
         out[0].copy_(E * 2)
         out[1].fill_(float(E.sum()))
@@ -218,7 +157,7 @@ def test_the_key_holds_the_classifier_and_the_gradients_by_address(simulated):
     outputs = dict(dE=((4, 3), torch.float32, CPU), dC=((5, 3), torch.float32, CPU))
 
     def call(E, C):
-        return simulated.run(backward, copied=dict(E=E), held=dict(C=C), outputs=outputs, plan=plan)
+        return simulated_graphs.run(backward, copied=dict(E=E), held=dict(C=C), outputs=outputs, plan=plan)
 
     from helpers.cce.options import plan_call
 
@@ -228,22 +167,22 @@ def test_the_key_holds_the_classifier_and_the_gradients_by_address(simulated):
         dE, dC = call(E, C)[:2]
         assert torch.equal(dE, E * 2)
         del dE, dC
-    assert simulated.summary()["replayed"] == 1
+    assert simulated_graphs.summary()["replayed"] == 1
     E2 = torch.randn(4, 3)
     dE, dC = call(E2, C)[:2]  # a new E is copied in: the graph's answer is E2's
-    assert torch.equal(dE, E2 * 2) and simulated.summary()["replayed"] == 2
+    assert torch.equal(dE, E2 * 2) and simulated_graphs.summary()["replayed"] == 2
     kept = dC  # the caller keeps dC: the next call's dC is another block
     dE, dC = call(E, C)[:2]
-    assert dC.data_ptr() != kept.data_ptr() and simulated.summary()["replayed"] == 2
+    assert dC.data_ptr() != kept.data_ptr() and simulated_graphs.summary()["replayed"] == 2
     del dE, dC, kept
     call(E, C.clone())
-    assert simulated.summary()["replayed"] == 2 and simulated.summary()["eager_first_sight"] == 3
+    assert simulated_graphs.summary()["replayed"] == 2 and simulated_graphs.summary()["eager_first_sight"] == 3
 
 
-def test_peak_memory_counts_what_a_replay_holds(simulated):
+def test_peak_memory_counts_what_a_replay_holds(simulated_graphs):
     """A replay's pool (here 10 MB, the simulated reservation) and its input copies are added to the
     measured peak; an eager call's peak has neither."""
-    simulated.backend.pool_bytes = 10_000_000
+    simulated_graphs.backend.pool_bytes = 10_000_000
     C = batch(0, torch.float32)[1].requires_grad_(True)
 
     def step(seed, configs):
@@ -257,4 +196,18 @@ def test_peak_memory_counts_what_a_replay_holds(simulated):
     C.grad = None
     _, eager = measure.peak_memory(step(72, EAGER), device=CPU)
     assert replayed >= 10_000_000 + N * D * 4 and eager < 1_000_000, (replayed, eager)  # E's copy at least
-    assert simulated.summary()["replayed"] == 1
+    assert simulated_graphs.summary()["replayed"] == 1
+
+
+def test_a_graph_whose_classifier_is_gone_makes_room(simulated_graphs):
+    """One graph kept: once its C is gone (a gate case's or a benchmark point's own C), a new C's key is
+    captured in its place rather than left eager for good."""
+    one = GRAPHED.tuned(graphs_kept=1)
+    for seed in (0, 1):
+        C = batch(seed, torch.float32)[1].requires_grad_(True)
+        E, _, x = batch(80 + seed, torch.float32)
+        for _ in range(3):
+            gradients(E, C, x, "mean", None, one)
+        del C
+    summary = simulated_graphs.summary()
+    assert (summary["graphs"], summary["captured"], summary["replayed"], summary["eager_full"]) == (1, 2, 2, 0), summary

@@ -82,6 +82,27 @@ def test_bench_says_which_backward_ran(temporary_method):
 
 
 
+def test_bench_says_how_many_timed_calls_replayed_a_graph(temporary_method, simulated_graphs):
+    """A method whose backward replays from our CUDA graphs (simulated on the CPU, ``tests/conftest.py``)
+    is gated on the replay (``gate_calls``) and its note says how many timed calls replayed one; other
+    methods' notes say nothing of graphs. ``ours_graphs`` says why it cannot run on the CPU."""
+    import dataclasses
+
+    from helpers.cce.options import resolve_configs
+    from helpers.compare.methods import get_method
+
+    graphed = resolve_configs(None, torch.device("cpu")).tuned(graph_backward_us=1e12)
+    temporary_method(dataclasses.replace(get_method("ours_gemm"), name="ours_graphed_here", gate_calls=3,
+                                         implementation=lambda E, C, x, **kw: linear_cross_entropy(
+                                             E, C, x, backward_impl="gemm", configs=graphed, **kw)))
+    rec, plain = run_bench(["ours_graphed_here", "ours_gemm"], ["tiny"], ["uniform"], (torch.float32,), Ns=[64],
+                           warmup=2, repeats=3, device="cpu", progress=False)
+    assert rec.status == "ok" and rec.gate == "pass", rec
+    assert "backward replayed from a CUDA graph in 3 of 3 timed calls" in rec.note, rec.note
+    assert plain.status == "ok" and "graph" not in plain.note
+    assert "CUDA graphs need a CUDA GPU" in get_method("ours_graphs").why_unavailable("cpu", torch.float32)
+
+
 def test_a_host_bound_point_is_timed_again_after_the_others_and_the_faster_round_stands(tmp_path, monkeypatch):
     """A point's host may run slow for a while (an H200's first point at 1,024 tokens: 3.30 ms a call
     against 2.01 seconds later): points under ``retime_below_ms`` get a second round after all points,

@@ -101,6 +101,26 @@ def test_a_crashing_method_is_a_failure_not_a_crash(temporary_method):
     assert "kernel exploded" in report.failure_message()
 
 
+def test_a_method_asking_for_several_calls_is_gated_on_its_last(temporary_method):
+    """``Method.gate_calls``: the calls reuse the case's leaves (a path keyed by their addresses, ours' backward
+    graphs, is reached from the third) and the last call's result is gated: a method wrong only in its third
+    call fails, one wrong only before it passes."""
+    import dataclasses
+
+    def nth_call_wrong(n):
+        calls = {}
+
+        def loss(E, C, x, **kw):
+            calls[id(C)] = calls.get(id(C), 0) + 1
+            return naive_loss(E, C, x, **kw) * (1.02 if calls[id(C)] == n else 1.0)
+        return loss
+
+    temporary_method(dataclasses.replace(_wrong("wrong_third", nth_call_wrong(3)), gate_calls=3))
+    temporary_method(dataclasses.replace(_wrong("wrong_first", nth_call_wrong(1)), gate_calls=3))
+    report = run_gate(["wrong_third", "wrong_first"], (torch.float32,), CASES[:2], device="cpu", raise_on_failure=False)
+    assert report.failing_methods() == {"wrong_third"}, report.failure_message()
+
+
 def test_cases_cover_reductions_ignores_and_softcap():
     assert {c.reduction for c in CASES} == {"mean", "sum", "none"}
     assert {c.ignore for c in CASES} == {"none", "some", "all"}

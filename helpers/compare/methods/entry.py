@@ -42,6 +42,9 @@ class Method:
     # the loss's options that change it (PeakFormula), and the formula in words. None: no formula (compared with the floor dE + dC instead).
     peak_bytes: PeakFormula | None = None
     peak_formula: str = ""
+    # Calls per gate case on the same leaf tensors, the last one's result gated: a method whose repeated
+    # call runs another path (ours with the backward's CUDA graphs replays from the third) is gated on it.
+    gate_calls: int = 1
 
     def predicted_peak_bytes(self, N: int, V: int, D: int, dtype: torch.dtype | str,
                              capability: tuple[int, int] | None = None, **options) -> int | None:
