@@ -1,48 +1,55 @@
-"""The "gemm" backward replayed from CUDA graphs, where the host's launches would bound a call.
+"""The loss's forward and "gemm" backward replayed from CUDA graphs, where the host's launches would
+bound a call.
 
-Why. With few tokens the GPU finishes our backward before the host has issued it: at the Qwen3 head
-(V 151,936, D 1,024) with 1,024 tokens its ~20 launches (the row weights, five G chunks, their ten
-cuBLAS products, dE's scaling) cost an H200's host 1.2-2.4 ms against ~1.4 ms of products, and a
-training step with small micro-batches pays that every call (docs/PERFORMANCE.md, "1,024 tokens").
-A CUDA graph replays the same launches for ~10 us of host time.
+Why. With few tokens the GPU finishes our loss before the host has issued it: at the Qwen3 head
+(V 151,936, D 1,024) with 1,024 tokens a call's ~25 launches (the forward's indexed dot, lse and
+row loss; the backward's row weights, five G chunks, their ten cuBLAS products, dE's scaling) cost an
+H200's host 1.8-3.6 ms against ~1.9 ms of GPU work, the backward ~2/3 of it, and a training step with
+small micro-batches pays that every call (docs/PERFORMANCE.md, "1,024 tokens"). A CUDA graph replays
+the same launches for ~10 us of host time.
 
 What a graph holds. Capture records every kernel with its arguments, addresses included, and replay
 reads and writes those addresses again. So a graph may only be replayed for a call whose tensors sit
 where the captured call's sat. Per call:
 
-- the small per-call inputs (E, the targets x, the forward's lse and non-target mass r, the kept
-  rows' count, the upstream gradients) are copied into the graph's own buffers before replay: one
-  copy each, N (D + ~4) elements at most, so that a new batch anywhere in memory replays;
-- what is too large to copy (the classifier C, the bias, the class weights) and the gradients the
-  call hands back (dE and dC, allocated from the caller's allocator just before the lookup, so that
+- the small per-call inputs (E and the targets x; for the backward also the forward's lse and
+  non-target mass r, the kept rows' count, the upstream gradients) are copied into the graph's own
+  buffers before replay, N (D + ~4) elements at most, so that a new batch anywhere in memory replays;
+- what is too large to copy (the classifier C, the bias, the class weights) and the backward's
+  gradients (dE and dC, allocated from the caller's allocator just before the lookup, so that
   autograd may keep them: a graph's own output would be overwritten by the next replay) are part of
   the key by address. A training loop frees last step's gradients before the next backward
-  (``zero_grad``), and the caching allocator hands the same blocks back: one graph per loop, two
-  with gradient accumulation (dC's block alternates);
-- the key also holds the options, the tier, the gradients wanted, and every tensor's shape, strides
-  and dtype: anything else the captured launches depend on is a function of these.
+  (``zero_grad``), and the caching allocator hands the same blocks back: one backward graph per
+  loop, two with gradient accumulation (dC's block alternates). The forward's outputs (the loss,
+  lse, r, the kept count: O(N)) are the graph's own, copied out after each replay;
+- the key also holds which call it is, the options, the tier, the gradients wanted, and every
+  tensor's shape, strides and dtype: anything else the captured launches depend on is a function of
+  these.
+
+The targets' range check (a device read) stays outside the graph: launched before the forward's replay
+and read after it is queued, so the host waits for the check, not the forward (as in eager).
 
 A key is captured the second time it is seen (the first call runs eagerly): a loop whose shapes or
 addresses never repeat pays no capture, and the eager call has compiled every kernel by then. The
-capture runs the backward once more eagerly on a side stream first (that call's answer), with the
-host reads off (``helpers.cce.shared.host_reads_off``: dC's scale enters through its operand, as
-under ``torch.compile``), so that what is captured is what was just run. At most
+capture runs the call once more eagerly on a side stream first (that call's answer), with the host
+reads off (``helpers.cce.shared.host_reads_off``: dC's scale enters through its operand, as under
+``torch.compile``), so that what is captured is what was just run. At most
 ``HostTuning.graphs_kept`` graphs live per process (those whose C is gone are dropped to make room);
 past that, new keys run eagerly. A capture that fails (an operation the graph cannot hold) runs
 eagerly, is not tried again for that key, and warns once.
 
-Memory. The captured call's temporaries (dE's fp32 accumulator, a G buffer, the row weights) live in
-a private pool that stays reserved while the graphs live, shared by the graphs of one device and
-stream (they never run at once), and each graph's input copies stay allocated: neither shows in
-``torch.cuda.memory_allocated`` during a replay. ``peak_bytes`` gives what a replay held there, and
-``helpers.compare.measure.peak_memory`` adds it to a measured peak, so a graphed call is not reported
-below what it uses.
+Memory. The captured calls' temporaries (dE's fp32 accumulator, a G buffer, the row weights, the
+forward's splits) and the forward's outputs live in a private pool that stays reserved while the
+graphs live, shared by the graphs of one device and stream (replayed one after another, each
+forward's outputs copied out before anything else runs), and each graph's input copies stay
+allocated: neither shows in ``torch.cuda.memory_allocated`` during a replay. ``peak_bytes`` gives what
+a replay held there, and ``helpers.compare.measure.peak_memory`` adds it to a measured peak, so a
+graphed call is not reported below what it uses.
 
-Where it runs (``applies``): CUDA, ``HostTuning.graph_backward_us`` > 0 and the backward's products
+Where it runs (``applies``): CUDA, ``HostTuning.graphs_below_us`` > 0 and the backward's products
 predicted below it (``backward_us``), "gemm" (what "auto" runs on a flat softmax), no ``stats``
-(its counts are read on the host), and not already under capture or ``torch.compile``. What it
-leaves eager: the forward (a third of such a call's host time; its targets' check reads the device),
-the per-token outputs' backward (``helpers.cce.outputs``), "sparse" and "atomic".
+(its counts are read on the host), and not already under capture or ``torch.compile``. What stays
+eager: the per-token outputs (``helpers.cce.outputs``), "sparse" and "atomic".
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -74,7 +81,7 @@ def backward_us(N: int, V: int, D: int, dtype: torch.dtype, plan: CCEPlan) -> fl
 
 
 class CudaBackend:
-    """CUDA's graphs, streams and allocator, as ``BackwardGraphs`` uses them (tests pass another)."""
+    """CUDA's graphs, streams and allocator, as ``CallGraphs`` uses them (tests pass another)."""
 
     def available(self, E: torch.Tensor) -> bool:
         return E.device.type == "cuda"
@@ -150,12 +157,12 @@ def _where(t: torch.Tensor | None) -> tuple | None:
 class _Graph:
     replay: Callable[[], None]
     copies: list  # (buffer, name) of every copied input
-    # The held tensors and (dE, dC) of the call replaying it, while it runs, else None: a CUDA graph reads
+    # The held tensors and ``out`` of the call replaying it, while it runs, else None: a CUDA graph reads
     # its baked addresses (the key says they are these), a simulated one (tests/conftest.py) these tensors.
     call: dict
-    db: torch.Tensor | None  # the graph's own db: copied out each replay
+    results: tuple  # per output of the call: None, ("out", i): the call's out[i], ("own", t): a copy of t
     configs: object  # the plan's tier, held so that its id in the key is not reused
-    held: list  # weak references to the tensors its key holds by address (C, the bias, the class weights)
+    held: list  # weak references to the tensors its key holds by address (C, the bias)
     held_bytes: int  # the input copies (the pool's bytes are counted per pool: its graphs share them)
     pool_key: tuple
 
@@ -170,7 +177,6 @@ class _Counts:
     eager_first_sight: int = 0
     eager_full: int = 0  # no room for another graph
     eager_failed: int = 0  # a key whose capture failed before
-    failures: list = field(default_factory=list)
 
     @property
     def calls(self) -> int:
@@ -178,88 +184,89 @@ class _Counts:
                 + self.eager_failed)
 
 
-class BackwardGraphs:
-    """The process's backward graphs (module doc); ``GRAPHS`` is the one the loss uses."""
+KINDS = ("forward", "backward")
+
+
+class CallGraphs:
+    """The process's graphs of our loss's calls (module doc); ``GRAPHS`` is the one the loss uses."""
 
     def __init__(self, backend=None):
         self.backend = backend if backend is not None else CudaBackend()
         self._lock = threading.Lock()
-        self._graphs: dict[tuple, _Graph] = {}
-        self._seen: OrderedDict[tuple, None] = OrderedDict()
-        self._failed: set[tuple] = set()
-        self._pools: dict[tuple, object] = {}
-        self._pool_bytes: dict[tuple, int] = {}
-        self._peak: dict[str, int] = {}
-        self.counts = _Counts()
+        self.clear()
 
-    def applies(self, E: torch.Tensor, C: torch.Tensor, plan: CCEPlan, stats, activity) -> bool:
-        """Whether this backward call runs through a graph (module doc, "Where it runs")."""
-        limit = plan.configs.host.graph_backward_us
+    def applies(self, E: torch.Tensor, C: torch.Tensor, plan: CCEPlan, stats=None, activity=None) -> bool:
+        """Whether this call runs through a graph (module doc, "Where it runs")."""
+        limit = plan.configs.host.graphs_below_us
         return (limit > 0 and plan.backward_impl == "gemm" and stats is None and activity is None
                 and self.backend.available(E) and not no_host_sync(E)
                 and backward_us(E.shape[0], C.shape[0], E.shape[1], E.dtype, plan) < limit)
 
-    def run(self, backward: Callable[..., tuple], *, copied: dict, held: dict, outputs: dict, plan: CCEPlan) -> tuple:
-        """(dE, dC, db) of ``backward(**copied, **held, out=(dE, dC))``, replayed from a graph where one fits.
+    def run(self, kind: str, fn: Callable[..., tuple], *, copied: dict, held: dict, plan: CCEPlan,
+            outputs: tuple = ()) -> tuple:
+        """``fn(**copied, **held, out=out)``'s outputs, replayed from a graph where one fits; ``kind``: one of
+        ``KINDS``, the call it is.
 
         copied: the per-call inputs by name (a graph reads its copies of them; None where absent);
-        held: the other tensors the backward reads, by name (the key holds their addresses, and the plan's
-        class weights'); outputs: {"dE": (shape, dtype, device) or None, "dC": ...}, allocated here for
-        each call. Nothing here keeps a reference to ``held`` or the outputs once the call returns."""
-        dE, dC = (None if spec is None else self.backend.empty(*spec) for spec in (outputs["dE"], outputs["dC"]))
+        held: the other tensors ``fn`` reads, by name (the key holds their addresses, and the plan's class
+        weights'); outputs: (shape, dtype, device) or None per tensor of ``out``, allocated here for each
+        call (``fn`` writes them and may return them); the other tensors ``fn`` returns are copied out of
+        the graph. Nothing here keeps a reference to ``held`` or ``out`` once the call returns."""
+        out = tuple(None if spec is None else self.backend.empty(*spec) for spec in outputs)
         device = next(t.device for t in copied.values() if t is not None)
         stream = self.backend.stream_id(device)
-        key = (str(device), stream, plan.options, id(plan.configs), plan.backward_impl, plan.need, plan.return_lse,
-               tuple((name, _layout(t)) for name, t in copied.items()),
+        key = (kind, str(device), stream, plan.options, id(plan.configs), plan.backward_impl, plan.need,
+               plan.return_lse, tuple((name, _layout(t)) for name, t in copied.items()),
                tuple((name, _where(t)) for name, t in held.items()), _where(plan.class_weight),
-               _where(dE), _where(dC))
+               tuple(_where(t) for t in out))
+        counts = self._counts[kind]
         with self._lock:
             graph = self._graphs.get(key)
-            capture = graph is None and self._capture_now(key, plan)
+            capture = graph is None and self._capture_now(key, plan, counts)
         if graph is None and not capture:
-            return backward(**copied, **held, out=(dE, dC))
+            return fn(**copied, **held, out=out)
         if graph is None:
-            return self._capture(key, backward, copied, held, (dE, dC), plan, device, stream)
+            return self._capture(key, fn, copied, held, out, plan, device, stream, counts)
         for buffer, name in graph.copies:
             buffer.copy_(_stored(copied[name], buffer))
-        graph.call.update(held=held, out=(dE, dC))
+        graph.call.update(held=held, out=out)
         try:
             graph.replay()
         finally:
             graph.call.update(held=None, out=None)  # no reference to a caller's tensors outlives its call
-        self.counts.replayed += 1
+        counts.replayed += 1
         held_bytes = self._pool_bytes.get(graph.pool_key, 0) + graph.held_bytes
         self._peak[str(device)] = max(self._peak.get(str(device), 0), held_bytes)
-        return dE, dC, None if graph.db is None else graph.db.clone()
+        return tuple(None if r is None else out[r[1]] if r[0] == "out" else r[1].clone() for r in graph.results)
 
-    def _capture_now(self, key: tuple, plan: CCEPlan) -> bool:
+    def _capture_now(self, key: tuple, plan: CCEPlan, counts: _Counts) -> bool:
         """Whether to capture ``key`` now: seen once before, never failed, room for a graph."""
         if key in self._failed:
-            self.counts.eager_failed += 1
+            counts.eager_failed += 1
             return False
         if len(self._graphs) >= plan.configs.host.graphs_kept:
             self._drop_orphans()
         if len(self._graphs) >= plan.configs.host.graphs_kept:
-            self.counts.eager_full += 1
+            counts.eager_full += 1
             return False
         if key not in self._seen:
             self._seen[key] = None
             if len(self._seen) > SEEN_KEPT:
                 self._seen.popitem(last=False)
-            self.counts.eager_first_sight += 1
+            counts.eager_first_sight += 1
             return False
         del self._seen[key]
         return True
 
     def _drop_orphans(self) -> None:
-        """Drops the graphs whose C (or bias, or class weights) is gone: a graph per gate case or benchmark
-        point, each with C of its own, would otherwise fill the room a training loop's graph needs."""
+        """Drops the graphs whose C (or bias) is gone: a graph per gate case or benchmark point, each with
+        C of its own, would otherwise fill the room a training loop's graphs need."""
         for key in [key for key, graph in self._graphs.items() if any(ref() is None for ref in graph.held)]:
             del self._graphs[key]
 
-    def _capture(self, key, backward, copied: dict, held: dict, out: tuple, plan: CCEPlan, device,
-                 stream) -> tuple:
-        """This call's (dE, dC, db) from an eager run of the captured path, then its graph (module doc)."""
+    def _capture(self, key, fn, copied: dict, held: dict, out: tuple, plan: CCEPlan, device, stream,
+                 counts: _Counts) -> tuple:
+        """This call's outputs from an eager run of the captured path, then its graph (module doc)."""
         statics, copies, copy_bytes = {}, [], 0
         for name, t in copied.items():
             if t is None:
@@ -269,10 +276,10 @@ class BackwardGraphs:
             buffer.copy_(_stored(t, buffer))
             copies.append((buffer, name))
             copy_bytes += buffer.numel() * buffer.element_size()
-        call = {"held": held, "out": out}  # this call's; a replay's while it runs (module doc)
+        call = {"held": held, "out": out}  # this call's; a replay's while it runs (``_Graph.call``)
 
         def captured():
-            return backward(**statics, **call["held"], out=call["out"])
+            return fn(**statics, **call["held"], out=call["out"])
 
         with host_reads_off():
             with self.backend.side_stream(device):  # the kernels compiled, the caches filled, this call's answer
@@ -285,28 +292,32 @@ class BackwardGraphs:
             except Exception as error:  # an operation the graph cannot hold: this key stays eager
                 with self._lock:
                     self._failed.add(key)
-                    self.counts.failed += 1
-                    self.counts.failures.append(f"{type(error).__name__}: {error}"[:300])
-                warnings.warn(f"helpers.cce: the backward's CUDA graph could not be captured, it runs eagerly "
+                    counts.failed += 1
+                    self.failures.append(f"{key[0]}: {type(error).__name__}: {error}"[:300])
+                warnings.warn(f"helpers.cce: the {key[0]}'s CUDA graph could not be captured, it runs eagerly "
                               f"for this shape: {type(error).__name__}: {error}", RuntimeWarning, stacklevel=2)
                 return answer
         added = max(0, self.backend.reserved(device) - before)
+        results = tuple(None if t is None else
+                        next((("out", i) for i, o in enumerate(out) if o is t), ("own", t)) for t in graph_outputs)
         call.update(held=None, out=None)
-        graph = _Graph(replay=replay, copies=copies, call=call, db=graph_outputs[2], configs=plan.configs,
+        graph = _Graph(replay=replay, copies=copies, call=call, results=results, configs=plan.configs,
                        held=[weakref.ref(t) for t in held.values() if t is not None], held_bytes=copy_bytes,
                        pool_key=pool_key)
         with self._lock:
             self._graphs[key] = graph
             self._pool_bytes[pool_key] = self._pool_bytes.get(pool_key, 0) + added
-            self.counts.captured += 1
+            counts.captured += 1
         return answer
 
-    def summary(self) -> dict:
-        """Graphs, their replays and the calls that ran eagerly, and the bytes the graphs hold."""
-        c = self.counts
-        return {"graphs": len(self._graphs), "calls": c.calls, "replayed": c.replayed, "captured": c.captured,
-                "failed": c.failed, "eager_first_sight": c.eager_first_sight, "eager_full": c.eager_full,
-                "eager_failed": c.eager_failed, "failures": list(c.failures),
+    def summary(self, kind: str | None = None) -> dict:
+        """The calls of ``kind`` (None: both) by what they did, the graphs, and the bytes the graphs hold."""
+        kinds = KINDS if kind is None else (kind,)
+        counts = {name: sum(getattr(self._counts[k], name) for k in kinds)
+                  for name in ("calls", "replayed", "captured", "failed", "eager_first_sight", "eager_full",
+                               "eager_failed")}
+        return {"graphs": sum(1 for key in self._graphs if key[0] in kinds), **counts,
+                "failures": [f for f in self.failures if f.split(":")[0] in kinds],
                 "held_bytes": sum(self._pool_bytes.values()) + sum(g.held_bytes for g in self._graphs.values())}
 
     def reset_peak(self, device: torch.device | str) -> None:
@@ -318,15 +329,16 @@ class BackwardGraphs:
         return self._peak.get(str(torch.device(device)), 0)
 
     def clear(self) -> None:
-        """Drops every graph (their pools are released once nothing else holds them)."""
+        """Drops every graph and count (the pools are released once nothing else holds them)."""
         with self._lock:
-            self._graphs.clear()
-            self._seen.clear()
-            self._failed.clear()
-            self._pools.clear()
-            self._pool_bytes.clear()
-            self._peak.clear()
-            self.counts = _Counts()
+            self._graphs: dict[tuple, _Graph] = {}
+            self._seen: OrderedDict[tuple, None] = OrderedDict()
+            self._failed: set[tuple] = set()
+            self._pools: dict[tuple, object] = {}
+            self._pool_bytes: dict[tuple, int] = {}
+            self._peak: dict[str, int] = {}
+            self._counts = {kind: _Counts() for kind in KINDS}
+            self.failures: list[str] = []
 
 
-GRAPHS = BackwardGraphs()
+GRAPHS = CallGraphs()

@@ -46,7 +46,7 @@ from helpers.cce.forward import cce_forward, cce_forward_outputs, forward_kernel
 from helpers.cce.graphs import GRAPHS
 from helpers.cce.options import CCEPlan, auto_filter_eps, plan_call
 from helpers.cce.shared import read_later
-from helpers.spec import raise_for_targets
+from helpers.spec import raise_for_targets, targets_out_of_range
 
 
 def traceable_backward(backward_impl: str) -> str:
@@ -71,7 +71,26 @@ def loss_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):
 
     ``check_targets``: raise for a target outside [0, V) that is not ignore_index. It costs one
     host read of a count per call, made by the forward's first launch: the host waits for that
-    launch (not the forward's products) once it has queued the rest, so the GPU does not idle."""
+    launch (not the forward's products) once it has queued the rest, so the GPU does not idle.
+    Replayed from a CUDA graph where ``helpers.cce.graphs`` says one fits: the check is then launched
+    before the replay and read after it is queued."""
+    if GRAPHS.applies(E, C, plan):
+        V = C.shape[0]
+        bad = read_later(targets_out_of_range(x, V, plan.options.ignore_index)) if check_targets else None
+
+        def forward(E, x, C, bias, out=()):
+            return _loss_forward(E, C, x, bias, plan, check_targets=False)[:4]
+
+        loss, lse, r, n_kept = GRAPHS.run("forward", forward, plan=plan, copied=dict(E=E, x=x),
+                                          held=dict(C=C, bias=bias))
+        if check_targets:
+            raise_for_targets(x, V, plan.options.ignore_index, bad())
+        return loss, lse, r, n_kept, None
+    return _loss_forward(E, C, x, bias, plan, check_targets=check_targets)
+
+
+def _loss_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool):
+    """``loss_forward`` launched eagerly."""
     options = plan.options
     V = C.shape[0]
     # The kept rows and the targets out of range, counted by the forward's first launch; their copy to
@@ -125,10 +144,9 @@ def loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, plan: CCEP
     if GRAPHS.applies(E, C, plan, stats, activity):  # few tokens on a GPU: replayed (``helpers.cce.graphs``)
         need_dE, need_dC, _ = plan.need
         return GRAPHS.run(
-            backward, copied=dict(E=E, x=x, lse=lse, r=r, grad_loss=grad_loss, grad_lse=grad_lse, divisor=divisor),
-            held=dict(C=C, bias=bias), plan=plan,
-            outputs=dict(dE=(E.shape, E.dtype, E.device) if need_dE else None,
-                         dC=(C.shape, E.dtype, E.device) if need_dC else None))
+            "backward", backward, plan=plan, held=dict(C=C, bias=bias),
+            copied=dict(E=E, x=x, lse=lse, r=r, grad_loss=grad_loss, grad_lse=grad_lse, divisor=divisor),
+            outputs=((E.shape, E.dtype, E.device) if need_dE else None, (C.shape, E.dtype, E.device) if need_dC else None))
     return backward(E, C, x, lse, r, grad_loss, grad_lse, divisor, bias)
 
 

@@ -38,7 +38,7 @@ from helpers.compare.measure import is_out_of_memory, latency, peak_memory, rele
 from helpers.compare.methods import get_method
 from helpers.cce import forget_backward_choices
 from helpers.cce.device import default_device
-from helpers.cce.graphs import GRAPHS
+from helpers.cce.graphs import GRAPHS, KINDS as GRAPHS_KINDS
 from helpers.compare.results_file import ResultsWriter, run_meta
 from helpers.compare.heads import GEMMA2, QWEN3
 from helpers.compare.measure import loss_step
@@ -116,9 +116,9 @@ def bench_point(method, shape, regime, dtype, N, V, D, device, warmup, repeats, 
             forward_backward()
         _, peak = peak_memory(forward_backward, device=device)
         rec.peak_mb, rec.peak_over_lb = peak / 1e6, peak / lb
-        before = GRAPHS.summary()
+        before = graphs_summary()
         _set_time(rec, latency(forward_backward, warmup=0, repeats=repeats, device=device), rate)
-        graphs = graphs_note(before, GRAPHS.summary())
+        graphs = graphs_note(before, graphs_summary())
         rec.forward_ms = latency(forward, warmup=1, repeats=repeats, device=device).median_ms
         rec.note = "; ".join(filter(None, (backward_note(method, E, C, x), graphs)))
     except Exception as error:  # noqa: BLE001
@@ -152,9 +152,9 @@ def retime_point(rec: BenchRecord, device, warmup, repeats, rate) -> None:
     try:
         E, C, x = point_inputs(rec.regime, torch_dtype(rec.dtype), rec.N, rec.V, rec.D, device)
         forward_backward = loss_step(rec.method, E, C, x)
-        before = GRAPHS.summary()
+        before = graphs_summary()
         second = latency(forward_backward, warmup=warmup + 1, repeats=repeats, device=device)  # + the peak's call
-        graphs = graphs_note(before, GRAPHS.summary(), "calls of the second round, its warm-up's too")
+        graphs = graphs_note(before, graphs_summary(), "calls of the second round, its warm-up's too")
     except Exception as error:  # noqa: BLE001  (the first round's figures stand)
         note = f"second round failed ({type(error).__name__}), the first round's time stands"
     else:
@@ -168,14 +168,20 @@ def retime_point(rec: BenchRecord, device, warmup, repeats, rate) -> None:
     release_memory(device)
 
 
+def graphs_summary() -> dict:
+    """``GRAPHS.summary`` of each kind of call (``helpers.cce.graphs``), for ``graphs_note``."""
+    return {kind: GRAPHS.summary(kind) for kind in GRAPHS_KINDS}
+
+
 def graphs_note(before: dict, after: dict, calls_of: str = "timed calls") -> str:
-    """What our backward's CUDA graphs did between two of ``GRAPHS.summary()`` (``helpers.cce.graphs``):
-    how many of the calls that could take a graph replayed one ("" where none could)."""
-    calls = after["calls"] - before["calls"]
-    if not calls:
-        return ""
-    replayed = after["replayed"] - before["replayed"]
-    return f"backward replayed from a CUDA graph in {replayed} of {calls} {calls_of}"
+    """What our loss's CUDA graphs did between two ``graphs_summary()``: per kind of call that could take
+    a graph, how many replayed one ("" where none could)."""
+    parts = []
+    for kind in GRAPHS_KINDS:
+        calls = after[kind]["calls"] - before[kind]["calls"]
+        if calls:
+            parts.append(f"{kind} {after[kind]['replayed'] - before[kind]['replayed']} of {calls}")
+    return f"replayed from CUDA graphs: {', '.join(parts)} {calls_of}" if parts else ""
 
 
 def backward_note(method: str, E, C, x) -> str:

@@ -17,22 +17,24 @@ under capture or ``torch.compile`` skips. Cases, each written to the results fil
    compared as 2. Under ``--tiny`` (a CPU) the graph case is skipped and the compile case uses the
    "aot_eager" backend, which checks the code paths only.
 4. ``loop_pointers``: whether a training loop hands the loss the same addresses every step, which the
-   backward's graphs (``helpers.cce.graphs``: keyed by C's, dE's and dC's addresses, so that eager callers
+   loss's graphs (``helpers.cce.graphs``: keyed by C's, dE's and dC's addresses, so that eager callers
    need not capture anything) need to be replayed rather than captured again: a small model (an
    embedding, one hidden layer, the head C) trained with AdamW, ``zero_grad()`` each step, new targets
    each step; per step the addresses of the loss's E and x, of C and of C.grad after the backward (dC,
    which autograd keeps), and the steps from the third on whose addresses all equal the step before's.
    Predicted on a GPU: all of them (the caching allocator hands back the blocks the last step freed).
-5. ``graphed_backward``: the loss with the backward's CUDA graphs on (``helpers.cce.graphs``, every size:
-   ``HostTuning.graph_backward_us`` raised), called as case 1: the first call eager, the second captured,
-   the rest replayed. Against case 1: the host's time per call (predicted: ~1/3 of eager's, the forward's
-   share), the gradients (within 1e-3: the captured path scales dC through its operand), the peak
-   (predicted: eager's plus E's copy, ~2 MB), and the graphs' counts (predicted: 1 graph).
+5. ``graphed_calls``: the loss with its CUDA graphs on (``helpers.cce.graphs``, every size:
+   ``HostTuning.graphs_below_us`` raised), called as case 1: the first call eager, the second captured
+   (forward and backward), the rest replayed. Against case 1: the host's time per call (predicted: under
+   0.5 ms against eager's ~2; what is left is autograd's engine, the input copies and the targets'
+   check), the GPU time (predicted: eager's, within 5%), the loss and gradients (within 1e-3: the
+   captured backward scales dC through its operand), the peak (predicted: eager's plus E's two copies
+   and the forward's graph-held outputs, a few MB), and the graphs' counts (predicted: 2 graphs).
 6. ``graphed_loop/1`` and ``/2``: case 4's training loop (an embedding, a hidden layer, the head C, AdamW)
    run twice from one seed, eager and with the graphs, with 1 and 2 backward calls per optimizer step
    (the second keeps C.grad alive between them, so dC's block alternates): the runs' losses and final C
-   within 1e-2 of each other, and the graphs' counts (predicted: 1 graph and 2 graphs, replays from the
-   third backward call on).
+   within 1e-2 of each other, and the graphs' counts (predicted: 2 graphs and 3 graphs: one forward's,
+   one or two backward's; replays from each key's third call on).
 
 Times per call: ``host_ms`` from ``time.perf_counter`` around a batch of calls with one synchronize
 at its end (the wall time a training loop sees), ``launch_ms`` the same before that synchronize (the
@@ -157,11 +159,11 @@ def check_loop_pointers(N, V, D, dtype, device, steps: int = 10) -> dict:
 
 
 def graphed_configs(device):
-    """The device's tier with the backward's graphs on for every size (``HostTuning.graph_backward_us``)."""
-    return resolve_configs(None, device).tuned(graph_backward_us=1e12)
+    """The device's tier with the loss's graphs on for every size (``HostTuning.graphs_below_us``)."""
+    return resolve_configs(None, device).tuned(graphs_below_us=1e12)
 
 
-def check_graphed_backward(E, C, x, calls, reference) -> dict:
+def check_graphed_calls(E, C, x, calls, reference) -> dict:
     """Case 5 (module doc): the loss with ``helpers.cce.graphs`` on, called as case 1 calls it."""
     configs = graphed_configs(E.device)
     GRAPHS.clear()
@@ -173,18 +175,18 @@ def check_graphed_backward(E, C, x, calls, reference) -> dict:
     for _ in range(3):  # eager (first sight), captured, replayed
         got = run()
     torch.cuda.synchronize()
-    record = dict(case="graphed_backward", **compared(got, reference), **timed(run, True, calls))
+    record = dict(case="graphed_calls", **compared(got, reference), **timed(run, True, calls))
     _, eager_peak = peak_memory(lambda: step(E, C, x))
     _, graphed_peak = peak_memory(run)
-    # One graph if the timed calls found their dE and dC blocks again; each replay's input copies and pool
-    # are in the graphed peak (``peak_memory``).
+    # A forward's graph and a backward's if the timed calls found their dE and dC blocks again; each
+    # replay's input copies and pool are in the graphed peak (``peak_memory``).
     return dict(record, eager_peak_mb=round(eager_peak / 2**20, 1), graphed_peak_mb=round(graphed_peak / 2**20, 1),
                 **{f"graphs_{k}": v for k, v in GRAPHS.summary().items()})
 
 
 def check_graphed_loop(N, V, D, dtype, device, steps: int, micro_batches: int) -> dict:
-    """Case 6 (module doc): case 4's training loop twice from one seed, eager and with the backward's graphs,
-    ``micro_batches`` backward calls per optimizer step (gradient accumulation keeps C.grad alive)."""
+    """Case 6 (module doc): case 4's training loop twice from one seed, eager and with the loss's graphs,
+    ``micro_batches`` calls per optimizer step (gradient accumulation keeps C.grad alive)."""
     def train(configs):
         torch.manual_seed(2)
         g = torch.Generator().manual_seed(1)
@@ -246,11 +248,11 @@ def main():
     run("compile", check_compile, E, C, x, cuda, calls, reference)
     run("loop_pointers", check_loop_pointers, N, V, D, dtype, device, 10 if cuda else 4)  # the CPU: the code path
     if cuda:
-        run("graphed_backward", check_graphed_backward, E, C, x, calls, reference)
+        run("graphed_calls", check_graphed_calls, E, C, x, calls, reference)
         for micro_batches in (1, 2):
             run(f"graphed_loop/{micro_batches}", check_graphed_loop, N, V, D, dtype, device, 10, micro_batches)
     else:
-        for name in ("graphed_backward", "graphed_loop"):
+        for name in ("graphed_calls", "graphed_loop"):
             c.records.append(dict(case=name, status="skipped (CUDA graphs need a GPU)"))
             if writer:
                 writer.append(c.records[-1])

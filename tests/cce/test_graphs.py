@@ -25,7 +25,7 @@ from helpers.spec import reference_loss_and_grads, relative_error  # noqa: E402
 N, V, D = 45, 700, 24
 CPU = torch.device("cpu")
 EAGER = resolve_configs(None, CPU)
-GRAPHED = EAGER.tuned(graph_backward_us=1e12, graphs_kept=2)
+GRAPHED = EAGER.tuned(graphs_below_us=1e12, graphs_kept=4)
 
 
 def batch(seed, dtype):
@@ -55,8 +55,8 @@ def gradients(E, C, x, kind, g, configs):
 @pytest.mark.parametrize("kind, dtype", [(kind, torch.float32) for kind in UPSTREAM] + [("mean", torch.float16)])
 def test_a_repeated_call_is_captured_then_replayed_with_each_calls_inputs(simulated_graphs, dtype, kind):
     """New E, targets and upstream gradients every call, C changed in place (an optimizer step): the second
-    call captures, the later ones replay, and each call's gradients are its own (eager's, within rounding,
-    and as close to float64 as eager's)."""
+    call captures its forward and its backward, the later ones replay, and each call's loss is eager's and
+    its gradients are its own (eager's, within rounding, and as close to float64 as eager's)."""
     C = batch(0, dtype)[1].requires_grad_(True)
     for call in range(4):
         E, C_new, x = batch(10 + call, dtype)
@@ -64,7 +64,8 @@ def test_a_repeated_call_is_captured_then_replayed_with_each_calls_inputs(simula
             C.copy_(C_new)
         g = torch.rand(N, generator=torch.Generator().manual_seed(call))
         loss, dE, dC = gradients(E, C, x, kind, g, GRAPHED)
-        _, want_dE, want_dC = gradients(E, C, x, kind, g, EAGER)
+        want_loss, want_dE, want_dC = gradients(E, C, x, kind, g, EAGER)
+        assert torch.equal(loss, want_loss), call  # the forward's graph runs the same kernels
         tolerance = 1e-5 if dtype == torch.float32 else 2e-3  # the captured path scales dC through its operand
         assert relative_error(dE, want_dE) <= tolerance and relative_error(dC, want_dC) <= tolerance, call
         if kind == "mean":
@@ -72,8 +73,9 @@ def test_a_repeated_call_is_captured_then_replayed_with_each_calls_inputs(simula
             assert relative_error(dE, ref_dE) <= 1.5 * relative_error(want_dE, ref_dE) + 1e-6, call
             assert relative_error(dC, ref_dC) <= 1.5 * relative_error(want_dC, ref_dC) + 1e-6, call
         del dE, dC  # their blocks free for the next call, as a training loop leaves them
-    summary = simulated_graphs.summary()
-    assert (summary["eager_first_sight"], summary["captured"], summary["replayed"], summary["graphs"]) == (1, 1, 2, 1)
+    for kind in ("forward", "backward"):
+        summary = simulated_graphs.summary(kind)
+        assert (summary["eager_first_sight"], summary["captured"], summary["replayed"], summary["graphs"]) == (1, 1, 2, 1)
 
 
 def test_a_kept_gradient_or_a_new_classifier_is_another_key(simulated_graphs):
@@ -89,21 +91,23 @@ def test_a_kept_gradient_or_a_new_classifier_is_another_key(simulated_graphs):
             linear_cross_entropy(E, C, x, backward_impl="gemm", configs=GRAPHED).backward()
             want += gradients(E, C, x, "mean", None, EAGER)[2]
         assert relative_error(C.grad, want) <= 1e-5, step
-    summary = simulated_graphs.summary()
+    summary = simulated_graphs.summary("backward")
     assert (summary["graphs"], summary["captured"], summary["replayed"]) == (2, 2, 2), summary
+    assert simulated_graphs.summary("forward")["replayed"] == 4  # one key: E and x are copied in
     C2 = C.detach().clone().requires_grad_(True)
     E, _, x = batch(30, torch.float32)
     got = gradients(E, C2, x, "mean", None, GRAPHED)[2]
     assert relative_error(got, gradients(E, C2, x, "mean", None, EAGER)[2]) <= 1e-5
-    after = simulated_graphs.summary()
-    assert after["replayed"] == 2 and after["eager_full"] == summary["eager_full"] + 1, after  # no room: eager
+    after = simulated_graphs.summary("backward")
+    assert after["replayed"] == 2 and after["eager_first_sight"] == summary["eager_first_sight"] + 1, after
 
 
 def test_past_the_graphs_kept_and_after_a_failed_capture_calls_run_eagerly(simulated_graphs):
-    """One graph kept: of two shapes in turn, the first is captured and replayed, the second runs eagerly
-    every call. A capture that fails warns once, answers eagerly, and is not tried again for its key."""
+    """Two graphs kept: of two shapes in turn, the first's forward and backward are captured and replayed,
+    the second runs eagerly every call. A capture that fails warns once, answers eagerly, and is not
+    tried again for its key."""
     C = batch(0, torch.float32)[1].requires_grad_(True)
-    one = GRAPHED.tuned(graphs_kept=1)
+    one = GRAPHED.tuned(graphs_kept=2)
     for call in range(6):
         rows = (N, N - 7)[call % 2]
         E, _, x = batch(40 + call, torch.float32)
@@ -112,8 +116,9 @@ def test_past_the_graphs_kept_and_after_a_failed_capture_calls_run_eagerly(simul
         want = gradients(E, C, x, "mean", None, EAGER)
         assert all(relative_error(a, b) <= 1e-5 for a, b in zip(got[1:], want[1:])), call
         del got, want
-    summary = simulated_graphs.summary()
-    assert (summary["graphs"], summary["replayed"], summary["eager_full"]) == (1, 1, 2), summary
+    for kind in ("forward", "backward"):
+        summary = simulated_graphs.summary(kind)
+        assert (summary["graphs"], summary["replayed"], summary["eager_full"]) == (1, 1, 2), summary
 
     simulated_graphs.clear()
     failing = simulated_graphs.backend
@@ -124,22 +129,25 @@ def test_past_the_graphs_kept_and_after_a_failed_capture_calls_run_eagerly(simul
             got = [t.clone() for t in gradients(E, C, x, "mean", None, GRAPHED)]  # its blocks free again
     want = gradients(E, C, x, "mean", None, EAGER)
     assert all(relative_error(a, b) <= 1e-5 for a, b in zip(got[1:], want[1:]))
-    assert failing.captures == captures and simulated_graphs.summary()["failed"] == 1, simulated_graphs.summary()
-    assert "not permitted" in simulated_graphs.summary()["failures"][0]
+    for kind in ("forward", "backward"):
+        summary = simulated_graphs.summary(kind)
+        assert (summary["failed"], summary["eager_failed"], summary["graphs"]) == (1, 2, 0), summary
+        assert "not permitted" in summary["failures"][0]
+    assert failing.captures == captures
 
 
 def test_calls_a_graph_does_not_fit_run_eagerly(simulated_graphs):
-    """Stats (read on the host), the "atomic" and "sparse" backwards, the knob at 0, and products predicted
-    longer than the knob: no graph, no key seen."""
+    """Stats (read on the host), the "atomic" backward, the knob at 0, and products predicted longer than the
+    knob: the backward takes no graph, no key is seen."""
     E, C, x = batch(60, torch.float32)
     C.requires_grad_(True)
     for _ in range(2):  # a key seen twice would be captured
         linear_cross_entropy(E, C, x, backward_impl="gemm", configs=GRAPHED, stats={}).sum().backward()
         linear_cross_entropy(E, C, x, backward_impl="atomic", configs=GRAPHED).backward()
         linear_cross_entropy(E, C, x, backward_impl="gemm", configs=EAGER).backward()
-        linear_cross_entropy(E, C, x, backward_impl="gemm", configs=GRAPHED.tuned(graph_backward_us=1e-3)).backward()
-    summary = simulated_graphs.summary()
-    assert summary["eager_first_sight"] == summary["captured"] == summary["replayed"] == 0, summary
+        linear_cross_entropy(E, C, x, backward_impl="gemm", configs=GRAPHED.tuned(graphs_below_us=1e-3)).backward()
+    summary = simulated_graphs.summary("backward")
+    assert summary["calls"] == 0, summary
 
 
 def test_the_key_holds_the_classifier_and_the_gradients_by_address(simulated_graphs):
@@ -154,10 +162,11 @@ def test_the_key_holds_the_classifier_and_the_gradients_by_address(simulated_gra
         return out[0], out[1], None
 
     E, C = torch.randn(4, 3), torch.randn(5, 3)
-    outputs = dict(dE=((4, 3), torch.float32, CPU), dC=((5, 3), torch.float32, CPU))
+    outputs = (((4, 3), torch.float32, CPU), ((5, 3), torch.float32, CPU))
 
     def call(E, C):
-        return simulated_graphs.run(backward, copied=dict(E=E), held=dict(C=C), outputs=outputs, plan=plan)
+        return simulated_graphs.run("backward", backward, copied=dict(E=E), held=dict(C=C), outputs=outputs,
+                                    plan=plan)
 
     from helpers.cce.options import plan_call
 
@@ -196,18 +205,32 @@ def test_peak_memory_counts_what_a_replay_holds(simulated_graphs):
     C.grad = None
     _, eager = measure.peak_memory(step(72, EAGER), device=CPU)
     assert replayed >= 10_000_000 + N * D * 4 and eager < 1_000_000, (replayed, eager)  # E's copy at least
-    assert simulated_graphs.summary()["replayed"] == 1
+    assert simulated_graphs.summary("forward")["replayed"] == simulated_graphs.summary("backward")["replayed"] == 1
 
 
 def test_a_graph_whose_classifier_is_gone_makes_room(simulated_graphs):
-    """One graph kept: once its C is gone (a gate case's or a benchmark point's own C), a new C's key is
-    captured in its place rather than left eager for good."""
-    one = GRAPHED.tuned(graphs_kept=1)
+    """Room for one forward and one backward: once their C is gone (a gate case's or a benchmark point's own
+    C), a new C's keys are captured in their place rather than left eager for good."""
+    one = GRAPHED.tuned(graphs_kept=2)
     for seed in (0, 1):
         C = batch(seed, torch.float32)[1].requires_grad_(True)
         E, _, x = batch(80 + seed, torch.float32)
         for _ in range(3):
             gradients(E, C, x, "mean", None, one)
         del C
-    summary = simulated_graphs.summary()
-    assert (summary["graphs"], summary["captured"], summary["replayed"], summary["eager_full"]) == (1, 2, 2, 0), summary
+    for kind in ("forward", "backward"):
+        summary = simulated_graphs.summary(kind)
+        assert (summary["graphs"], summary["captured"], summary["replayed"], summary["eager_full"]) == (1, 2, 2, 0)
+
+
+def test_a_target_out_of_range_is_refused_on_a_replayed_call(simulated_graphs):
+    """The targets' range check stays outside the forward's graph: a call that would replay still raises,
+    naming x and the target."""
+    C = batch(0, torch.float32)[1].requires_grad_(True)
+    E, _, x = batch(90, torch.float32)
+    for _ in range(3):
+        gradients(E, C, x, "mean", None, GRAPHED)
+    assert simulated_graphs.summary("forward")["replayed"] == 1
+    x[5] = V + 3
+    with pytest.raises(ValueError, match=f"x holds target {V + 3}"):
+        linear_cross_entropy(E, C, x, backward_impl="gemm", configs=GRAPHED)

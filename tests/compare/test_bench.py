@@ -91,14 +91,14 @@ def test_bench_says_how_many_timed_calls_replayed_a_graph(temporary_method, simu
     from helpers.cce.options import resolve_configs
     from helpers.compare.methods import get_method
 
-    graphed = resolve_configs(None, torch.device("cpu")).tuned(graph_backward_us=1e12)
+    graphed = resolve_configs(None, torch.device("cpu")).tuned(graphs_below_us=1e12)
     temporary_method(dataclasses.replace(get_method("ours_gemm"), name="ours_graphed_here", gate_calls=3,
                                          implementation=lambda E, C, x, **kw: linear_cross_entropy(
                                              E, C, x, backward_impl="gemm", configs=graphed, **kw)))
     rec, plain = run_bench(["ours_graphed_here", "ours_gemm"], ["tiny"], ["uniform"], (torch.float32,), Ns=[64],
                            warmup=2, repeats=3, device="cpu", progress=False)
     assert rec.status == "ok" and rec.gate == "pass", rec
-    assert "backward replayed from a CUDA graph in 3 of 3 timed calls" in rec.note, rec.note
+    assert "replayed from CUDA graphs: forward 3 of 3, backward 3 of 3 timed calls" in rec.note, rec.note
     assert plain.status == "ok" and "graph" not in plain.note
     assert "CUDA graphs need a CUDA GPU" in get_method("ours_graphs").why_unavailable("cpu", torch.float32)
 

@@ -107,15 +107,17 @@ class HostTuning:
     # How the fp32-output products are made (``helpers.cce.backward.gemm.PRODUCT_MODES``); None: the
     # first that works on the device (``product_mode``).
     product_mode: str | None = None
-    # The "gemm" backward replayed from a CUDA graph (``helpers.cce.graphs``) where its products take the
-    # GPU less than this many microseconds at the tier's rate (``graphs.backward_us``): there the host's
-    # launches, not the GPU, bound a call (at the Qwen3 head with 1,024 tokens on an H200 the backward's
-    # ~20 launches cost the host ~1.2-2.4 ms against ~1.4 ms of products; docs/PERFORMANCE.md). 0: never,
-    # every tier's default until an H200 has measured the graphs (``scripts/gpu/graph_check.py``).
-    graph_backward_us: float = 0.0
-    # Graphs kept per process at most (``helpers.cce.graphs``): a call whose key has no graph runs eagerly
-    # once there are this many, so a loop whose shapes never repeat captures nothing.
-    graphs_kept: int = 4
+    # The loss's forward and "gemm" backward replayed from CUDA graphs (``helpers.cce.graphs``) where the
+    # backward's products take the GPU less than this many microseconds at the tier's rate
+    # (``graphs.backward_us``): there the host's launches, not the GPU, bound a call (at the Qwen3 head with
+    # 1,024 tokens on an H200 ~25 launches cost the host 1.8-3.6 ms against ~1.9 ms of GPU work;
+    # docs/PERFORMANCE.md). 0: never, every tier's default until an H200 has measured the graphs
+    # (``scripts/gpu/graph_check.py``).
+    graphs_below_us: float = 0.0
+    # Graphs kept per process at most (``helpers.cce.graphs``; a training loop takes a forward's and one or
+    # two backward's): a call whose key has no graph runs eagerly once there are this many, so a loop whose
+    # shapes never repeat captures nothing.
+    graphs_kept: int = 8
 
     # The "sparse" backward (``helpers.cce.backward.sparse``).
     # Fewer (row, tile) pairs than this run "gemm": the index costs more than it saves below it (on an

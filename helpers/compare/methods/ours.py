@@ -149,9 +149,9 @@ OURS_GEMM = Method(
 
 @functools.cache
 def _graphed_tier(device: str) -> CCEConfigs:
-    """The device's tier with the backward's CUDA graphs at every size, one object per device: the
+    """The device's tier with the loss's CUDA graphs at every size, one object per device: the
     graphs' and the plans' keys hold the tier by identity."""
-    return resolve_configs(None, torch.device(device)).tuned(graph_backward_us=float("inf"))
+    return resolve_configs(None, torch.device(device)).tuned(graphs_below_us=float("inf"))
 
 
 def _ours_graphed(E, C, x, *, bias=None, ignore_index=-100, reduction="mean", softcap=None, stats=None):
@@ -167,17 +167,17 @@ def _ours_graphed_reason(device, dtype, softcap) -> Reason:
 
 OURS_GRAPHS = Method(
     name="ours_graphs",
-    label="ours (backward graphs)",
-    summary="ours with its \"gemm\" backward replayed from a CUDA graph whenever a call repeats one seen before "
-    "(helpers.cce.graphs; at every size, where the tiers keep it off until measured): the host issues one "
-    "replay instead of ~20 launches.",
+    label="ours (CUDA graphs)",
+    summary="ours with its forward and \"gemm\" backward replayed from CUDA graphs whenever a call repeats one "
+    "seen before (helpers.cce.graphs; at every size, where the tiers keep it off until measured): the host "
+    "issues two replays instead of ~25 launches.",
     implementation=_ours_graphed,
     availability=_ours_graphed_reason,
     kind="ours",
     preset_of="ours",
     counts_skips=True,
     supports_bias=True,
-    gate_calls=3,  # eager, captured, replayed: the replay is what is gated
+    gate_calls=3,  # eager, captured, replayed: the replays are what is gated
 )
 
 
