@@ -16,7 +16,6 @@ import types  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import weakref  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 
 from helpers.cce.shared import host_reads_off  # noqa: E402
 
@@ -77,10 +76,6 @@ class SimulatedGraphs:
 
     def reserved(self, device):
         return self._reserved
-
-    @contextmanager
-    def side_stream(self, device):
-        yield
 
     def capture(self, fn, device, pool):
         if self.fail:

@@ -31,8 +31,8 @@ and read after it is queued, so the host waits for the check, not the forward (a
 
 A key is captured the second time it is seen (the first call runs eagerly): a loop whose shapes or
 addresses never repeat pays no capture, and the eager call has compiled every kernel by then. The
-capture runs the call once more eagerly on a side stream first (that call's answer), with the host
-reads off (``helpers.cce.shared.host_reads_off``: dC's scale enters through its operand, as under
+capture runs the call once more eagerly first (that call's answer), with the host reads off
+(``helpers.cce.shared.host_reads_off``: dC's scale enters through its operand, as under
 ``torch.compile``), so that what is captured is what was just run. At most
 ``HostTuning.graphs_kept`` graphs live per process (those whose C is gone are dropped to make room);
 past that, new keys run eagerly. A capture that fails (an operation the graph cannot hold) runs
@@ -99,22 +99,27 @@ class CudaBackend:
     def reserved(self, device: torch.device) -> int:
         return torch.cuda.memory_reserved(device)
 
+    def __init__(self):
+        self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
     @contextmanager
-    def side_stream(self, device: torch.device):
-        """A stream that starts after the current one's work and that the current one waits for after."""
+    def _capture_stream(self, device: torch.device):
+        """The device's capture stream (a graph cannot be captured on the default stream), after the
+        current stream's work, which waits for it after. One per device, so that cuBLAS's workspace for
+        it is made once."""
         current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
+        side = self._capture_streams.setdefault(device, torch.cuda.Stream(device))
         side.wait_stream(current)
         with torch.cuda.stream(side):
             yield
         current.wait_stream(side)
 
     def capture(self, fn: Callable[[], tuple], device: torch.device, pool) -> tuple[Callable[[], None], tuple]:
-        """(replay, fn's outputs under capture): ``fn`` captured into a graph allocating from ``pool``.
-        "thread_local": autograd runs a GPU backward on a thread of its own, while other threads may
-        call CUDA."""
+        """(replay, fn's outputs under capture): ``fn``, run eagerly just before (its kernels loaded),
+        captured into a graph allocating from ``pool``. "thread_local": autograd runs a GPU backward on
+        a thread of its own, while other threads may call CUDA."""
         graph = torch.cuda.CUDAGraph()
-        with self.side_stream(device):
+        with self._capture_stream(device):
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 outputs = fn()
@@ -282,8 +287,9 @@ class CallGraphs:
             return fn(**statics, **call["held"], out=call["out"])
 
         with host_reads_off():
-            with self.backend.side_stream(device):  # the kernels compiled, the caches filled, this call's answer
-                answer = captured()
+            # This call's answer, on the current stream (its outputs stay with it), which also compiles and
+            # loads every kernel the capture launches, with the alignments of the buffers it reads.
+            answer = captured()
             pool_key = (str(device), stream)
             pool = self._pools.setdefault(pool_key, self.backend.pool(device))
             before = self.backend.reserved(device)
