@@ -9,7 +9,8 @@ V 32,768, D 256, with the host-bound G buffer and without; bf16, the "uniform" r
 head as its pretend-T4 run takes it: the Turing tier's configurations, fp16, the "uniform" regime (its
 fine-tuning's flat softmax) and the "realistic" one (its pretraining's peaked softmax, where "auto" may
 run the sparse backward; on an H200 it ran "gemm", ``docs/measurements/h200-2026-12-03e``), that one with
-"gemm" too):
+"gemm" too; and the Qwen3 head at 1,024 tokens and notebook 03's head as a T4 with the loss's CUDA graphs
+on, ``helpers.cce.graphs``, whose counts each record keeps):
 
 1. host ms and GPU busy ms per call (``helpers.compare.measure.host_and_device_time``);
 2. the launches per call and the host's time in each CUDA runtime/driver call (torch.profiler:
@@ -40,6 +41,7 @@ from _common import Checker, finish, script_setup
 
 import helpers
 from helpers.cce import linear_cross_entropy
+from helpers.cce.graphs import GRAPHS
 from helpers.cce.kernels.configs import select_configs, tier
 from helpers.compare.heads import QWEN3
 from helpers.compare.inputs import make_inputs
@@ -191,7 +193,12 @@ def main():
                "uniform", "auto"),
               ("nb03-4096/t4-tier", 4_096, 32_768, 256, t4, torch.float16, "uniform", "auto"),
               ("nb03-4096/t4-tier/realistic", 4_096, 32_768, 256, t4, torch.float16, "realistic", "auto"),
-              ("nb03-4096/t4-tier/realistic/gemm", 4_096, 32_768, 256, t4, torch.float16, "realistic", "gemm")]
+              ("nb03-4096/t4-tier/realistic/gemm", 4_096, 32_768, 256, t4, torch.float16, "realistic", "gemm"),
+              # The loss's CUDA graphs on (``helpers.cce.graphs``; every tier keeps them off until measured).
+              ("qwen3-1024/graphs", 1_024, QWEN3.V, QWEN3.D, shipped.tuned(graphs_below_us=float("inf")), dtype,
+               "uniform", "auto"),
+              ("nb03-4096/t4-tier/graphs", 4_096, 32_768, 256, t4.tuned(graphs_below_us=float("inf")),
+               torch.float16, "uniform", "auto")]
              if not args.tiny else [("tiny-64", 64, 1031, 40, None, dtype, "uniform", "auto"),
                                     ("tiny-64/realistic", 64, 1031, 40, None, dtype, "realistic", "auto")])
     print(f"helpers from {os.path.dirname(os.path.dirname(helpers.__file__))}")  # which tree an A/B timed
@@ -212,6 +219,8 @@ def main():
             record.update(profile_ops(step, cuda, calls=5 if cuda else 1))
             record["python"], record["python_ours"] = python_profile(step, calls=20 if cuda else 1)
             record["split"] = host_split(step, cuda, calls=30 if cuda else 1, warmup=3 if cuda else 0)
+            record["graphs"] = GRAPHS.summary()  # what the graphs did over the case's calls (all zero: off)
+            GRAPHS.clear()
             print(f"  {name}: split {record['split']}")
             print(f"  {name}: host {timing.host_ms:.2f} ms, GPU {timing.device_ms:.2f} ms, "
                   f"{record['launches_per_call']:.0f} launches")
