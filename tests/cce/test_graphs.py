@@ -1,4 +1,4 @@
-"""The backward replayed from CUDA graphs (``helpers.cce.graphs``), on the CPU.
+"""The loss's forward and backward replayed from CUDA graphs (``helpers.cce.graphs``), on the CPU.
 
 No CPU captures a CUDA graph, so ``SimulatedGraphs`` (``tests/conftest.py``) keeps a graph's contract
 here: capture records the call, replay runs it again on the buffers it was captured with (what a graph's
@@ -21,6 +21,9 @@ from helpers.cce.options import resolve_configs  # noqa: E402
 from helpers.compare import measure  # noqa: E402
 from helpers.compare.inputs import make_inputs  # noqa: E402
 from helpers.spec import reference_loss_and_grads, relative_error  # noqa: E402
+
+# The simulated graphs are the CPU's; on a GPU scripts/gpu/graph_check.py runs the real ones.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tests (simulated CUDA graphs)")
 
 N, V, D = 45, 700, 24
 CPU = torch.device("cpu")
