@@ -108,7 +108,9 @@ class CudaBackend:
         current stream's work, which waits for it after. One per device, so that cuBLAS's workspace for
         it is made once."""
         current = torch.cuda.current_stream(device)
-        side = self._capture_streams.setdefault(device, torch.cuda.Stream(device))
+        if device not in self._capture_streams:
+            self._capture_streams[device] = torch.cuda.Stream(device)
+        side = self._capture_streams[device]
         side.wait_stream(current)
         with torch.cuda.stream(side):
             yield
@@ -148,6 +150,14 @@ def _static(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _stored(t: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     """The view of ``t`` that its ``_static`` buffer takes (the key holds t's strides: they match)."""
     return t.as_strided(buffer.shape, t.stride()) if buffer.shape != t.shape else t
+
+
+def _device_key(device: torch.device | str) -> str:
+    """"cuda:0" for "cuda" on device 0: a peak is asked for by the device a caller names."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
@@ -241,7 +251,7 @@ class CallGraphs:
             graph.call.update(held=None, out=None)  # no reference to a caller's tensors outlives its call
         counts.replayed += 1
         held_bytes = self._pool_bytes.get(graph.pool_key, 0) + graph.held_bytes
-        self._peak[str(device)] = max(self._peak.get(str(device), 0), held_bytes)
+        self._peak[_device_key(device)] = max(self._peak.get(_device_key(device), 0), held_bytes)
         return tuple(None if r is None else out[r[1]] if r[0] == "out" else r[1].clone() for r in graph.results)
 
     def _capture_now(self, key: tuple, plan: CCEPlan, counts: _Counts) -> bool:
@@ -327,12 +337,12 @@ class CallGraphs:
                 "held_bytes": sum(self._pool_bytes.values()) + sum(g.held_bytes for g in self._graphs.values())}
 
     def reset_peak(self, device: torch.device | str) -> None:
-        self._peak.pop(str(torch.device(device)), None)
+        self._peak.pop(_device_key(device), None)
 
     def peak_bytes(self, device: torch.device | str) -> int:
         """The most a replay on ``device`` held outside the allocator's count since ``reset_peak``: the
         pool its graph allocates from and its input copies."""
-        return self._peak.get(str(torch.device(device)), 0)
+        return self._peak.get(_device_key(device), 0)
 
     def clear(self) -> None:
         """Drops every graph and count (the pools are released once nothing else holds them)."""
