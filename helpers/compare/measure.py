@@ -69,7 +69,7 @@ def peak_memory(
 
     CUDA: ``reset_peak_memory_stats``, then ``max_memory_allocated`` minus ``memory_allocated``
     before the call (tensor bytes the caching allocator handed out; its cache is not counted), plus
-    what a replayed CUDA graph of our backward held outside that count (``helpers.cce.graphs``).
+    what a replayed CUDA graph of our loss held outside that count (``helpers.cce.graphs``).
 
     CPU: there are no allocator statistics, so ``fn`` runs under
     ``torch.profiler.profile(activities=[CPU], profile_memory=True)``, which records every CPU
@@ -504,7 +504,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def release_memory(device: torch.device | str | None = None) -> None:
-    """Free what a failed or finished step left: our backward's CUDA graphs (keyed by the addresses of
+    """Free what a failed or finished step left: our loss's CUDA graphs (keyed by the addresses of
     tensors now gone, ``helpers.cce.graphs``), Python cycles, then the CUDA cache."""
     GRAPHS.clear()
     gc.collect()
