@@ -40,8 +40,7 @@ def batch(seed, dtype):
 UPSTREAM = {
     "mean": lambda loss, lse, g: loss,
     "none, summed": lambda loss, lse, g: loss.sum(),  # an expanded upstream gradient (stride 0)
-    "none, weighted": lambda loss, lse, g: (loss * g).sum(),  # a new upstream vector each call
-    "through the lse": lambda loss, lse, g: loss.sum() + (lse * g).sum(),
+    "through the lse": lambda loss, lse, g: (loss * g).sum() + (lse * g).sum(),  # new upstream vectors each call
 }
 
 
@@ -55,7 +54,10 @@ def gradients(E, C, x, kind, g, configs):
     return objective.detach(), dE, dC
 
 
-@pytest.mark.parametrize("kind, dtype", [(kind, torch.float32) for kind in UPSTREAM] + [("mean", torch.float16)])
+# Each upstream kind once ("none, weighted" is in "through the lse": a new vector each call), fp16 on the
+# expanded one.
+@pytest.mark.parametrize("kind, dtype", [("mean", torch.float32), ("none, summed", torch.float16),
+                                         ("through the lse", torch.float32)])
 def test_a_repeated_call_is_captured_then_replayed_with_each_calls_inputs(simulated_graphs, dtype, kind):
     """New E, targets and upstream gradients every call, C changed in place (an optimizer step): the second
     call captures its forward and its backward, the later ones replay, and each call's loss is eager's and
