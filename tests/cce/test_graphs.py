@@ -25,7 +25,7 @@ from helpers.spec import reference_loss_and_grads, relative_error  # noqa: E402
 # The simulated graphs are the CPU's; on a GPU scripts/gpu/graph_check.py runs the real ones.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tests (simulated CUDA graphs)")
 
-N, V, D = 45, 700, 24
+N, V, D = 45, 300, 24
 CPU = torch.device("cpu")
 EAGER = resolve_configs(None, CPU)
 GRAPHED = EAGER.tuned(graphs_below_us=1e12, graphs_kept=4)
