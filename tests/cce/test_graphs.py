@@ -54,8 +54,8 @@ def gradients(E, C, x, kind, g, configs):
     return objective.detach(), dE, dC
 
 
-# Each upstream kind once ("none, weighted" is in "through the lse": a new vector each call), fp16 on the
-# expanded one.
+# A mean; "none" summed (an expanded upstream gradient), in fp16; a new upstream vector into the loss and
+# into the lse each call.
 @pytest.mark.parametrize("kind, dtype", [("mean", torch.float32), ("none, summed", torch.float16),
                                          ("through the lse", torch.float32)])
 def test_a_repeated_call_is_captured_then_replayed_with_each_calls_inputs(simulated_graphs, dtype, kind):
