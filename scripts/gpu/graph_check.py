@@ -136,18 +136,31 @@ def check_compile(E, C, x, cuda, calls, reference):
     return dict(record, **timed(run, cuda, calls))
 
 
-def check_loop_pointers(N, V, D, dtype, device, steps: int = 10) -> dict:
-    """Case 4 (module doc): the addresses a training loop hands the loss, step by step."""
+def small_lm(N, V, D, dtype, device):
+    """Cases 4 and 6's model, the same from every call: an embedding, one hidden layer and the head C,
+    trained with AdamW. (C, the optimizer, batch), batch() -> (E, x): the hidden states of N new ids
+    and N new targets."""
+    torch.manual_seed(2)
     g = torch.Generator().manual_seed(1)
     embed = torch.nn.Embedding(V, D).to(device=device, dtype=dtype)
     hidden = torch.nn.Linear(D, D).to(device=device, dtype=dtype)
     C = torch.nn.Parameter((torch.randn(V, D, generator=g) / D**0.25).to(dtype).to(device))
     opt = torch.optim.AdamW([*embed.parameters(), *hidden.parameters(), C], lr=1e-3)
-    seen = []
-    for _ in range(steps):
+
+    def batch():
         ids = torch.randint(0, V, (N,), generator=g).to(device)
         x = torch.randint(0, V, (N,), generator=g).to(device)
-        E = torch.nn.functional.gelu(hidden(embed(ids)))
+        return torch.nn.functional.gelu(hidden(embed(ids))), x
+
+    return C, opt, batch
+
+
+def check_loop_pointers(N, V, D, dtype, device, steps: int = 10) -> dict:
+    """Case 4 (module doc): the addresses a training loop hands the loss, step by step."""
+    C, opt, batch = small_lm(N, V, D, dtype, device)
+    seen = []
+    for _ in range(steps):
+        E, x = batch()
         linear_cross_entropy(E, C, x).backward()
         seen.append((E.data_ptr(), x.data_ptr(), C.data_ptr(), C.grad.data_ptr()))
         opt.step()
@@ -188,18 +201,11 @@ def check_graphed_loop(N, V, D, dtype, device, steps: int, micro_batches: int) -
     """Case 6 (module doc): case 4's training loop twice from one seed, eager and with the loss's graphs,
     ``micro_batches`` calls per optimizer step (gradient accumulation keeps C.grad alive)."""
     def train(configs):
-        torch.manual_seed(2)
-        g = torch.Generator().manual_seed(1)
-        embed = torch.nn.Embedding(V, D).to(device=device, dtype=dtype)
-        hidden = torch.nn.Linear(D, D).to(device=device, dtype=dtype)
-        C = torch.nn.Parameter((torch.randn(V, D, generator=g) / D**0.25).to(dtype).to(device))
-        opt = torch.optim.AdamW([*embed.parameters(), *hidden.parameters(), C], lr=1e-3)
+        C, opt, batch = small_lm(N, V, D, dtype, device)
         losses = []
         for _ in range(steps):
             for _ in range(micro_batches):
-                ids = torch.randint(0, V, (N,), generator=g).to(device)
-                x = torch.randint(0, V, (N,), generator=g).to(device)
-                E = torch.nn.functional.gelu(hidden(embed(ids)))
+                E, x = batch()
                 loss = linear_cross_entropy(E, C, x, configs=configs) / micro_batches
                 loss.backward()
                 losses.append(float(loss))
