@@ -197,6 +197,10 @@ def main():
               # The loss's CUDA graphs on (``helpers.cce.graphs``; every tier keeps them off until measured).
               ("qwen3-1024/graphs", 1_024, QWEN3.V, QWEN3.D, shipped.tuned(graphs_below_us=float("inf")), dtype,
                "uniform", "auto"),
+              ("qwen3-4096/graphs", 4_096, QWEN3.V, QWEN3.D, shipped.tuned(graphs_below_us=float("inf")), dtype,
+               "uniform", "auto"),
+              ("nb03-4096/graphs", 4_096, 32_768, 256, shipped.tuned(graphs_below_us=float("inf")), dtype,
+               "uniform", "auto"),
               ("nb03-4096/t4-tier/graphs", 4_096, 32_768, 256, t4.tuned(graphs_below_us=float("inf")),
                torch.float16, "uniform", "auto")]
              if not args.tiny else [("tiny-64", 64, 1031, 40, None, dtype, "uniform", "auto"),
