@@ -47,6 +47,24 @@ def temporary_method():
 # Our backward's CUDA graphs, simulated on the CPU (tests/cce/test_graphs.py)
 # ---------------------------------------------------------------------------------------------
 
+class _SimulatedPool:
+    """A CUDA graph pool's use count: released with its last graph, and no capture into it after that."""
+
+    def __init__(self):
+        self.users, self.released = 0, False
+
+    def graph(self):
+        """A token the graph holds: the pool is released when the last token is gone."""
+        token = type("GraphToken", (), {})()
+        self.users += 1
+        weakref.finalize(token, self._release_one)
+        return token
+
+    def _release_one(self):
+        self.users -= 1
+        self.released = self.users == 0
+
+
 class SimulatedGraphs:
     """A CUDA graph's contract on the CPU, for ``helpers.cce.graphs``: capture records the call, replay runs it
     again on the buffers it was captured with (what a graph's baked addresses read), with the host reads off
@@ -72,22 +90,27 @@ class SimulatedGraphs:
         return 0
 
     def pool(self, device):
-        return object()
+        return _SimulatedPool()
 
     def reserved(self, device):
         return self._reserved
 
     def capture(self, fn, device, pool):
+        if pool.released:  # as CUDA's allocator refuses it
+            raise RuntimeError("capture into a pool whose last graph was released (CUDA: use_count > 0 INTERNAL "
+                               "ASSERT FAILED)")
         if self.fail:
             raise RuntimeError(self.fail)
         self.captures += 1
         self._reserved += self.pool_bytes
         outputs = fn()
+        graph = pool.graph()  # the pool's use, until the replay (the graph) is gone
         # The graph's own outputs are written in place by each replay; those it writes into the call's tensors
         # (dE, dC) are held weakly here, as a graph holds no reference to them.
         written = [None if t is None else weakref.ref(t) for t in outputs]
 
         def replay():  # the captured launches again, on the buffers and with the path they were captured with
+            assert graph is not None
             with host_reads_off():
                 again = fn()
             for ref, new in zip(written, again):

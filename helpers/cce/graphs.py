@@ -278,6 +278,17 @@ class CallGraphs:
         C of its own, would otherwise fill the room a training loop's graphs need."""
         for key in [key for key, graph in self._graphs.items() if any(ref() is None for ref in graph.held)]:
             del self._graphs[key]
+        self._forget_unused_pools()
+
+    def _forget_unused_pools(self) -> None:
+        """Forgets the pools that no graph uses any more. CUDA releases a pool with its last graph and refuses a
+        capture into it after that (torch 2.11: "use_count > 0 INTERNAL ASSERT FAILED", raised by
+        ``capture_begin`` after it has put the RNG in capture mode, so that the process's next ``torch.randn``
+        on the GPU fails too): the next capture takes a new pool."""
+        used = {graph.pool_key for graph in self._graphs.values()}
+        for pool_key in [pool_key for pool_key in self._pools if pool_key not in used]:
+            del self._pools[pool_key]
+            self._pool_bytes.pop(pool_key, None)
 
     def _capture(self, key, fn, copied: dict, held: dict, out: tuple, plan: CCEPlan, device, stream,
                  counts: _Counts) -> tuple:
@@ -308,6 +319,7 @@ class CallGraphs:
             except Exception as error:  # an operation the graph cannot hold: this key stays eager
                 with self._lock:
                     self._failed.add(key)
+                    self._forget_unused_pools()
                     counts.failed += 1
                     self.failures.append(f"{key[0]}: {type(error).__name__}: {error}"[:300])
                 warnings.warn(f"helpers.cce: the {key[0]}'s CUDA graph could not be captured, it runs eagerly "

@@ -44,6 +44,7 @@ around the batch.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -176,6 +177,17 @@ def graphed_configs(device):
     return resolve_configs(None, device).tuned(graphs_below_us=1e12)
 
 
+def private_pools() -> dict:
+    """What the graphs' private pools hold, from the allocator's snapshot (segments outside the default pool):
+    the reserved MB, and the largest live blocks' MB (a cuBLAS workspace, dE's accumulator, a G buffer...)."""
+    segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    active = sorted((b["size"] for s in segments for b in s["blocks"] if b["state"] == "active_allocated"),
+                    reverse=True)
+    return dict(pool_segments_mb=round(sum(s["total_size"] for s in segments) / 2**20, 2),
+                pool_active_mb=[round(b / 2**20, 2) for b in active[:12]], pool_active_blocks=len(active),
+                cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+
+
 def check_graphed_calls(E, C, x, calls, reference) -> dict:
     """Case 5 (module doc): the loss with ``helpers.cce.graphs`` on, called as case 1 calls it."""
     configs = graphed_configs(E.device)
@@ -194,7 +206,7 @@ def check_graphed_calls(E, C, x, calls, reference) -> dict:
     # A forward's graph and a backward's if the timed calls found their dE and dC blocks again; each
     # replay's input copies and pool are in the graphed peak (``peak_memory``).
     return dict(record, eager_peak_mb=round(eager_peak / 2**20, 1), graphed_peak_mb=round(graphed_peak / 2**20, 1),
-                **{f"graphs_{k}": v for k, v in GRAPHS.summary().items()})
+                **{f"graphs_{k}": v for k, v in GRAPHS.summary().items()}, **private_pools())
 
 
 def check_graphed_loop(N, V, D, dtype, device, steps: int, micro_batches: int) -> dict:
@@ -223,7 +235,7 @@ def check_graphed_loop(N, V, D, dtype, device, steps: int, micro_batches: int) -
     # eager's, so the two runs drift apart by rounding; within 1e-2 after these few steps.
     worst = max(C_err, loss_err)
     return dict(case=f"graphed_loop/{micro_batches}", steps=steps, micro_batches=micro_batches,
-                C_err=C_err, loss_err=loss_err, **{f"graphs_{k}": v for k, v in summary.items()},
+                C_err=C_err, loss_err=loss_err, **{f"graphs_{k}": v for k, v in summary.items()}, **private_pools(),
                 status="ok" if worst <= 1e-2 else "FAIL")
 
 

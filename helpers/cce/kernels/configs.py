@@ -356,12 +356,15 @@ def tier_for_card(card) -> CCEConfigs:
 
 
 def select_configs(device) -> CCEConfigs:
-    """The tier for ``device`` (a torch.device): the CPU's on CPU (``cpu_tier``), else by shared memory
+    """The tier for ``device`` (a torch.device or its name): the CPU's on CPU (``cpu_tier``), else by shared memory
     (a pretend card's, ``helpers.cce.device``: a T4's 64 KB, an A100's 163 KB). On the CPU under
     ``HELPERS_PRETEND=<card>`` the card's tier, so the interpreter runs the configurations the card
     gets."""
+    import torch
+
     from helpers.cce.device import device_info, pretended_card
 
+    device = torch.device(device)
     if device.type != "cuda":
         card = pretended_card()
         return tier_for_card(card) if card else cpu_tier()
