@@ -274,11 +274,12 @@ for name in primary_methods():
 #   elements; on a T4, in fp32 and on the CPU, (V, D) temporaries for dC too.
 # - **Apple CCE**: the floor, (N·D + V·D)·b, plus O(N) for the per-row LSE.
 # - **ours (Triton CCE)**: the floor plus its backward's scratch, a G chunk and (16-bit) dE's fp32
-#   accumulator: 12-21% above the floor at the Qwen3 head.
+#   accumulator (and, with few tokens, a G buffer; below): 1.02-1.08× the floor at the Qwen3 head with
+#   1,024 tokens, 1.13-1.20× from 16,384 (bf16, on an H200; `docs/PERFORMANCE.md`).
 # - **ours with the sparse backward** (`backward_impl="sparse"`, the registry's `ours_sparse`,
 #   which the default "auto" picks where it pays; not swept here): the floor plus the forward's bits (N·V/128 bits), a buffer of gradient
 #   tiles and the list of marked pairs: measured on an H200, 1.06× the floor at the Gemma-2-2B head
-#   and 1.11-1.15× at the Qwen3 head from N = 16,384 to 131,072 (bf16, realistic inputs;
+#   and 1.11-1.17× at the Qwen3 head from N = 16,384 to 131,072 (bf16, realistic inputs;
 #   `docs/PERFORMANCE.md`). Where it cannot skip (a flat softmax, fewer than ~8 million (row, tile)
 #   pairs) it runs the "gemm" backward and holds what that holds.
 # - Any other method (**torch LCE**) has no formula here and is compared with the floor.
@@ -302,10 +303,14 @@ for name in primary_methods():
 # - **ours**: dE's fp32 accumulator (rows × D, 16-bit inputs) is sized by `helpers.cce.gemm_chunks`
 #   to at most max(64 MiB, LB/16), where LB = (N·D + V·D)·b is the floor; the 64 MiB minimum keeps
 #   cuBLAS's products large at small N, and is why ours sits above the floor while Apple CCE sits
-#   on it. Each G chunk (rows × vocabulary columns, input dtype) costs nothing: it is written into
-#   rows of dC or dE that the backward has not written yet (`helpers.cce.gemm_plan`), and only fp32
-#   inputs, whose dE is its own accumulator, need a buffer of at most max(32 MiB, LB/32) for the
-#   last chunks. Plus 24 bytes of fp32 per-row state.
+#   on it. Each G chunk (rows × vocabulary columns, input dtype) is written where it can into rows
+#   of dC or dE that the backward has not written yet (`helpers.cce.gemm_plan`), at no cost. Two
+#   buffers may add to that: with few tokens a G buffer of up to 8% of the floor
+#   (`HostTuning.g_buffer_lb_share`) ends the tail of ever narrower in-place chunks in one launch,
+#   and on a small head, where even the widest in-place chunk would be host-bound, one of up to
+#   128 MiB (`g_chunk_host_us`, `g_buffer_max_bytes`); fp32 inputs, whose dE is its own
+#   accumulator, need a buffer of at most max(32 MiB, LB/32) for the last chunks. Plus 24 bytes of
+#   fp32 per-row state.
 #
 # </details>
 

@@ -446,8 +446,8 @@ for name in PT["methods"]:
 # that follow still multiply them: **that filter buys no speed**, whatever share it skips. It is there to match the paper's
 # arithmetic (and for the "atomic" backward, which does skip the products). The sparse
 # backward (`backward_impl="sparse"`, the registry's `ours_sparse`) is the one that turns skipping
-# into time, deciding per row from bits the forward keeps (on an H200 it took 42 ms against the
-# "gemm"'s 79 at the Gemma-2-2B head, `docs/PERFORMANCE.md`; "auto" picks it where it pays); it is not an arm of these runs: a
+# into time, deciding per row from bits the forward keeps (on an H200 it took 34.7 ms against the
+# "gemm"'s 59.1 at the Gemma-2-2B head on realistic inputs, `docs/PERFORMANCE.md`; "auto" picks it where it pays); it is not an arm of these runs: a
 # step here (at most 4,096 tokens over a 32,768-word vocabulary, about a million (row, tile) pairs)
 # is below the ~8 million where its index starts to pay, so it would run "gemm".
 
@@ -515,9 +515,12 @@ print(smoke + "\n".join(findings + ["", "validation loss against exact, per freq
 # filter starves rare tokens" is then true of the gradient, not of the rarest tokens' loss: read
 # the final validation loss, over all tokens, for the verdict.
 #
-# "Better" here is a direction, not a recommendation: a loss whose gradients are less accurate can
-# land lower by chance of its errors' direction (Apple CCE's bf16 dE fails the gate in 01, and its
-# filter-off arm, which sends more small terms through the same bf16 accumulation, ends higher).
+# "Better" here is a direction, not a recommendation on its own: a loss whose gradients are less
+# accurate can land lower by chance of its errors' direction. The verdict engine recommends a method
+# that trains "better" only where its gradients also pass 01's float64 gate, as it does one that
+# trains "like exact" (Apple CCE's bf16 dE fails that gate, so a lower loss does not make it
+# recommended; its filter-off arm, which sends more small terms through the same bf16 accumulation,
+# can end higher: the table above says where it ended in this run).
 
 # %% [markdown]
 # ## Speed

@@ -1494,9 +1494,9 @@ for kahan in (False, True):
 #   may reach ε, the backward gathers each tile's marked rows into packs and computes only those,
 #   with the vocabulary sorted so that the tiles a row needs sit together
 #   (`helpers/cce/backward/sparse.py`). On realistic inputs about a tenth of the pairs are marked
-#   and it is faster than the default at the Gemma-2-2B and Qwen3 heads, with dE as accurate as
-#   the default's (the README's figures, from its H200 runs). On a flat softmax (an untrained
-#   model) nothing can be skipped and it runs the default. On the softmax of a language model
+#   and it is faster than the "gemm" backward at the Gemma-2-2B and Qwen3 heads, with dE as accurate
+#   as "gemm"'s (the README's figures, from its H200 runs; the default, "auto", runs it there). On a
+#   flat softmax (an untrained model) nothing can be skipped and it runs "gemm". On the softmax of a language model
 #   trained for the purpose (`helpers.compare.trained`, the `trained` regime) more pairs are
 #   marked and the gain shrinks or vanishes: how peaked a softmax is decides whether skipping pays.
 # - **Its tiles fit a T4.** The launch configurations are a table keyed by shared memory per
