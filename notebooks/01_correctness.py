@@ -376,7 +376,9 @@ for d in dict.fromkeys(r.dtype for r in apple):
 # whatever N (128 at the Qwen3 head). On an H200 its bf16 dC passed every uniform case and erred
 # 2.5x naive's with realistic targets at this case's size (4,096 tokens), and up to 2.9x at 16k and
 # 65k tokens, failing the bound; in fp16, with three more bits, it passed
-# (docs/measurements/h200-2026-12-03b). Ours sums in fp32 and rounds once; under a memory budget
+# (docs/measurements/h200-2026-12-03b). Ours sums in fp32 and rounds once per chunk of up to
+# max(64 MiB, LB/16) of rows (one chunk at this case's size and up to ~16k tokens at the Qwen3 head;
+# `accumulation="kahan"` compensates the folds past it); under a memory budget
 # it sums dC in its own dtype over at most 16 chunks, within the bound. Here, each method's dC error
 # on that case against naive's:
 
