@@ -40,8 +40,9 @@
 #   a tiny student learning its teacher, and one step against the naive path and Liger-Kernel's
 #   fused linear JSD.
 #
-# Expected run time: about 20 seconds on a CPU (tiny shapes, a smoke run). On a GPU it has not been
-# timed yet: expect a minute or two on an H200, a few minutes on a T4.
+# Expected run time: about 20 seconds on a CPU (tiny shapes, a smoke run). On an H200 its quick run
+# took 34 s (bf16) and 68 s with an L4's tiles (docs/measurements/h200-2026-12-02d, -03f); a T4 is
+# slower (not measured there): expect a few minutes.
 
 # %% jupyter={"source_hidden": true} tags=["cold-start"]
 # Cold start: make `helpers` importable here, then report what this machine can run.

@@ -44,7 +44,8 @@
 # interpreter).
 #
 # **Not yet run on two GPUs** (none were available): on one GPU its check has run, the two ranks
-# sharing an H200 as a T4 (fp16, every rank check ok); the timing has not. The two-GPU path is the
+# sharing an H200 as a T4 (fp16), an A100 and an L4 (every rank check ok each time); the timing
+# across two GPUs has not. The two-GPU path is the
 # one `scripts/gpu/vocab_parallel.py` takes (the same functions, `helpers.lab.parallel`), which has
 # not run on two GPUs either.
 #

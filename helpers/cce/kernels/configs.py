@@ -259,7 +259,8 @@ TIERS: tuple[CCEConfigs, ...] = (
         forward={2: _L(128, 128, 32, 8, 3), 4: _L(64, 64, 32, 4, 2)},
         backward={2: _L(64, 64, 32, 4, 2), 4: _L(64, 64, 16, 4, 2)},
         backward_gemm={2: _L(128, 64, 32, 4, 3), 4: _L(64, 64, 32, 4, 2)},
-        # Not tuned (no GPU run yet): 64-column tiles, two bits per forward tile.
+        # Not swept (these tiles have run only as a pretend T4 on an H200): 64-column tiles, two bits per
+        # forward tile.
         sparse={2: _L(64, 64, 32, 4, 2), 4: _L(32, 64, 32, 4, 2)},
         # Not timed: a T4's datasheet (65 TFLOP/s fp16 dense, 8 fp32, 320 GB/s).
         row_gradient=_L(1, 1024, 1, 4, 1),
@@ -298,7 +299,7 @@ TIERS: tuple[CCEConfigs, ...] = (
         forward_sorted={2: _L(256, 128, 64, 8, 3, tma=True)},
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
         backward_gemm={2: _L(128, 256, 64, 8, 3, GROUP_N=16, tma=True, persistent=1), 4: _L(128, 64, 32, 8, 3)},
-        # Not tuned (no GPU run yet): packs of 64 rows x 128 columns, two bits per forward tile.
+        # Not swept (the only tiles run, on an H200): packs of 64 rows x 128 columns, two bits per forward tile.
         sparse={2: _L(64, 128, 64, 4, 3), 4: _L(64, 64, 32, 4, 3)},
         # Where the sparse backward stopped beating "gemm" on an H200 with a trained model's softmax
         # (docs/PERFORMANCE.md).
