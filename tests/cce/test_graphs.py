@@ -155,6 +155,18 @@ def test_calls_a_graph_does_not_fit_run_eagerly(simulated_graphs):
     assert summary["calls"] == 0, summary
 
 
+def test_a_tier_tuned_in_every_call_still_replays(simulated_graphs):
+    """The key holds the tier by identity: ``tier.tuned(...)`` written in each call gives the same object for
+    the same knobs, so the third call replays (a new object each call would leave every call eager)."""
+    C = batch(0, torch.float32)[1].requires_grad_(True)
+    for seed in (90, 91, 92):
+        E, _, x = batch(seed, torch.float32)
+        linear_cross_entropy(E, C, x, backward_impl="gemm", configs=EAGER.tuned(graphs_below_us=1e12)).backward()
+        C.grad = None
+    for kind in ("forward", "backward"):
+        assert simulated_graphs.summary(kind)["replayed"] == 1, simulated_graphs.summary(kind)
+
+
 def test_the_key_holds_the_classifier_and_the_gradients_by_address(simulated_graphs):
     """The backward run through ``run`` directly: the same call replays; C at another address, or dC's
     block still held by the caller, is another key."""

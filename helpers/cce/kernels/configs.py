@@ -212,9 +212,22 @@ class CCEConfigs:
 
     def tuned(self, **host) -> CCEConfigs:
         """This tier with some host knobs changed (``HostTuning``'s fields) and, for ``dense_fallback``,
-        the density limit: what tests and tuning scripts pass as ``configs``."""
-        fallback = host.pop("dense_fallback", self.dense_fallback)
-        return replace(self, dense_fallback=fallback, host=replace(self.host, **host))
+        the density limit: what tests and tuning scripts pass as ``configs``. The same object for the same
+        tier and knobs, so that a caller who writes ``tier.tuned(...)`` in every call keeps the caches
+        keyed by the tier's identity (the plans', the CUDA graphs')."""
+        try:
+            key = (id(self), tuple(sorted(host.items())))
+            hit = _TUNED.get(key)
+        except TypeError:  # a knob's value that cannot be hashed: a new object
+            key, hit = None, None
+        if hit is not None and hit[0] is self:
+            return hit[1]
+        knobs = dict(host)
+        fallback = knobs.pop("dense_fallback", self.dense_fallback)
+        result = replace(self, dense_fallback=fallback, host=replace(self.host, **knobs))
+        if key is not None:
+            _TUNED[key] = (self, result)  # holds self: its id is not reused while the entry lives
+        return result
 
     def for_dtype(self, dtype) -> tuple[LaunchConfig, LaunchConfig, LaunchConfig]:
         """(forward, backward, indexed_dot) for inputs of ``dtype``."""
@@ -236,6 +249,8 @@ class CCEConfigs:
 
 
 _L = LaunchConfig
+# ``CCEConfigs.tuned``'s results by (the tier's id, the knobs): a handful per process.
+_TUNED: dict[tuple, tuple[CCEConfigs, CCEConfigs]] = {}
 
 INTERPRETER = CCEConfigs(
     "interpreter", None, None,
