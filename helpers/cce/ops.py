@@ -43,7 +43,7 @@ from helpers.cce.backward.atomic import backward_atomic
 from helpers.cce.backward.gemm import backward_gemm
 from helpers.cce.backward.rows import RowGradient
 from helpers.cce.forward import cce_forward, cce_forward_outputs, forward_kernel, reduces_in_kernel
-from helpers.cce.graphs import GRAPHS
+from helpers.cce.graphs import GRAPHS, graphed_plan
 from helpers.cce.options import CCEPlan, auto_filter_eps, plan_call
 from helpers.cce.shared import read_later
 from helpers.spec import raise_for_targets, targets_out_of_range
@@ -136,12 +136,15 @@ def loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, plan: CCEP
     # The rows' upstream gradient is grad_loss itself (a scalar for a mean or a sum); a mean's division by
     # the kept rows is made in the row kernel (``RowGradient.of``; with few tokens each launch is host time).
     divisor = n_kept if plan.options.reduction == "mean" else None
+    graphed = GRAPHS.applies(E, C, plan, stats, activity)  # few tokens on a GPU: replayed (``helpers.cce.graphs``)
+    if graphed:
+        plan = graphed_plan(plan)
 
     def backward(E, C, x, lse, r, grad_loss, grad_lse, divisor, bias, out=None):
         return run_backward(E, C, x, lse, r, grad_loss, plan, stats=stats, grad_lse=grad_lse, bias=bias,
                             activity=activity, divisor=divisor, out=out)
 
-    if GRAPHS.applies(E, C, plan, stats, activity):  # few tokens on a GPU: replayed (``helpers.cce.graphs``)
+    if graphed:
         need_dE, need_dC, _ = plan.need
         return GRAPHS.run(
             "backward", backward, plan=plan, held=dict(C=C, bias=bias),

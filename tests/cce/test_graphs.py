@@ -167,6 +167,30 @@ def test_a_tier_tuned_in_every_call_still_replays(simulated_graphs):
         assert simulated_graphs.summary(kind)["replayed"] == 1, simulated_graphs.summary(kind)
 
 
+def test_a_graphed_backward_runs_without_the_g_buffer(simulated_graphs, monkeypatch):
+    """Launches are free under a graph, so its plan drops the G buffer that saves them (8% of LB, held in the
+    graph's pool); eager calls keep it. Each call's backward is seen with the tier it runs."""
+    from helpers.cce import ops
+
+    shares = []
+    run_backward = ops.run_backward
+
+    def spy(*args, **kwargs):
+        shares.append(args[6].configs.host.g_buffer_lb_share)  # the plan
+        return run_backward(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "run_backward", spy)
+    C = batch(0, torch.float32)[1].requires_grad_(True)
+    for configs in (GRAPHED, GRAPHED, GRAPHED, EAGER):
+        E, _, x = batch(95, torch.float32)
+        linear_cross_entropy(E, C, x, backward_impl="gemm", configs=configs).backward()
+        C.grad = None
+    # First sight, the capture's eager run (its replay runs nothing new), a replay (the simulated graph runs
+    # the captured call again), eager.
+    assert shares[:2] == [0.0, 0.0] and shares[-1] == EAGER.host.g_buffer_lb_share > 0, shares
+    assert set(shares[:-1]) == {0.0} and simulated_graphs.summary("backward")["replayed"] == 1
+
+
 def test_the_key_holds_the_classifier_and_the_gradients_by_address(simulated_graphs):
     """The backward run through ``run`` directly: the same call replays; C at another address, or dC's
     block still held by the caller, is another key."""
