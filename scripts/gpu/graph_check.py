@@ -29,10 +29,10 @@ under capture or ``torch.compile`` skips. Cases, each written to the results fil
    0.5 ms against eager's ~2; what is left is autograd's engine, the input copies and the targets'
    check), the GPU time (predicted: eager's, within 5%), the loss and gradients (within 1e-3: the
    captured backward scales dC through its operand), the peak (predicted: eager's plus E's two copies
-   and the forward's graph-held outputs, a few MB), and the graphs' counts (predicted: 2 graphs).
-   ``graphed_calls/no-g-buffer``: the same without the backward's G buffer (``HostTuning.g_buffer_lb_share``
-   = 0: 9 G chunks in place instead of 5 and a buffer, the launches free under a graph): the pool's
-   bytes without the buffer's 8% of LB, at what GPU time. Each records the private pools' blocks.
+   and the forward's graph-held outputs, a few MB), and the graphs' counts (predicted: 2 graphs). Measured
+   (docs/measurements/h200-2026-12-05): 84 MB in the pool, the G buffer of each backward graph and a 32 MiB
+   cuBLAS workspace; a graphed backward now runs without the G buffer (``helpers.cce.graphs.graphed_plan``),
+   predicted ~5 MB above eager's peak and the workspace. It records the private pools' blocks.
 6. ``graphed_loop/1`` and ``/2``: case 4's training loop (an embedding, a hidden layer, the head C, AdamW)
    run twice from one seed, eager and with the graphs, with 1 and 2 backward calls per optimizer step
    (the second keeps C.grad alive between them, so dC's block alternates): the runs' losses and final C
@@ -191,10 +191,9 @@ def private_pools() -> dict:
                 cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
 
 
-def check_graphed_calls(E, C, x, calls, reference, name="graphed_calls", **tuning) -> dict:
-    """Case 5 (module doc): the loss with ``helpers.cce.graphs`` on, called as case 1 calls it; ``tuning``:
-    more ``HostTuning`` knobs."""
-    configs = graphed_configs(E.device).tuned(**tuning)
+def check_graphed_calls(E, C, x, calls, reference) -> dict:
+    """Case 5 (module doc): the loss with ``helpers.cce.graphs`` on, called as case 1 calls it."""
+    configs = graphed_configs(E.device)
     GRAPHS.clear()
     torch.cuda.empty_cache()  # the last case's pools: their segments go back, so that this case's are alone
 
@@ -205,7 +204,7 @@ def check_graphed_calls(E, C, x, calls, reference, name="graphed_calls", **tunin
     for _ in range(3):  # eager (first sight), captured, replayed
         got = run()
     torch.cuda.synchronize()
-    record = dict(case=name, **compared(got, reference), **timed(run, True, calls))
+    record = dict(case="graphed_calls", **compared(got, reference), **timed(run, True, calls))
     _, eager_peak = peak_memory(lambda: step(E, C, x))
     _, graphed_peak = peak_memory(run)
     # A forward's graph and a backward's if the timed calls found their dE and dC blocks again; each
@@ -272,8 +271,6 @@ def main():
     run("loop_pointers", check_loop_pointers, N, V, D, dtype, device, 10 if cuda else 4)  # the CPU: the code path
     if cuda:
         run("graphed_calls", check_graphed_calls, E, C, x, calls, reference)
-        run("graphed_calls/no-g-buffer", lambda: check_graphed_calls(E, C, x, calls, reference,
-                                                                    "graphed_calls/no-g-buffer", g_buffer_lb_share=0.0))
         for micro_batches in (1, 2):
             run(f"graphed_loop/{micro_batches}", check_graphed_loop, N, V, D, dtype, device, 10, micro_batches)
     else:
