@@ -47,6 +47,10 @@ def temporary_method():
 # Our backward's CUDA graphs, simulated on the CPU (tests/cce/test_graphs.py)
 # ---------------------------------------------------------------------------------------------
 
+class _GraphToken:
+    """What a simulated graph holds of its pool (weakly referable, as a plain object() is not)."""
+
+
 class _SimulatedPool:
     """A CUDA graph pool's use count: released with its last graph, and no capture into it after that."""
 
@@ -55,7 +59,7 @@ class _SimulatedPool:
 
     def graph(self):
         """A token the graph holds: the pool is released when the last token is gone."""
-        token = type("GraphToken", (), {})()
+        token = _GraphToken()
         self.users += 1
         weakref.finalize(token, self._release_one)
         return token

@@ -220,13 +220,12 @@ class CCEConfigs:
             hit = _TUNED.get(key)
         except TypeError:  # a knob's value that cannot be hashed: a new object
             key, hit = None, None
-        if hit is not None and hit[0] is self:
+        if hit is not None:
             return hit[1]
-        knobs = dict(host)
-        fallback = knobs.pop("dense_fallback", self.dense_fallback)
-        result = replace(self, dense_fallback=fallback, host=replace(self.host, **knobs))
+        fallback = host.pop("dense_fallback", self.dense_fallback)
+        result = replace(self, dense_fallback=fallback, host=replace(self.host, **host))
         if key is not None:
-            _TUNED[key] = (self, result)  # holds self: its id is not reused while the entry lives
+            _TUNED[key] = (self, result)  # holds self, so that no other tier takes its id while the entry lives
         return result
 
     def for_dtype(self, dtype) -> tuple[LaunchConfig, LaunchConfig, LaunchConfig]:
