@@ -73,7 +73,7 @@ from helpers.cce.class_weights import check_weight, weighted_reduction, z_loss_t
 from helpers.cce.forward_grads import ForwardGradsFunction, plan_schedule
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import CCEPlan, check_bias_gradient, plan_call
-from helpers.cce.shared import no_host_sync
+from helpers.cce.shared import no_host_sync, shift_targets
 from helpers.cce.ops import (
     linear_cross_entropy_op,
     loss_backward,
@@ -247,10 +247,7 @@ def linear_cross_entropy(
             raise ValueError(f"memory_budget={memory_budget!r} is not supported under torch.compile or CUDA graph "
                              "capture (its schedule reads the device on the host); only 'min'")
     lead = x.shape
-    if shift:
-        shifted = torch.full_like(x, ignore_index)
-        shifted[..., :-1] = x[..., 1:]
-        x = shifted
+    x = shift_targets(x, shift, ignore_index)
     E_rows, x_rows = E.reshape(-1, E.shape[-1]), x.reshape(-1)
     grad = torch.is_grad_enabled()
     wants_db = bias is not None and bias.requires_grad

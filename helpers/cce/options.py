@@ -304,10 +304,12 @@ def plan_call(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, configs: 
     """``linear_cross_entropy``'s plan: the backward's name, the options (``resolve_options``; "auto"
     eps by ``auto_filter_eps``, per row for "sparse"; "auto" sort for "sparse" only), the bias's
     gradient against the backward (``wants_db``: the bias requires grad), the device and dtype
-    (``why_unavailable``), the tier, then for "auto" the backward (``helpers.cce.auto``). E (N, D) and
-    C (V, D) give the device, the dtype and the sizes; ``vocabulary`` (default V) is the whole
-    vocabulary "auto"'s threshold bounds a row's loss over, where C is one rank's shard of it."""
+    (``why_unavailable``), the tier, then for "auto" the backward (``helpers.cce.auto``). E (..., D) and
+    C (V, D) give the device, the dtype and the sizes (E's leading dimensions flattened: N rows);
+    ``vocabulary`` (default V) is the whole vocabulary "auto"'s threshold bounds a row's loss over,
+    where C is one rank's shard of it."""
     check_backward_impl(backward_impl, BACKWARD_CHOICES)
+    E = E.reshape(-1, E.shape[-1])  # (B, T, D) counts B T rows, not B ("auto"'s pairs, the plan's key)
     if not (_is_auto(sort_vocab) or isinstance(sort_vocab, bool)):
         raise ValueError(f"sort_vocab must be 'auto', True or False, got {sort_vocab!r}")
     configs = resolve_configs(configs, E.device)

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from helpers.cce.kernels.configs import CCEConfigs
-from helpers.cce.shared import no_host_sync
+from helpers.cce.shared import no_host_sync, shift_targets
 from helpers.cce.ops import (
     linear_cross_entropy_outputs_op,
     outputs_backward,
@@ -122,10 +122,7 @@ def linear_cross_entropy_outputs(
                          "on the host, a device sync); call without stats there")
     backward_impl = traceable_backward(backward_impl) if quiet else backward_impl
     lead = x.shape
-    if shift:
-        shifted = torch.full_like(x, ignore_index)
-        shifted[..., :-1] = x[..., 1:]
-        x = shifted
+    x = shift_targets(x, shift, ignore_index)
     E_rows, x_rows = E.reshape(-1, E.shape[-1]), x.reshape(-1)
     grad = torch.is_grad_enabled()
     wants_db = bias is not None and bias.requires_grad

@@ -59,7 +59,7 @@ from helpers.cce.forward import cce_forward_rows, log_target_prob, merge_row_sta
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import CCEPlan, plan_call
 from helpers.cce.outputs import TokenOutputs
-from helpers.cce.shared import vocabulary_order
+from helpers.cce.shared import shift_targets, vocabulary_order
 from helpers.spec import raise_for_targets, targets_out_of_range, validate_inputs
 
 DE_REDUCTIONS = ("all_reduce", "none")
@@ -268,14 +268,6 @@ def _check_common(dE_reduction, backward_impl, shift):
         raise ValueError(f"shift must be True or False, got {shift!r}")
 
 
-def _shifted(x, shift: bool, ignore_index: int):
-    if not shift:
-        return x
-    shifted = torch.full_like(x, ignore_index)
-    shifted[..., :-1] = x[..., 1:]
-    return shifted
-
-
 def _need(E, C_local, bias_local):
     grad = torch.is_grad_enabled()
     return (grad and E.requires_grad, grad and C_local.requires_grad,
@@ -356,7 +348,7 @@ def vocab_parallel_cross_entropy(
         z_loss=z_loss, label_smoothing=label_smoothing, temperature=temperature,
     )
     lead = x.shape
-    x = _shifted(x, shift, ignore_index).reshape(-1)
+    x = shift_targets(x, shift, ignore_index).reshape(-1)
     loss, lse = VocabParallelCrossEntropyFunction.apply(E.reshape(-1, E.shape[-1]), C_local, x, bias_local, plan,
                                                         layout, dE_reduction, stats)
     if weight is not None:
@@ -444,7 +436,7 @@ def vocab_parallel_outputs(
         temperature=temperature,
     )
     lead = x.shape
-    x = _shifted(x, shift, ignore_index).reshape(-1)
+    x = shift_targets(x, shift, ignore_index).reshape(-1)
     logprob, entropy, correct = VocabParallelOutputsFunction.apply(E.reshape(-1, E.shape[-1]), C_local, x,
                                                                    bias_local, plan, layout, dE_reduction, stats)
     return TokenOutputs(logprob.reshape(lead), entropy.reshape(lead), correct.reshape(lead))

@@ -21,6 +21,19 @@ def vocabulary_order(E: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
     return torch.argsort(torch.mv(C, E_mean).float(), descending=True)
 
 
+def shift_targets(x: torch.Tensor, shift: bool, ignore_index: int) -> torch.Tensor:
+    """x as the loss scores it: with ``shift`` (a causal LM's labels), position t takes x[..., t + 1] and
+    the last position ``ignore_index``; else x. Shifting needs a sequence dimension (a ``ValueError``
+    for a 0-d x)."""
+    if not shift:
+        return x
+    if x.dim() == 0:
+        raise ValueError("shift=True needs targets with a sequence dimension (x of shape (..., T)), got one 0-d target")
+    shifted = torch.full_like(x, ignore_index)
+    shifted[..., :-1] = x[..., 1:]
+    return shifted
+
+
 def read_later(t: torch.Tensor) -> Callable[[], float | bool]:
     """A function that returns the one-element ``t`` as a Python number. On a GPU the copy to the
     host is queued now and waited for only when called (up to ``t``'s own work, not the work queued

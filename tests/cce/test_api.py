@@ -7,6 +7,7 @@ import torch
 
 import helpers.cce.backward as backward_module
 from helpers.cce import LinearCrossEntropy, linear_cross_entropy
+from helpers.cce.kernels.configs import tier
 from helpers.compare.inputs import make_inputs
 from helpers.spec import reference_loss, relative_error
 
@@ -92,6 +93,48 @@ def test_the_returned_lse_is_right_and_differentiable(dtype, backward_impl):
     assert relative_error(lse.reshape(-1), ref_lse) < 1e-6
     assert relative_error(loss, ref_loss) < TOL[dtype]
     assert relative_error(Eg.grad, rdE) < TOL[dtype] and relative_error(Cg.grad, rdC) < TOL[dtype]
+
+
+@pytest.mark.parametrize("backward_impl", ["gemm", "atomic", "sparse"])
+def test_a_class_id_as_ignore_index_keeps_the_lse_gradient_of_its_column(backward_impl):
+    """ignore_index=0 is a class (torch allows it): at an ignored row the lse's gradient reaches every
+    column, column 0 among them. (The forward gave such a row no target; G gave column 0 the target's
+    coefficient, 0 there, so dE and dC lost S_i0 of the lse's gradient.)"""
+    E, C, x, _ = inputs(torch.float32)
+    x = torch.where(x < 0, 5, x)
+    x[0, 1], x[1, 4] = 0, 0  # ignored rows: their target is ignore_index, class 0
+    Eg, Cg = leaves(E, C)
+    stats = {}
+    # "sparse" at this size and density (no minimum of pairs, no dense hand-over), with a filter far below
+    # G's entries (fp32's "auto" is off)
+    sparse = dict(filter_eps=1e-9, configs=tier("interpreter").tuned(sparse_min_pairs=0, dense_fallback=1.01),
+                  stats=stats)
+    loss, lse = linear_cross_entropy(Eg, Cg, x, ignore_index=0, return_lse=True, backward_impl=backward_impl,
+                                     **(sparse if backward_impl == "sparse" else dict(filter_eps=None)))
+    (loss + 0.5 * (lse**2).mean()).backward()
+    assert backward_impl != "sparse" or stats["backward"] == "sparse", stats
+    ref_loss, ref_lse, rdE, rdC, _ = reference(E, C, x, ignore_index=0, lse_weight=0.5)
+    assert relative_error(lse.reshape(-1), ref_lse) < 1e-6 and relative_error(loss, ref_loss) < 2e-5
+    assert relative_error(Eg.grad, rdE) < 2e-5 and relative_error(Cg.grad, rdC) < 2e-5
+
+
+def test_leading_dimensions_count_as_rows_for_the_plan():
+    """"auto" decides on N = B T rows, as for the flattened call (it counted B (row, tile) pairs, and the
+    plan's key took T for D); one token of shape (D,) with a 0-d target is one row, as torch takes it."""
+    E, C, x, _ = inputs(torch.float16)
+    said = []
+    for e, t in ((E, x), (E.reshape(-1, E.shape[-1]), x.reshape(-1))):
+        stats = {}
+        linear_cross_entropy(e.clone().requires_grad_(True), C, t, stats=stats).backward()
+        said.append(stats["auto"])
+    assert said[0] == said[1], said
+    Eg, Cg = leaves(E[0, 0].float(), C.float())
+    loss = linear_cross_entropy(Eg, Cg, x[0, 0])
+    loss.backward()
+    ref_loss, _, rdE, rdC, _ = reference(E[0, 0].float()[None], C.float(), x[0, 0][None])
+    assert relative_error(loss, ref_loss) < 2e-5 and relative_error(Eg.grad[None], rdE) < 2e-5
+    with pytest.raises(ValueError, match="shift=True needs targets with a sequence dimension"):
+        linear_cross_entropy(Eg, Cg, x[0, 0], shift=True)
 
 
 def test_only_the_lse_used_still_backpropagates():

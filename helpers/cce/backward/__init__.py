@@ -79,6 +79,17 @@ def cce_backward(
                         activity=activity)
 
 
+def no_target_at_ignored(x: torch.Tensor, ignore_index: int, V: int) -> torch.Tensor:
+    """x as G's kernels read it: -1 (no target column) at ignored rows where ``ignore_index`` is a class
+    id in [0, V) (torch allows ``ignore_index=0``), else x itself. The forward's lse and non-target mass
+    treat an ignored row as having no target; G must too, or a gradient into the returned lse at that
+    row loses column ``ignore_index``'s S (the row weights give it a = h and t = a - a r = 0 there).
+    The kernels already match no column for -100 or any target outside [0, V)."""
+    if 0 <= ignore_index < V:
+        return torch.where(x == ignore_index, -1, x)
+    return x
+
+
 def run_backward(E, C, x, lse, r, grad_rows, plan: CCEPlan, n_chunk: int | None = None, v_chunk: int | None = None,
                  stats: dict | None = None, *, grad_lse=None, bias=None, activity: Activity | None = None,
                  divisor=None, out=None):
@@ -98,6 +109,7 @@ def run_backward(E, C, x, lse, r, grad_rows, plan: CCEPlan, n_chunk: int | None 
         if divisor is not None:
             raise ValueError("class weights reduce after the kernels: their rows take no divisor")
         up = RowGradient.of_class_weights(grad_rows, grad_lse, x, o.ignore_index, cw, o.label_smoothing, r)
+    x = no_target_at_ignored(x, o.ignore_index, C.shape[0])
     if stats is not None and plan.auto is not None:
         stats["auto"] = plan.auto.why
     if plan.backward_impl == "sparse":

@@ -137,8 +137,9 @@ def _plan(E, C, x, lse, up, activity, o, cfg, need, dense_fallback: float, host:
     live = up.w > 0
     live_u8 = live.to(torch.uint8)
     # Each kept row's target tile holds -b there, which the forward's bits (made from S) do not see.
-    # Only what x decides: the fix-up is the same on every call.
-    kept = x != o.ignore_index
+    # Only what x decides: the fix-up is the same on every call. (x comes with -1 at ignored rows
+    # where ignore_index is a class id: ``no_target_at_ignored``.)
+    kept = (x != o.ignore_index) & (x >= 0)
     target = torch.where(kept, x, 0).long()
     if activity.order is not None:
         position = torch.empty_like(activity.order)
