@@ -347,10 +347,15 @@ def test_bad_temperature_is_named(temperature):
     ([1.0] * V, {}, TypeError, "weight must be None or a torch.Tensor"),
     (torch.full((V,), float("inf")), {}, ValueError, r"weight must hold finite weights \(no NaN or inf\)"),
     (torch.full((V,), float("nan")), {}, ValueError, r"weight must hold finite weights \(no NaN or inf\)"),
+    # torch refuses it too; with label smoothing its gradient came out wrong, without a loss that needed none
+    (torch.ones(V), dict(requires_grad=True, label_smoothing=0.2), ValueError, "weight must not require grad"),
+    (torch.ones(V), dict(requires_grad=True, reduction="sum"), ValueError, "weight must not require grad"),
 ])
 def test_bad_weight_is_named(weight, options, error, match):
     E, C, _, x = make_inputs(torch.float32)
     weight = weight.to(DEVICE) if isinstance(weight, torch.Tensor) else weight  # a device check comes first
+    if options.pop("requires_grad", False):
+        weight.requires_grad_(True)
     with pytest.raises(error, match=match):
         linear_cross_entropy(E, C, x, weight=weight, **options)
 
