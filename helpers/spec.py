@@ -37,6 +37,7 @@ logits at a time from the closed-form gradient, for inputs whose float64 logits 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -119,8 +120,12 @@ def validate_inputs(
                             f"got {bias.dtype} on {bias.device}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise ValueError(f"softcap must be None or a positive number, got {softcap!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}")
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int (the target value whose rows are skipped, e.g. -100), "
+                        f"got {ignore_index!r}")
     if E.numel() == 0 or C.shape[0] == 0 or E.shape[-1] == 0:
         raise ValueError(f"E and C must be non-empty, got E {tuple(E.shape)} and C {tuple(C.shape)}")
     if check_targets:
@@ -308,8 +313,9 @@ def validate_distill_inputs(
                          f"softmaxes and the JSD is 0: use kind='forward' or 'reverse'), got {beta!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap > 0):
-        raise ValueError(f"softcap must be None or a positive number, got {softcap!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}")
     if E_s.numel() == 0 or C_s.shape[0] == 0 or E_s.shape[-1] == 0 or E_t.shape[-1] == 0:
         raise ValueError(f"E_s, C_s and E_t must be non-empty, got E_s {tuple(E_s.shape)}, C_s {tuple(C_s.shape)} "
                          f"and E_t {tuple(E_t.shape)}")

@@ -491,12 +491,21 @@ def test_bad_inputs_name_the_argument(case):
         (dict(sort_vocab="yes"), "sort_vocab"),
         (dict(reduction="avg"), "reduction"),
         (dict(softcap=-1.0), "softcap"),
+        (dict(softcap=float("inf")), "softcap must be None or a finite positive number"),
+        (dict(softcap=True), "softcap must be None or a finite positive number"),
         (dict(backward_impl="fast"), "backward_impl"),
     ],
 )
 def test_bad_options_name_the_option(options, message):
     with pytest.raises(ValueError, match=message):
         linear_cross_entropy(*make_inputs(torch.float32), **options)
+
+
+@pytest.mark.parametrize("ignore_index", [None, 1.5, True, torch.tensor(5)])
+def test_an_ignore_index_that_is_not_an_int_is_named(ignore_index):
+    """Torch takes an int; these reached the kernels (a crash inside the interpreter, or 1.5 taken silently)."""
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        linear_cross_entropy(*make_inputs(torch.float32), ignore_index=ignore_index)
 
 
 def test_filter_eps_defaults_from_the_dtype_and_the_vocabulary():

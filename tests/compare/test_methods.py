@@ -102,7 +102,7 @@ def test_bad_options_get_clear_errors():
     E, C, x = inputs()
     with pytest.raises(ValueError, match="reduction must be one of"):
         helpers.get_method("naive")(E, C, x, reduction="avg")
-    with pytest.raises(ValueError, match="softcap must be None or a positive number"):
+    with pytest.raises(ValueError, match="softcap must be None or a finite positive number"):
         helpers.get_method("naive")(E, C, x, softcap=-1.0)
 
 
