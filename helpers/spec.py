@@ -120,16 +120,26 @@ def validate_inputs(
                             f"got {bias.dtype} on {bias.device}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-                                    and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}")
-    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
-        raise TypeError(f"ignore_index must be an int (the target value whose rows are skipped, e.g. -100), "
-                        f"got {ignore_index!r}")
+    check_softcap(softcap)
+    check_ignore_index(ignore_index)
     if E.numel() == 0 or C.shape[0] == 0 or E.shape[-1] == 0:
         raise ValueError(f"E and C must be non-empty, got E {tuple(E.shape)} and C {tuple(C.shape)}")
     if check_targets:
         raise_for_targets(x, C.shape[0], ignore_index)
+
+
+def check_softcap(softcap) -> None:
+    """A ``ValueError`` naming ``softcap`` unless it is None or a finite number > 0 (not a bool)."""
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}")
+
+
+def check_ignore_index(ignore_index) -> None:
+    """A ``TypeError`` naming ``ignore_index`` unless it is an int (not a bool), as torch takes it."""
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int (the target value whose rows are skipped, e.g. -100), "
+                        f"got {ignore_index!r}")
 
 
 def targets_out_of_range(x: torch.Tensor, V: int, ignore_index: int) -> torch.Tensor:
@@ -246,6 +256,7 @@ def validate_distill_inputs(
     beta: float = 0.5,
     reduction: str = "mean",
     softcap: float | None = None,
+    ignore_index: int = -100,
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES,
 ) -> None:
     """Raise a ``ValueError``/``TypeError`` naming the argument when a distillation call's inputs break
@@ -313,9 +324,8 @@ def validate_distill_inputs(
                          f"softmaxes and the JSD is 0: use kind='forward' or 'reverse'), got {beta!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-                                    and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}")
+    check_softcap(softcap)
+    check_ignore_index(ignore_index)
     if E_s.numel() == 0 or C_s.shape[0] == 0 or E_s.shape[-1] == 0 or E_t.shape[-1] == 0:
         raise ValueError(f"E_s, C_s and E_t must be non-empty, got E_s {tuple(E_s.shape)}, C_s {tuple(C_s.shape)} "
                          f"and E_t {tuple(E_t.shape)}")

@@ -36,11 +36,11 @@ import torch
 
 def check_weight(weight, C: torch.Tensor, *, read_values: bool = True) -> None:
     """Raise a ``TypeError``/``ValueError`` naming ``weight`` unless it is a finite floating-point (V,)
-    tensor on C's device that does not require grad. Negative weights are taken, as torch and Liger take them (a class that
-    pushes its logit down); a weighted mean whose kept weights sum to 0 is then inf or NaN, as torch's.
-    Checking the values reads one
-    flag of the weight (a device sync on a GPU); ``read_values=False`` (torch.compile, CUDA graph
-    capture) skips that check: a negative or non-finite weight then gives that loss, unreported."""
+    tensor on C's device that does not require grad. Negative weights are taken, as torch and Liger take
+    them (a class that pushes its logit down); a weighted mean whose kept weights sum to 0 is then inf or
+    NaN, as torch's. Checking the values reads one flag of the weight (a device sync on a GPU);
+    ``read_values=False`` (torch.compile, CUDA graph capture) skips that check: a negative or non-finite
+    weight then gives that loss, unreported."""
     V = C.shape[0]
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be None or a torch.Tensor of shape (V,) = ({V},), got {type(weight).__name__}")

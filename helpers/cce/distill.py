@@ -311,7 +311,7 @@ def linear_kl_div(
     and bias_t get no gradient even when they require one.
     """
     validate_distill_inputs(E_s, C_s, E_t, C_t, bias_s=bias_s, bias_t=bias_t, mask=mask, x=x, kind=kind, beta=beta,
-                            reduction=reduction, softcap=softcap)
+                            reduction=reduction, softcap=softcap, ignore_index=ignore_index)
     temperature = check_temperature(temperature)
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
