@@ -129,9 +129,11 @@ def validate_inputs(
 
 
 def check_softcap(softcap) -> None:
-    """A ``ValueError`` naming ``softcap`` unless it is None or a finite number > 0 (not a bool)."""
+    """A ``ValueError`` naming ``softcap`` unless it is None or a finite number > 0 (not a bool). Comparisons
+    only: torch.compile traces a soft cap that changes between calls as a symbolic float, which
+    ``math.isfinite`` cannot take (NaN fails both comparisons)."""
     if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-                                    and math.isfinite(softcap) and softcap > 0):
+                                    and 0 < softcap < math.inf):
         raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}")
 
 

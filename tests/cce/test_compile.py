@@ -126,6 +126,22 @@ def test_compiled_loss_with_a_symbolic_vocabulary_matches_eager():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_a_soft_cap_and_an_ignore_index_that_change_between_compiled_calls():
+    """torch.compile traces a float that changes between calls as a symbolic float (and may an int): the
+    options' checks must trace them (``math.isfinite`` on the soft cap broke ``fullgraph=True``)."""
+    E = torch.randn(N, H, requires_grad=True)
+    C = torch.randn(V, H)
+    _, x = batch()
+    compiled = torch.compile(lambda E, x, softcap, ignore: linear_cross_entropy(E, C, x, softcap=softcap,
+                                                                                 ignore_index=ignore),
+                             fullgraph=True, backend="aot_eager")
+    for softcap, ignore in ((2.0, -100), (3.0, -1), (4.5, 0)):
+        xi = torch.where(x == -100, ignore, x)  # the batch's ignored tokens, as this call marks them
+        torch.testing.assert_close(compiled(E, xi, softcap, ignore),
+                                   linear_cross_entropy(E, C, xi, softcap=softcap, ignore_index=ignore),
+                                   rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("z_loss", [0.0, 0.01])
 def test_compiled_loss_with_class_weights_and_shift(z_loss):
     """With a z-loss too: it is added from the returned lse, unweighted (``helpers.cce.class_weights``)."""
