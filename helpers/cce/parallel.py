@@ -324,6 +324,10 @@ def vocab_parallel_cross_entropy(
                    backward_impl=backward_impl, temperature=temperature, dE_reduction=dE_reduction,
                    configs=str(configs), weight=None if weight is None else tuple(weight.shape),
                    bias=bias_local is not None, dtype=str(E.dtype))
+    # The targets as scored (shifted) before the layout checks their range: a first column the shift drops
+    # may hold anything, as for ``linear_cross_entropy`` (a shift that is not a bool is refused below).
+    lead = x.shape
+    x = shift_targets(x, shift is True, ignore_index)
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
                           ignore_index=ignore_index, options=options)
     validate_inputs(E, C_local, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias_local,
@@ -347,8 +351,7 @@ def vocab_parallel_cross_entropy(
         softcap=softcap, sort_vocab=sort_vocab, accumulation=accumulation, full_c=full_c, full_e=full_e,
         z_loss=z_loss, label_smoothing=label_smoothing, temperature=temperature,
     )
-    lead = x.shape
-    x = shift_targets(x, shift, ignore_index).reshape(-1)
+    x = x.reshape(-1)
     loss, lse = VocabParallelCrossEntropyFunction.apply(E.reshape(-1, E.shape[-1]), C_local, x, bias_local, plan,
                                                         layout, dE_reduction, stats)
     if weight is not None:
@@ -422,6 +425,10 @@ def vocab_parallel_outputs(
     options = dict(ignore_index=ignore_index, shift=shift, softcap=softcap, temperature=temperature,
                    filter_eps=filter_eps, configs=str(configs), backward_impl=backward_impl,
                    dE_reduction=dE_reduction, bias=bias_local is not None, dtype=str(E.dtype), outputs=True)
+    # The targets as scored (shifted) before the layout checks their range: a first column the shift drops
+    # may hold anything, as for ``linear_cross_entropy`` (a shift that is not a bool is refused below).
+    lead = x.shape
+    x = shift_targets(x, shift is True, ignore_index)
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
                           ignore_index=ignore_index, options=options)
     validate_inputs(E, C_local, x, ignore_index=ignore_index, softcap=softcap, bias=bias_local, leading_dims=True,
@@ -435,8 +442,7 @@ def vocab_parallel_outputs(
         filter_eps=filter_eps, vocabulary=vocab_size, ignore_index=ignore_index, softcap=softcap,
         temperature=temperature,
     )
-    lead = x.shape
-    x = shift_targets(x, shift, ignore_index).reshape(-1)
+    x = x.reshape(-1)
     logprob, entropy, correct = VocabParallelOutputsFunction.apply(E.reshape(-1, E.shape[-1]), C_local, x,
                                                                    bias_local, plan, layout, dE_reduction, stats)
     return TokenOutputs(logprob.reshape(lead), entropy.reshape(lead), correct.reshape(lead))

@@ -306,6 +306,11 @@ def check_errors(rank, world):
                  lambda: call(weight=weight, label_smoothing=0.1))
     # After all of these, a good call still works (no rank left behind in a collective).
     assert torch.isfinite(call())
+    # The range is checked on the targets as scored: a first target the causal shift drops may be anything,
+    # as for the single-device loss (it was refused before the shift).
+    dropped = x.clone()
+    dropped[0] = V + 5
+    torch.testing.assert_close(call(targets=dropped, shift=True), call(targets=x, shift=True))
 
 
 def test_bad_setups_raise_on_every_rank():
