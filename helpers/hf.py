@@ -109,6 +109,7 @@ class _PatchState:
     softcap_attr: str | None  # the config attribute holding the final logit soft cap, if any
     loss: object  # the linear cross-entropy the patched forward calls (None: ours)
     output_class: type
+    output_fields: tuple  # output_class's fields but the loss and the logits (read once: torch.compile cannot)
     instance_forward: object  # what model.__dict__["forward"] held before patching, or None
     structure_checked: bool  # whether the forward's source was read and checked (else: trusted by name)
     class_weight: torch.Tensor | None = None  # (V,) class weights of every labelled call (``patch``)
@@ -179,6 +180,8 @@ def causal_lm_loss(
     # A view when the hidden states are contiguous (they are, straight from the final norm).
     E = hidden_states.view(-1, D) if hidden_states.is_contiguous() else hidden_states.reshape(-1, D)
     x = targets.reshape(-1)
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:  # transformers' own loss refuses them
+        raise TypeError(f"labels must hold integer class indices, got {x.dtype}")
     if x.dtype not in (torch.int64, torch.int32):
         x = x.long()
     dtype = _kernel_dtype(E)
@@ -413,13 +416,15 @@ def check_supported(model, *, allow_unlisted: bool = False) -> _PatchState:
             f"{refuse}: its loss_function is {getattr(loss_function, '__name__', loss_function)!r}, "
             "not transformers' ForCausalLMLoss, which is the loss the patch reproduces"
         )
+    output_class = _output_class(fn)
     return _PatchState(
         family=owner.__name__,
         signature=signature,
         varkw=varkw,
         softcap_attr=structure["softcap_attr"],
         loss=None,
-        output_class=_output_class(fn),
+        output_class=output_class,
+        output_fields=tuple(f.name for f in dataclasses.fields(output_class) if f.name not in ("loss", "logits")),
         instance_forward=model.__dict__.get("forward"),
         structure_checked=checked,
     )
@@ -534,7 +539,6 @@ def _original_forward(model, state: _PatchState):
 
 def _patched_forward(self, *args, **kwargs):
     state: _PatchState = self.__dict__[_STATE]
-    original = _original_forward(self, state)
     # return_dict is consumed by transformers' @can_return_tuple before the forward's body.
     return_dict = kwargs.pop("return_dict", None)
     try:
@@ -544,7 +548,7 @@ def _patched_forward(self, *args, **kwargs):
     if bound is None or bound.arguments.get("labels") is None:
         if return_dict is not None:
             kwargs["return_dict"] = return_dict
-        return original(*args, **kwargs)  # inference: exactly the original (or its own error)
+        return _original_forward(self, state)(*args, **kwargs)  # inference: exactly the original (or its own error)
 
     bound.apply_defaults()
     arguments = dict(bound.arguments)
@@ -574,8 +578,7 @@ def _patched_forward(self, *args, **kwargs):
         class_weight=state.class_weight,
         temperature=state.temperature,
     )
-    fields = {f.name for f in dataclasses.fields(state.output_class)} - {"loss", "logits"}
-    result = state.output_class(loss=loss, logits=None, **{f: getattr(outputs, f, None) for f in fields})
+    result = state.output_class(loss=loss, logits=None, **{f: getattr(outputs, f, None) for f in state.output_fields})
     # As @can_return_tuple: return_dict from the call, else the config's.
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)

@@ -349,6 +349,25 @@ def test_logits_to_keep_with_labels_is_refused():
         model(ids, labels=labels, logits_to_keep=1)
 
 
+def test_a_patched_model_compiles_with_fullgraph():
+    """The patched forward traces whole: it bound the original forward (types.MethodType) and read the
+    output's dataclass fields on every call, neither of which torch.compile can trace."""
+    torch._dynamo.reset()  # a trace cached by an earlier compile would hide a break
+    model = hf.patch(make_model("qwen3"))
+    ids, labels = make_batch()
+    want = model(ids, labels=labels).loss
+    got = torch.compile(model, fullgraph=True, backend="aot_eager")(ids, labels=labels).loss
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_float_labels_are_refused_as_transformers_refuses_them():
+    """The patch cast them with .long() (2.7 scored as class 2) where transformers' own loss raises."""
+    model = hf.patch(make_model("qwen3"))
+    ids, labels = make_batch()
+    with pytest.raises(TypeError, match="labels must hold integer class indices, got torch.float32"):
+        model(ids, labels=labels.float() + 0.7)
+
+
 def test_labels_passed_positionally():
     model = make_model("mistral")
     ids, labels = make_batch()
