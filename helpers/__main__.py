@@ -3,10 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from helpers.cce.device import CARDS
 from helpers.lab.profiles import PROFILES
+
+
+def _at_least(least: int):
+    """An argparse type: an int of at least ``least``, or argparse's own error naming the option."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {least}"
+    return parse
+
+
+def _known_methods(names: list[str] | None) -> None:
+    """Exit with a message naming ``--methods``' unknown names and the registered ones (none: all)."""
+    from helpers.compare.methods import METHODS
+
+    unknown = [n for n in names or () if n not in METHODS]
+    if unknown:
+        sys.exit(f"--methods: no method {', '.join(map(repr, unknown))}; registered: {', '.join(METHODS)}")
 
 
 def _pretend(args) -> None:
@@ -36,6 +60,7 @@ def _gate(args) -> int:
     from helpers.compare.gate import gate_cases, run_gate
     from helpers.lab.profiles import get_profile
 
+    _known_methods(args.methods)
     _pretend(args)
     profile = get_profile(args.profile)
     dtypes = tuple(getattr(torch, d) for d in (args.dtypes or profile.dtypes))
@@ -55,6 +80,7 @@ def _bench(args) -> int:
 
     from helpers.compare.bench import bench_table, run_bench
 
+    _known_methods(args.methods)
     _pretend(args)
     records = run_bench(
         args.methods, args.shapes, args.regimes, tuple(getattr(torch, d) for d in args.dtypes),
@@ -69,6 +95,10 @@ def _bench(args) -> int:
 def _scale_report(args) -> int:
     from helpers.lab.scale import write_scale_report
 
+    if not os.path.isfile(args.bench):
+        print(f"bench: no results file at {args.bench!r} (make one with python -m helpers bench --output FILE)",
+              file=sys.stderr)
+        return 2
     try:
         table, figure = write_scale_report(args.bench, args.output_dir, args.shape, args.regime, args.dtype,
                                            args.matmul_tflops)
@@ -114,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--profile", default="auto", choices=profiles, help="run size (default: for the hardware found)")
     run.add_argument("--output", default="results", help="folder for executed notebooks and results")
     run.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. 01 02")
-    run.add_argument("--timeout", type=int, default=None, help="seconds a single cell may run")
+    run.add_argument("--timeout", type=_at_least(1), default=None, help="seconds a single cell may run")
     pretend_help = ("as the card would see it, on a bigger GPU: its memory cap, shared memory per block, compute "
                     "capability and configuration tier; not its speed (on a CPU: its configuration tier)")
     run.add_argument("--pretend", choices=list(CARDS), metavar="CARD",
@@ -145,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--shapes", nargs="+", default=["gemma2-2b"], choices=sorted(SHAPES))
     bench.add_argument("--regimes", nargs="+", default=["uniform"], choices=REGIMES)
     bench.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["float32", "float16", "bfloat16"])
-    bench.add_argument("--N", nargs="+", type=int, help="token counts (default: each shape's list)")
+    bench.add_argument("--N", nargs="+", type=_at_least(1), help="token counts (default: each shape's list)")
     bench.add_argument("--output", help="write results here: JSON Lines, a meta record first (device, versions, command)")
-    bench.add_argument("--warmup", type=int, default=2)
-    bench.add_argument("--repeats", type=int, default=7)
+    bench.add_argument("--warmup", type=_at_least(0), default=2)
+    bench.add_argument("--repeats", type=_at_least(1), default=7)
     bench.add_argument("--time-failed", action="store_true", help="also time methods that fail the gate")
     bench.add_argument("--pretend", choices=list(CARDS), metavar="CARD", help=f"measure {pretend_help}; the "
                        f"results file's meta record names the card. CARD: {', '.join(CARDS)}")

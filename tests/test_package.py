@@ -206,3 +206,35 @@ def test_a_triton_interpreter_that_numpy_breaks_is_named_before_any_kernel_runs(
     import triton.runtime.interpreter
 
     assert interpreter_problem(numpy.__version__, inspect.getsource(triton.runtime.interpreter)) is None  # this one runs
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["bench", "--methods", "nope"], "--methods: no method 'nope'; registered: naive"),
+    (["gate", "--methods", "ours", "nope"], "--methods: no method 'nope'"),
+    (["bench", "--N", "-5"], "argument --N: expected an integer >= 1, got -5"),
+    (["bench", "--N", "0"], "argument --N: expected an integer >= 1, got 0"),
+    (["bench", "--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
+    (["bench", "--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
+    (["run", "--timeout", "ten"], "argument --timeout: expected an integer, got 'ten'"),
+])
+def test_the_command_line_names_a_bad_argument_before_any_work(argv, says, capsys):
+    """Each was a traceback, or a run that failed late (a KeyError from the registry; a negative N in
+    the bench's table), or was taken (a negative warm-up)."""
+    from helpers.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code != 0
+    assert says in (str(stop.value.code) if isinstance(stop.value.code, str) else capsys.readouterr().err)
+
+
+def test_a_missing_results_file_is_named(tmp_path, capsys):
+    from helpers.__main__ import main
+
+    assert main(["scale-report", str(tmp_path / "missing.jsonl"), "--output-dir", str(tmp_path / "out")]) == 2
+    assert "no results file at" in capsys.readouterr().err
+
+
+def test_get_method_takes_a_name():
+    with pytest.raises(TypeError, match="name must be a method's name"):
+        helpers.get_method(["ours"])

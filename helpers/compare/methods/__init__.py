@@ -70,6 +70,8 @@ def method_label(name: str) -> str:
 
 
 def get_method(name: str) -> Method:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a method's name (a str), got {type(name).__name__}; registered: {', '.join(METHODS)}")
     if name not in METHODS:
         raise KeyError(f"no method {name!r}; registered: {', '.join(METHODS)}")
     return METHODS[name]
