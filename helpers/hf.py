@@ -79,6 +79,7 @@ import torch
 from helpers.cce import linear_cross_entropy
 from helpers.cce.class_weights import check_weight
 from helpers.cce.options import check_temperature
+from helpers.cce.shared import shift_targets as shared_shift
 from helpers.cce.schedules import check_memory_budget
 
 # Class name -> (the transformers module that defines it, the config attribute of its final logit
@@ -122,10 +123,9 @@ class _PatchState:
 
 
 def shift_targets(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """transformers' causal shift: ``pad(labels, (0, 1), value=ignore_index)[..., 1:]``."""
-    targets = labels.new_full(labels.shape, ignore_index)
-    targets[..., :-1] = labels[..., 1:]
-    return targets
+    """transformers' causal shift: ``pad(labels, (0, 1), value=ignore_index)[..., 1:]`` (the loss's own,
+    ``helpers.cce.shared.shift_targets``)."""
+    return shared_shift(labels, True, ignore_index)
 
 
 def _kernel_dtype(hidden: torch.Tensor) -> torch.dtype:
