@@ -20,7 +20,6 @@ def _at_least(least: int):
         if value < least:
             raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value}")
         return value
-    parse.__name__ = f"integer >= {least}"
     return parse
 
 

@@ -101,9 +101,14 @@ def run_notebook(path: Path, profile: str, output: Path, timeout_s: int | None =
 
 def parse_parameters(pairs: list[list[str]] | None) -> dict:
     """``-p NAME VALUE`` pairs as a dict, each VALUE read as a Python literal where it is one
-    (``False``, ``3``, ``'text'``), else kept as the string."""
+    (``False``, ``3``, ``'text'``), true and false in any case as booleans (a shell's, JSON's: as a
+    string "false" would be truthy, and ``-p SOLUTIONS false`` would show the solutions), else kept as
+    the string."""
     parsed = {}
     for name, value in pairs or []:
+        if value.lower() in ("true", "false"):
+            parsed[name] = value.lower() == "true"
+            continue
         try:
             parsed[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):

@@ -53,6 +53,8 @@ def test_a_parameter_from_the_command_line_overrides_the_suites_where_declared(t
 
     assert parse_parameters([["SOLUTIONS", "False"], ["label", "run one"], ["steps", "3"]]) == {
         "SOLUTIONS": False, "label": "run one", "steps": 3}
+    # A shell's or JSON's spelling too: the string "false" would be truthy and show the solutions.
+    assert parse_parameters([["SOLUTIONS", "false"], ["quick", "TRUE"]]) == {"SOLUTIONS": False, "quick": True}
     workshop, gate = find_notebooks(["04"])[0], find_notebooks(["01"])[0]
     attendee = notebook_parameters(workshop, "cpu", tmp_path, parameters={"SOLUTIONS": False})
     assert attendee["SOLUTIONS"] is False
