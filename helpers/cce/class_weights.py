@@ -36,7 +36,7 @@ import torch
 
 def check_weight(weight, C: torch.Tensor, *, read_values: bool = True) -> None:
     """Raise a ``TypeError``/``ValueError`` naming ``weight`` unless it is a finite floating-point (V,)
-    tensor on C's device that does not require grad. Negative weights are taken, as torch and Liger take
+    tensor on C's device that does not require grad where grad is enabled (as torch). Negative weights are taken, as torch and Liger take
     them (a class that pushes its logit down); a weighted mean whose kept weights sum to 0 is then inf or
     NaN, as torch's. Checking the values reads one flag of the weight (a device sync on a GPU);
     ``read_values=False`` (torch.compile, CUDA graph capture) skips that check: a negative or non-finite
@@ -51,7 +51,7 @@ def check_weight(weight, C: torch.Tensor, *, read_values: bool = True) -> None:
         raise TypeError(f"weight must be a floating-point tensor, got {weight.dtype}")
     if weight.device != C.device:
         raise ValueError(f"weight must be on C's device ({C.device}), got {weight.device}")
-    if weight.requires_grad:  # torch's cross_entropy refuses it too: no gradient reaches the weights
+    if weight.requires_grad and torch.is_grad_enabled():  # as torch's cross_entropy: no gradient reaches them
         raise ValueError("weight must not require grad (the loss is not differentiated with respect to the "
                          "class weights, as in torch's cross_entropy): pass weight.detach()")
     if read_values and not bool(torch.isfinite(weight).all()):

@@ -354,10 +354,20 @@ def test_bad_temperature_is_named(temperature):
 def test_bad_weight_is_named(weight, options, error, match):
     E, C, _, x = make_inputs(torch.float32)
     weight = weight.to(DEVICE) if isinstance(weight, torch.Tensor) else weight  # a device check comes first
+    options = dict(options)  # the parametrized dict stays as it was
     if options.pop("requires_grad", False):
         weight.requires_grad_(True)
     with pytest.raises(error, match=match):
         linear_cross_entropy(E, C, x, weight=weight, **options)
+
+
+def test_a_weight_that_requires_grad_is_taken_where_grad_is_off():
+    """As torch: an nn.Parameter of class weights in an evaluation loop (no_grad) is fine."""
+    E, C, _, x = make_inputs(torch.float32)
+    weight = torch.rand(V, device=DEVICE).requires_grad_(True)
+    with torch.no_grad():
+        got = linear_cross_entropy(E, C, x, weight=weight)
+    torch.testing.assert_close(got, linear_cross_entropy(E, C, x, weight=weight.detach()))
 
 
 def test_outputs_refuse_what_they_cannot_do():
