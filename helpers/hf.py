@@ -532,9 +532,18 @@ def unpatch(model):
 
 
 def _original_forward(model, state: _PatchState):
+    """The forward ``model`` had before ``patch``, bound (for its signature, read at patch time)."""
     if state.instance_forward is None:
         return types.MethodType(type(model).forward, model)
     return state.instance_forward
+
+
+def _call_original(model, state: _PatchState, *args, **kwargs):
+    """The forward ``model`` had before ``patch``: its class's, called unbound (torch.compile traces it
+    whole; a bound copy made each call it could not), or its own attribute."""
+    if state.instance_forward is None:
+        return type(model).forward(model, *args, **kwargs)
+    return state.instance_forward(*args, **kwargs)
 
 
 def _patched_forward(self, *args, **kwargs):
@@ -548,7 +557,7 @@ def _patched_forward(self, *args, **kwargs):
     if bound is None or bound.arguments.get("labels") is None:
         if return_dict is not None:
             kwargs["return_dict"] = return_dict
-        return _original_forward(self, state)(*args, **kwargs)  # inference: exactly the original (or its own error)
+        return _call_original(self, state, *args, **kwargs)  # inference: exactly the original (or its own error)
 
     bound.apply_defaults()
     arguments = dict(bound.arguments)

@@ -356,8 +356,10 @@ def test_a_patched_model_compiles_with_fullgraph():
     model = hf.patch(make_model("qwen3"))
     ids, labels = make_batch()
     want = model(ids, labels=labels).loss
-    got = torch.compile(model, fullgraph=True, backend="aot_eager")(ids, labels=labels).loss
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(ids, labels=labels).loss, want, rtol=1e-6, atol=1e-7)
+    # Without labels (evaluation, generation): the original forward, traced whole too.
+    torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-6, atol=1e-6)
 
 
 def test_float_labels_are_refused_as_transformers_refuses_them():
