@@ -94,7 +94,7 @@ def _bench(args) -> int:
 def _scale_report(args) -> int:
     from helpers.lab.scale import write_scale_report
 
-    if not os.path.isfile(args.bench):
+    if not os.path.exists(args.bench) or os.path.isdir(args.bench):  # a pipe may be read
         print(f"bench: no results file at {args.bench!r} (make one with python -m helpers bench --output FILE)",
               file=sys.stderr)
         return 2

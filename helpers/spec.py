@@ -327,7 +327,8 @@ def validate_distill_inputs(
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_softcap(softcap)
-    check_ignore_index(ignore_index)
+    if x is not None:  # ignore_index is read only against targets
+        check_ignore_index(ignore_index)
     if E_s.numel() == 0 or C_s.shape[0] == 0 or E_s.shape[-1] == 0 or E_t.shape[-1] == 0:
         raise ValueError(f"E_s, C_s and E_t must be non-empty, got E_s {tuple(E_s.shape)}, C_s {tuple(C_s.shape)} "
                          f"and E_t {tuple(E_t.shape)}")

@@ -266,7 +266,7 @@ def linear_cross_entropy(
             full_e, configs, backward_impl, lse_wanted)
     else:
         plan = plan_call(
-            E, C,
+            E_rows, C,
             backward_impl=backward_impl,
             configs=configs,
             return_lse=lse_wanted,

@@ -309,7 +309,8 @@ def plan_call(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, configs: 
     ``vocabulary`` (default V) is the whole vocabulary "auto"'s threshold bounds a row's loss over,
     where C is one rank's shard of it."""
     check_backward_impl(backward_impl, BACKWARD_CHOICES)
-    E = E.reshape(-1, E.shape[-1])  # (B, T, D) counts B T rows, not B ("auto"'s pairs, the plan's key)
+    E = E.reshape(-1, E.shape[-1])  # (B, T, D) counts B T rows, not B ("auto"'s pairs, the plan's key); callers
+    # that have the rows pass them (a reshape of a non-contiguous E would copy it)
     if not (_is_auto(sort_vocab) or isinstance(sort_vocab, bool)):
         raise ValueError(f"sort_vocab must be 'auto', True or False, got {sort_vocab!r}")
     configs = resolve_configs(configs, E.device)

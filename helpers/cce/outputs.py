@@ -136,7 +136,7 @@ def linear_cross_entropy_outputs(
             configs, backward_impl)
     else:
         plan = plan_call(
-            E, C,
+            E_rows, C,
             backward_impl=backward_impl,
             configs=configs,
             return_lse=False,

@@ -60,7 +60,7 @@ from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import CCEPlan, plan_call
 from helpers.cce.outputs import TokenOutputs
 from helpers.cce.shared import shift_targets, vocabulary_order
-from helpers.spec import raise_for_targets, targets_out_of_range, validate_inputs
+from helpers.spec import check_ignore_index, raise_for_targets, targets_out_of_range, validate_inputs
 
 DE_REDUCTIONS = ("all_reduce", "none")
 # The local targets: a rank's own target columns in [0, V_r); every other row (ignored, or its target
@@ -327,6 +327,7 @@ def vocab_parallel_cross_entropy(
     # The targets as scored (shifted) before the layout checks their range: a first column the shift drops
     # may hold anything, as for ``linear_cross_entropy`` (a shift that is not a bool is refused below).
     lead = x.shape
+    check_ignore_index(ignore_index)  # before the shift writes it into x
     x = shift_targets(x, shift is True, ignore_index)
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
                           ignore_index=ignore_index, options=options)
@@ -343,8 +344,9 @@ def vocab_parallel_cross_entropy(
                              "(each rank would need the weighted logit sums of every shard); use one or the other")
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
+    E_rows = E.reshape(-1, E.shape[-1])
     plan = plan_call(
-        E, C_local, backward_impl=backward_impl, configs=configs, return_lse=return_lse,
+        E_rows, C_local, backward_impl=backward_impl, configs=configs, return_lse=return_lse,
         need=_need(E, C_local, bias_local), wants_db=bias_local is not None and bias_local.requires_grad,
         filter_eps=filter_eps, vocabulary=vocab_size, ignore_index=ignore_index,
         reduction="none" if weight is not None else reduction,
@@ -352,7 +354,7 @@ def vocab_parallel_cross_entropy(
         z_loss=z_loss, label_smoothing=label_smoothing, temperature=temperature,
     )
     x = x.reshape(-1)
-    loss, lse = VocabParallelCrossEntropyFunction.apply(E.reshape(-1, E.shape[-1]), C_local, x, bias_local, plan,
+    loss, lse = VocabParallelCrossEntropyFunction.apply(E_rows, C_local, x, bias_local, plan,
                                                         layout, dE_reduction, stats)
     if weight is not None:
         loss = weighted_reduction(loss, x, weight, ignore_index, reduction)
@@ -428,6 +430,7 @@ def vocab_parallel_outputs(
     # The targets as scored (shifted) before the layout checks their range: a first column the shift drops
     # may hold anything, as for ``linear_cross_entropy`` (a shift that is not a bool is refused below).
     lead = x.shape
+    check_ignore_index(ignore_index)  # before the shift writes it into x
     x = shift_targets(x, shift is True, ignore_index)
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
                           ignore_index=ignore_index, options=options)
@@ -436,13 +439,14 @@ def vocab_parallel_outputs(
     _check_common(dE_reduction, backward_impl, shift)
     if stats is not None and not isinstance(stats, dict):
         raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
+    E_rows = E.reshape(-1, E.shape[-1])
     plan = plan_call(
-        E, C_local, backward_impl=backward_impl, configs=configs, return_lse=False,
+        E_rows, C_local, backward_impl=backward_impl, configs=configs, return_lse=False,
         need=_need(E, C_local, bias_local), wants_db=bias_local is not None and bias_local.requires_grad,
         filter_eps=filter_eps, vocabulary=vocab_size, ignore_index=ignore_index, softcap=softcap,
         temperature=temperature,
     )
     x = x.reshape(-1)
-    logprob, entropy, correct = VocabParallelOutputsFunction.apply(E.reshape(-1, E.shape[-1]), C_local, x,
+    logprob, entropy, correct = VocabParallelOutputsFunction.apply(E_rows, C_local, x,
                                                                    bias_local, plan, layout, dE_reduction, stats)
     return TokenOutputs(logprob.reshape(lead), entropy.reshape(lead), correct.reshape(lead))

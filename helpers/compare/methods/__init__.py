@@ -4,8 +4,9 @@ Every method has one signature,
 
     method(E, C, x, *, bias=None, ignore_index=-100, reduction="mean", softcap=None) -> loss
 
-with E (N, D), C (V, D), x (N,), bias (V,) or None, and the semantics of ``helpers.spec`` (exactly
-``F.cross_entropy`` on the soft-capped fp32 logits). Autograd through the result gives dE and dC.
+with E (N, D), C (V, D), x (N,), bias (V,) or None, and the semantics of ``helpers.spec``
+(``F.cross_entropy``'s loss on the soft-capped logits; how closely each comes to it in float64 is what
+the gate measures). Autograd through the result gives dE and dC.
 What a method can take is a field of its entry, read by every caller that must know: a bias
 (``supports_bias``; a method without one refuses a bias), the skipped tiles (``counts_skips``).
 
