@@ -155,7 +155,8 @@ def linear_cross_entropy(
         min(2^-15, 2^-10 x 256 / V) fp16; for "sparse" per row, below; off for fp32 and with label
         smoothing), a number (0 = off; per tile, as given, for every backward) or None (off). "auto"
         follows the backward that runs, also under ``backward_impl="auto"`` and in the sparse
-        backward's hand-over to "gemm".
+        backward's hand-over to "gemm". A row's tile is dropped when its |G| mass there (before the
+        soft cap's derivative) is below the threshold.
     sort_vocab: order the vocabulary by average logit for the filter: "auto" (for "sparse" only),
         True or False.
     accumulation: "fp32" (fp32 scratch, rounded once per row chunk) or "kahan" (also compensates

@@ -70,7 +70,8 @@ def filtered_reference(E, C, x, go, eps, order, block_v, *, reduction="mean", so
     its logits is w_i G_i with G_i = a_i S - b_i [v = x_i] (times the soft cap's chain rule) and the
     coefficients of ``helpers.cce.backward.rows.RowGradient``: g_i the loss's upstream gradient, h_i the
     lse's (``grad_lse``), w = max(|g|, |h|), a = (g (1 + 2 zl lse) + h) / w, b = g / w. A row's G in a
-    tile (of sorted positions when ``order``) is dropped when its |G| mass there is below eps."""
+    tile (of sorted positions when ``order``) is dropped when its |G| mass there, before the soft cap's
+    derivative, is below eps."""
     n, v = E.shape[0], C.shape[0]
     kept = x != -100
     z = reference_logits(E, C, bias=bias)
@@ -87,12 +88,16 @@ def filtered_reference(E, C, x, go, eps, order, block_v, *, reduction="mean", so
     safe = torch.where(w > 0, w, 1.0)
     G = torch.exp(z - lse[:, None]) * ((g * (1 + 2 * z_loss * lse) + h) / safe)[:, None]
     G[torch.arange(n)[kept], x[kept]] -= (g / safe)[kept]
-    if t is not None:
-        G = G * (1 - t * t)
     order = order if order is not None else torch.arange(v)
     tiles = -(-v // block_v)
-    Gs = torch.nn.functional.pad(G[:, order], (0, tiles * block_v - v)).view(n, tiles, block_v)
-    Gs = Gs * (Gs.abs().sum(-1, keepdim=True) >= eps)
+
+    def tiled(M):
+        return torch.nn.functional.pad(M[:, order], (0, tiles * block_v - v)).view(n, tiles, block_v)
+
+    keep = tiled(G).abs().sum(-1, keepdim=True) >= eps  # judged before the soft cap's derivative
+    if t is not None:
+        G = G * (1 - t * t)
+    Gs = tiled(G) * keep
     G = torch.empty_like(G)
     G[:, order] = Gs.view(n, -1)[:, :v]
     G = G * w[:, None]

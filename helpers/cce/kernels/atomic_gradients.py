@@ -24,7 +24,8 @@ row, the tile's |G| entries SUM to less than eps. The paper skips when every ent
 on a flat softmax (a soft cap of 4 over V = 151,936: every entry ~1e-5, under bf16's 2^-12) that
 skips every tile, and the dropped entries, each negligible, sum to the whole softmax: dE was off by
 2.3e-2 on the H200. Bounding each tile's row mass keeps what a skip drops to eps per tile, and on a
-peaked softmax (a trained model's: the tail's tiles hold ~1e-6 each) skips nearly as much. FULL_E (FULL_C) computes dE (dC) for skipped tiles anyway, the paper's variants that
+peaked softmax (a trained model's: the tail's tiles hold ~1e-6 each) skips nearly as much. The mass
+is taken before the soft cap's derivative (``gradient_tile.py``'s module doc). FULL_E (FULL_C) computes dE (dC) for skipped tiles anyway, the paper's variants that
 keep one gradient exact. Reference: autograd through ``helpers.spec.reference_loss``.
 """
 
@@ -143,7 +144,7 @@ def backward_atomic_kernel(
         dC_rows = cols
 
     # 2-3. The logit tile, recomputed on chip (Algorithm 3, line 3), and its gradient G.
-    G = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
+    G, mass = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
                       V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
                       BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
                       inv_temperature=inv_temperature, ENTROPY=ENTROPY, class_weight_ptr=class_weight_ptr,
@@ -155,7 +156,7 @@ def backward_atomic_kernel(
     # 4. [Gradient filter, section 4.2] skip the products of a tile whose rows each hold less than
     # eps of |G| (sum, not max: see the module doc).
     if FILTER:
-        if tl.max(tl.sum(tl.abs(G), axis=1)) < eps:
+        if tl.max(mass) < eps:
             if COUNT_SKIPS:
                 tl.atomic_add(skip_count_ptr, 1)
             if FULL_E and NEED_DE:

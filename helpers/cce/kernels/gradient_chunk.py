@@ -140,7 +140,7 @@ def _gradient_chunk_tile(
         cols = v_begin + local_v
 
     # 2. The logit tile rebuilt on chip and its gradient, exactly as the "atomic" kernel forms it.
-    G = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
+    G, mass = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
                       V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
                       BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
                       E_DESC, E_DESC and not SORTED, pid_n * BLOCK_N, v_begin + pid_v * BLOCK_V,
@@ -156,7 +156,7 @@ def _gradient_chunk_tile(
     # 3. [Gradient filter, section 4.2] a tile whose rows each hold less than eps of |G| mass
     # (the row-mass rule: the sum, not the largest entry) is written as zeros and recorded as skipped.
     if FILTER:
-        kept_tile = tl.max(tl.sum(tl.abs(G), axis=1)) >= eps
+        kept_tile = tl.max(mass) >= eps
         tl.store(tile_kept_ptr + pid_n * tl.cdiv(v_count, BLOCK_V) + pid_v, kept_tile.to(tl.int8))
         if SPLIT_G:
             tl.store(G_exact_ptr + g_ptrs, G.to(dtype), mask=g_mask)

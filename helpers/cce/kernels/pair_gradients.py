@@ -56,9 +56,9 @@ def pack_gradient(
     """(G, keep, accounted, cols, col_mask) of the pack of ``rows`` (int64, ``row_mask`` the lanes
     that hold one) in vocabulary tile ``tile``: G is (BLOCK_N, BLOCK_V) fp32, zero in rows the
     filter drops (keep = 0), empty lanes and padding; ``accounted`` is each row's |a| x (softmax
-    mass in the tile) less the |G| mass the filter dropped there, so that |a| minus a row's sum of
-    it over its marked tiles is the |G| mass the row lost (exact without a soft cap, an upper bound
-    with one): what the filter's rule bounds. The softmax mass alone would not do: a row that
+    mass in the tile) less the |G| mass the filter dropped there (before the soft cap's derivative:
+    ``gradient_tile``'s mass), so that |a| minus a row's sum of it over its marked tiles is the mass
+    the row lost: what the filter's rule bounds. The softmax mass alone would not do: a row that
     predicts its target surely has |G| ~ 0 but S ~ 1 there."""
     local_v = tile.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)  # vocabulary positions
     col_mask = local_v < V
@@ -66,12 +66,12 @@ def pack_gradient(
         cols = tl.load(vocab_order_ptr + local_v, mask=col_mask, other=0).to(tl.int64)
     else:
         cols = local_v
-    G, S = gradient_and_softmax_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols,
-                                     row_mask, col_mask, V, D,
-                                     stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
-                                     softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION)
+    G, S, g_mass = gradient_and_softmax_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols,
+                                             row_mask, col_mask, V, D,
+                                             stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
+                                             softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS,
+                                             DOT_PRECISION)
     # [Gradient filter, per row] the rule of every backward, decided for each row on its own.
-    g_mass = tl.sum(tl.abs(G), axis=1)
     keep = (g_mass >= eps) & row_mask
     G = tl.where(keep[:, None], G, 0.0)
     a = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
