@@ -256,6 +256,13 @@ def test_filter_keeps_a_flat_softmax_whose_entries_are_each_below_eps(backward_i
     assert relative_error(dE, rdE) < TOL[torch.float16] and relative_error(dC, rdC) < TOL[torch.float16]
 
 
+def forced(impl):
+    """backward_impl=impl, and for "sparse" a tier that runs it whatever the size (no hand-over to "gemm")."""
+    if impl != "sparse":
+        return dict(backward_impl=impl)
+    return dict(backward_impl="sparse", configs=tier_with(dense_fallback=1.0, sparse_min_pairs=0))
+
+
 def saturated_soft_cap():
     """Pre-cap logits ~35x the cap (|z| ~ 170, softcap 5), one row, fp16: the soft cap's derivative
     1 - tanh^2 shrinks every entry of G, the largest softmax entries most."""
@@ -276,11 +283,45 @@ def test_a_saturated_soft_cap_without_the_filter_is_as_close_as_fp16_allows():
 @pytest.mark.parametrize("impl", ["gemm", "atomic", "sparse"])
 def test_filter_keeps_a_saturated_soft_caps_gradient(impl):
     """The row's whole |G| mass is ~6e-3 here. Judged after the cap's derivative, "auto"'s per-tile
-    threshold dropped a few percent of it (dE 1.9e-2, dC 1.5e-2 relative error; 9e-4 and 8e-4 with the
-    filter off, the test above); judged before it (``gradient_tile.py``), as close as the filter off."""
+    threshold dropped a few percent of it ("gemm", "atomic": dE 1.9e-2, dC 1.5e-2 relative error; 9e-4
+    and 8e-4 with the filter off, the test above); judged before it (``gradient_tile.py``), as close as
+    the filter off. "sparse": 2.7e-3 before, 1.9e-3 now (its limit: the test below)."""
     (E, C, x, go), (_, rdE, rdC) = saturated_soft_cap()
-    _, dE, dC = run_ours(E, C, x, go, softcap=5.0, filter_eps="auto", backward_impl=impl)
+    stats = {}
+    _, dE, dC = run_ours(E, C, x, go, softcap=5.0, filter_eps="auto", stats=stats, **forced(impl))
+    assert stats["backward"] == impl
     assert relative_error(dE, rdE) < 3e-3 and relative_error(dC, rdC) < 3e-3
+
+
+@pytest.mark.xfail(strict=True, reason="known: sorted, the unsaturated columns fill tiles of their own whose softmax "
+                   "mass is below eps, and they carry the row's gradient (README, Caveats)")
+def test_sparse_keeps_a_saturated_soft_caps_gradient_at_a_coarser_eps():
+    """"sparse" at an explicit eps of 1e-4 on the saturated row: 6.1e-2 (7.4e-2 with the mass taken after
+    the cap's derivative); "gemm" and "atomic" 9.2e-4, as with the filter off."""
+    (E, C, x, go), (_, rdE, rdC) = saturated_soft_cap()
+    _, dE, dC = run_ours(E, C, x, go, softcap=5.0, filter_eps=1e-4, **forced("sparse"))
+    assert relative_error(dE, rdE) < 3e-3 and relative_error(dC, rdC) < 3e-3
+
+
+@pytest.mark.parametrize("impl", ["gemm", "atomic", "sparse"])
+def test_an_inf_in_E_under_a_soft_cap_leaves_dE_finite(impl):
+    """A soft cap maps an infinite logit to +-cap with a zero derivative: torch's dE is finite. A
+    padding column's logit is E . 0 = NaN there; G must be masked after the cap's derivative too, or
+    the on-chip products ("atomic", unsorted "sparse") spread the NaN over the row."""
+    torch.manual_seed(0)
+    E = torch.randn(8, 16).half()
+    C = (torch.randn(100, 16) / 4).half()  # V = 100: every tier's tiles leave padding columns
+    x = torch.randint(0, 100, (8,))
+    E[0, 0] = float("inf")
+    E64 = E.double().requires_grad_(True)
+    F.cross_entropy(5.0 * torch.tanh(E64 @ C.double().T / 5.0), x).backward()
+    Eg = E.to(DEVICE).requires_grad_(True)
+    stats = {}
+    linear_cross_entropy(Eg, C.to(DEVICE), x.to(DEVICE), softcap=5.0, filter_eps=1e-3, sort_vocab=False,
+                         stats=stats, **forced(impl)).backward()
+    assert stats["backward"] == impl
+    assert torch.isfinite(E64.grad).all() and torch.isfinite(Eg.grad).all()
+    assert relative_error(Eg.grad.cpu(), E64.grad) < 3e-3
 
 
 @pytest.mark.parametrize("full", ["full_c", "full_e"])

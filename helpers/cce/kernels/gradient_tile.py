@@ -162,5 +162,6 @@ def gradient_and_softmax_tile(
     # gradient with respect to the capped logits; module doc). Without a cap, the mass of G itself.
     mass = tl.sum(tl.abs(G), axis=1)
     if HAS_SOFTCAP:
-        G = G * (1.0 - t * t)
+        # Masked again: a padding column's logit is E . 0, NaN where E holds an inf, and so is its t.
+        G = tl.where(col_mask[None, :], G * (1.0 - t * t), 0.0)
     return G, tl.where(col_mask[None, :], S, 0.0), mass
