@@ -162,6 +162,8 @@ def gradient_and_softmax_tile(
     # gradient with respect to the capped logits; module doc). Without a cap, the mass of G itself.
     mass = tl.sum(tl.abs(G), axis=1)
     if HAS_SOFTCAP:
-        # Masked again: a padding column's logit is E . 0, NaN where E holds an inf, and so is its t.
-        G = tl.where(col_mask[None, :], G * (1.0 - t * t), 0.0)
+        # A padding column's logit is E . 0, NaN where E holds an inf, and so is its t: its G (0) must
+        # not become 0 * NaN. maximum returns its number operand (max.f32; the interpreter's fmax), so
+        # the derivative is 0 there; a real column with a NaN logit has a NaN G already.
+        G = G * tl.maximum(1.0 - t * t, 0.0)
     return G, tl.where(col_mask[None, :], S, 0.0), mass
