@@ -34,13 +34,15 @@ from helpers.compare.results_file import ResultsWriter, run_meta
 
 
 def cases(tiny: bool):
-    """(name, N, V, D, softmax regime): "realistic" is where "auto" runs the sparse backward, whose
-    forward is another kernel (activity bits, the sorted walk)."""
+    """(name, N, V, D, softmax regime, soft cap): "realistic" is where "auto" runs the sparse backward,
+    whose forward is another kernel (activity bits, the sorted walk); Gemma-2's own soft cap of 30 is
+    another G kernel (the cap's derivative, and the filter's mass taken before it)."""
     if tiny:
-        return [("tiny", 8, 300, 32, "uniform")]
-    return ([(f"qwen3-{n}", n, QWEN3.V, QWEN3.D, "uniform") for n in (1024, 16384)]
-            + [("qwen3-16384-realistic", 16384, QWEN3.V, QWEN3.D, "realistic"),
-               ("gemma2-8192", 8192, GEMMA2.V, GEMMA2.D, "uniform")])
+        return [("tiny", 8, 300, 32, "uniform", None), ("tiny-softcap", 8, 300, 32, "uniform", 30.0)]
+    return ([(f"qwen3-{n}", n, QWEN3.V, QWEN3.D, "uniform", None) for n in (1024, 16384)]
+            + [("qwen3-16384-realistic", 16384, QWEN3.V, QWEN3.D, "realistic", None),
+               ("gemma2-8192", 8192, GEMMA2.V, GEMMA2.D, "uniform", None),
+               ("gemma2-8192-softcap30", 8192, GEMMA2.V, GEMMA2.D, "uniform", 30.0)])
 
 
 def main():
@@ -58,7 +60,7 @@ def main():
     writer = ResultsWriter(args.out or os.devnull, run_meta(device))
     repeats, warmup = (2, 1) if args.tiny else (15, 3)
     print(f"tree {args.label or '-'}: helpers from {os.path.dirname(os.path.dirname(helpers.__file__))}")
-    for name, n, v, d, regime in cases(args.tiny):
+    for name, n, v, d, regime, softcap in cases(args.tiny):
         if args.cases and name not in args.cases:
             continue
         E, C, x = make_inputs(n, v, d, dtype, device, regime=regime, seed=0)
@@ -68,13 +70,13 @@ def main():
 
             def forward(loss_fn=loss_fn):
                 with torch.no_grad():
-                    loss_fn(E, C, x)
+                    loss_fn(E, C, x, softcap=softcap)
 
             def step(loss_fn=loss_fn):
                 E.grad = C.grad = None
-                loss_fn(E, C, x).backward()
+                loss_fn(E, C, x, softcap=softcap).backward()
 
-            record = dict(case=name, label=label, N=n, V=v, D=d, regime=regime,
+            record = dict(case=name, label=label, N=n, V=v, D=d, regime=regime, softcap=softcap,
                           dtype=str(dtype).replace("torch.", ""))
             for key, fn in (("forward_ms", forward), ("step_ms", step)):
                 record[key] = statistics.median(call_times_ms(fn, warmup=warmup, repeats=repeats, device=device))
