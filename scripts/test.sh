@@ -8,8 +8,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 lint=0
 python -m ruff check . || lint=$?
 # Tests in parallel, one worker per core up to 4 (2 cores: 16-22 minutes by the load, the notebook suite the largest part).
-# worksteal: an idle worker takes tests from the end of a busy one's queue; the slow ones (the
-# notebook suite, the GPU scripts' --tiny runs) start first (tests/conftest.py).
+# worksteal: the slowest tests (the notebook suite, the GPU scripts' --tiny runs) sit at the end
+# of the collection, and an idle worker takes them from a busy one.
 # Extra arguments come after and win (-n 0: one process).
 workers=$(python -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 tests=0
