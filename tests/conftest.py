@@ -28,13 +28,6 @@ from helpers.compare.methods import METHODS, Method
 os.environ.pop(CPU_TIER_ENV, None)
 
 
-def pytest_collection_modifyitems(items):
-    """Tests marked ``slow`` first, in their order. Under xdist's worksteal (scripts/test.sh) a worker
-    steals from the end of another's queue: a slow test at the end (the notebook suite, minutes) ran
-    alone while the other worker had nothing left to take."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture
 def temporary_method():
     """Register a Method for one test and remove it afterwards."""
