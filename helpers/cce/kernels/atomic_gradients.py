@@ -25,8 +25,9 @@ on a flat softmax (a soft cap of 4 over V = 151,936: every entry ~1e-5, under bf
 skips every tile, and the dropped entries, each negligible, sum to the whole softmax: dE was off by
 2.3e-2 on the H200. Bounding each tile's row mass keeps what a skip drops to eps per tile, and on a
 peaked softmax (a trained model's: the tail's tiles hold ~1e-6 each) skips nearly as much. The mass
-is taken before the soft cap's derivative (``gradient_tile.py``'s module doc). FULL_E (FULL_C) computes dE (dC) for skipped tiles anyway, the paper's variants that
-keep one gradient exact. Reference: autograd through ``helpers.spec.reference_loss``.
+is taken before the soft cap's derivative (``gradient_tile.py``'s module doc). FULL_E (FULL_C)
+computes dE (dC) for skipped tiles anyway, the paper's variants that keep one gradient exact.
+Reference: autograd through ``helpers.spec.reference_loss``.
 """
 
 import triton
@@ -145,10 +146,10 @@ def backward_atomic_kernel(
 
     # 2-3. The logit tile, recomputed on chip (Algorithm 3, line 3), and its gradient G.
     G, mass = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
-                      V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
-                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
-                      inv_temperature=inv_temperature, ENTROPY=ENTROPY, class_weight_ptr=class_weight_ptr,
-                      CLASS_WEIGHTS=CLASS_WEIGHTS)
+                          V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
+                          BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
+                          inv_temperature=inv_temperature, ENTROPY=ENTROPY, class_weight_ptr=class_weight_ptr,
+                          CLASS_WEIGHTS=CLASS_WEIGHTS)
 
     g_rel = tl.load(g_rel_ptr + rows, mask=row_mask, other=0.0)
     g_scale = tl.load(g_scale_ptr)

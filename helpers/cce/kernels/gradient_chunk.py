@@ -141,10 +141,10 @@ def _gradient_chunk_tile(
 
     # 2. The logit tile rebuilt on chip and its gradient, exactly as the "atomic" kernel forms it.
     G, mass = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
-                      V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
-                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
-                      E_DESC, E_DESC and not SORTED, pid_n * BLOCK_N, v_begin + pid_v * BLOCK_V,
-                      inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS)
+                          V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
+                          BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
+                          E_DESC, E_DESC and not SORTED, pid_n * BLOCK_N, v_begin + pid_v * BLOCK_V,
+                          inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS)
 
     if G_DESC:
         dtype = G_ptr.dtype
