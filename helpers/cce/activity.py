@@ -10,7 +10,8 @@ work to skip, and applies the exact rule to what it computes.
 
 Why eps / coef_max. The filter judges G = a S - b [v = x] (``helpers.cce.backward.rows.RowGradient``):
 outside the target's tile a row's |G| mass (taken before the soft cap's derivative,
-``helpers/cce/kernels/gradient_tile.py``) is |a| times its softmax mass, so bits made at eps / coef_max miss no tile the rule keeps while |a| <= coef_max. With
+``helpers/cce/kernels/gradient_tile.py``) is |a| times its softmax mass, so bits made at eps / coef_max
+miss no tile the rule keeps while |a| <= coef_max. With
 g the loss's upstream gradient and h the lse's, a = (g (1 + 2 zl lse) + h) / max(|g|, |h|), so
 |a| <= |1 + 2 zl lse| + [h != 0]. The forward knows neither lse nor h yet: ``coef_bound`` assumes
 |1 + 2 zl lse| <= 2 under z-loss (1 without) and adds 1 when the lse is returned to the caller (a

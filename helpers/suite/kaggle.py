@@ -31,7 +31,7 @@ Kaggle/kaggle-api ``docs/kernels_metadata.md`` and ``kernels_push`` in ``kaggle_
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import json
 import re
 import shutil
@@ -311,6 +311,16 @@ def wheel_requirements(wheel: str | Path) -> set[str]:
     return found
 
 
+def _setuptools_builds_here() -> bool:
+    """Whether the installed setuptools can build this package as pyproject.toml asks (>= 77: the
+    license as an SPDX string); an older one is left to pip's isolated build, which fetches one."""
+    try:
+        major = importlib.metadata.version("setuptools").split(".")[0]
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return major.isdigit() and int(major) >= 77
+
+
 def build_wheel(out_dir: str | Path, root: Path = ROOT) -> Path:
     """``pip wheel --no-deps`` of the checkout at ``root`` into ``out_dir``; returns the wheel.
 
@@ -329,7 +339,7 @@ def build_wheel(out_dir: str | Path, root: Path = ROOT) -> Path:
         for name in ("pyproject.toml", "README.md"):
             shutil.copy2(root / name, source / name)
         command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(source), "-w", str(out_dir)]
-        if importlib.util.find_spec("setuptools"):
+        if _setuptools_builds_here():
             command.insert(5, "--no-build-isolation")  # no network needed when the build backend is here
         subprocess.run(command, check=True)
     return sorted(out_dir.glob("helpers-*.whl"))[-1]

@@ -11,7 +11,8 @@ alternate the trees in one session, old, new, old, new, to see a change's cost b
 tokens a realistic one, where "auto" runs the sparse backward): the forward alone (no_grad) and
 forward+backward, median of 15 calls after 3 (``call_times_ms``), and the step's host time and GPU busy
 time back to back (``host_and_device_time``: with few tokens the host bounds the step). ``--reference``
-times methods of the comparison's registry (e.g. torch.compile's loss) on the same inputs and timers.
+times methods of the comparison's registry (e.g. torch.compile's loss) on the same inputs and timers; each
+is called with the case's ``softcap=`` (Gemma-2's cap of 30 in one case), as the registry's losses take it.
 """
 
 from __future__ import annotations

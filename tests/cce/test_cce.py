@@ -306,8 +306,8 @@ def test_sparse_keeps_a_saturated_soft_caps_gradient_at_a_coarser_eps():
 @pytest.mark.parametrize("impl", ["gemm", "atomic", "sparse"])
 def test_an_inf_in_E_under_a_soft_cap_leaves_dE_finite(impl):
     """A soft cap maps an infinite logit to +-cap with a zero derivative: torch's dE is finite. A
-    padding column's logit is E . 0 = NaN there; G must be masked after the cap's derivative too, or
-    the on-chip products ("atomic", unsorted "sparse") spread the NaN over the row."""
+    padding column's logit is E . 0 = NaN there; the cap's derivative must be 0 there, not NaN, or the
+    on-chip products ("atomic", unsorted "sparse") spread the NaN over the row ("gemm" stores G masked)."""
     torch.manual_seed(0)
     E = torch.randn(8, 16).half()
     C = (torch.randn(100, 16) / 4).half()  # V = 100: every tier's tiles leave padding columns

@@ -218,3 +218,30 @@ def test_install_badges_under_the_title_once(tmp_path):
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
 def test_every_notebook_has_its_badges(notebook):
     assert badges_markdown(notebook) in notebook.with_suffix(".py").read_text()
+
+
+@pytest.mark.parametrize("version, isolated", [("75.8.0", True), ("77.0.3", False), ("80.1", False), (None, True)])
+def test_the_wheel_builds_with_the_setuptools_here_only_when_it_reads_the_spdx_license(version, isolated, monkeypatch,
+                                                                                      tmp_path):
+    """pyproject.toml's license is an SPDX string, which setuptools reads from 77: an older one (or none)
+    must not build it in place (``--no-build-isolation``); pip's isolated build fetches a newer one."""
+    import importlib.metadata
+    import subprocess
+
+    import helpers.suite.kaggle as kaggle
+
+    def fake_version(name):
+        if version is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version
+
+    commands = []
+
+    def fake_run(command, check):
+        commands.append(command)
+        (tmp_path / "helpers-0.1.0-py3-none-any.whl").write_bytes(b"")
+
+    monkeypatch.setattr(importlib.metadata, "version", fake_version)
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    kaggle.build_wheel(tmp_path)
+    assert ("--no-build-isolation" not in commands[0]) == isolated

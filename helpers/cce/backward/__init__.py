@@ -4,7 +4,7 @@ For a kept row i the gradient of its loss with respect to a logit is
 
     G_{i, v} = S_{i, v} (1 + 2 zl lse_i) - (1 - ls) [v = x_i] - ls / V,   S = softmax(z),
 
-times d cap(a) / da = 1 - (z / softcap)^2 under the soft cap; dE = g G C and dC = G^T (g E), g the
+times d cap(a) / da = 1 - tanh^2(a / softcap) under the soft cap (a the pre-cap logit); dE = g G C and dC = G^T (g E), g the
 upstream gradient of each row. Three implementations compute it, chosen by ``backward_impl``:
 "gemm" (``helpers.cce.backward.gemm``), "atomic" (``helpers.cce.backward.atomic``) and "sparse"
 (``helpers.cce.backward.sparse``: only the (row, tile) pairs the forward's activity bits mark, "gemm"

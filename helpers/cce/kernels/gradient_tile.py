@@ -10,7 +10,8 @@ here as a exp(z_x - lse) - b it would be a difference of two rounded numbers, wr
 however close S_x is to 1 (the bug class of a peer's 100% error at p >= 0.999). So coef's second row
 is t, not b (``helpers.cce.backward.rows.RowGradient``).
 
-times 1 / temperature and 1 - (z / softcap)^2 under the soft cap (z = cap(E C^T + b) / temperature).
+times 1 / temperature and, under the soft cap, its derivative 1 - t^2, t = tanh((E C^T + b) / softcap)
+(the logits are z = softcap t / temperature).
 With CLASS_WEIGHTS (torch's class weights with label smoothing, ``helpers.cce.class_weights``) the
 smoothing term is c_i w_v / V, w the class weights (V,). With ENTROPY (per-token outputs with an
 entropy gradient, ``helpers.cce.outputs``) a fourth row coefficient d adds d_i S_{i, v} (z_{i, v} - lse_i):
@@ -30,7 +31,8 @@ to the capped logits. Taken after it, a cap that saturates (pre-cap logits many 
 the whole row's gradient, every tile falls below an absolute eps, and the filter dropped a few percent
 of what was left (fp16, logits ~170 under a cap of 5: dE 1.9e-2 against 9e-4 unfiltered). Before it,
 a row drops at most eps of that mass per tile whatever the cap, as without one, and the derivative
-(<= 1) only shrinks what it drops. Without a cap the two are the same number.
+(<= 1) only shrinks what it drops. Without a cap the two are the same number. The 1 / temperature
+factor stays in the mass: it scales every entry of a row alike, as the loss's own gradient does.
 """
 
 import triton
