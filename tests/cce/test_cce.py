@@ -304,6 +304,31 @@ def test_sparse_keeps_a_saturated_soft_caps_gradient_at_a_coarser_eps():
 
 
 @pytest.mark.parametrize("impl", ["gemm", "atomic", "sparse"])
+def test_a_row_deep_in_the_soft_caps_saturation_keeps_its_gradient(impl):
+    """Row 0's pre-cap logits are 11-13 caps: tanh rounds to 1 in fp32, so 1 - t^2 was 0 and the row's
+    dE 0 (relative error 1), while the cap's slope is ~1e-10 and torch's float64 dE is not 0. The slope
+    formed as q r^2 (``tanh_and_slope``) keeps it; the other rows are unsaturated."""
+    torch.manual_seed(0)
+    V, D = 300, 16
+    C = torch.randn(V, D) / 8
+    C[:, 0] = 1.0
+    E = torch.randn(4, D)
+    E[0] = 0.0
+    E[0, 0] = 12.0  # row 0's logits: 12 + C[:, 1] E[0, 1] = 12 (+ what the cap's slope weighs)
+    E[0, 1] = 8.0
+    x = torch.tensor([3, 7, 11, 19])
+    go = upstream("mean", n=4)
+    _, rdE, rdC = reference_loss_and_grads(E, C, x, go, softcap=1.0)
+    assert rdE[0].abs().max() > 1e-12  # the reference's row is not 0
+    stats = {}
+    _, dE, dC = run_ours(E.to(DEVICE), C.to(DEVICE), x.to(DEVICE), go, softcap=1.0, filter_eps=1e-7,
+                         stats=stats, **forced(impl))
+    assert stats["backward"] == impl
+    assert relative_error(dE[0:1].cpu(), rdE[0:1]) < 1e-4
+    assert relative_error(dE.cpu(), rdE) < 1e-5 and relative_error(dC.cpu(), rdC) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["gemm", "atomic", "sparse"])
 def test_an_inf_in_E_under_a_soft_cap_leaves_dE_finite(impl):
     """A soft cap maps an infinite logit to +-cap with a zero derivative: torch's dE is finite. A
     padding column's logit is E . 0 = NaN there; the cap's derivative must be 0 there, not NaN, or the

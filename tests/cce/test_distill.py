@@ -118,6 +118,21 @@ def test_against_float64(kind, case, dtype):
 
 
 @pytest.mark.parametrize("kind", DIVERGENCES)
+def test_a_student_deep_in_its_soft_caps_saturation_keeps_its_gradient(kind):
+    """The student's pre-cap logits ~12 caps (a bias of 30 under a cap of 2.5), fp32: tanh rounds to 1,
+    so 1 - t^2 was 0 and every gradient 0 (relative error 1), while the cap's slope is ~1e-10; formed
+    as q r^2 (``tanh_and_slope``) it is kept to fp32's accuracy."""
+    heads, x = make_inputs(torch.float32)
+    heads["bias_s"] = heads["bias_s"] + 30.0
+    options = dict(kind=kind, reduction="sum", softcap=2.5)
+    _, grads = run_ours(heads, **options)
+    _, ref_grads = run_reference(heads, **options)
+    assert ref_grads[0].abs().max() > 1e-12
+    for name, err in zip(("dE_s", "dC_s", "db_s"), errors(grads, ref_grads)):
+        assert err < 1e-4, f"{name} rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("kind", DIVERGENCES)
 def test_sum_with_a_temperature_and_beta(kind):
     heads, x = make_inputs(torch.float32, seed=1)
     options = dict(kind=kind, reduction="sum", temperature=2.0, beta=0.3, mask=mask_of(x))

@@ -119,6 +119,21 @@ def test_forward_grads_against_reference(case, dtype, chunks):
         assert relative_error(db, b64.grad) < TOL[dtype], f"db rel err {relative_error(db, b64.grad):.2e}"
 
 
+@pytest.mark.parametrize("chunks", ["one", "several"])
+def test_logits_deep_in_the_soft_caps_saturation_keep_their_gradient(chunks):
+    """fp32, every pre-cap logit 11-13 caps (a bias of ~12 under a cap of 1): tanh rounds to 1, so
+    1 - t^2 was 0 and every gradient 0, while the cap's slope is ~1e-10 (``tanh_and_slope``)."""
+    E, C, x, bias = inputs(torch.float32, scale=0.1, bias=True)
+    bias = 12.0 + bias / 8  # the logits 11-13
+    go = torch.tensor(1.7)
+    budget = budget_for(torch.float32, N if chunks == "one" else ROWS, bias=True)
+    loss, dE, dC, db, stats = run(E, C, x, bias, go, memory_budget=budget, configs=CONFIGS[chunks], softcap=1.0)
+    assert stats["schedule"] == "forward_grads", stats["why"]
+    _, rdE, rdC = reference_loss_and_grads(E, C, x, go, bias=bias, softcap=1.0)
+    assert rdE.abs().max() > 1e-12
+    assert relative_error(dE, rdE) < 1e-4 and relative_error(dC, rdC) < 1e-4
+
+
 @pytest.mark.parametrize("fp32_dC", [True, False], ids=["dC_fp32", "dC_in_dtype"])
 @pytest.mark.parametrize("softcap", [None, 4.0])
 def test_fp16_within_the_gate_bound(softcap, fp32_dC):

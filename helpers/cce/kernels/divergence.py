@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from helpers.cce.kernels.gradient_tile import grouped_tile
-from helpers.cce.kernels.logits import add_bias, logit_tile, tanh
+from helpers.cce.kernels.logits import add_bias, logit_tile, tanh, tanh_and_slope
 
 # The divergences, by their kernels' KIND (constexpr: a kernel reads no other global).
 FORWARD_KL, REVERSE_KL, JSD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -50,14 +50,26 @@ def head_tile(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """cap(E[rows] C[cols]^T + b[cols]), (BLOCK_N, BLOCK_V) fp32, before the temperature (the caller's:
-    the cap's derivative 1 - (z / softcap)^2 is read off this z)."""
+    """cap(E[rows] C[cols]^T + b[cols]), (BLOCK_N, BLOCK_V) fp32, before the temperature."""
+    z = head_logits(E_ptr, C_ptr, bias_ptr, rows, cols, row_mask, col_mask, D, stride_En, stride_Ed,
+                    stride_Cv, stride_Cd, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, DOT_PRECISION)
+    if HAS_SOFTCAP:
+        z = softcap * tanh(z / softcap)
+    return z
+
+
+@triton.jit
+def head_logits(
+    E_ptr, C_ptr, bias_ptr, rows, cols, row_mask, col_mask,
+    D, stride_En, stride_Ed, stride_Cv, stride_Cd,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """E[rows] C[cols]^T + b[cols], (BLOCK_N, BLOCK_V) fp32: ``head_tile``'s logits before the cap."""
     z = logit_tile(E_ptr, C_ptr, rows, cols, row_mask, col_mask, D, stride_En, stride_Ed, stride_Cv, stride_Cd,
                    BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION)
     if HAS_BIAS:
         z = add_bias(z, bias_ptr, cols, col_mask)
-    if HAS_SOFTCAP:
-        z = softcap * tanh(z / softcap)
     return z
 
 
@@ -201,10 +213,13 @@ def divergence_gradient_chunk_kernel(
     col_mask = local_v < v_count
     cols = (v_begin + local_v).to(tl.int64)
 
-    # 2. Both logit tiles rebuilt, the student's capped logit kept for the chain rule.
-    z_s = head_tile(Es_ptr, Cs_ptr, bs_ptr, rows, cols, row_mask, col_mask, D_s,
-                    stride_Esn, stride_Esd, stride_Csv, stride_Csd, softcap,
-                    BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS_S, DOT_PRECISION)
+    # 2. Both logit tiles rebuilt, the slope of the student's cap kept for the chain rule.
+    z_s = head_logits(Es_ptr, Cs_ptr, bs_ptr, rows, cols, row_mask, col_mask, D_s,
+                      stride_Esn, stride_Esd, stride_Csv, stride_Csd,
+                      BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS_S, DOT_PRECISION)
+    if HAS_SOFTCAP:
+        t_s, slope = tanh_and_slope(z_s / softcap)
+        z_s = softcap * t_s
     t = head_tile(Et_ptr, Ct_ptr, bt_ptr, rows, cols, row_mask, col_mask, D_t,
                   stride_Etn, stride_Etd, stride_Ctv, stride_Ctd, softcap,
                   BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS_T, DOT_PRECISION) * inv_temperature
@@ -227,7 +242,7 @@ def divergence_gradient_chunk_kernel(
     # then the chain rule through the temperature and the student's soft cap.
     G = G * (sign * inv_temperature)[:, None]
     if HAS_SOFTCAP:
-        G = G * (1.0 - (z_s / softcap) * (z_s / softcap))
+        G = G * slope
     G = tl.where(col_mask[None, :], G, 0.0)
 
     # 4. G_c in the input dtype, the operand of both products.

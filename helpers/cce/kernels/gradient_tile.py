@@ -32,13 +32,14 @@ the whole row's gradient, every tile falls below an absolute eps, and the filter
 of what was left (fp16, logits ~170 under a cap of 5: dE 1.9e-2 against 9e-4 unfiltered). Before it,
 a row drops at most eps of that mass per tile whatever the cap, as without one, and the derivative
 (<= 1) only shrinks what it drops. Without a cap the two are the same number. The 1 / temperature
-factor stays in the mass: it scales every entry of a row alike, as the loss's own gradient does.
+factor stays in the mass: it scales every entry of a row alike, as the loss's own gradient does. The
+derivative itself comes from ``tanh_and_slope``: 1 - t^2 is 0 wherever t rounds to +-1.
 """
 
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import add_bias, logit_tile, logit_tile_tma, tanh
+from helpers.cce.kernels.logits import add_bias, logit_tile, logit_tile_tma, tanh_and_slope
 
 
 @triton.jit
@@ -128,7 +129,7 @@ def gradient_and_softmax_tile(
     if HAS_BIAS:
         z = add_bias(z, bias_ptr, cols, col_mask)
     if HAS_SOFTCAP:
-        t = tanh(z / softcap)
+        t, slope = tanh_and_slope(z / softcap)
         z = softcap * t
     # The temperature divides the capped logit (x * 1.0 is exact: no temperature, the same bits).
     z = z * inv_temperature
@@ -164,8 +165,7 @@ def gradient_and_softmax_tile(
     # gradient with respect to the capped logits; module doc). Without a cap, the mass of G itself.
     mass = tl.sum(tl.abs(G), axis=1)
     if HAS_SOFTCAP:
-        # A padding column's logit is E . 0, NaN where E holds an inf, and so is its t: its G (0) must
-        # not become 0 * NaN. maximum returns its number operand (max.f32; the interpreter's fmax), so
-        # the derivative is 0 there; a real column with a NaN logit has a NaN G already.
-        G = G * tl.maximum(1.0 - t * t, 0.0)
+        # The slope is 0, not NaN, in a padding column whose logit E . 0 is NaN (an inf in E), so its G
+        # stays 0 (``tanh_and_slope``); a real column with a NaN logit has a NaN G already.
+        G = G * slope
     return G, tl.where(col_mask[None, :], S, 0.0), mass

@@ -18,6 +18,19 @@ def tanh(y):
 
 
 @triton.jit
+def tanh_and_slope(y):
+    # (tanh(y), its slope 1 - tanh(y)^2): t with ``tanh``'s bits, and the slope without the cancellation
+    # of 1 - t * t, which is 0 wherever t rounds to +-1 (|y| above ~9) and off by ~1e-7 absolute
+    # before that, while the slope is ~4 exp(-2 |y|). With q = exp(2y) and r = 2 / (q + 1), t = 1 - r
+    # and 1 - t^2 = (1 - t)(1 + t) = r (q r): a few ulp at every y. Where q is inf (y above ~44) q r
+    # is inf * 0, NaN, as it is for a NaN y (a padding column's E . 0 with an inf in E): maximum
+    # returns its number operand (max.f32; the interpreter's fmax), so the slope is 0 there.
+    q = tl.exp(2.0 * y)
+    r = 2.0 / (q + 1.0)
+    return 1.0 - r, tl.maximum(q * r * r, 0.0)
+
+
+@triton.jit
 def log1p_neg(r):
     # log1p(-r) for r in [0, 1), without libdevice (the interpreter has none): with q = 1 - r rounded,
     # log(q) r / (1 - q) is accurate to a few ulp, 1 - q being exact (Goldberg, "What every computer
