@@ -593,6 +593,9 @@ for name, c in scale_check.items():
             f"{worse:.0f}x the exact arm's on the same batch; {c['underflow']:.0%} of the entries of softmax / N are 0 "
             "in fp16, and it rounds its gradients to fp16 in the forward pass, before the loss scale can reach "
             "them (see the loss-scale check)")
+if liger_skips_dC:
+    peer_findings.append(f"{labels.get('liger', 'Liger')} with E that needs no gradient (a frozen body): dC is None, so "
+                         "an lm_head trained on it does not train (the check above)")
 print(smoke + ("peers' findings:" + "".join(f"\n- {f}" for f in peer_findings) if peer_findings else "peers: nothing to report"))
 print(smoke + ("our faults:" + "".join(f"\n- {f}" for f in our_faults) if our_faults else "ours: no fault"))
 

@@ -284,19 +284,35 @@ for name, arm in arms.items():
 
     largest[name], tried[name] = fits.largest_fit(fits_in, S["fit_start"], S["fit_limit"], S["fit_step"])
     shown = "not even one sequence" if largest[name] is None else f"{largest[name]:,} tokens"
+    if largest[name] is not None and largest[name] == max(tried[name]):
+        shown += " or more (nothing larger was tried: the search's limit)"
     print(f"{arm.label:<26} largest micro-batch: {shown}  (tried {', '.join(f'{n:,}' for n in tried[name])})")
 
 # %%
+# A loss that fit the largest size tried never met the wall: its count is a lower bound.
+at_limit = {n: v is not None and v == max(tried[n]) for n, v in largest.items()}
+
+
+def fit_text(name: str, unit: str = "") -> str:
+    v = largest[name]
+    return "none" if v is None else f"{v:,}{unit}" + (" or more (the search stopped at its limit)" if at_limit[name] else "")
+
+
 fig, ax = plt.subplots(figsize=(9, 3.8))
 names = list(largest)
 values = [largest[n] or 0 for n in names]
 bars = ax.barh([fits.ARMS[n].label for n in names], values, color=[f"C{i}" for i in range(len(names))])
-for bar, v in zip(bars, values):
-    ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v:,}", va="center")
-ax.axvline(S["article_tokens"], color="gray", linestyle=":", label=f"the article's {S['article_tokens']:,} tokens")
+for bar, n in zip(bars, names):  # "≥": the search stopped at its limit without meeting the wall
+    shown = "none" if largest[n] is None else ("≥" if at_limit[n] else "") + f"{largest[n]:,}"
+    ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {shown}", va="center")
+if any(at_limit.values()):
+    ax.plot([], [], " ", label="≥: the search stopped at its limit")
+article = "the article's" if S["article_tokens"] == 16_384 else "this profile's"
+ax.axvline(S["article_tokens"], color="gray", linestyle=":", label=f"{article} {S['article_tokens']:,} tokens")
 ax.set(xlabel="largest micro-batch that trains (tokens)",
-       title=f"Qwen3 {S['shape']}, {precision}, {cap.describe().split(';')[0]}")
-ax.legend(loc="lower right")
+       title=f"Qwen3 {S['shape']}, {precision}\n{cap.describe().split(';')[0]}")
+ax.set_xlim(0, 1.12 * max(values + [S["article_tokens"]]))
+ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
 ax.invert_yaxis()
 fig.tight_layout()
 if P.smoke:
@@ -415,7 +431,7 @@ for name, arm in arms.items():
     trains = ("" if name == "hf" else ", not trained here" if name not in gaps else
               f", the first {C['steps']} steps agree with the default's" if agree[name]
               else f", but its first {C['steps']} steps differ from the default's")
-    fit = "not even one sequence" if largest[name] is None else f"up to {largest[name]:,} tokens"
+    fit = "not even one sequence" if largest[name] is None else fit_text(name, " tokens")
     step_lines.append(f"{arm.label}: {fit} per micro-batch; {cost}{trains}.")
 if P.smoke:
     print(SMOKE_NOTE)
@@ -435,7 +451,7 @@ results = {
 }
 write_json(out / "results.json", results)
 rows = "\n".join(
-    f"| {fits.ARMS[n].label} | {largest[n] or 0:,} | "
+    f"| {fits.ARMS[n].label} | {fit_text(n)} | "
     + " | ".join((f"{format_bytes(r['peak_bytes'])}, {r['tokens_per_s']:,.0f} tok/s" if r["status"] == "ok" else "OOM")
                  for r in [at_article.get(n, {"status": "oom"})]) + " |"
     for n in arms)
@@ -444,8 +460,10 @@ on_a_t4 = P.name.startswith(("t4", "cpu-t4"))  # a T4, or a pretend one: availab
 facts = {}
 for name, arm in fits.ARMS.items():
     f = {}
-    if name in arms and card == "t4":
+    if name in arms and card == "t4" and device.type == "cuda":  # a 16 GB wall (a CPU's cap is simulated)
         f["largest_step_tokens_16gb"] = largest[name] or 0
+        if at_limit[name]:
+            f["largest_step_at_search_limit"] = True
     r = at_article.get(name)
     if name in arms and not P.smoke:
         f["whole_step"] = {"tokens": S["article_tokens"], "precision": precision,
@@ -456,9 +474,9 @@ for name, arm in fits.ARMS.items():
     if f:
         facts[arm.method or "naive"] = f
 fitted = {n: v for n, v in largest.items() if v}
-headline = (f"largest micro-batch of a whole Qwen3 {S['shape']} training step, {precision}, on "
-            f"{'a 16 GB card' if card == 't4' else 'this card'}: "
-            + ", ".join(f"{fits.ARMS[n].label} {v:,} tokens" for n, v in fitted.items()))
+where = ("a 16 GB card" if card == "t4" else "this card") if device.type == "cuda" else f"this CPU ({cap.describe()})"
+headline = (f"largest micro-batch (tokens) of a whole Qwen3 {S['shape']} training step, {precision}, on {where}: "
+            + ", ".join(f"{fits.ARMS[n].label} {fit_text(n)}" for n in fitted))
 write_report_fragment(out, f"""
 | loss | largest micro-batch (tokens) | at {S['article_tokens']:,} tokens |
 |---|---:|---|

@@ -230,6 +230,7 @@ class GateReport:
             s["cases"] += 1
             if r.status == "fail":
                 s["failed"] += 1
+                s.setdefault("failed cases", []).append(r.case)
             elif r.status == "over floor":
                 s["over floor"] = s.get("over floor", 0) + 1
             for q in QUANTITIES:
@@ -242,12 +243,17 @@ class GateReport:
         return list(out.values())
 
     def facts(self) -> dict[str, dict]:
-        """{method: {"gradients": {dtype: "pass" or "fail"}}} over the dtypes it ran in: what the
-        report's opening table reads (``helpers.suite.report.FACT_KEYS``)."""
+        """{method: {"gradients": {dtype: "pass" or "fail"}}} over the dtypes it ran in, and where it
+        fails, "gradient_failures": {dtype: {"cases": how many ran, "failed": [the failing cases]}}: what
+        the report's opening table and recommendations read (``helpers.suite.report.FACT_KEYS``)."""
         facts: dict[str, dict] = {}
         for s in self.summary():
-            if s["verdict"] != "unavailable":
-                facts.setdefault(s["method"], {"gradients": {}})["gradients"][s["dtype"]] = s["verdict"]
+            if s["verdict"] == "unavailable":
+                continue
+            f = facts.setdefault(s["method"], {"gradients": {}})
+            f["gradients"][s["dtype"]] = s["verdict"]
+            if s["verdict"] == "fail":
+                f.setdefault("gradient_failures", {})[s["dtype"]] = {"cases": s["cases"], "failed": s["failed cases"]}
         return facts
 
     def markdown(self) -> str:
@@ -260,7 +266,8 @@ class GateReport:
                 continue
             errs = [s.get(f"max {q} error", math.nan) for q in QUANTITIES]
             worst = max(s.get(f"worst {q} error/bound", 0.0) for q in QUANTITIES)
-            verdict = f"FAIL ({s['failed']} of {s['cases']} cases)" if s["verdict"] == "fail" else s["verdict"]
+            verdict = (f"FAIL ({s['failed']} of {s['cases']} cases: {'; '.join(s['failed cases'])})"
+                       if s["verdict"] == "fail" else s["verdict"])
             if s.get("over floor"):
                 verdict += f" (yardstick over the dtype floor in {s['over floor']} cases)"
             if s["reason"]:

@@ -45,15 +45,25 @@ def _first_oom_n(rows: list[dict]) -> int | None:
     return min((r["N"] for r in rows if r["status"] == "oom"), default=None)
 
 
+def memory_order_n(records: list[dict]) -> int | None:
+    """The N ``memory_order`` compares peaks at: the largest N that every method which never ran out of
+    memory measured (every method, when each met a wall; the smallest N when there is none), so that a
+    method's place is not decided below where the others stopped."""
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    flat = [m for m in methods if _first_oom_n([r for r in records if r["method"] == m]) is None] or methods
+    ok = {(r["method"], r["N"]) for r in records if r["status"] == "ok"}
+    Ns = sorted({r["N"] for r in records})
+    common = [N for N in Ns if all((m, N) in ok for m in flat)]
+    return common[-1] if common else Ns[0] if Ns else None
+
+
 def memory_order(records: list[dict]) -> list[str]:
     """The methods of ``records`` from the least memory to the most: those that never ran out of
-    memory first, by their measured peak at the largest N every method measured (the smallest N
-    when there is none); those that did after them, the earliest wall last."""
+    memory first, by their measured peak at ``memory_order_n``; those that did after them, the
+    earliest wall last."""
     methods = list(dict.fromkeys(r["method"] for r in records))
     ok = {(r["method"], r["N"]): r["peak_bytes"] for r in records if r["status"] == "ok"}
-    Ns = sorted({r["N"] for r in records})
-    common = [N for N in Ns if all((m, N) in ok for m in methods)]
-    at = common[-1] if common else Ns[0] if Ns else None
+    at = memory_order_n(records)
 
     def key(method: str) -> tuple:
         wall = _first_oom_n([r for r in records if r["method"] == method])
@@ -77,7 +87,9 @@ def results_pivot(records: list[dict], labels: dict[str, str] | None = None, *, 
     points = {(r["method"], r["N"]): r for r in records}
     caption = (f"Peak {unit[0]} above the inputs / forward+backward ms (median)" if cell == "memory_time"
                else "Measured peak / theory (no formula: measured / floor dE + dC)")
-    lines = [f"{caption}, least memory first:", "", "| method | " + " | ".join(f"N={n:,}" for n in Ns) + " |",
+    order_n = memory_order_n(records)
+    order = f" (at N={order_n:,})" if order_n is not None and len(Ns) > 1 else ""
+    lines = [f"{caption}, least memory first{order}:", "", "| method | " + " | ".join(f"N={n:,}" for n in Ns) + " |",
              "|---|" + "---:|" * len(Ns)]
     for method in memory_order(records):
         cells = []
@@ -267,6 +279,7 @@ __all__ = [
     "describe_methods",
     "headline",
     "memory_order",
+    "memory_order_n",
     "memory_unit",
     "report_facts",
     "results_pivot",

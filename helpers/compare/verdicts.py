@@ -589,22 +589,12 @@ def recommend(methods: dict[str, dict], ran: list[str], *, t4: bool) -> list[str
         cannot = [f"{method_label(m)} ({f['runs_on_t4']})" for m, f in methods.items() if isinstance(f.get("runs_on_t4"), str)]
         if cannot:
             out.append("Cannot run on a T4: " + "; ".join(cannot) + ".")
-    most = {m: f["largest_step_tokens_16gb"] for m, f in methods.items() if f.get("largest_step_tokens_16gb")}
-    if most:
-        top = max(most.values())
-        best = [m for m, v in most.items() if v == top and m != "naive"]
-        default = most.get("naive")
-        if default is not None and top <= default:
-            out.append(f"Largest whole training step on a 16 GB card (05): every loss that ran fits {default:,} tokens, the "
-                       "default as many as the fused losses: at this model's size the loss is not the limit.")
-        else:
-            out.append(f"Largest whole Qwen3-0.6B training step on a 16 GB card (05): {_names(best)} at {top:,} "
-                       "tokens" + (f", against {default:,} with transformers' default loss" if default else "")
-                       + " (the search steps coarsely: equal counts are ties).")
+    out += whole_step_fit_sentences(methods)
     for m, f in methods.items():
         failing = [d for d, v in f.get("gradients", {}).items() if v == "fail"]
         if failing:
-            out.append(f"Avoid {method_label(m)} in {', '.join(failing)}: its gradients fail the float64 gate (01).")
+            out.append(f"Avoid {method_label(m)} in {', '.join(failing)}: its gradients fail the float64 gate (01)"
+                       + gate_failures_text(f.get("gradient_failures", {}), failing) + ".")
         for dtype, c in f.get("convergence", {}).items():
             if c.get("verdict") in (WORSE, DIFFERENT):
                 parts = [Outcome.from_dict(p) for p in c.get("parts", [])]
@@ -613,11 +603,59 @@ def recommend(methods: dict[str, dict], ran: list[str], *, t4: bool) -> list[str
     return out or ["Too little was measured in this run to recommend a method."]
 
 
+def gate_failures_text(failures: dict, dtypes: list[str]) -> str:
+    """Which of the gate's cases failed, per dtype (" in 1 of 12 cases (float32: N=37 ... ignore all)"),
+    so that a reader can tell one degenerate case from a wrong kernel; "" where the facts predate it."""
+    known = [failures[d] for d in dtypes if d in failures]
+    if not known:
+        return ""
+    failed = sum(len(k["failed"]) for k in known)
+    cases = sum(k["cases"] for k in known)
+    named = "; ".join(f"{d}: {', '.join(failures[d]['failed'])}" for d in dtypes if d in failures)
+    return f" in {failed} of {cases} cases ({named})"
+
+
+def largest_step_text(f: dict) -> str:
+    """A method's largest whole training step on a 16 GB card (05), "N tokens", or "N tokens or more" where the
+    search stopped at its limit without meeting the wall."""
+    more = " or more (the search's limit)" if f.get("largest_step_at_search_limit") else ""
+    return f"{f['largest_step_tokens_16gb']:,} tokens{more}"
+
+
+def whole_step_fit_sentences(methods: dict) -> list[str]:
+    """What notebook 05's search found on a 16 GB card: the losses that fit the most tokens against
+    transformers' default ("naive"), and every loss that fit fewer than the default, by name. A count
+    the search's limit stopped is a lower bound, said as such."""
+    most = {m: f["largest_step_tokens_16gb"] for m, f in methods.items() if f.get("largest_step_tokens_16gb")}
+    if not most:
+        return []
+    fused = {m: v for m, v in most.items() if m != "naive"}
+    default = most.get("naive")
+    out = []
+    if fused and default is not None and all(v == default for v in fused.values()):
+        out.append(f"Largest whole training step on a 16 GB card (05): every loss that ran fits "
+                   f"{largest_step_text(methods['naive'])}, as transformers' default loss does: at this model's size the "
+                   "loss is not the limit.")
+        return out
+    if fused:
+        top = max(fused.values())
+        best = [m for m, v in fused.items() if v == top]
+        out.append(f"Largest whole Qwen3-0.6B training step on a 16 GB card (05): {_names(best)}, "
+                   f"{largest_step_text(methods[best[0]])}"
+                   + (f", against {largest_step_text(methods['naive'])} with transformers' default loss" if default else "")
+                   + " (the search steps coarsely: equal counts are ties).")
+    fewer = [m for m, v in fused.items() if default is not None and v < default]
+    if fewer:
+        out.append("Fit fewer tokens than transformers' default loss (05): "
+                   + "; ".join(f"{method_label(m)}, {largest_step_text(methods[m])}" for m in fewer) + ".")
+    return out
+
+
 __all__ = [
     "GATE_FLOOR", "SLACK", "WHOLE_MODEL_GRADIENT_BOUND", "PRETRAIN_MARGIN_FLOOR_NATS", "PRETRAIN_MARGIN_SEED_SHARE", "SPEED_TIE", "MEMORY_TIE",
     "EQUIVALENT", "BETTER", "WORSE", "DIFFERENT", "UNDECIDED", "TRAINS", "TRAINS_WELL",
     "gate_bound", "gate_case_status", "gate_verdict", "finetune_bound", "pretrain_margin", "margins_text",
-    "signed", "t_quantile", "Outcome", "pretrain_outcome", "finetune_outcome", "combine", "convergence_fact",
+    "signed", "t_quantile", "largest_step_text", "whole_step_fit_sentences", "gate_failures_text", "Outcome", "pretrain_outcome", "finetune_outcome", "combine", "convergence_fact",
     "trains_phrase", "part_phrase", "convergence_cell", "first_steps_agree", "least", "REGIME_TOKENS", "training_verdict",
     "why_not_recommended", "regime_sentences", "crossovers", "whole_step_sentence", "recommend",
 ]

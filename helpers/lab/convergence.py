@@ -241,10 +241,20 @@ def describe_rare_tokens(
     if not math.isfinite(rarest):
         return lines + ["No validation token falls in the rarest frequency bin: nothing to read here."]
     name = labels.get(baseline, baseline)
-    if rarest > uniform:
+    # The best of the more frequent bins: the mechanism below is read only where those beat guessing.
+    per_bin = [[s[b] for s in diagnostic[baseline]["val_loss"] if math.isfinite(s[b])] for b in range(len(bin_labels))]
+    others = [(bin_labels[b], sum(v) / len(v)) for b, v in enumerate(per_bin) if b > 0 and v]
+    best = min(others, key=lambda o: o[1]) if others else None
+    if rarest > uniform and best is not None and best[1] < uniform:
         lines.append(f"{name} scores {rarest:.2f} nats on tokens seen {bin_labels[0]} times in training, worse than "
-                     "uniform guessing: every step pushes down the logit of every token but the target, and a rare "
-                     "token is seldom the target that pushes it back up.")
+                     f"uniform guessing, where it scores {best[1]:.2f} on tokens seen {best[0]} times: every step "
+                     "pushes down the logit of every token but the target, and a rare token is seldom the target "
+                     "that pushes it back up.")
+    elif rarest > uniform:
+        lines.append(f"{name} scores {rarest:.2f} nats on tokens seen {bin_labels[0]} times in training, worse than "
+                     "uniform guessing, and no better than guessing on the more frequent tokens either"
+                     + (f" ({best[1]:.2f} at best, on tokens seen {best[0]} times)" if best else "")
+                     + ": the model has not learned past guessing yet, so this says nothing about rare tokens.")
     else:
         lines.append(f"{name} scores {rarest:.2f} nats on tokens seen {bin_labels[0]} times in training, better than "
                      "uniform guessing.")

@@ -39,12 +39,15 @@ SUMMARY = "summary.json"
 # engine's (``helpers.compare.verdicts``), which also reads them to recommend.
 FACT_KEYS = {
     "gradients": "{dtype name: 'pass' or 'fail'}: the accuracy gate's verdict against float64 (01)",
+    "gradient_failures": "{dtype name: {'cases': how many ran, 'failed': [the failing cases]}} where the gate fails (01)",
     "sweep": "{'dtype', 'points': {N: {'peak_bytes', 'seconds', 'status'}}}: one loss step (forward and backward) "
              "on this GPU at each token count swept (02)",
     "t4_peak_bytes_16k": "the same step's peak at 16,384 tokens under a T4's limits (a T4, or the pretend-T4 sweep) (02)",
     "runs_on_t4": "True, or why not (a string) (02, 05)",
     "largest_step_tokens_16gb": "the largest micro-batch of a whole Qwen3-0.6B training step that fits a 16 GB "
                                 "card, in tokens (05; under naive: transformers' default loss)",
+    "largest_step_at_search_limit": "True where that search stopped at its limit without running out of memory: "
+                                    "the largest micro-batch is at least that (05)",
     "whole_step": "{'tokens', 'precision', 'peak_bytes', 'tokens_per_s'}: one whole training step at the seed "
                   "article's micro-batch (05)",
     "convergence": "{dtype name: {'verdict', 'parts'}}: the engine's training verdict against exact (03)",
@@ -230,6 +233,12 @@ def _whole_step(w: dict) -> str:
     return f"{format_bytes(w['peak_bytes'])}, {w['tokens_per_s']:,.0f} tok/s"
 
 
+def _largest_step(f: dict) -> str | None:
+    from helpers.compare.verdicts import largest_step_text
+
+    return largest_step_text(f) if f.get("largest_step_tokens_16gb") else None
+
+
 # (heading, alignment, key, cell, how to read the value from a method's facts)
 _COLUMNS = [
     ("peak at 16k tokens", "---:", "peak", _fmt_gb, lambda f: _at_16k(f, "peak_bytes")),
@@ -238,7 +247,7 @@ _COLUMNS = [
     ("peak at 16k as a T4", "---:", "t4", _fmt_gb, lambda f: f.get("t4_peak_bytes_16k")),
     ("runs on a T4", "---", "runs_on_t4", lambda t: "yes" if t is True else f"no: {t}", lambda f: f.get("runs_on_t4")),
     ("whole step at 16k", "---:", "whole_step", _whole_step, lambda f: f.get("whole_step")),
-    ("whole step on 16 GB", "---:", "largest", lambda n: f"{n:,} tokens", lambda f: f.get("largest_step_tokens_16gb")),
+    ("whole step on 16 GB", "---:", "largest", str, _largest_step),
     ("gradients vs float64", "---", "gradients", lambda g: ", ".join(f"{d} {v}" for d, v in g.items()),
      lambda f: f.get("gradients")),
     ("trains like exact", "---", "convergence", lambda c: _convergence_cell(c), lambda f: f.get("convergence")),

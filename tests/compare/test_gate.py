@@ -189,7 +189,10 @@ def test_facts_give_each_method_its_verdict_per_dtype_it_ran_in(temporary_method
                       raise_on_failure=False)
     facts = report.facts()
     assert facts["chunked"] == {"gradients": {"float32": "pass", "float16": "pass"}}
-    assert facts["wrong"] == {"gradients": {"float32": "fail", "float16": "fail"}}
+    cases = [c.name for c in CASES[:2]]
+    assert facts["wrong"] == {"gradients": {"float32": "fail", "float16": "fail"},
+                              "gradient_failures": {d: {"cases": 2, "failed": cases} for d in ("float32", "float16")}}
+    assert f"FAIL (2 of 2 cases: {'; '.join(cases)})" in report.markdown()
     assert "apple_cce" not in facts  # unavailable on a CPU: nothing measured, no verdict
 
 

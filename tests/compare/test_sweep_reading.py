@@ -63,6 +63,15 @@ def test_memory_order_puts_the_flat_methods_first_and_the_earliest_wall_last():
     assert memory_order(records) == ["apple_cce", "liger", "torch_compile", "naive", "chunked"]
 
 
+def test_memory_order_compares_the_flat_methods_where_they_all_ran_not_below_anothers_wall():
+    """naive stops at N = 128; ours is lighter at 64 but heavier at 128, where the flat methods still run."""
+    records = [point("naive", 64, peak_gb=0.2), point("naive", 128, "oom"),
+               point("ours", 64, peak_gb=0.076), point("ours", 128, peak_gb=0.118),
+               point("liger", 64, peak_gb=0.080), point("liger", 128, peak_gb=0.099)]
+    assert memory_order(records) == ["liger", "ours", "naive"]
+    assert results_pivot(records).splitlines()[0].endswith("least memory first (at N=128):")
+
+
 def test_the_pivot_reads_like_the_articles_table():
     table = results_pivot(H200, {"apple_cce": "Apple CCE", "naive": "naive"}, failed_gate={"apple_cce": "dE 0.0078"})
     lines = table.splitlines()

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from helpers.compare import verdicts
+from helpers.compare.methods import method_label
 from helpers.compare.verdicts import (
     BETTER,
     DIFFERENT,
@@ -182,3 +183,31 @@ def test_budget_sentences_say_what_a_budget_bought_and_leave_out_what_it_did_not
     assert "256MiB" not in sentence and "1GiB" not in sentence
     assert "torch.compile's 31.6 ms" in sentence and '"min" 35 ms' in sentence
     assert budget_sentences({"ours": {"sweep": sweep(412e6, 0.035)}}) == []
+
+
+def _fit(tokens, at_limit=False):
+    return {"largest_step_tokens_16gb": tokens, **({"largest_step_at_search_limit": True} if at_limit else {})}
+
+
+def test_a_loss_that_fits_fewer_tokens_than_the_default_is_named():
+    """Ours fitting 96 tokens where the default and Liger fit the search's 128 is not "every loss fits 128"."""
+    said = verdicts.whole_step_fit_sentences({"naive": _fit(128, True), "liger": _fit(128, True), "ours": _fit(96)})
+    assert not any("every loss" in s for s in said)
+    assert said[0].startswith("Largest whole Qwen3-0.6B training step on a 16 GB card (05): Liger, 128 tokens or more "
+                              "(the search's limit), against 128 tokens or more (the search's limit) with")
+    assert said[1] == f"Fit fewer tokens than transformers' default loss (05): {method_label('ours')}, 96 tokens."
+
+
+def test_every_loss_fits_only_when_every_count_equals_the_defaults():
+    same = verdicts.whole_step_fit_sentences({"naive": _fit(4096), "liger": _fit(4096), "ours": _fit(4096)})
+    assert len(same) == 1 and "every loss that ran fits 4,096 tokens, as transformers' default loss does" in same[0]
+    more = verdicts.whole_step_fit_sentences({"naive": _fit(4096), "liger": _fit(32768), "ours": _fit(65536)})
+    assert len(more) == 1 and f"{method_label('ours')}, 65,536 tokens, against 4,096 tokens" in more[0]
+
+
+def test_avoid_names_the_failing_cases_so_one_degenerate_case_reads_as_one(facts_kit):
+    facts = facts_kit.h200()
+    facts["apple_cce"]["gradient_failures"] = {"bfloat16": {"cases": 12, "failed": ["N=37 V=257 D=24 mean, ignore all"]}}
+    said = recommend(facts, ALL, t4=False)
+    assert ("Avoid Apple CCE in bfloat16: its gradients fail the float64 gate (01) in 1 of 12 cases "
+            "(bfloat16: N=37 V=257 D=24 mean, ignore all).") in said

@@ -216,6 +216,7 @@ def test_rare_token_reading_explains_a_filter_that_helps_the_rarest_and_costs_th
     lines = convergence.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {"apple_cce": "Apple CCE"})
     assert "ln 32,768 = 10.40 nats" in lines[0] and "Lower is better" in lines[0]
     assert "11.00 nats on tokens seen 1–9 times" in lines[1] and "worse than uniform guessing" in lines[1]
+    assert "where it scores 5.00 on tokens seen 10–99 times" in lines[1] and "pushes it back up" in lines[1]
     assert lines[2].startswith("Apple CCE: better than exact on the rarest tokens by 0.4 nats (margin ±0.05).")
     assert "moved 0.9 less than exact's" in lines[2] and "pays on tokens seen 10–99 times" in lines[2]
 
@@ -231,6 +232,15 @@ def test_rare_token_reading_of_an_arm_that_starves_the_rarest_or_matches_exact()
     diagnostic["exact"]["val_loss"] = [[math.nan, 5.0]] * 3
     lines = convergence.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {})
     assert "nothing to read" in lines[-1]
+
+
+def test_rare_token_reading_gives_no_mechanism_when_no_bin_beats_guessing():
+    """After a few steps every bin is near ln V: "worse than guessing" on the rarest says nothing about rare tokens."""
+    diagnostic, bins = _rare_token_case(effect_rarest=0.0, drift_rarest=0.0, effect_middle=0.0)
+    diagnostic["exact"]["val_loss"] = [[10.6, 10.5], [10.7, 10.6], [10.5, 10.4]]
+    lines = convergence.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {})
+    assert "no better than guessing on the more frequent tokens either (10.50 at best" in lines[1]
+    assert "pushes it back up" not in lines[1]
 
 
 def _pre(verdict, effect=0.0):
