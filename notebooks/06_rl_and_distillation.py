@@ -487,7 +487,7 @@ step_heads = distill.heads(*Hd["shape"], dtype=dtype, device=device, seed=1)
 distill_step = {}
 for kind in Hd["kinds"]:
     for path in distill.PATHS:
-        reason = distill.liger_reason(device) if path == "liger" else None
+        reason = distill.liger_reason(device, dtype) if path == "liger" else None
         if reason:
             distill_step[(kind, path)] = {"status": "not run", "error": reason}
             continue
@@ -548,8 +548,8 @@ write_report_fragment(out, f"""
   bounds (dE {check['errors']['ours']['dE']:.1e}, dC {check['errors']['ours']['dC']:.1e}; naive's
   {check['errors']['naive']['dE']:.1e}, {check['errors']['naive']['dC']:.1e}).
 - At the Qwen3-0.6B head and 16,384 tokens: naive {format_bytes(arithmetic['naive_peak_bytes'])}
-  ({arithmetic['naive_bytes_per_logit']:.0f} bytes a logit, measured), ours {format_bytes(arithmetic['ours_peak_bytes'])}
-  (the formula, for {where}).
+  ({arithmetic['naive_bytes_per_logit']:.0f} bytes a logit, measured here in {S['dtype']}), ours
+  {format_bytes(arithmetic['ours_peak_bytes'])} (the formula, for {where}{'' if device.type == 'cuda' else ': the GPU this CPU run stands for'}).
 - GRPO on the count-up task: mean reward {first:.2f} -> {last:.2f} in {G['steps']} steps (chance {1 / G['V']:.2f}).
 {chr(10).join('- Finding: ' + f for f in findings)}
 

@@ -188,10 +188,11 @@ def _tokens(N: int) -> str:
 
 def fits_table(methods: Iterable[str], V: int, D: int, cards: list[Card], labels: dict[str, str] | None = None,
                cannot_run: dict[str, dict[str, str]] | None = None) -> str:
-    """Markdown: per method (rows) and card (columns), the largest N whose loss step fits, by the
-    theory. ``cannot_run``: {card label: {method: why}} for methods a card cannot run at all."""
+    """Markdown: per method (rows) and card (columns), the largest N whose loss step fits at the head
+    (V, D), by the theory, under a line naming the head. ``cannot_run``: {card label: {method: why}} for methods a card cannot run at all."""
     labels, cannot_run = labels or {}, cannot_run or {}
-    lines = ["| method | " + " | ".join(c.describe() for c in cards) + " |", "|---|" + "---:|" * len(cards)]
+    lines = [f"The largest N at this head (V = {V:,}, D = {D:,}), per card:", "",
+             "| method | " + " | ".join(c.describe() for c in cards) + " |", "|---|" + "---:|" * len(cards)]
     notes = []
     for method in methods:
         cells = []

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from helpers.cce import linear_kl_div
+from helpers.cce.options import triton_reason
 from helpers.compare.inputs import ignore_targets, make_inputs
 from helpers.spec import divergence_of_logits, reference_kl_div, relative_error
 
@@ -66,15 +67,14 @@ def liger_kl_div(E_s, C_s, E_t, C_t, x, *, kind, temperature=1.0):
     return LigerFusedLinearJSD(jsd_beta=LIGER_BETA[kind], temperature=temperature)(E_s, C_s, E_t, C_t, x)
 
 
-def liger_reason(device) -> str | None:
-    """Why Liger's fused JSD cannot run on ``device`` (None: it can)."""
-    if torch.device(device).type != "cuda":
-        return "Liger-Kernel's kernels need a CUDA GPU"
+def liger_reason(device, dtype: torch.dtype) -> str | None:
+    """Why Liger's fused JSD cannot run on ``device`` in ``dtype`` (None: it can). Its Triton kernel runs
+    where ours does: a CUDA GPU, or the CPU under the Triton interpreter (not in bf16 there)."""
     try:
         import liger_kernel.transformers  # noqa: F401
     except ImportError as error:
         return f"liger-kernel is not installed ({error})"
-    return None
+    return triton_reason(device, dtype)
 
 
 def ours_kl_div(E_s, C_s, E_t, C_t, x, **options):

@@ -233,7 +233,8 @@ def test_the_fits_table():
     cards = [card("an 80 GB card", 80e9, "bfloat16", (9, 0)), t4_card()]
     table = fits_table(["naive", "torch_lce", "apple_cce", "ours"], V_QWEN, D_QWEN, cards, {"naive": "naive"},
                        cannot_run={"T4": {"apple_cce": "64 KB of shared memory is too little"}})
-    lines = table.splitlines()
+    head, lines = table.splitlines()[:2], table.splitlines()[2:]
+    assert head == ["The largest N at this head (V = 151,936, D = 1,024), per card:", ""]
     assert lines[0] == "| method | an 80 GB card (72.00 GB usable, bfloat16) | T4 (14.50 GB usable, float16) |"
     # (72e9 - V·D·2) // (12·V + 2·D + 8) = 39,275, rounded down to three significant digits
     assert (72 * 10**9 - V_QWEN * D_QWEN * 2) // (12 * V_QWEN + 2 * D_QWEN + 8) == 39_275
