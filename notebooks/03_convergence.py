@@ -560,8 +560,9 @@ for part, times in speed.items():
     print(f"{smoke}{part}: step time against exact's")
     print(f"  {'loss':<26} {'median ms':>10} {'vs exact':>9} {'host ms/call':>13} {'GPU ms/call':>12}")
     for name, t in times.items():
+        gpu_ms = "—" if math.isnan(t["device_ms"]) else f"{t['device_ms']:.2f}"
         print(f"  {labels[name]:<26} {1e3 * t['median_s']:10.2f} {t['vs_baseline']:8.2f}x {t['host_ms']:13.2f} "
-              f"{t['device_ms']:12.2f}  {'host-bound' if t['host_bound'] else ''}")
+              f"{gpu_ms:>12}  {'host-bound' if t['host_bound'] else ''}")
     print(*speed_reading[part], sep="\n")
 # The trade-off an engineer weighs: time saved (or spent) against the loss it costs.
 trade_offs = [f"{labels[name]}: {speed['pretraining'][name]['vs_baseline']:.2f}x exact's pretraining step time; "
@@ -665,7 +666,8 @@ drift_rows = "\n".join(f"| {labels.get(name, name)} | {o.drift:.2e} | {verdicts.
 speed_rows = "\n".join(
     f"| {labels[name]} | " + " | ".join(
         f"{part[name]['vs_baseline']:.2f}x ({1e3 * part[name]['median_s']:.3g} ms) | {part[name]['host_ms']:.3g} / "
-        f"{part[name]['device_ms']:.3g}{' host-bound' if part[name]['host_bound'] else ''}" if name in part
+        f"{'—' if math.isnan(part[name]['device_ms']) else format(part[name]['device_ms'], '.3g')}"
+        f"{' host-bound' if part[name]['host_bound'] else ''}" if name in part
         else "not run | " for part in speed.values()) + " |"
     for name in dict.fromkeys([*speed["fine-tuning"], *speed["pretraining"]]))
 not_run = "".join(f"\n- {labels[name]}: {reason}" for name, reason in results["unavailable"].items())

@@ -44,9 +44,9 @@ def time_training_steps(
     """Time ``repeats`` training steps of ``task`` with loss ``variant`` after ``warmup`` untimed ones.
 
     Returns {"variant", "median_s", "step_s" (each timed step, in order), "warmup", "repeats",
-    "host_ms" and "device_ms" (per loss call: forward and backward, ``loss_calls`` back to back),
-    "loss_calls", "host_bound" (None on the CPU, where host and device are one), "tokens" (N), "V",
-    "D", "dtype"}. A step: sample a batch, the body and the loss, backward (scaled in fp16), the
+    "host_ms" and "device_ms" (per loss call: forward and backward, ``loss_calls`` back to back; device_ms
+    NaN on the CPU, where host and device are one, or where the profiler saw no GPU work), "loss_calls",
+    "host_bound" (None where device_ms is NaN), "device" ("cuda" or "cpu"), "tokens" (N), "V", "D", "dtype"}. A step: sample a batch, the body and the loss, backward (scaled in fp16), the
     optimizer step, gradients cleared; the constant learning rate ``lr`` (a schedule costs nothing).
     """
     device = torch.device(device)
@@ -81,9 +81,11 @@ def time_training_steps(
         "warmup": warmup,
         "repeats": repeats,
         "host_ms": loss_time.host_ms,
-        "device_ms": loss_time.device_ms,
+        # The CPU: host and device are one, so no device time and no verdict.
+        "device_ms": loss_time.device_ms if device.type == "cuda" else math.nan,
         "loss_calls": loss_calls,
-        "host_bound": loss_time.host_bound if device.type == "cuda" else None,  # the CPU: no verdict
+        "host_bound": loss_time.host_bound if device.type == "cuda" else None,
+        "device": device.type,
         "tokens": x.numel(),
         "V": C.shape[0],
         "D": C.shape[1],
@@ -138,8 +140,10 @@ def describe_step_times(
                      "these sizes.")
         lines.append(said)
     if undecided:
+        why = ("on a CPU host and device are one" if first.get("device") == "cpu"
+               else "the profiler recorded no GPU activity for the loss")
         lines.append(f"Whether {', '.join(undecided)} {'is' if len(undecided) == 1 else 'are'} host-bound cannot be "
-                     "told here: on a CPU host and device are one (on a GPU: the profiler recorded no GPU activity).")
+                     f"told here: {why}.")
     base_fastest = min(times[baseline]["step_s"]) if baseline in times and times[baseline]["step_s"] else None
     spread, steady = [], []
     for arm, t in times.items():

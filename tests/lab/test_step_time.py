@@ -56,17 +56,17 @@ def test_no_arm_counts_skipped_tiles_while_it_is_timed(temporary_method):
 def test_the_result_names_what_was_timed():
     timed = step_time.time_training_steps(small_task(), "exact", warmup=1, repeats=4, loss_calls=2, **TIMING)
     assert set(timed) == {"variant", "median_s", "step_s", "warmup", "repeats", "host_ms", "device_ms", "loss_calls",
-                          "host_bound", "tokens", "V", "D", "dtype"}
+                          "host_bound", "device", "tokens", "V", "D", "dtype"}
     assert (timed["tokens"], timed["V"], timed["D"], timed["dtype"]) == (24, 97, 12, "float32")
     assert len(timed["step_s"]) == 4 and timed["median_s"] == pytest.approx(sum(sorted(timed["step_s"])[1:3]) / 2)
-    assert timed["host_ms"] > 0 and timed["device_ms"] == timed["host_ms"]
-    assert timed["host_bound"] is None  # the CPU is host and device at once: no verdict
+    assert timed["host_ms"] > 0 and math.isnan(timed["device_ms"]) and timed["device"] == "cpu"
+    assert timed["host_bound"] is None  # the CPU is host and device at once: no device time, no verdict
 
 
-def _timed(median_s, host_ms, device_ms, host_bound):
+def _timed(median_s, host_ms, device_ms, host_bound, device="cpu"):
     return {"median_s": median_s, "step_s": [median_s], "warmup": 3, "repeats": 10, "host_ms": host_ms,
-            "device_ms": device_ms, "loss_calls": 5, "host_bound": host_bound, "tokens": 4096, "V": 32768, "D": 256,
-            "dtype": "float16"}
+            "device_ms": device_ms, "loss_calls": 5, "host_bound": host_bound, "device": device, "tokens": 4096,
+            "V": 32768, "D": 256, "dtype": "float16"}
 
 
 def test_each_slower_arm_is_read_as_host_bound_or_device_bound():
@@ -87,6 +87,10 @@ def test_each_slower_arm_is_read_as_host_bound_or_device_bound():
     assert cpu.startswith("cpu_arm takes 3.00x") and "bound" not in cpu
     assert undecided.startswith("Whether cpu_arm is host-bound cannot be told here: on a CPU host and device are one")
     assert not any("chunked" in line for line in lines)
+    on_gpu = step_time.against_baseline({"exact": _timed(0.010, 0.4, 2.0, False, "cuda"),
+                                         "ours": _timed(0.030, 2.0, math.nan, None, "cuda")})
+    assert step_time.describe_step_times("fine-tuning", on_gpu, {})[-1].endswith(
+        "cannot be told here: the profiler recorded no GPU activity for the loss.")
 
 
 def test_without_a_baseline_there_is_no_ratio():
