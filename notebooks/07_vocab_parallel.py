@@ -392,6 +392,7 @@ if timing:
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
         ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax_time.legend(fontsize=8)
+    ax_peak.legend(fontsize=8)
     fig.tight_layout()
     save(fig, "vocab_parallel.png")
 
