@@ -370,7 +370,9 @@ save(fig, "grpo_reward.png")
 # the median of the repeats after warm-up. On a GPU the shape is the Qwen3-0.6B head at 16,384
 # tokens (16 completions of 1,024). A path that runs out of memory is a finding about that path
 # (the naive one on a 16 GB card), and the notebook goes on. On a CPU the head is tiny, and a
-# simulated card of `cpu_budget_bytes` puts the naive path over its wall.
+# simulated card of `cpu_budget_bytes` puts the naive path over its wall. Not compared here: Liger-Kernel
+# 0.8.5's own fused GRPO loss (`LigerFusedLinearGRPOLoss`, chunked rows in PyTorch, no entropy bonus), a
+# fused peer for this step.
 
 # %%
 H = S["head"]
@@ -474,7 +476,7 @@ save(fig, "distill_curve.png")
 
 # %% [markdown]
 # One distillation step through both heads: the divergence, then dE<sub>s</sub> and dC<sub>s</sub>,
-# ours against the naive path and, on a GPU, Liger-Kernel's `LigerFusedLinearJSD` (its β = 0 is the
+# ours against the naive path and Liger-Kernel's `LigerFusedLinearJSD` (its β = 0 is the
 # forward KL, 0.5 the JSD: the same divergence, the same tokens, the same mean). Liger cuts the rows
 # into chunks and holds fp32 buffers of a chunk's logits; ours holds a few numbers per token and
 # recomputes the tiles in its backward (more arithmetic: the module doc of `helpers.cce.distill`
@@ -543,6 +545,7 @@ write_report_fragment(out, f"""
 |---|---:|
 | ours (`helpers.lab.rl.grpo_loss`) | {step_cell(head['ours'])} |
 | naive (full logits, log-softmax, softmax) | {step_cell(head['naive'])} |
+| Liger-Kernel's `LigerFusedLinearGRPOLoss` | not compared here |
 
 - Against float64 on full logits ({check['dtype']}): ours {'within' if check['ok'] else '**outside**'} the gate's
   bounds (dE {check['errors']['ours']['dE']:.1e}, dC {check['errors']['ours']['dC']:.1e}; naive's
