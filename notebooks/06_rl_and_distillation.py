@@ -257,15 +257,19 @@ if P.smoke:
 # %%
 check_inputs = rl.step_inputs(**S["check"], dtype=dtype, device=device)
 check = rl.check_against_float64(check_inputs)
-print(f"B, T, V, D = {tuple(S['check'].values())}, {check['dtype']}; options {rl.STEP_OPTIONS}")
-print(f"{'':<10}" + "".join(f"{q:>12}" for q in check["bounds"]))
+print(f"B, T, V, D = {tuple(S['check'].values())}, {check['dtype']}; options {rl.STEP_OPTIONS} "
+      f"(less, per path: {rl.PATH_OPTIONS})")
+print(f"{'':<16}" + "".join(f"{q:>12}" for q in check["bounds"]["ours"]))
 for path, errors in check["errors"].items():
-    print(f"{path:<10}" + "".join(f"{e:>12.1e}" for e in errors.values()))
-print(f"{'bound':<10}" + "".join(f"{b:>12.1e}" for b in check["bounds"].values()))
+    for row, values in ((path, errors), ("  its bound", check["bounds"][path])):
+        print(f"{row:<16}" + "".join(f"{values[q]:>12.1e}" if q in values else f"{'—':>12}" for q in check["bounds"]["ours"]))
 print("ours is within every bound" if check["ok"] else "ours is OFF the float64 reference")
 if not check["ok"]:
     problems.append(f"ours is off the float64 reference in {check['dtype']}: {check['errors']['ours']} "
-                    f"against bounds {check['bounds']}")
+                    f"against bounds {check['bounds']['ours']}")
+peers_off = [path for path, within in check["within"].items() if not within and path != "ours"]
+findings += [f"{path} is off the float64 reference in {check['dtype']}: {check['errors'][path]} against bounds "
+             f"{check['bounds'][path]}" for path in peers_off]
 
 # %% [markdown]
 # ## The memory arithmetic at the Qwen3-0.6B head, 16k tokens
@@ -362,7 +366,7 @@ fig.tight_layout()
 save(fig, "grpo_reward.png")
 
 # %% [markdown]
-# ## One GRPO step through the policy head: ours against the naive path
+# ## One GRPO step through the policy head: ours against the naive path and Liger's
 #
 # This is what a trainer's step costs at the head, in the profile's dtype: the GRPO loss of the
 # completions' hidden states (the options above: τ = 0.7, the clip, the KL and the entropy bonus),
@@ -370,9 +374,10 @@ save(fig, "grpo_reward.png")
 # the median of the repeats after warm-up. On a GPU the shape is the Qwen3-0.6B head at 16,384
 # tokens (16 completions of 1,024). A path that runs out of memory is a finding about that path
 # (the naive one on a 16 GB card), and the notebook goes on. On a CPU the head is tiny, and a
-# simulated card of `cpu_budget_bytes` puts the naive path over its wall. Not compared here: Liger-Kernel
-# 0.8.5's own fused GRPO loss (`LigerFusedLinearGRPOLoss`, chunked rows in PyTorch, no entropy bonus), a
-# fused peer for this step.
+# simulated card of `cpu_budget_bytes` puts the naive path over its wall. The fused peer: Liger-Kernel's
+# `LigerFusedLinearGRPOLoss` (`rl.liger_grpo_loss`: rows through the head a chunk at a time, in PyTorch),
+# on the same objective but for the entropy bonus, which it lacks: its step runs without it (a little
+# less work than ours), and its check above is against the float64 loss without it.
 
 # %%
 H = S["head"]
@@ -380,33 +385,41 @@ tokens = H["B"] * H["T"]
 head_inputs = rl.step_inputs(**H, dtype=dtype, device=device)
 head = {}
 for path in rl.PATHS:
+    if reason := rl.path_reason(path):
+        head[path] = {"status": "not run", "peak_bytes": None, "ms": None, "error": reason}
+        print(f"{path:<6} not run: {reason}")
+        continue
     m = measure.measure(rl.head_step(path, head_inputs), warmup=S["warmup"], repeats=S["repeats"], device=device,
                         budget_bytes=cap.budget_bytes)
     head[path] = {"status": m.status, "peak_bytes": m.peak_bytes,
                   "ms": m.latency.median_ms if m.latency else None, "error": m.error}
     shown = (f"{format_bytes(m.peak_bytes)} above the inputs, {m.latency.median_ms:,.1f} ms" if m.status == "ok"
-             else f"out of memory ({m.error})")
+             else f"{m.status} ({m.error})")
     print(f"{path:<6} {tokens:,} tokens, V = {H['V']:,}, D = {H['D']:,}, {S['dtype']}: {shown}")
 del head_inputs
 measure.release_memory(device)
 if head["ours"]["status"] != "ok":
     problems.append(f"ours ran out of memory in the head step at {tokens:,} tokens: {head['ours']['error']}")
-if head["naive"]["status"] != "ok":
-    findings.append(f"the naive path (full logits) runs out of memory at {tokens:,} tokens, V = {H['V']:,} "
-                    f"({cap.describe().split(';')[0]})")
+for path, what in (("naive", "the naive path (full logits)"), ("liger", "Liger's fused GRPO loss")):
+    if head[path]["status"] == "oom":
+        findings.append(f"{what} runs out of memory at {tokens:,} tokens, V = {H['V']:,} "
+                        f"({cap.describe().split(';')[0]})")
+    elif head[path]["status"] not in ("ok", "not run"):
+        findings.append(f"{what} failed at {tokens:,} tokens: {head[path]['error']}")
 print("\n".join(f"finding: {f}" for f in findings))
 
 room = cap.room_for(theory.input_bytes(tokens, H["V"], H["D"], dtype))  # the wall above the inputs, if any
 peaks = [r["peak_bytes"] for r in head.values() if r["status"] == "ok"] + ([room] if room else [])
 scale, unit = (1e9, "GB") if max(peaks, default=0) > 1e8 else (1e6, "MB")
 fig, ax = plt.subplots(figsize=(8, 3))
-labels = {"ours": "ours (no logits)", "naive": "naive (full logits)"}
+labels = {"ours": "ours (no logits)", "naive": "naive (full logits)", "liger": "Liger (rows in chunks)"}
 for i, (path, r) in enumerate(head.items()):
     if r["status"] == "ok":
         ax.barh(i, r["peak_bytes"] / scale, color=f"C{i}")
         ax.text(r["peak_bytes"] / scale, i, f" {format_bytes(r['peak_bytes'])}, {r['ms']:,.0f} ms", va="center")
     else:
-        ax.text(0, i, "  out of memory", va="center", color="firebrick", weight="bold")
+        shown = "out of memory" if r["status"] == "oom" else r["status"]
+        ax.text(0, i, f"  {shown}", va="center", color="firebrick", weight="bold")
 if room:
     ax.axvline(room / scale, color="firebrick", linestyle="--", label=f"the cap above the inputs: {format_bytes(room)}")
     ax.legend(loc="center right")
@@ -522,12 +535,20 @@ display(Markdown(f"N, V, D_s, D_t = {tuple(Hd['shape'])}, {S['dtype']}: peak abo
 # ## Results
 
 # %%
+liger_check = "" if "liger" not in check["errors"] else (
+    f" Liger, against the same loss without the entropy bonus: {'within' if check['within']['liger'] else '**outside**'}"
+    f" its bounds (dE {check['errors']['liger']['dE']:.1e}, dC {check['errors']['liger']['dC']:.1e}).")
+
+
 def step_cell(r):
-    return f"{format_bytes(r['peak_bytes'])}, {r['ms']:,.0f} ms" if r["status"] == "ok" else "out of memory"
+    if r["status"] == "ok":
+        return f"{format_bytes(r['peak_bytes'])}, {r['ms']:,.0f} ms"
+    return "out of memory" if r["status"] == "oom" else f"{r['status']}: {r['error']}"
 
 
 headline = (f"a GRPO step through a {H['V']:,} x {H['D']:,} head at {tokens:,} tokens, {S['dtype']}: ours "
-            f"{step_cell(head['ours'])}; naive {step_cell(head['naive'])}; the tiny policy's reward "
+            f"{step_cell(head['ours'])}; naive {step_cell(head['naive'])}; Liger {step_cell(head['liger'])}; "
+            "the tiny policy's reward "
             f"{first:.2f} -> {last:.2f}")
 results = {
     "profile": P.name, "device": info.as_dict(), "dtype": S["dtype"], "options": rl.STEP_OPTIONS,
@@ -545,11 +566,11 @@ write_report_fragment(out, f"""
 |---|---:|
 | ours (`helpers.lab.rl.grpo_loss`) | {step_cell(head['ours'])} |
 | naive (full logits, log-softmax, softmax) | {step_cell(head['naive'])} |
-| Liger-Kernel's `LigerFusedLinearGRPOLoss` | not compared here |
+| Liger-Kernel's `LigerFusedLinearGRPOLoss` (no entropy bonus) | {step_cell(head['liger'])} |
 
 - Against float64 on full logits ({check['dtype']}): ours {'within' if check['ok'] else '**outside**'} the gate's
   bounds (dE {check['errors']['ours']['dE']:.1e}, dC {check['errors']['ours']['dC']:.1e}; naive's
-  {check['errors']['naive']['dE']:.1e}, {check['errors']['naive']['dC']:.1e}).
+  {check['errors']['naive']['dE']:.1e}, {check['errors']['naive']['dC']:.1e}).{liger_check}
 - At the Qwen3-0.6B head and 16,384 tokens: naive {format_bytes(arithmetic['naive_peak_bytes'])}
   ({arithmetic['naive_bytes_per_logit']:.0f} bytes a logit, measured here in {S['dtype']}), ours
   {format_bytes(arithmetic['ours_peak_bytes'])} (the formula, for {where}{'' if device.type == 'cuda' else ': the GPU this CPU run stands for'}).

@@ -321,10 +321,79 @@ def logits_grpo_loss(
 
 
 # ---------------------------------------------------------------------------------------------
-# One step of a policy head, ours or the naive path (notebook 06, scripts/gpu/rl_step.py)
+# The fused peer: Liger-Kernel's GRPO loss, on the same objective
 # ---------------------------------------------------------------------------------------------
 
-PATHS = {"ours": grpo_loss, "naive": logits_grpo_loss}
+# Our aggregations as Liger-Kernel's (TRL's) loss types.
+LIGER_LOSS_TYPES = {"token": "bnpo", "sequence": "grpo", "constant": "dr_grpo"}
+
+
+def liger_grpo_loss(
+    E: torch.Tensor,
+    C: torch.Tensor,
+    x: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    old_logprob: torch.Tensor | None = None,
+    ref_logprob: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    kl_coef: float = 0.0,
+    entropy_coef: float = 0.0,
+    aggregation: str = "token",
+    max_tokens: int | None = None,
+) -> PolicyLoss:
+    """Liger-Kernel's ``LigerFusedLinearGRPOLoss`` on ``grpo_loss``'s objective: the same clip, k3 KL and
+    aggregation (``LIGER_LOSS_TYPES``). Its rows go through the head a chunk at a time in PyTorch (the
+    loss's arithmetic compiled on a GPU). It has no entropy bonus (entropy_coef must be 0) and per-sequence
+    advantages only, and gives no per-token outputs: the PolicyLoss holds the loss, its other fields None."""
+    if entropy_coef:
+        raise ValueError(f"Liger-Kernel's GRPO loss has no entropy bonus: entropy_coef must be 0, got {entropy_coef}")
+    _check_objective_inputs(x, advantages, mask, old_logprob, ref_logprob, eps_low, eps_high, kl_coef,
+                            entropy_coef, aggregation, max_tokens)
+    if advantages.dim() != 1:
+        raise ValueError(f"Liger-Kernel's GRPO loss takes one advantage per sequence, (B,), got {tuple(advantages.shape)}")
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    loss_fn = LigerFusedLinearGRPOLoss(
+        beta=kl_coef, compiled=E.device.type == "cuda", use_ref_model=ref_logprob is not None and kl_coef != 0,
+        epsilon_low=eps_low, epsilon_high=eps_high, loss_type=LIGER_LOSS_TYPES[aggregation],
+        max_completion_length=max_tokens or x.shape[1], temperature=temperature)
+    kept = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()
+    # What a trainer hands it at padding (a valid id, finite log-probabilities): it gathers x at every
+    # position and multiplies the masked terms by 0, so an out-of-range id would fail and an inf ratio
+    # (a huge stored logp_old there) would make the loss NaN.
+    x = torch.where(kept, x, 0)
+    old_logprob, ref_logprob = (None if t is None else torch.where(kept, t, 0.0) for t in (old_logprob, ref_logprob))
+    loss, _ = loss_fn(E, C, x, kept.int(), advantages, ref_per_token_logps=ref_logprob, old_per_token_logps=old_logprob)
+    return PolicyLoss(loss, None, None, None, None, None)
+
+
+def liger_reason() -> str | None:
+    """Why Liger-Kernel's GRPO loss cannot run here (None: it can: it is PyTorch, on any device and dtype)."""
+    try:
+        import liger_kernel.chunked_loss  # noqa: F401
+    except ImportError as error:
+        return f"liger-kernel is not installed ({error})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# One step of a policy head: ours, the naive path or Liger's (notebook 06, scripts/gpu/rl_step.py)
+# ---------------------------------------------------------------------------------------------
+
+PATHS = {"ours": grpo_loss, "naive": logits_grpo_loss, "liger": liger_grpo_loss}
+# What a path cannot do, taken out of the step's options for it: Liger has no entropy bonus.
+PATH_OPTIONS = {"liger": dict(entropy_coef=0.0)}
+# Why a path cannot run here, for the paths that may not (None: it can).
+PATH_REASONS = {"liger": liger_reason}
+
+
+def path_reason(path: str) -> str | None:
+    """Why ``path`` (``PATHS``) cannot run here; None where it can."""
+    return PATH_REASONS[path]() if path in PATH_REASONS else None
 # A GRPO step as DAPO-style trainers run it: a sampling temperature, the wider upper clip, a small KL
 # to the reference and an entropy bonus, so that every term's gradient is in what is measured.
 STEP_OPTIONS = dict(temperature=0.7, eps_low=0.2, eps_high=0.28, kl_coef=0.04, entropy_coef=0.001,
@@ -367,12 +436,12 @@ def step_inputs(B: int, T: int, V: int, D: int, dtype: torch.dtype, device, seed
 
 
 def head_step(path: str, inputs: StepInputs, **options):
-    """The step of ``path`` ("ours" or "naive", ``PATHS``) as a callable: the GRPO loss of
-    ``inputs`` (``STEP_OPTIONS``, updated by ``options``), then dE and dC (returned, not
-    accumulated, so that every call starts from the same memory)."""
+    """The step of ``path`` (``PATHS``) as a callable: the GRPO loss of ``inputs`` (``STEP_OPTIONS``,
+    less what the path cannot do (``PATH_OPTIONS``), updated by ``options``), then dE and dC (returned,
+    not accumulated, so that every call starts from the same memory)."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
-    loss_fn, options = PATHS[path], {**STEP_OPTIONS, **options}
+    loss_fn, options = PATHS[path], {**STEP_OPTIONS, **PATH_OPTIONS.get(path, {}), **options}
 
     def step():
         out = loss_fn(inputs.E, inputs.C, inputs.x, inputs.advantages, inputs.mask, old_logprob=inputs.old_logprob,
@@ -382,34 +451,44 @@ def head_step(path: str, inputs: StepInputs, **options):
     return step
 
 
-def check_against_float64(inputs: StepInputs, **options) -> dict:
-    """Ours and the naive path against the float64 reference on full logits, on ``inputs``: the
-    relative errors of the per-token log-probabilities and entropies and of dE and dC, the gate's
-    bound for each (``helpers.compare.verdicts.gate_bound``: max(the dtype's floor, 2 x naive's
-    error); the log-probabilities and entropies take the loss's floor) and whether ours is within
-    every bound ("ok")."""
+def check_against_float64(inputs: StepInputs, paths=None, **options) -> dict:
+    """Each of ``paths`` (default: every path that can run here) against the float64 reference on full
+    logits, on ``inputs``: the relative errors of what it gives (the per-token log-probabilities and
+    entropies, dE and dC; Liger's loss gives dE and dC), the gate's bound for each
+    (``helpers.compare.verdicts.gate_bound``: max(the dtype's floor, 2 x the naive path's error); the
+    log-probabilities and entropies take the loss's floor), each path's reference and bounds taken at its
+    own options (``PATH_OPTIONS``). Returns {"dtype", "errors": {path: {quantity: error}}, "bounds": {path:
+    {quantity: bound}}, "within": {path: bool}, "ok": whether ours is within every bound}."""
     from helpers.compare.units import dtype_name
     from helpers.compare.verdicts import gate_bound
     from helpers.spec import relative_error
 
-    options = {**STEP_OPTIONS, **options}
-    args = (inputs.x, inputs.advantages, inputs.mask)
-    kwargs = dict(old_logprob=inputs.old_logprob, ref_logprob=inputs.ref_logprob, **options)
+    paths = [p for p in PATHS if path_reason(p) is None] if paths is None else list(paths)
+    quantities = ("logprob", "entropy", "dE", "dC")
+    name = dtype_name(inputs.E.dtype)
 
-    def run(fn, dtype=None):
+    def run(fn, opts, dtype=None):
         E = inputs.E.detach().to(dtype or inputs.E.dtype).requires_grad_(True)
         C = inputs.C.detach().to(dtype or inputs.C.dtype).requires_grad_(True)
-        out = fn(E, C, *args, **kwargs, **({"dtype": dtype} if dtype else {}))
-        return (out.logprob, out.entropy, *torch.autograd.grad(out.loss, (E, C)))
+        out = fn(E, C, inputs.x, inputs.advantages, inputs.mask, old_logprob=inputs.old_logprob,
+                 ref_logprob=inputs.ref_logprob, **opts, **({"dtype": dtype} if dtype else {}))
+        return dict(zip(quantities, (out.logprob, out.entropy, *torch.autograd.grad(out.loss, (E, C)))))
 
-    reference = run(logits_grpo_loss, torch.float64)
-    quantities = ("logprob", "entropy", "dE", "dC")
-    errors = {path: {q: relative_error(got, ref) for q, got, ref in zip(quantities, run(PATHS[path]), reference)}
-              for path in PATHS}
-    name = dtype_name(inputs.E.dtype)
-    bounds = {q: gate_bound(name, "loss" if q in ("logprob", "entropy") else q, errors["naive"][q]) for q in quantities}
-    return {"dtype": name, "errors": errors, "bounds": bounds,
-            "ok": all(errors["ours"][q] <= bounds[q] for q in quantities)}
+    errors, bounds, yardsticks = {}, {}, {}
+    for path in paths:
+        opts = {**STEP_OPTIONS, **PATH_OPTIONS.get(path, {}), **options}
+        key = tuple(sorted(opts.items()))
+        if key not in yardsticks:  # the float64 reference and the naive path's errors, per set of options
+            reference = run(logits_grpo_loss, opts, torch.float64)
+            naive = run(PATHS["naive"], opts)
+            yardsticks[key] = (reference, {q: relative_error(naive[q], reference[q]) for q in quantities})
+        reference, naive_errors = yardsticks[key]
+        got = run(PATHS[path], opts)
+        errors[path] = {q: relative_error(got[q], reference[q]) for q in quantities if got[q] is not None}
+        bounds[path] = {q: gate_bound(name, "loss" if q in ("logprob", "entropy") else q, naive_errors[q])
+                        for q in errors[path]}
+    within = {path: all(errors[path][q] <= bounds[path][q] for q in errors[path]) for path in paths}
+    return {"dtype": name, "errors": errors, "bounds": bounds, "within": within, "ok": within.get("ours", False)}
 
 
 # ---------------------------------------------------------------------------------------------

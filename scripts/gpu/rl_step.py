@@ -1,4 +1,6 @@
-"""One GRPO step through a Qwen3-0.6B-shaped policy head on a GPU: ours against the naive path.
+"""One GRPO step through a Qwen3-0.6B-shaped policy head on a GPU: ours against the naive path and
+Liger-Kernel's fused GRPO loss (``rl.liger_grpo_loss``: the same objective without the entropy bonus,
+which it lacks; its gate and its step run without it).
 
     python scripts/gpu/rl_step.py [--out $OUT/rl_step.jsonl] [--tiny]
 
@@ -37,7 +39,9 @@ def gate(dtype, device, tiny: bool) -> dict:
     check = rl.check_against_float64(rl.step_inputs(B, T, V, D, dtype, device))
     return {"B": B, "T": T, "V": V, "D": D, "dtype": check["dtype"], "options": rl.STEP_OPTIONS,
             **{f"{path}_{q}": e for path, errors in check["errors"].items() for q, e in errors.items()},
-            **{f"bound_{q}": b for q, b in check["bounds"].items()}, "status": "ok" if check["ok"] else "FAIL"}
+            **{f"bound_{path}_{q}": b for path, bounds in check["bounds"].items() for q, b in bounds.items()},
+            **{f"{path}_within": within for path, within in check["within"].items()},
+            "status": "ok" if check["ok"] else "FAIL"}
 
 
 def step(path: str, B: int, T: int, V: int, D: int, dtype, device, cuda: bool, warmup: int, repeats: int) -> dict:
@@ -45,7 +49,8 @@ def step(path: str, B: int, T: int, V: int, D: int, dtype, device, cuda: bool, w
     m = measure(rl.head_step(path, inputs), warmup=warmup, repeats=repeats, device=device)
     N = B * T
     record = {"case": f"step/{path}/N={N}", "path": path, "N": N, "B": B, "T": T, "V": V, "D": D,
-              "dtype": dtype_name(dtype), "options": rl.STEP_OPTIONS, "status": m.status, "error": m.error,
+              "dtype": dtype_name(dtype), "options": {**rl.STEP_OPTIONS, **rl.PATH_OPTIONS.get(path, {})},
+              "status": m.status, "error": m.error,
               "peak_bytes": m.peak_bytes, **(m.latency.as_dict() if m.latency else {})}
     if path == "ours":
         capability = torch.cuda.get_device_capability() if cuda else None
@@ -71,7 +76,7 @@ def main():
     shapes = [(2, 32, 509, 32)] if args.tiny else [(B, 1024, QWEN3.V, QWEN3.D) for B in (4, 16, 64)]
     warmup, repeats = (0, 1) if args.tiny else (2, 5)
     for B, T, V, D in shapes:
-        for path in rl.PATHS:
+        for path in (p for p in rl.PATHS if rl.path_reason(p) is None):
             check.run(f"step/{path}/N={B * T}", step, path, B, T, V, D, dtype, device, cuda, warmup, repeats,
                       required=B * T == 16_384)
     finish(check, args.out, cuda)

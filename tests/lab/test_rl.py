@@ -176,3 +176,46 @@ def test_grpo_trains_a_tiny_policy():
     assert sum(reward[:3]) / 3 < 0.15 and sum(reward[-3:]) / 3 > 0.3, reward
     assert max(curves["clipped"]) > 0 and max(curves["kl"]) > 0
     assert run(2)["reward"] == reward[:2]
+
+
+@pytest.mark.parametrize("aggregation", rl.AGGREGATIONS)
+def test_liger_matches_the_float64_reference_without_the_entropy_bonus(aggregation):
+    """The fused peer on the same objective (its loss types for our aggregations), padding and a huge
+    stored logp_old at masked tokens included: loss, dE and dC within fp32's tolerance."""
+    E, C, x, mask, old, ref, advantages = make_batch()
+    extra = {"max_tokens": 9} if aggregation == "constant" else {}
+    # Liger's GRPO loss has no soft cap and no entropy bonus
+    options = {k: v for k, v in OPTIONS.items() if k not in ("softcap", "entropy_coef")}
+    kwargs = dict(old_logprob=old, ref_logprob=ref, aggregation=aggregation, **options, **extra)
+    liger, dE, dC = loss_and_grads(rl.liger_grpo_loss, E, C, x, advantages, mask, **kwargs)
+    spec, ref_dE, ref_dC = loss_and_grads(rl.logits_grpo_loss, E, C, x, advantages, mask, dtype=torch.float64, **kwargs)
+    assert abs(liger.loss.item() - spec.loss.item()) <= TOL * abs(spec.loss.item())
+    assert relative_error(dE, ref_dE) < TOL and relative_error(dC, ref_dC) < TOL
+
+
+def test_liger_refuses_what_it_cannot_compute():
+    E, C, x, mask, old, ref, advantages = make_batch()
+    with pytest.raises(ValueError, match="no entropy bonus: entropy_coef must be 0, got 0.01"):
+        rl.liger_grpo_loss(E, C, x, advantages, mask, entropy_coef=0.01)
+    with pytest.raises(ValueError, match=r"one advantage per sequence, \(B,\), got \(5, 7\)"):
+        rl.liger_grpo_loss(E, C, x, advantages[:, None].expand(B, T), mask)
+
+
+def test_the_check_gates_every_path_at_its_own_options():
+    check = rl.check_against_float64(rl.step_inputs(B, T, V, D, torch.float32, "cpu"))
+    assert set(check["errors"]) == {"ours", "naive", "liger"} and check["ok"] and all(check["within"].values())
+    assert set(check["errors"]["liger"]) == {"dE", "dC"}  # no per-token outputs from Liger
+    assert set(check["errors"]["ours"]) == {"logprob", "entropy", "dE", "dC"}
+    # Liger's reference is the loss without the entropy bonus: against the one with it, dE is off.
+    opts = {**rl.STEP_OPTIONS, "entropy_coef": 0.5}
+    inputs = rl.step_inputs(B, T, V, D, torch.float32, "cpu")
+    E = inputs.E.detach().requires_grad_(True)
+    with_bonus = rl.logits_grpo_loss(E.double(), inputs.C.detach().double(), inputs.x, inputs.advantages, inputs.mask,
+                                     old_logprob=inputs.old_logprob, ref_logprob=inputs.ref_logprob,
+                                     dtype=torch.float64, **opts)
+    dE_bonus, = torch.autograd.grad(with_bonus.loss, E)
+    liger = rl.liger_grpo_loss(E, inputs.C.detach(), inputs.x, inputs.advantages, inputs.mask,
+                               old_logprob=inputs.old_logprob, ref_logprob=inputs.ref_logprob,
+                               **{**opts, "entropy_coef": 0.0})
+    dE_liger, = torch.autograd.grad(liger.loss, E)
+    assert relative_error(dE_liger, dE_bonus) > 100 * TOL
