@@ -110,3 +110,14 @@ def test_temperature_weight_and_outputs_follow_their_definitions():
     torch.testing.assert_close(got, expected)
     C[x[0]] = C[z[0].argmax()]  # a tie at row 0: the target is among the maxima
     assert reference_outputs(E, C, x, softcap=2.0, temperature=0.6)[2][0]
+
+
+def test_the_soft_caps_slope_holds_where_one_minus_tanh_squared_rounds_to_zero():
+    from helpers.spec import softcap_slope
+
+    a = torch.linspace(-60, 60, 12001, dtype=torch.float64)
+    want = 1 / torch.cosh(a) ** 2
+    assert ((softcap_slope(a, 1.0) - want).abs() / want).max() < 1e-14
+    deep = torch.tensor([20.0, -25.0], dtype=torch.float64)
+    assert (1 - torch.tanh(deep) ** 2 == 0).all() and (softcap_slope(deep, 1.0) > 0).all()
+    assert softcap_slope(torch.tensor([0.0], dtype=torch.float64), 3.0).item() == 1.0

@@ -45,28 +45,45 @@ def _first_oom_n(rows: list[dict]) -> int | None:
     return min((r["N"] for r in rows if r["status"] == "oom"), default=None)
 
 
-def memory_order_n(records: list[dict]) -> int | None:
-    """The N ``memory_order`` compares peaks at: the largest N that every method which never ran out of
-    memory measured (every method, when each met a wall; the smallest N when there is none), so that a
-    method's place is not decided below where the others stopped."""
-    methods = list(dict.fromkeys(r["method"] for r in records))
-    flat = [m for m in methods if _first_oom_n([r for r in records if r["method"] == m]) is None] or methods
+def _largest_common_n(records: list[dict], methods: list[str]) -> int | None:
+    """The largest N at which every one of ``methods`` measured a peak (the smallest N of ``records`` when
+    there is none)."""
     ok = {(r["method"], r["N"]) for r in records if r["status"] == "ok"}
     Ns = sorted({r["N"] for r in records})
-    common = [N for N in Ns if all((m, N) in ok for m in flat)]
+    common = [N for N in Ns if all((m, N) in ok for m in methods)]
     return common[-1] if common else Ns[0] if Ns else None
+
+
+def _flat_methods(records: list[dict]) -> list[str]:
+    """The methods that never ran out of memory and measured a peak somewhere."""
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    return [m for m in methods if _first_oom_n([r for r in records if r["method"] == m]) is None
+            and any(r["method"] == m and r["status"] == "ok" for r in records)]
+
+
+def memory_order_n(records: list[dict]) -> int | None:
+    """The N ``memory_order`` compares the methods that never ran out of memory at: the largest N that all
+    of them measured (every method's, when each met a wall), so that a method's place is not decided below
+    where the others stopped."""
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    return _largest_common_n(records, _flat_methods(records) or methods)
 
 
 def memory_order(records: list[dict]) -> list[str]:
     """The methods of ``records`` from the least memory to the most: those that never ran out of
     memory first, by their measured peak at ``memory_order_n``; those that did after them, the
-    earliest wall last."""
+    earliest wall last, methods with the same wall by their peak at the largest N all of them measured."""
     methods = list(dict.fromkeys(r["method"] for r in records))
     ok = {(r["method"], r["N"]): r["peak_bytes"] for r in records if r["status"] == "ok"}
-    at = memory_order_n(records)
+    flat = set(_flat_methods(records))
+    walls = {m: _first_oom_n([r for r in records if r["method"] == m]) for m in methods}
+    at_flat = memory_order_n(records)
+    at_wall = {wall: _largest_common_n(records, [m for m in methods if walls[m] == wall])
+               for wall in set(walls.values()) if wall is not None}
 
     def key(method: str) -> tuple:
-        wall = _first_oom_n([r for r in records if r["method"] == method])
+        wall = walls[method]
+        at = at_flat if method in flat else at_wall.get(wall, at_flat)
         return (-(wall if wall is not None else math.inf), ok.get((method, at), math.inf))
 
     return sorted(methods, key=key)

@@ -603,52 +603,58 @@ def recommend(methods: dict[str, dict], ran: list[str], *, t4: bool) -> list[str
     return out or ["Too little was measured in this run to recommend a method."]
 
 
+def largest_step_text(f: dict) -> str:
+    """A method's largest whole training step on a 16 GB card (05): "N tokens", "N tokens or more" where the
+    search stopped at its limit without meeting the wall, or "not even one sequence" (0)."""
+    n = f["largest_step_tokens_16gb"]
+    if not n:
+        return "not even one sequence"
+    more = " or more (the search's limit)" if f.get("largest_step_at_search_limit") else ""
+    return f"{n:,} tokens{more}"
+
+
+def whole_step_fit_sentences(methods: dict) -> list[str]:
+    """What notebook 05's search found on a 16 GB card: the losses that fit the most tokens against
+    transformers' default ("naive"), and every loss that fit fewer than the default, by name. A count
+    the search's limit stopped is a lower bound, said as such; 0 is "not even one sequence"."""
+    most = {m: f["largest_step_tokens_16gb"] for m, f in methods.items() if "largest_step_tokens_16gb" in f}
+    if not most:
+        return []
+    where = "Largest whole Qwen3-0.6B training step on a 16 GB card (05)"
+    fused = {m: v for m, v in most.items() if m != "naive"}
+    default = most.get("naive")
+    if not fused:
+        return [f"{where}: transformers' default loss, {largest_step_text(methods['naive'])}."]
+    if default is not None and all(v == default for v in fused.values()):
+        return [f"{where}: every loss that ran fits {largest_step_text(methods['naive'])}, as transformers' default "
+                "loss does: at this model's size the loss is not the limit."]
+    top = max(fused.values())
+    out = []
+    if default is None or top >= default:
+        best = [m for m, v in fused.items() if v == top]
+        ties = " (the search steps coarsely: equal counts are ties)" if len(best) > 1 else ""
+        out.append(f"{where}: {_names(best)}, {largest_step_text(methods[best[0]])}"
+                   + (f", against {largest_step_text(methods['naive'])} with transformers' default loss" if default
+                      is not None else "") + f"{ties}.")
+    else:
+        out.append(f"{where}: transformers' default loss fits the most, {largest_step_text(methods['naive'])}.")
+    fewer = [m for m, v in fused.items() if default is not None and v < default]
+    if fewer:
+        out.append("Fit fewer tokens than transformers' default loss (05): "
+                   + "; ".join(f"{method_label(m)}, {largest_step_text(methods[m])}" for m in fewer) + ".")
+    return out
+
+
 def gate_failures_text(failures: dict, dtypes: list[str]) -> str:
-    """Which of the gate's cases failed, per dtype (" in 1 of 12 cases (float32: N=37 ... ignore all)"),
+    """Which of the gate's cases failed, per dtype (" in 1 of 12 cases (float32: [N=37 ... ignore all])"),
     so that a reader can tell one degenerate case from a wrong kernel; "" where the facts predate it."""
     known = [failures[d] for d in dtypes if d in failures]
     if not known:
         return ""
     failed = sum(len(k["failed"]) for k in known)
     cases = sum(k["cases"] for k in known)
-    named = "; ".join(f"{d}: {', '.join(failures[d]['failed'])}" for d in dtypes if d in failures)
+    named = "; ".join(f"{d}: " + " ".join(f"[{c}]" for c in failures[d]["failed"]) for d in dtypes if d in failures)
     return f" in {failed} of {cases} cases ({named})"
-
-
-def largest_step_text(f: dict) -> str:
-    """A method's largest whole training step on a 16 GB card (05), "N tokens", or "N tokens or more" where the
-    search stopped at its limit without meeting the wall."""
-    more = " or more (the search's limit)" if f.get("largest_step_at_search_limit") else ""
-    return f"{f['largest_step_tokens_16gb']:,} tokens{more}"
-
-
-def whole_step_fit_sentences(methods: dict) -> list[str]:
-    """What notebook 05's search found on a 16 GB card: the losses that fit the most tokens against
-    transformers' default ("naive"), and every loss that fit fewer than the default, by name. A count
-    the search's limit stopped is a lower bound, said as such."""
-    most = {m: f["largest_step_tokens_16gb"] for m, f in methods.items() if f.get("largest_step_tokens_16gb")}
-    if not most:
-        return []
-    fused = {m: v for m, v in most.items() if m != "naive"}
-    default = most.get("naive")
-    out = []
-    if fused and default is not None and all(v == default for v in fused.values()):
-        out.append(f"Largest whole training step on a 16 GB card (05): every loss that ran fits "
-                   f"{largest_step_text(methods['naive'])}, as transformers' default loss does: at this model's size the "
-                   "loss is not the limit.")
-        return out
-    if fused:
-        top = max(fused.values())
-        best = [m for m, v in fused.items() if v == top]
-        out.append(f"Largest whole Qwen3-0.6B training step on a 16 GB card (05): {_names(best)}, "
-                   f"{largest_step_text(methods[best[0]])}"
-                   + (f", against {largest_step_text(methods['naive'])} with transformers' default loss" if default else "")
-                   + " (the search steps coarsely: equal counts are ties).")
-    fewer = [m for m, v in fused.items() if default is not None and v < default]
-    if fewer:
-        out.append("Fit fewer tokens than transformers' default loss (05): "
-                   + "; ".join(f"{method_label(m)}, {largest_step_text(methods[m])}" for m in fewer) + ".")
-    return out
 
 
 __all__ = [

@@ -247,14 +247,17 @@ def describe_rare_tokens(
     best = min(others, key=lambda o: o[1]) if others else None
     if rarest > uniform and best is not None and best[1] < uniform:
         lines.append(f"{name} scores {rarest:.2f} nats on tokens seen {bin_labels[0]} times in training, worse than "
-                     f"uniform guessing, where it scores {best[1]:.2f} on tokens seen {best[0]} times: every step "
+                     f"uniform guessing, while it scores {best[1]:.2f} on tokens seen {best[0]} times: every step "
                      "pushes down the logit of every token but the target, and a rare token is seldom the target "
                      "that pushes it back up.")
+    elif rarest > uniform and best is not None:
+        lines.append(f"{name} scores {rarest:.2f} nats on tokens seen {bin_labels[0]} times in training, worse than "
+                     "uniform guessing, and no better than guessing on the more frequent tokens either "
+                     f"({best[1]:.2f} at best, on tokens seen {best[0]} times): the model has not learned past "
+                     "guessing yet, so this says nothing about rare tokens.")
     elif rarest > uniform:
         lines.append(f"{name} scores {rarest:.2f} nats on tokens seen {bin_labels[0]} times in training, worse than "
-                     "uniform guessing, and no better than guessing on the more frequent tokens either"
-                     + (f" ({best[1]:.2f} at best, on tokens seen {best[0]} times)" if best else "")
-                     + ": the model has not learned past guessing yet, so this says nothing about rare tokens.")
+                     "uniform guessing; no more frequent token was scored to compare it with.")
     else:
         lines.append(f"{name} scores {rarest:.2f} nats on tokens seen {bin_labels[0]} times in training, better than "
                      "uniform guessing.")

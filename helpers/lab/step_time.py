@@ -46,7 +46,7 @@ def time_training_steps(
     Returns {"variant", "median_s", "step_s" (each timed step, in order), "warmup", "repeats",
     "host_ms" and "device_ms" (per loss call: forward and backward, ``loss_calls`` back to back; device_ms
     NaN on the CPU, where host and device are one, or where the profiler saw no GPU work), "loss_calls",
-    "host_bound" (None where device_ms is NaN), "device" ("cuda" or "cpu"), "tokens" (N), "V", "D", "dtype"}. A step: sample a batch, the body and the loss, backward (scaled in fp16), the
+    "host_bound" (None where device_ms is NaN), "device" (the torch device type), "tokens" (N), "V", "D", "dtype"}. A step: sample a batch, the body and the loss, backward (scaled in fp16), the
     optimizer step, gradients cleared; the constant learning rate ``lr`` (a schedule costs nothing).
     """
     device = torch.device(device)
@@ -140,8 +140,8 @@ def describe_step_times(
                      "these sizes.")
         lines.append(said)
     if undecided:
-        why = ("on a CPU host and device are one" if first.get("device") == "cpu"
-               else "the profiler recorded no GPU activity for the loss")
+        why = ("the profiler recorded no GPU activity for the loss" if first.get("device") == "cuda"
+               else "on a CPU host and device are one")
         lines.append(f"Whether {', '.join(undecided)} {'is' if len(undecided) == 1 else 'are'} host-bound cannot be "
                      f"told here: {why}.")
     base_fastest = min(times[baseline]["step_s"]) if baseline in times and times[baseline]["step_s"] else None

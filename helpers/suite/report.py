@@ -236,7 +236,7 @@ def _whole_step(w: dict) -> str:
 def _largest_step(f: dict) -> str | None:
     from helpers.compare.verdicts import largest_step_text
 
-    return largest_step_text(f) if f.get("largest_step_tokens_16gb") else None
+    return largest_step_text(f) if "largest_step_tokens_16gb" in f else None
 
 
 # (heading, alignment, key, cell, how to read the value from a method's facts)

@@ -87,7 +87,7 @@ def accuracy(dtype, kind, everything: bool, device, tiny: bool) -> dict:
         rec[f"{label}_err"] = relative_error(got, want)
     for label, got, want in zip(names, naive_grads, ref_grads):
         rec[f"naive_{label}_err"] = relative_error(got, want)
-    if not everything and liger_reason(device) is None:  # Liger has no bias, cap or per-token upstream
+    if not everything and liger_reason(device, dtype) is None:  # Liger has no bias, cap or per-token upstream
         try:
             liger, liger_grads = student_grads(lambda E, C: liger_kl_div(E, C, E_t, C_t, x, kind=kind, temperature=0.7),
                                                E_s, C_s)
@@ -118,7 +118,7 @@ def speed(kind, N, V, D_s, D_t, dtype, device) -> list[dict]:
         rec = dict(case=f"speed/{kind}/{method}", kind=kind, method=method, N=N, V=V, D_s=D_s, D_t=D_t,
                    dtype=str(dtype).removeprefix("torch."),
                    compared=f"liger jsd_beta={LIGER_BETA[kind]}" if method == "liger" else None)
-        reason = liger_reason(device) if method == "liger" else None
+        reason = liger_reason(device, dtype) if method == "liger" else None
         if reason:
             records.append(dict(rec, status="skipped", reason=reason))
             continue

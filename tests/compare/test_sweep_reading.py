@@ -270,3 +270,14 @@ def test_the_pretend_t4_pass_runs_as_a_t4_and_leaves_the_process_as_it_was(tmp_p
     status = {(r["method"], r["N"]): r["status"] for r in done.records}
     assert status == {("naive", 16): "ok", ("chunked", 16): "ok", ("naive", 128): "oom", ("chunked", 128): "oom"}
     assert all(r["pretend"] == "t4" and r["dtype"] == "float16" for r in done.records)
+
+
+def test_memory_order_ranks_methods_that_share_a_wall_by_their_peak_below_it():
+    records = [point("naive", 64, peak_gb=2.0), point("naive", 128, "oom"),
+               point("torch_compile", 64, peak_gb=0.5), point("torch_compile", 128, "oom"),
+               point("ours", 64, peak_gb=0.1), point("ours", 128, peak_gb=0.2)]
+    assert memory_order(records) == ["ours", "torch_compile", "naive"]
+    # A method that never measured a peak (an error at every N) does not pull the comparison down.
+    records += [point("broken", 64, "error"), point("broken", 128, "error"),
+                point("liger", 64, peak_gb=0.05), point("liger", 128, peak_gb=0.9)]
+    assert memory_order(records)[:2] == ["ours", "liger"]

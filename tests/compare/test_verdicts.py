@@ -203,6 +203,18 @@ def test_every_loss_fits_only_when_every_count_equals_the_defaults():
     assert len(same) == 1 and "every loss that ran fits 4,096 tokens, as transformers' default loss does" in same[0]
     more = verdicts.whole_step_fit_sentences({"naive": _fit(4096), "liger": _fit(32768), "ours": _fit(65536)})
     assert len(more) == 1 and f"{method_label('ours')}, 65,536 tokens, against 4,096 tokens" in more[0]
+    assert "ties" not in more[0]  # one loss named
+
+
+def test_a_loss_that_fits_nothing_is_not_dropped_and_the_default_leads_when_it_fits_most():
+    nothing = verdicts.whole_step_fit_sentences({"naive": _fit(4096), "liger": _fit(4096), "ours": _fit(0)})
+    assert not any("every loss" in s for s in nothing)
+    assert nothing[-1] == f"Fit fewer tokens than transformers' default loss (05): {method_label('ours')}, not even one sequence."
+    fewer = verdicts.whole_step_fit_sentences({"naive": _fit(4096), "liger": _fit(2048), "ours": _fit(1024)})
+    assert fewer[0].endswith("transformers' default loss fits the most, 4,096 tokens.")
+    assert "Liger, 2,048 tokens" in fewer[1] and f"{method_label('ours')}, 1,024 tokens" in fewer[1]
+    alone = verdicts.whole_step_fit_sentences({"naive": _fit(4096)})
+    assert alone == ["Largest whole Qwen3-0.6B training step on a 16 GB card (05): transformers' default loss, 4,096 tokens."]
 
 
 def test_avoid_names_the_failing_cases_so_one_degenerate_case_reads_as_one(facts_kit):
@@ -210,4 +222,4 @@ def test_avoid_names_the_failing_cases_so_one_degenerate_case_reads_as_one(facts
     facts["apple_cce"]["gradient_failures"] = {"bfloat16": {"cases": 12, "failed": ["N=37 V=257 D=24 mean, ignore all"]}}
     said = recommend(facts, ALL, t4=False)
     assert ("Avoid Apple CCE in bfloat16: its gradients fail the float64 gate (01) in 1 of 12 cases "
-            "(bfloat16: N=37 V=257 D=24 mean, ignore all).") in said
+            "(bfloat16: [N=37 V=257 D=24 mean, ignore all]).") in said

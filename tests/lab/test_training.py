@@ -216,7 +216,7 @@ def test_rare_token_reading_explains_a_filter_that_helps_the_rarest_and_costs_th
     lines = convergence.describe_rare_tokens(diagnostic, bins, ["1–9", "10–99"], 32768, {"apple_cce": "Apple CCE"})
     assert "ln 32,768 = 10.40 nats" in lines[0] and "Lower is better" in lines[0]
     assert "11.00 nats on tokens seen 1–9 times" in lines[1] and "worse than uniform guessing" in lines[1]
-    assert "where it scores 5.00 on tokens seen 10–99 times" in lines[1] and "pushes it back up" in lines[1]
+    assert "while it scores 5.00 on tokens seen 10–99 times" in lines[1] and "pushes it back up" in lines[1]
     assert lines[2].startswith("Apple CCE: better than exact on the rarest tokens by 0.4 nats (margin ±0.05).")
     assert "moved 0.9 less than exact's" in lines[2] and "pays on tokens seen 10–99 times" in lines[2]
 

@@ -213,16 +213,18 @@ def divergence_gradient_chunk_kernel(
     col_mask = local_v < v_count
     cols = (v_begin + local_v).to(tl.int64)
 
-    # 2. Both logit tiles rebuilt, the slope of the student's cap kept for the chain rule.
+    # 2. Both logit tiles rebuilt, the slope of the student's cap kept for the chain rule. The teacher's
+    # first, so that one tile (its), not two (the student's and its slope), is live across the other's
+    # product loop.
+    t = head_tile(Et_ptr, Ct_ptr, bt_ptr, rows, cols, row_mask, col_mask, D_t,
+                  stride_Etn, stride_Etd, stride_Ctv, stride_Ctd, softcap,
+                  BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS_T, DOT_PRECISION) * inv_temperature
     z_s = head_logits(Es_ptr, Cs_ptr, bs_ptr, rows, cols, row_mask, col_mask, D_s,
                       stride_Esn, stride_Esd, stride_Csv, stride_Csd,
                       BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS_S, DOT_PRECISION)
     if HAS_SOFTCAP:
         t_s, slope = tanh_and_slope(z_s / softcap)
         z_s = softcap * t_s
-    t = head_tile(Et_ptr, Ct_ptr, bt_ptr, rows, cols, row_mask, col_mask, D_t,
-                  stride_Etn, stride_Etd, stride_Ctv, stride_Ctd, softcap,
-                  BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS_T, DOT_PRECISION) * inv_temperature
     lse_s = tl.load(lse_s_ptr + rows, mask=row_mask, other=0.0)
     lse_t = tl.load(lse_t_ptr + rows, mask=row_mask, other=0.0)
     sign = tl.load(sign_ptr + rows, mask=row_mask, other=0.0)

@@ -22,7 +22,8 @@ def tanh_and_slope(y):
     # (tanh(y), its slope 1 - tanh(y)^2): t with ``tanh``'s bits, and the slope without the cancellation
     # of 1 - t * t, which is 0 wherever t rounds to +-1 (|y| above ~9) and off by ~1e-7 absolute
     # before that, while the slope is ~4 exp(-2 |y|). With q = exp(2y) and r = 2 / (q + 1), t = 1 - r
-    # and 1 - t^2 = (1 - t)(1 + t) = r (q r): a few ulp at every y. Where q is inf (y above ~44) q r
+    # and 1 - t^2 = (1 - t)(1 + t) = r (q r): to ~1e-6 relative at every y (a few ulp under the interpreter;
+    # on a GPU exp is ex2.approx of 2y log2(e), whose error grows with |y|). Where q is inf (y above ~44) q r
     # is inf * 0, NaN, as it is for a NaN y (a padding column's E . 0 with an inf in E): maximum
     # returns its number operand (max.f32; the interpreter's fmax), so the slope is 0 there.
     q = tl.exp(2.0 * y)

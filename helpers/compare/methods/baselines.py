@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.compare.methods.entry import Method, Reason
-from helpers.spec import reference_logits
+from helpers.spec import reference_logits, softcap_slope
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,13 +153,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             E32 = E[i].float()
             raw = E32 @ C32.T  # (rows, V)
             z = softcap * torch.tanh(raw / softcap) if softcap is not None else raw
+            slope = softcap_slope(raw, softcap) if softcap is not None else None
             G = torch.exp(z - lse[i, None])  # softmax, (rows, V)
             G.scatter_add_(1, safe_x[i, None], torch.full_like(lse[i, None], -1.0))
             G *= w[i, None]
-            if softcap is not None:
-                # d/draw [s tanh(raw/s)] = 1 - tanh^2 = 1 - (z/s)^2
-                G *= 1 - (z / softcap) ** 2
-            del z, raw
+            if slope is not None:
+                G *= slope  # d/draw [s tanh(raw/s)], without 1 - tanh^2's rounding to 0 (``softcap_slope``)
+            del z, raw, slope
             dE[i] = (G @ C32).to(E.dtype)
             dC.addmm_(G.T, E32)
             del G  # else it lives until the next chunk's G is assigned: one more (rows, V) block
