@@ -693,7 +693,7 @@ tradeoff_section = "" if not tradeoff_records else f"""
 ![Time against peak memory](memory_tradeoff.png)
 
 {sweep_results.results_pivot(tradeoff_records, budget_labels, failed_gate=tradeoff_plan.failed_gate)}
-"""
+{"" if info.is_cuda else chr(10) + "On a CPU a budget buys no speed: its schedule holds logits to spare the GPU a recomputing product, and under the interpreter the time is the kernels' launches and Python, not arithmetic; the points show the pipeline, not the trade." + chr(10)}"""
 write_report_fragment(out, f"""
 Peak memory of loss forward+backward against tokens N on {info.describe()},
 V={V:,}, D={D:,}, {dtype_name(dtype)}; {cap.describe()}.
