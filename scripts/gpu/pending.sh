@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU runs this tree's CPU-only changes wait for, in one call (device time is scarce):
+#
+#   bash scripts/gpu/pending.sh prepare [BASE]   here, once: .ab/old = helpers/ of BASE (default d9c8f74, the
+#                                                tree before the soft cap's slope), .ab/graphs = helpers/ with
+#                                                the loss's CUDA graphs on in every tier (graphs_below_us 5000)
+#   bash scripts/gpu/pending.sh cap-rl           on the GPU, carrying .whl and .ab: 1-3 below (~7 min)
+#   bash scripts/gpu/pending.sh graphs           the same: 4 below (~8 min); results under $OUT
+#
+# 1. The soft cap's slope (tanh_and_slope) and the filter's pre-slope mass on sm_90 with this Triton:
+#    their tests. Predicted: all pass but the one strict expected failure.
+# 2. Their cost: the Gemma-2-2B head with and without Gemma-2's cap of 30, old and new alternated.
+#    Predicted: equal within noise (the G kernel's sm_90 PTX has 6,023 instructions in both trees).
+# 3. The RL step with Liger's fused GRPO loss beside ours and the naive path (scripts/gpu/rl_step.py).
+#    Predicted: every path within its float64 bounds; Liger between ours and naive in memory.
+# 4. The loss's CUDA graphs on by default: the loss's tests with them on, the bench at 1,024 tokens, and
+#    notebook 03 as a pretend T4. Predicted: tests pass; ours ~1.9-2.0 ms against torch.compile's ~1.9;
+#    notebook 03's pretraining step under 1.29x exact's (its figure with the graphs off).
+set -u
+if [ "${1:-}" = prepare ]; then
+  base=${2:-d9c8f74}
+  rm -rf .ab /tmp/pending-old && mkdir -p .ab/old .ab/graphs
+  git worktree add -f /tmp/pending-old "$base" >/dev/null && cp -r /tmp/pending-old/helpers .ab/old/
+  git worktree remove --force /tmp/pending-old
+  cp -r helpers .ab/graphs/
+  sed -i 's/^    graphs_below_us: float = 0.0$/    graphs_below_us: float = 5000.0/' .ab/graphs/helpers/cce/kernels/configs.py
+  grep -q "graphs_below_us: float = 5000.0" .ab/graphs/helpers/cce/kernels/configs.py || { echo "graphs knob not found"; exit 1; }
+  find .ab -name __pycache__ -prune -exec rm -rf {} +
+  echo "prepared .ab/old ($base) and .ab/graphs"
+  exit 0
+fi
+part=${1:-}
+[ "$part" = cap-rl ] || [ "$part" = graphs ] || { echo "say prepare, cap-rl or graphs, not '$part'"; exit 2; }
+[ -d .ab/old ] && [ -d .ab/graphs ] || { echo "run 'bash scripts/gpu/pending.sh prepare' here first and carry .ab"; exit 2; }
+source scripts/gpu/env.sh || exit 1
+t0=$SECONDS
+step() { echo "== $1 after $((SECONDS - t0)) s"; }
+if [ "$part" = cap-rl ]; then
+HELPERS_TEST_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/cce/test_cce.py tests/cce/test_distill.py \
+  tests/cce/test_forward_grads.py -k "inf_in_E or saturat or deep_in" 2>&1 | tail -3
+step "soft-cap tests"
+for tree in old new old new; do
+  P=$([ $tree = old ] && echo "$PWD/.ab/old" || echo "$PWD")
+  PYTHONPATH="$P:$PYTHONPATH" timeout 100 python3 scripts/experiments/loss_time.py --label $tree \
+    --cases gemma2-8192 gemma2-8192-softcap30 --out "$OUT/loss_time_softcap.jsonl" 2>&1 | tail -3
+done
+step "soft-cap A/B"
+timeout 200 python3 scripts/gpu/rl_step.py --budget-s 180 --out "$OUT/rl_step.jsonl" 2>&1 | tail -8
+step "rl_step"
+exit 0
+fi
+G="$PWD/.ab/graphs"
+PYTHONPATH="$G:$PYTHONPATH" HELPERS_TEST_GPU=1 timeout 200 python3 -m pytest -q -p no:cacheprovider \
+  tests/cce/test_graphs.py tests/cce/test_cce.py -x 2>&1 | tail -3
+step "tests with graphs on"
+PYTHONPATH="$G:$PYTHONPATH" taskset -c 5 timeout 120 python3 -m helpers bench --methods ours torch_compile apple_cce \
+  --time-failed --shapes qwen3-0.6b --N 1024 --regimes uniform realistic trained --dtypes bfloat16 \
+  --output "$OUT/bench_graphs.jsonl" 2>&1 | tail -12
+step "bench with graphs on"
+PYTHONPATH="$G:$PYTHONPATH" timeout 230 python3 -m helpers run --pretend t4 --quick --only 03 \
+  --output "$OUT/nb03-graphs" > "$OUT/nb03-graphs.log" 2>&1
+echo "notebook 03 exit $?"; grep -n "| ours\|| exact" "$OUT"/nb03-graphs/03*/report.md | head -6
+step "notebook 03 with graphs on"
