@@ -17,9 +17,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import helpers.cce.backward.gemm  # noqa: E402
 from helpers.cce.kernels.configs import HostTuning, tier  # noqa: E402
+from helpers.cce.kernels.logits import slope_from_gap, tanh, tanh_and_gap  # noqa: E402
 from helpers.cce import (  # noqa: E402
     CCEOptions,
     cce_backward,
@@ -307,7 +310,7 @@ def test_sparse_keeps_a_saturated_soft_caps_gradient_at_a_coarser_eps():
 def test_a_row_deep_in_the_soft_caps_saturation_keeps_its_gradient(impl):
     """Row 0's pre-cap logits are 11-13 caps: tanh rounds to 1 in fp32, so 1 - t^2 was 0 and the row's
     dE 0 (relative error 1), while the cap's slope is ~1e-10 and torch's float64 dE is not 0. The slope
-    formed as q r^2 (``tanh_and_slope``) keeps it; the other rows are unsaturated."""
+    formed as r (2 - r) from r = 1 - t (``slope_from_gap``) keeps it; the other rows are unsaturated."""
     torch.manual_seed(0)
     V, D = 300, 16
     C = torch.randn(V, D) / 8
@@ -326,6 +329,36 @@ def test_a_row_deep_in_the_soft_caps_saturation_keeps_its_gradient(impl):
     assert stats["backward"] == impl
     assert relative_error(dE[0:1].cpu(), rdE[0:1]) < 1e-4
     assert relative_error(dE.cpu(), rdE) < 1e-5 and relative_error(dC.cpu(), rdC) < 1e-5
+
+
+@triton.jit
+def cap_kernel(y_ptr, t_ptr, tanh_ptr, slope_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    t, gap = tanh_and_gap(y)
+    tl.store(t_ptr + offs, t, mask=mask)
+    tl.store(tanh_ptr + offs, tanh(y), mask=mask)
+    tl.store(slope_ptr + offs, slope_from_gap(gap), mask=mask)
+
+
+def test_the_soft_caps_slope_is_accurate_where_a_logit_can_carry_its_row():
+    """``tanh_and_gap`` and ``slope_from_gap`` (every backward's chain rule through the cap), run under the
+    interpreter on y from -60 to 60 and the special values: t has ``tanh``'s bits (the forward's, so the
+    backward's softmax is the forward's); for y >= 0, the side where a logit can carry its row's softmax, the
+    slope is within 1e-5 relative of float64's 1 / cosh^2 until exp(2y) overflows (y ~ 44); for y < 0 it
+    is within 5e-7 absolute, as 1 - t^2 was (README, Caveats); inf gives 0 and NaN gives 0."""
+    y = torch.cat([torch.linspace(-60, 60, 4001), torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0])])
+    t, t_ref, slope = (torch.empty_like(y) for _ in range(3))
+    cap_kernel[(1,)](y, t, t_ref, slope, y.numel(), BLOCK=4096)
+    assert torch.equal(t[:-2], t_ref[:-2]) and t[-2].isnan() and t[-1] == 0  # tanh's bits
+    exact = 1 / torch.cosh(y.double()) ** 2
+    finite = y.isfinite()
+    positive = finite & (y >= 0) & (y < 43)
+    assert ((slope.double() - exact)[positive].abs() / exact[positive]).max() < 1e-5
+    assert exact[finite & (y > 9) & (y < 43)].min() > 0 and slope[finite & (y > 9) & (y < 43)].min() > 0
+    assert (slope.double() - exact)[finite & (y < 0)].abs().max() < 5e-7
+    assert slope[-4] == 0 and slope[-3] == 0 and slope[-2] == 0 and slope[-1] == 1
 
 
 @pytest.mark.parametrize("impl", ["gemm", "atomic", "sparse"])

@@ -121,7 +121,7 @@ def test_against_float64(kind, case, dtype):
 def test_a_student_deep_in_its_soft_caps_saturation_keeps_its_gradient(kind):
     """The student's pre-cap logits ~12 caps (a bias of 30 under a cap of 2.5), fp32: tanh rounds to 1,
     so 1 - t^2 was 0 and every gradient 0 (relative error 1), while the cap's slope is ~1e-10; formed
-    as q r^2 (``tanh_and_slope``) it is kept to fp32's accuracy."""
+    as r (2 - r) from r = 1 - t (``slope_from_gap``) it is kept to fp32's accuracy."""
     heads, x = make_inputs(torch.float32)
     heads["bias_s"] = heads["bias_s"] + 30.0
     options = dict(kind=kind, reduction="sum", softcap=2.5)

@@ -122,7 +122,7 @@ def test_forward_grads_against_reference(case, dtype, chunks):
 @pytest.mark.parametrize("chunks", ["one", "several"])
 def test_logits_deep_in_the_soft_caps_saturation_keep_their_gradient(chunks):
     """fp32, every pre-cap logit 11-13 caps (a bias of ~12 under a cap of 1): tanh rounds to 1, so
-    1 - t^2 was 0 and every gradient 0, while the cap's slope is ~1e-10 (``tanh_and_slope``)."""
+    1 - t^2 was 0 and every gradient 0, while the cap's slope is ~1e-10 (``slope_from_gap``)."""
     E, C, x, bias = inputs(torch.float32, scale=0.1, bias=True)
     bias = 12.0 + bias / 8  # the logits 11-13
     go = torch.tensor(1.7)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from helpers.cce.kernels.gradient_tile import grouped_tile
-from helpers.cce.kernels.logits import add_bias, logit_tile, tanh, tanh_and_slope
+from helpers.cce.kernels.logits import add_bias, logit_tile, slope_from_gap, tanh, tanh_and_gap
 
 # The divergences, by their kernels' KIND (constexpr: a kernel reads no other global).
 FORWARD_KL, REVERSE_KL, JSD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -223,7 +223,7 @@ def divergence_gradient_chunk_kernel(
                       stride_Esn, stride_Esd, stride_Csv, stride_Csd,
                       BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS_S, DOT_PRECISION)
     if HAS_SOFTCAP:
-        t_s, slope = tanh_and_slope(z_s / softcap)
+        t_s, gap = tanh_and_gap(z_s / softcap)
         z_s = softcap * t_s
     lse_s = tl.load(lse_s_ptr + rows, mask=row_mask, other=0.0)
     lse_t = tl.load(lse_t_ptr + rows, mask=row_mask, other=0.0)
@@ -244,7 +244,7 @@ def divergence_gradient_chunk_kernel(
     # then the chain rule through the temperature and the student's soft cap.
     G = G * (sign * inv_temperature)[:, None]
     if HAS_SOFTCAP:
-        G = G * slope
+        G = G * slope_from_gap(gap)
     G = tl.where(col_mask[None, :], G, 0.0)
 
     # 4. G_c in the input dtype, the operand of both products.

@@ -33,13 +33,13 @@ of what was left (fp16, logits ~170 under a cap of 5: dE 1.9e-2 against 9e-4 unf
 a row drops at most eps of that mass per tile whatever the cap, as without one, and the derivative
 (<= 1) only shrinks what it drops. Without a cap the two are the same number. The 1 / temperature
 factor stays in the mass: it scales every entry of a row alike, as the loss's own gradient does. The
-derivative itself comes from ``tanh_and_slope``: 1 - t^2 is 0 wherever t rounds to +-1.
+derivative itself is r (2 - r) from r = 1 - t (``slope_from_gap``): 1 - t^2 is 0 wherever t rounds to 1.
 """
 
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import add_bias, logit_tile, logit_tile_tma, tanh_and_slope
+from helpers.cce.kernels.logits import add_bias, logit_tile, logit_tile_tma, slope_from_gap, tanh_and_gap
 
 
 @triton.jit
@@ -129,7 +129,7 @@ def gradient_and_softmax_tile(
     if HAS_BIAS:
         z = add_bias(z, bias_ptr, cols, col_mask)
     if HAS_SOFTCAP:
-        t, slope = tanh_and_slope(z / softcap)
+        t, gap = tanh_and_gap(z / softcap)
         z = softcap * t
     # The temperature divides the capped logit (x * 1.0 is exact: no temperature, the same bits).
     z = z * inv_temperature
@@ -166,6 +166,6 @@ def gradient_and_softmax_tile(
     mass = tl.sum(tl.abs(G), axis=1)
     if HAS_SOFTCAP:
         # The slope is 0, not NaN, in a padding column whose logit E . 0 is NaN (an inf in E), so its G
-        # stays 0 (``tanh_and_slope``); a real column with a NaN logit has a NaN G already.
-        G = G * slope
+        # stays 0 (``slope_from_gap``); a real column with a NaN logit has a NaN G already.
+        G = G * slope_from_gap(gap)
     return G, tl.where(col_mask[None, :], S, 0.0), mass

@@ -18,17 +18,24 @@ def tanh(y):
 
 
 @triton.jit
-def tanh_and_slope(y):
-    # (tanh(y), its slope 1 - tanh(y)^2): t with ``tanh``'s bits, and the slope without the cancellation
-    # of 1 - t * t, which is 0 wherever t rounds to +-1 (|y| above ~9) and off by ~1e-7 absolute
-    # before that, while the slope is ~4 exp(-2 |y|). With q = exp(2y) and r = 2 / (q + 1), t = 1 - r
-    # and 1 - t^2 = (1 - t)(1 + t) = r (q r): to ~1e-6 relative at every y (a few ulp under the interpreter;
-    # on a GPU exp is ex2.approx of 2y log2(e), whose error grows with |y|). Where q is inf (y above ~44) q r
-    # is inf * 0, NaN, as it is for a NaN y (a padding column's E . 0 with an inf in E): maximum
-    # returns its number operand (max.f32; the interpreter's fmax), so the slope is 0 there.
-    q = tl.exp(2.0 * y)
-    r = 2.0 / (q + 1.0)
-    return 1.0 - r, tl.maximum(q * r * r, 0.0)
+def tanh_and_gap(y):
+    # (tanh(y), r = 1 - tanh(y)): t with ``tanh``'s bits, and the gap it was formed from, which the soft cap's
+    # slope needs: 1 - t^2 = r (2 - r) (``slope_from_gap``). A caller keeps r, not t, for the chain rule: one
+    # value per logit, as 1 - t * t kept t, and ptxas then allocates as it did for that (sm_90, the Hopper G
+    # kernel: 149 spill stores against 151; keeping the slope q r^2, with q = exp(2y), instead made it 392).
+    r = 2.0 / (tl.exp(2.0 * y) + 1.0)
+    return 1.0 - r, r
+
+
+@triton.jit
+def slope_from_gap(r):
+    # 1 - tanh(y)^2 from r = 1 - tanh(y) (``tanh_and_gap``): r (2 - r), accurate to a few ulp for y >= 0, the side
+    # where a logit can carry its row's softmax, down to y ~ 44 where exp(2y) overflows (1 - t * t is 0 once t
+    # rounds to 1, |y| above ~9, while the slope is ~4 exp(-2y)). For y < 0, 2 - r (= 1 + t) carries an
+    # absolute error of ~3e-7, as 1 - t * t did: the slope reaches 0 below y ~ -8 (README, Caveats). A NaN r (a
+    # padding column's E . 0 with an inf in E) gives 0: maximum returns its number operand (max.f32; the
+    # interpreter's fmax).
+    return tl.maximum(r * (2.0 - r), 0.0)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ already read. Reference: ``helpers.spec.reference_loss`` and autograd through it
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import log1p_neg, tanh, tanh_and_slope
+from helpers.cce.kernels.logits import log1p_neg, slope_from_gap, tanh, tanh_and_gap
 
 
 @triton.jit
@@ -100,12 +100,12 @@ def row_gradient_kernel(
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            t, slope = tanh_and_slope(z / softcap)
+            t, gap = tanh_and_gap(z / softcap)
             z = softcap * t
         z = z * inv_temperature
         S = tl.exp(z - lse)
         G = tl.where(cols == x, t_x, a * S) - c / V
         G = G * inv_temperature
         if HAS_SOFTCAP:
-            G = G * slope
+            G = G * slope_from_gap(gap)
         tl.store(g_row + cols, G.to(G_ptr.dtype.element_ty), mask=mask)
