@@ -5,7 +5,8 @@
 #                                                tree before the soft cap's slope), .ab/graphs = helpers/ with
 #                                                the loss's CUDA graphs on in every tier (graphs_below_us 5000)
 #   bash scripts/gpu/pending.sh cap-rl           on the GPU, carrying .whl and .ab: 1-3 below (~7 min)
-#   bash scripts/gpu/pending.sh graphs           the same: 4 below (~8 min); results under $OUT
+#   bash scripts/gpu/pending.sh graphs           the same: 4 below, tests and bench (~9 min); results under $OUT
+#   bash scripts/gpu/pending.sh graphs-nb03      the same: 4 below, notebook 03 (~4 min)
 #
 # 1. The soft cap's slope (tanh_and_slope) and the filter's pre-slope mass on sm_90 with this Triton:
 #    their tests. Predicted: all pass but the one strict expected failure.
@@ -33,7 +34,8 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 part=${1:-}
-[ "$part" = cap-rl ] || [ "$part" = graphs ] || { echo "say prepare, cap-rl or graphs, not '$part'"; exit 2; }
+[ "$part" = cap-rl ] || [ "$part" = graphs ] || [ "$part" = graphs-nb03 ] || {
+  echo "say prepare, cap-rl, graphs or graphs-nb03, not '$part'"; exit 2; }
 [ -d .ab/old ] && [ -d .ab/graphs ] || { echo "run 'bash scripts/gpu/pending.sh prepare' here first and carry .ab"; exit 2; }
 source scripts/gpu/env.sh || exit 1
 t0=$SECONDS
@@ -53,13 +55,16 @@ step "rl_step"
 exit 0
 fi
 G="$PWD/.ab/graphs"
-PYTHONPATH="$G:$PYTHONPATH" HELPERS_TEST_GPU=1 timeout 400 python3 -m pytest -q -p no:cacheprovider \
+if [ "$part" = graphs ]; then
+PYTHONPATH="$G:$PYTHONPATH" HELPERS_TEST_GPU=1 timeout 330 python3 -m pytest -q -p no:cacheprovider \
   tests/cce/test_graphs.py tests/cce/test_cce.py -x 2>&1 | tail -3
 step "tests with graphs on"
 PYTHONPATH="$G:$PYTHONPATH" taskset -c 5 timeout 240 python3 -m helpers bench --methods ours torch_compile apple_cce \
   --time-failed --shapes qwen3-0.6b --N 1024 --regimes uniform realistic trained --dtypes bfloat16 \
   --output "$OUT/bench_graphs.jsonl" 2>&1 | tail -12
 step "bench with graphs on"
+exit 0
+fi
 PYTHONPATH="$G:$PYTHONPATH" timeout 230 python3 -m helpers run --pretend t4 --quick --only 03 \
   --output "$OUT/nb03-graphs" > "$OUT/nb03-graphs.log" 2>&1
 echo "notebook 03 exit $?"; grep -n "| ours\|| exact" "$OUT"/nb03-graphs/03*/report.md | head -6
