@@ -706,5 +706,7 @@ V={V:,}, D={D:,}, {dtype_name(dtype)}; {cap.describe()}.
 {tradeoff_section}
 ### How many tokens fit (the loss step only, by the theory)
 
+{sweep_results.theory_agreement(records, labels)}
+
 {theory.fits_table(primary_methods(), V, D, cards, labels, cannot_run)}
 """, headline=headline, facts=facts, smoke=P.smoke);

@@ -291,7 +291,7 @@ for name, reason in reasons.items():
 filter_eps = training.filter_threshold(dtype, FT["task"]["V"]) if reasons["ours"] is None else None
 print(f"\nour filter threshold in {S['compute_dtype']} at {FT['task']['V']:,} classes: "
       + (f"2^{math.log2(filter_eps):.0f} = {filter_eps:.3g}" if filter_eps else "off"))
-print("\nthe margins every verdict below is judged by, fixed before training:")
+print("\nthe margins every verdict below is judged by, their rules fixed before training:")
 print("\n".join(f"- {m}" for m in verdicts.margins_text()[1:3]))
 
 # %% [markdown]
@@ -686,7 +686,7 @@ Peers' findings:{"".join(chr(10) + "- " + f for f in peer_findings) or " none"}
 
 ### Pretraining A/B on the standard-library corpus
 
-{note}Final validation loss, each arm against exact, paired by seed; judged against the margin δ = max(0.005 nats, half of exact's seed-to-seed spread), fixed before the run:
+{note}Final validation loss, each arm against exact, paired by seed; judged against the margin δ = max(0.005 nats, half of exact's seed-to-seed spread in this run), a rule fixed before the run:
 {"".join(chr(10) + "- " + f for f in findings)}
 
 Validation loss against exact per frequency bin (nats; mean paired difference ± 95% interval; the verdict where not equivalent):

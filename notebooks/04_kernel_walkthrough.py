@@ -1359,7 +1359,7 @@ results["numbers"]["kahan_errors_at_K"] = {label: errs[-1] for label, errs in cu
 fig, ax = plt.subplots(figsize=(13, 5.5))
 for label, errs in curves.items():
     ax.plot(checkpoints, errs, marker="o", label=label)
-ax.axhline(2.0**-9, color="gray", linestyle=":", label="half a bf16\nstep (2^-9)")
+ax.axhline(2.0**-8, color="gray", linestyle=":", label="half a bf16 step\nafter 1 (2^-8)")
 ax.set(xscale="log", yscale="log", xlabel="terms summed", ylabel="relative error",
        title="Accumulating in bf16, with and without Kahan")
 ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))

@@ -473,8 +473,9 @@ for name, arm in fits.ARMS.items():
         f["whole_step"] = {"tokens": S["article_tokens"], "precision": precision,
                            "peak_bytes": r["peak_bytes"] if r and r["status"] == "ok" else None,
                            "tokens_per_s": r["tokens_per_s"] if r and r["status"] == "ok" else None}
-    if on_a_t4:
-        f["runs_on_t4"] = True if name in arms else arm.why_unavailable(device, fits.compute_dtype(precision))
+    if on_a_t4 and device.type == "cuda":  # a CPU pretending to be a T4 cannot say what runs on one
+        why = None if name in arms else arm.why_unavailable(device, fits.compute_dtype(precision))
+        f["runs_on_t4"] = True if why is None else why
     if f:
         facts[arm.method or "naive"] = f
 fitted = {n: v for n, v in largest.items() if v}

@@ -401,9 +401,9 @@ measure.release_memory(device)
 if head["ours"]["status"] != "ok":
     problems.append(f"ours ran out of memory in the head step at {tokens:,} tokens: {head['ours']['error']}")
 for path, what in (("naive", "the naive path (full logits)"), ("liger", "Liger's fused GRPO loss")):
-    if head[path]["status"] == "oom":
+    if head[path]["status"] == "oom":  # the error says by how much (a simulated cap's, the peak it measured)
         findings.append(f"{what} runs out of memory at {tokens:,} tokens, V = {H['V']:,} "
-                        f"({cap.describe().split(';')[0]})")
+                        f"({cap.describe().split(';')[0]}): {(head[path]['error'] or '')[:160]}")
     elif head[path]["status"] not in ("ok", "not run"):
         findings.append(f"{what} failed at {tokens:,} tokens: {head[path]['error']}")
 print("\n".join(f"finding: {f}" for f in findings))

@@ -89,6 +89,28 @@ def memory_order(records: list[dict]) -> list[str]:
     return sorted(methods, key=key)
 
 
+def theory_agreement(records: list[dict], labels: dict[str, str] | None = None, *, within: float = 0.10) -> str:
+    """How this run's measured peaks stood against each method's formula (``theory_bytes``; methods without
+    one are left out): one sentence, naming every method whose ratio left 1 +- ``within`` at some N and its
+    farthest ratio, so that a reader knows which theory-based figures (the fits table) to doubt here."""
+    labels = labels or {}
+    worst: dict[str, tuple[float, int]] = {}
+    for r in records:
+        if r["status"] == "ok" and r.get("theory_bytes"):
+            ratio = r["peak_bytes"] / r["theory_bytes"]
+            if r["method"] not in worst or abs(ratio - 1) > abs(worst[r["method"]][0] - 1):
+                worst[r["method"]] = (ratio, r["N"])
+    if not worst:
+        return "No measured point had a formula to compare with."
+    off = {m: w for m, w in worst.items() if abs(w[0] - 1) > within}
+    if not off:
+        return (f"Every formula agreed with this run's measured peaks within {within:.0%} "
+                f"(farthest: {max(abs(w[0] - 1) for w in worst.values()):.1%}).")
+    named = "; ".join(f"{labels.get(m, m)} {ratio:.2f}x its formula at N={N:,}" for m, (ratio, N) in off.items())
+    return (f"Measured against the formulas, off by more than {within:.0%} here: {named}. Its rows below are the "
+            "formula's, not what this run measured; the table of measured / theory is in the notebook.")
+
+
 def results_pivot(records: list[dict], labels: dict[str, str] | None = None, *, cell: str = "memory_time",
                   failed_gate: dict[str, str] | None = None) -> str:
     """A markdown table like the article's: methods as rows (least memory first, ``memory_order``),
@@ -300,5 +322,6 @@ __all__ = [
     "memory_unit",
     "report_facts",
     "results_pivot",
+    "theory_agreement",
     "write_results",
 ]

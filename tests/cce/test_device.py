@@ -220,7 +220,9 @@ def test_the_check_fires_on_a_kernel_compiled_for_a_gpu_that_asks_for_more(tmp_p
 
 def test_the_cpu_tier_is_the_interpreters_unless_named(monkeypatch):
     """``HELPERS_CPU_TIER`` names the CPU's tier (the suite's runner sets the Turing tier's); the theory's
-    tier for "no GPU" follows it; a name that is no tier is refused with the tiers there are."""
+    tier for "no GPU" follows it, and a pretend card's as the kernels do (a CPU pretending to be a T4
+    predicted the interpreter's tiles while it ran the T4's: ours' theory 0.46x its measured peak at 128
+    tokens in notebook 02); a name that is no tier is refused with the tiers there are."""
     from helpers.cce.kernels.configs import CPU_TIER_ENV, tier_for_capability
 
     monkeypatch.delenv(PRETEND_ENV, raising=False)
@@ -229,8 +231,12 @@ def test_the_cpu_tier_is_the_interpreters_unless_named(monkeypatch):
     assert select_configs(torch.device("cpu")).name == tier_for_capability(None).name == "interpreter"
     monkeypatch.setenv(CPU_TIER_ENV, "turing-64k")
     assert select_configs(torch.device("cpu")).name == tier_for_capability(None).name == "turing-64k"
-    monkeypatch.setenv(PRETEND_ENV, "a100-40gb")  # a pretend card's tier wins
-    assert select_configs(torch.device("cpu")).name == "ampere-163k"
+    monkeypatch.setenv(PRETEND_ENV, "a100-40gb")  # a pretend card's tier wins, for the theory too
+    assert select_configs(torch.device("cpu")).name == tier_for_capability(None).name == "ampere-163k"
+    monkeypatch.delenv(CPU_TIER_ENV)
+    monkeypatch.setenv(PRETEND_ENV, "t4")  # the suite's pretend T4 on a CPU: its theory predicted the
+    assert select_configs(torch.device("cpu")).name == tier_for_capability(None).name == "turing-64k"  # interpreter's
+    monkeypatch.setenv(CPU_TIER_ENV, "turing-64k")
     monkeypatch.delenv(PRETEND_ENV)
     monkeypatch.setenv(CPU_TIER_ENV, "volta")
     with pytest.raises(ValueError, match="no configuration tier 'volta'.*interpreter"):

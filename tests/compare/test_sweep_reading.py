@@ -281,3 +281,18 @@ def test_memory_order_ranks_methods_that_share_a_wall_by_their_peak_below_it():
     records += [point("broken", 64, "error"), point("broken", 128, "error"),
                 point("liger", 64, peak_gb=0.05), point("liger", 128, peak_gb=0.9)]
     assert memory_order(records)[:2] == ["ours", "liger"]
+
+
+def test_the_theorys_agreement_names_the_method_it_misses():
+    """02 says above its fits table, which come from the formulas, where a formula missed this run's peaks."""
+    from helpers.compare.sweep_results import theory_agreement
+
+    def point(method, N, peak, theory):
+        return {"method": method, "N": N, "status": "ok", "peak_bytes": peak, "theory_bytes": theory}
+
+    agree = [point("naive", 16, 100, 100), point("ours", 16, 104, 100), point("torch_lce", 16, 900, None)]
+    assert theory_agreement(agree) == "Every formula agreed with this run's measured peaks within 10% (farthest: 4.0%)."
+    missed = agree + [point("ours", 128, 217, 100), {"method": "ours", "N": 256, "status": "oom"}]
+    said = theory_agreement(missed, {"ours": "ours (Triton CCE)"})
+    assert "ours (Triton CCE) 2.17x its formula at N=128" in said and "naive" not in said
+    assert theory_agreement([point("torch_lce", 16, 900, None)]) == "No measured point had a formula to compare with."

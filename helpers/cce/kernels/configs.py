@@ -354,12 +354,12 @@ def cpu_tier() -> CCEConfigs:
 
 
 def tier_for_capability(capability: tuple[int, int] | None) -> CCEConfigs:
-    """The tier a GPU of this compute capability most likely gets (None: the CPU's, ``cpu_tier``), for
+    """The tier a GPU of this compute capability most likely gets (None: the CPU's, ``select_configs``'), for
     arithmetic without the device at hand (``helpers.compare.sweep``'s theory). The newest tier whose target
     capability is at most ``capability``; a device picks by its shared memory instead
     (``select_configs``), which agrees for every GPU named in this file's docstring."""
     if capability is None:
-        return cpu_tier()
+        return _cpu_configs()
     fitting = [t for t in TIERS if t.target_capability <= tuple(capability)]
     return max(fitting, key=lambda t: t.target_capability) if fitting else TIERS[0]
 
@@ -377,10 +377,19 @@ def select_configs(device) -> CCEConfigs:
     gets."""
     import torch
 
-    from helpers.cce.device import device_info, pretended_card
+    from helpers.cce.device import device_info
 
     device = torch.device(device)
     if device.type != "cuda":
-        card = pretended_card()
-        return tier_for_card(card) if card else cpu_tier()
+        return _cpu_configs()
     return configs_for_shared_memory(device_info(device).shared_memory_per_block_bytes)
+
+
+def _cpu_configs() -> CCEConfigs:
+    """What the CPU's kernels run: a pretend card's tier (``HELPERS_PRETEND``), else ``cpu_tier``'s. One rule
+    for the kernels (``select_configs``) and the theory (``tier_for_capability(None)``), or a CPU pretending
+    to be a T4 predicts the interpreter's tiles while it runs the T4's."""
+    from helpers.cce.device import pretended_card
+
+    card = pretended_card()
+    return tier_for_card(card) if card else cpu_tier()
