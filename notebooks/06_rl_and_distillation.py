@@ -185,7 +185,7 @@ from helpers.compare import measure, theory
 from IPython.display import Markdown, display
 
 from helpers.compare.heads import QWEN3
-from helpers.compare.units import format_bytes
+from helpers.compare.units import format_bytes, memory_unit
 from helpers.lab import distill, rl
 from helpers.lab.plots import mark_smoke
 from helpers.lab.profiles import SMOKE_NOTE, get_profile
@@ -410,7 +410,7 @@ print("\n".join(f"finding: {f}" for f in findings))
 
 room = cap.room_for(theory.input_bytes(tokens, H["V"], H["D"], dtype))  # the wall above the inputs, if any
 peaks = [r["peak_bytes"] for r in head.values() if r["status"] == "ok"] + ([room] if room else [])
-scale, unit = (1e9, "GB") if max(peaks, default=0) > 1e8 else (1e6, "MB")
+unit, scale = memory_unit(max(peaks, default=0))
 fig, ax = plt.subplots(figsize=(8, 3))
 labels = {"ours": "ours (no logits)", "naive": "naive (full logits)", "liger": "Liger (rows in chunks)"}
 for i, (path, r) in enumerate(head.items()):
@@ -427,7 +427,7 @@ ax.set_yticks(range(len(head)), [labels[p] for p in head])
 ax.set(xlabel=f"peak {unit} above the inputs", title=f"One GRPO step through the head: {tokens:,} tokens, "
        f"V = {H['V']:,}, D = {H['D']:,}, {S['dtype']}")
 ax.set_xlim(0, 1.5 * max(peaks, default=1) / scale)
-ax.invert_yaxis()
+ax.set_ylim(len(head) - 0.5, -0.5)  # every row, drawn or not, first at the top
 fig.tight_layout()
 save(fig, "head_step.png")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from helpers.compare.inputs import ignore_targets, make_inputs
-from helpers.compare.methods import MethodUnavailable, get_method, primary_methods
+from helpers.compare.methods import MethodUnavailable, get_method, method_label, primary_methods
 from helpers.compare.units import dtype_name
 from helpers.compare.verdicts import GATE_FLOOR, gate_bound, gate_case_status, gate_verdict
 from helpers.spec import reference_loss_and_grads, relative_error
@@ -273,7 +273,7 @@ class GateReport:
             if s["reason"]:
                 verdict += f" (some cases unavailable: {s['reason']})"
             cells = " | ".join(f"{e:.2e}" for e in errs)
-            lines.append(f"| {s['method']} | {s['dtype']} | {s['cases']} | {cells} | {worst:.2f} | {verdict} |")
+            lines.append(f"| {method_label(s['method'])} | {s['dtype']} | {s['cases']} | {cells} | {worst:.2f} | {verdict} |")
         return "\n".join(lines)
 
     def plot(self, path: str | Path | None = None):
@@ -291,7 +291,7 @@ class GateReport:
         fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4.2), squeeze=False, sharey=True)
         for ax, d in zip(axes[0], dtypes):
             rows = [s for s in summary if s["dtype"] == d]
-            names = [s["method"] for s in rows]
+            names = [method_label(s["method"]) for s in rows]
             for k, q in enumerate(QUANTITIES):
                 ratios = [max(s.get(f"worst {q} error/bound", 0.0), 1e-6) for s in rows]
                 xs = [i + (k - 1) * 0.27 for i in range(len(rows))]
@@ -303,14 +303,16 @@ class GateReport:
                         ax.text(xi, 1e3, "NaN" if math.isnan(r) else "inf", ha="center", va="bottom", fontsize=8)
             ax.axhline(1.0, color="black", linestyle="--", linewidth=1.5)
             ax.set_yscale("log")
-            ax.set_xticks(range(len(rows)), names, rotation=30, ha="right")
+            ax.set_xticks(range(len(rows)), names, rotation=35, ha="right", fontsize=9)
             ax.set_title(f"{d} on {self.device}")
         axes[0][0].set_ylabel("worst error / bound  (bound: 1)")
-        handles = [Patch(facecolor=c, edgecolor="black", label=v) for v, c in VERDICT_COLOURS.items()]
+        shown = {bar_verdict(s, max(s.get(f"worst {q} error/bound", 0.0), 1e-6)) for s in summary for q in QUANTITIES}
+        handles = [Patch(facecolor=c, edgecolor="black", label=v) for v, c in VERDICT_COLOURS.items() if v in shown]
         handles += [Patch(facecolor="white", edgecolor="black", hatch=h, label=q) for q, h in QUANTITY_HATCHES.items()]
         handles.append(plt.Line2D([], [], color="black", linestyle="--", label="bound"))
-        fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=9, frameon=False)
-        fig.tight_layout(rect=(0, 0.08, 1, 1))
+        columns = min(len(handles), 4 if len(dtypes) == 1 else len(handles))  # one panel: two rows, none cut off
+        fig.legend(handles=handles, loc="lower center", ncol=columns, fontsize=9, frameon=False)
+        fig.tight_layout(rect=(0, 0.08 if columns == len(handles) else 0.14, 1, 1))
         if path is not None:
             fig.savefig(path, dpi=120)
         return fig

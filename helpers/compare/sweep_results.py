@@ -13,18 +13,13 @@ import json
 import math
 from pathlib import Path
 
-from helpers.compare.units import GB, format_bytes
+from helpers.compare.units import format_bytes, memory_unit
 from helpers.compare.methods import METHODS
 from helpers.compare.sweep import ARTICLE_MICRO_BATCH_N, MethodPlan
 
 # ---------------------------------------------------------------------------------------------
 # Reading the results: table, verdicts, files
 # ---------------------------------------------------------------------------------------------
-
-
-def memory_unit(largest_bytes: int | float | None) -> tuple[str, float]:
-    """("GB", 1e9), or ("MB", 1e6) when the largest number to show is under 0.1 GB (the CPU)."""
-    return ("GB", GB) if (largest_bytes or 0) >= 0.1 * GB else ("MB", 1e6)
 
 
 def _records_unit(records: list[dict]) -> tuple[str, float]:

@@ -37,9 +37,14 @@ def lower_bound_bytes(N: int, V: int, D: int, dtype: torch.dtype | str) -> int:
     return (N * D + V * D) * dtype_bytes(dtype)
 
 
+def memory_unit(largest_bytes: int | float | None) -> tuple[str, float]:
+    """("GB", 1e9), or ("MB", 1e6) when the largest number to show is under 0.1 GB (the CPU)."""
+    return ("GB", GB) if (largest_bytes or 0) >= 0.1 * GB else ("MB", 1e6)
+
+
 def format_bytes(n: float) -> str:
     """"1.23 GB", or "4.56 MB" under a tenth of a GB (the CPU's smoke sizes)."""
     return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
 
 
-__all__ = ["GB", "DTYPES", "format_bytes", "torch_dtype", "dtype_name", "dtype_bytes", "lower_bound_bytes"]
+__all__ = ["GB", "DTYPES", "format_bytes", "memory_unit", "torch_dtype", "dtype_name", "dtype_bytes", "lower_bound_bytes"]

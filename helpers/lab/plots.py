@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocator
 
 from helpers.compare.methods import METHODS, method_label
-from helpers.compare.units import GB
+from helpers.compare.units import GB, memory_unit
 from helpers.lab.profiles import SMOKE_NOTE
 from helpers.lab.convergence import paired_difference
 from helpers.lab.training import TrainRun
@@ -26,7 +26,9 @@ def mark_smoke(fig: plt.Figure) -> plt.Figure:
     """Stamp a smoke run's figure so that, saved and shared, it is not read as a result."""
     fig.text(0.5, 0.5, "SMOKE RUN", fontsize=60, color="grey", alpha=0.15, rotation=25, ha="center", va="center",
              weight="bold", zorder=0)
-    fig.text(0.005, 0.995, SMOKE_NOTE, fontsize=7, color="firebrick", ha="left", va="top")
+    # Under the watermark, along it: a corner would sit on a title, a legend or a "not drawn" note.
+    fig.text(0.5, 0.5, "\n\n\n\n" + SMOKE_NOTE, fontsize=8, color="firebrick", alpha=0.6, rotation=25, ha="center",
+             va="center", zorder=0)
     return fig
 
 
@@ -219,18 +221,19 @@ def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path
                   failed_gate: dict[str, str] | None = None, smoke: bool = False) -> plt.Figure:
     """Time against memory, one panel per N (notebook 02): ours under each memory budget of ``curve``
     (registry keys, least memory first) as one line, each point labelled with its budget, and every
-    other method of ``records`` (sweep records) as a point. x: peak above the inputs, GB (log);
+    other method of ``records`` (sweep records) as a point. x: peak above the inputs, GB (log; MB under 0.1 GB);
     y: forward+backward, ms (median, log: a slow peer does not flatten the rest). A point that ran out
     of memory or failed is left out and named under its panel; a method in ``failed_gate`` is marked †.
     Saved as PNG at ``path``."""
     curve, failed_gate = list(curve), failed_gate or {}
     colors, markers = method_colors(), method_markers()
+    unit, scale = memory_unit(max((r["peak_bytes"] or 0 for r in records if r["status"] == "ok"), default=0))
     Ns = sorted({r["N"] for r in records})
     fig, axes = plt.subplots(1, len(Ns), figsize=(6.5 * len(Ns), 5), squeeze=False)
     for ax, N in zip(axes[0], Ns):
         at_N = {r["method"]: r for r in records if r["N"] == N}
         ok = {m: r for m, r in at_N.items() if r["status"] == "ok" and r.get("median_ms")}
-        line = [(ok[m]["peak_bytes"] / GB, ok[m]["median_ms"], m) for m in curve if m in ok]
+        line = [(ok[m]["peak_bytes"] / scale, ok[m]["median_ms"], m) for m in curve if m in ok]
         if line:
             ax.plot([p[0] for p in line], [p[1] for p in line], "-", color=colors["ours"], lw=2, marker="o",
                     label="ours, memory_budget from 'min' to 64 GiB")
@@ -247,7 +250,7 @@ def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path
                             color=colors["ours"])
         for m, r in ok.items():
             if m not in curve:
-                ax.plot(r["peak_bytes"] / GB, r["median_ms"], linestyle="none", marker=markers.get(m, "s"),
+                ax.plot(r["peak_bytes"] / scale, r["median_ms"], linestyle="none", marker=markers.get(m, "s"),
                         markersize=10, color=colors.get(m, "grey"),
                         label=method_label(m) + (" † (fails the gate)" if m in failed_gate else ""))
         missing = [f"{method_label(m)}: {r['status']}" for m, r in at_N.items() if m not in ok]
@@ -256,7 +259,7 @@ def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path
                     color="dimgrey", va="top", wrap=True)
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.set_xlabel("peak memory above the inputs, GB (log)")
+        ax.set_xlabel(f"peak memory above the inputs, {unit} (log)")
         ax.set_ylabel("forward + backward, ms (median, log)")
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
