@@ -29,9 +29,10 @@ def tanh_and_gap(y):
 
 @triton.jit
 def slope_from_gap(r):
-    # 1 - tanh(y)^2 from r = 1 - tanh(y) (``tanh_and_gap``): r (2 - r), accurate to a few ulp for y >= 0, the side
-    # where a logit can carry its row's softmax, down to y ~ 44 where exp(2y) overflows (1 - t * t is 0 once t
-    # rounds to 1, |y| above ~9, while the slope is ~4 exp(-2y)). For y < 0, 2 - r (= 1 + t) carries an
+    # 1 - tanh(y)^2 from r = 1 - tanh(y) (``tanh_and_gap``): r (2 - r), accurate for y >= 0, the side where a logit
+    # can carry its row's softmax, up to y ~ 44 where exp(2y) overflows (1 - t * t is 0 once t rounds to 1, y above
+    # ~9, while the slope is ~4 exp(-2y)): a few ulp under the interpreter; on a GPU exp is ex2.approx of
+    # 2y log2(e), whose relative error grows with y (~1e-5 at y = 40). For y < 0, 2 - r (= 1 + t) carries an
     # absolute error of ~3e-7, as 1 - t * t did: the slope reaches 0 below y ~ -8 (README, Caveats). A NaN r (a
     # padding column's E . 0 with an inf in E) gives 0: maximum returns its number operand (max.f32; the
     # interpreter's fmax).
