@@ -122,6 +122,9 @@ def validate_inputs(
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_softcap(softcap)
     check_ignore_index(ignore_index)
+    if x.dtype == torch.int32 and not -2**31 <= ignore_index < 2**31:
+        raise ValueError(f"ignore_index={ignore_index} does not fit x's dtype (int32), so no target can equal it: "
+                         "pass x as int64, or an ignore_index within int32's range")
     if E.numel() == 0 or C.shape[0] == 0 or E.shape[-1] == 0:
         raise ValueError(f"E and C must be non-empty, got E {tuple(E.shape)} and C {tuple(C.shape)}")
     if check_targets:
@@ -142,6 +145,8 @@ def check_ignore_index(ignore_index) -> None:
     if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int (the target value whose rows are skipped, e.g. -100), "
                         f"got {ignore_index!r}")
+    if not -2**63 <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index must fit in int64 (a target's dtype), got {ignore_index}")
 
 
 def targets_out_of_range(x: torch.Tensor, V: int, ignore_index: int) -> torch.Tensor:

@@ -154,13 +154,14 @@ def resolve_options(dtype: torch.dtype, *, filter_eps="auto", vocabulary: int | 
         eps = auto_filter_eps(dtype, label_smoothing, vocabulary=vocabulary)
     elif filter_eps is None:
         eps = None
-    elif isinstance(filter_eps, (int, float)) and not isinstance(filter_eps, bool) and filter_eps >= 0:
+    elif isinstance(filter_eps, (int, float)) and not isinstance(filter_eps, bool) and 0 <= filter_eps < math.inf:
         eps = float(filter_eps) or None  # 0 means off
-    else:
-        raise ValueError(f"filter_eps must be 'auto', None or a number >= 0, got {filter_eps!r}")
-    if not (isinstance(z_loss, (int, float)) and not isinstance(z_loss, bool) and z_loss >= 0):
-        raise ValueError(f"z_loss must be a number >= 0, got {z_loss!r}")
-    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing <= 1.0):
+    else:  # inf would skip every tile: every gradient 0, silently
+        raise ValueError(f"filter_eps must be 'auto', None or a finite number >= 0, got {filter_eps!r}")
+    if not (isinstance(z_loss, (int, float)) and not isinstance(z_loss, bool) and 0 <= z_loss < math.inf):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
+    if not (isinstance(label_smoothing, (int, float)) and not isinstance(label_smoothing, bool)
+            and 0.0 <= label_smoothing <= 1.0):
         raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
@@ -214,7 +215,12 @@ def resolve_configs(configs: CCEConfigs | str | None, device: torch.device) -> C
     """The launch configurations to use: the device's tier (None), a named tier, or as given."""
     if configs is None:
         return select_configs(device)
-    return tier(configs) if isinstance(configs, str) else configs
+    if isinstance(configs, str):
+        return tier(configs)
+    if not isinstance(configs, CCEConfigs):
+        raise TypeError(f"configs must be None, a tier's name or a CCEConfigs (helpers.cce.kernels.configs.tier(...)), "
+                        f"got {type(configs).__name__}")
+    return configs
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -182,6 +182,15 @@ def test_the_module_form():
     (lambda E, C, x, b: linear_cross_entropy(E, C, x, shift=1), "shift and return_lse must be True or False"),
     (lambda E, C, x, b: linear_cross_entropy(E, C, x, bias=b.requires_grad_(True), backward_impl="atomic"),
      "needs backward_impl"),
+    # Each once reached a kernel or the planner, or ran with a silent meaning (a reviewer's probes):
+    (lambda E, C, x, b: linear_cross_entropy(E, C, x, ignore_index=10**20), "ignore_index must fit in int64"),
+    (lambda E, C, x, b: linear_cross_entropy(E, C, x.int(), ignore_index=2**32 - 100),
+     r"ignore_index=4294967196 does not fit x's dtype \(int32\)"),
+    (lambda E, C, x, b: linear_cross_entropy(E, C, x, configs=3), "configs must be None, a tier's name or a CCEConfigs"),
+    (lambda E, C, x, b: linear_cross_entropy(E, C, x, label_smoothing=True), "label_smoothing must be a number"),
+    (lambda E, C, x, b: linear_cross_entropy(E, C, x, z_loss=float("inf")), "z_loss must be a finite number"),
+    (lambda E, C, x, b: linear_cross_entropy(E, C, x, filter_eps=float("inf")), "filter_eps must be 'auto', None or a "
+     "finite number"),  # inf skipped every tile: every gradient 0
 ])
 def test_bad_arguments_are_named(call, message):
     E, C, x, bias = inputs(torch.float32)
