@@ -121,10 +121,7 @@ def validate_inputs(
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_softcap(softcap)
-    check_ignore_index(ignore_index)
-    if x.dtype == torch.int32 and not -2**31 <= ignore_index < 2**31:
-        raise ValueError(f"ignore_index={ignore_index} does not fit x's dtype (int32), so no target can equal it: "
-                         "pass x as int64, or an ignore_index within int32's range")
+    check_ignore_index(ignore_index, x)
     if E.numel() == 0 or C.shape[0] == 0 or E.shape[-1] == 0:
         raise ValueError(f"E and C must be non-empty, got E {tuple(E.shape)} and C {tuple(C.shape)}")
     if check_targets:
@@ -140,13 +137,17 @@ def check_softcap(softcap) -> None:
         raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}")
 
 
-def check_ignore_index(ignore_index) -> None:
-    """A ``TypeError`` naming ``ignore_index`` unless it is an int (not a bool), as torch takes it."""
+def check_ignore_index(ignore_index, x: torch.Tensor | None = None) -> None:
+    """A ``TypeError`` naming ``ignore_index`` unless it is an int (not a bool), as torch takes it; a ``ValueError``
+    unless it fits int64, or the targets ``x``'s dtype where they are int32 (no target could equal it)."""
     if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int (the target value whose rows are skipped, e.g. -100), "
                         f"got {ignore_index!r}")
     if not -2**63 <= ignore_index < 2**63:
         raise ValueError(f"ignore_index must fit in int64 (a target's dtype), got {ignore_index}")
+    if isinstance(x, torch.Tensor) and x.dtype == torch.int32 and not -2**31 <= ignore_index < 2**31:
+        raise ValueError(f"ignore_index={ignore_index} does not fit x's dtype (int32), so no target can equal it: "
+                         "pass x as int64, or an ignore_index within int32's range")
 
 
 def targets_out_of_range(x: torch.Tensor, V: int, ignore_index: int) -> torch.Tensor:
@@ -341,7 +342,7 @@ def validate_distill_inputs(
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     check_softcap(softcap)
     if x is not None:  # ignore_index is read only against targets
-        check_ignore_index(ignore_index)
+        check_ignore_index(ignore_index, x)
     if E_s.numel() == 0 or C_s.shape[0] == 0 or E_s.shape[-1] == 0 or E_t.shape[-1] == 0:
         raise ValueError(f"E_s, C_s and E_t must be non-empty, got E_s {tuple(E_s.shape)}, C_s {tuple(C_s.shape)} "
                          f"and E_t {tuple(E_t.shape)}")

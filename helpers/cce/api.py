@@ -72,7 +72,7 @@ import torch
 from helpers.cce.class_weights import check_weight, weighted_reduction, z_loss_term
 from helpers.cce.forward_grads import ForwardGradsFunction, plan_schedule
 from helpers.cce.kernels.configs import CCEConfigs
-from helpers.cce.options import CCEPlan, check_bias_gradient, plan_call
+from helpers.cce.options import CCEPlan, check_bias_gradient, check_loss_terms, plan_call
 from helpers.cce.shared import no_host_sync, shift_targets
 from helpers.cce.ops import (
     linear_cross_entropy_op,
@@ -232,6 +232,7 @@ def linear_cross_entropy(
         raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
     memory_budget = check_memory_budget(memory_budget)
     quiet = no_host_sync(E)  # traced by torch.compile or captured by a CUDA graph: no host reads
+    check_loss_terms(z_loss, label_smoothing)  # before class weights take the z-loss out of the kernels
     if weight is not None:
         check_weight(weight, C, read_values=not quiet)
     # Class weights (``helpers.cce.class_weights``): the kernels give unweighted rows, or weighted ones

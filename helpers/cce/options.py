@@ -139,6 +139,17 @@ def check_temperature(temperature) -> float:
     return float(temperature)
 
 
+def check_loss_terms(z_loss, label_smoothing) -> None:
+    """A ``ValueError`` naming ``z_loss`` or ``label_smoothing`` unless each is a number (not a bool) in range:
+    z_loss finite and >= 0, label_smoothing in [0, 1]. The public functions call it before they route these
+    terms (class weights take the z-loss out of the kernels)."""
+    if not (isinstance(z_loss, (int, float)) and not isinstance(z_loss, bool) and 0 <= z_loss < math.inf):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
+    if not (isinstance(label_smoothing, (int, float)) and not isinstance(label_smoothing, bool)
+            and 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+
+
 def resolve_options(dtype: torch.dtype, *, filter_eps="auto", vocabulary: int | None = None, **options) -> CCEOptions:
     """Check the options that ``validate_inputs`` does not know, and resolve ``filter_eps`` ("auto"
     for the dense backwards needs the ``vocabulary`` V: its threshold falls with V)."""
@@ -158,11 +169,7 @@ def resolve_options(dtype: torch.dtype, *, filter_eps="auto", vocabulary: int | 
         eps = float(filter_eps) or None  # 0 means off
     else:  # inf would skip every tile: every gradient 0, silently
         raise ValueError(f"filter_eps must be 'auto', None or a finite number >= 0, got {filter_eps!r}")
-    if not (isinstance(z_loss, (int, float)) and not isinstance(z_loss, bool) and 0 <= z_loss < math.inf):
-        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss!r}")
-    if not (isinstance(label_smoothing, (int, float)) and not isinstance(label_smoothing, bool)
-            and 0.0 <= label_smoothing <= 1.0):
-        raise ValueError(f"label_smoothing must be a number in [0, 1], got {label_smoothing!r}")
+    check_loss_terms(z_loss, label_smoothing)
     if accumulation not in ACCUMULATIONS:
         raise ValueError(f"accumulation must be one of {ACCUMULATIONS}, got {accumulation!r}")
     for flag in ("sort_vocab", "full_c", "full_e"):

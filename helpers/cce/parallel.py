@@ -327,7 +327,7 @@ def vocab_parallel_cross_entropy(
     # The targets as scored (shifted) before the layout checks their range: a first column the shift drops
     # may hold anything, as for ``linear_cross_entropy`` (a shift that is not a bool is refused below).
     lead = x.shape
-    check_ignore_index(ignore_index)  # before the shift writes it into x
+    check_ignore_index(ignore_index, x)  # before the shift writes it into x
     x = shift_targets(x, shift is True, ignore_index)
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
                           ignore_index=ignore_index, options=options)
@@ -430,7 +430,7 @@ def vocab_parallel_outputs(
     # The targets as scored (shifted) before the layout checks their range: a first column the shift drops
     # may hold anything, as for ``linear_cross_entropy`` (a shift that is not a bool is refused below).
     lead = x.shape
-    check_ignore_index(ignore_index)  # before the shift writes it into x
+    check_ignore_index(ignore_index, x)  # before the shift writes it into x
     x = shift_targets(x, shift is True, ignore_index)
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
                           ignore_index=ignore_index, options=options)

@@ -231,6 +231,11 @@ class GateReport:
             if r.status == "fail":
                 s["failed"] += 1
                 s.setdefault("failed cases", []).append(r.case)
+                # Whether every failure so far is a gradient that is not finite (NaN or inf), not a wrong number
+                # or a raise: what a reader should hear about a convention (all targets of a mean ignored).
+                grads = [r.errors.get(q) for q in ("dE", "dC")]
+                s["failures not finite"] = (s.get("failures not finite", True) and not r.reason
+                                            and any(g is not None and not math.isfinite(g) for g in grads))
             elif r.status == "over floor":
                 s["over floor"] = s.get("over floor", 0) + 1
             for q in QUANTITIES:
@@ -244,8 +249,9 @@ class GateReport:
 
     def facts(self) -> dict[str, dict]:
         """{method: {"gradients": {dtype: "pass" or "fail"}}} over the dtypes it ran in, and where it
-        fails, "gradient_failures": {dtype: {"cases": how many ran, "failed": [the failing cases]}}: what
-        the report's opening table and recommendations read (``helpers.suite.report.FACT_KEYS``)."""
+        fails, "gradient_failures": {dtype: {"cases": how many ran, "failed": [the failing cases], "not_finite":
+        whether every failure is a gradient that is not finite}}: what the report's opening table and
+        recommendations read (``helpers.suite.report.FACT_KEYS``)."""
         facts: dict[str, dict] = {}
         for s in self.summary():
             if s["verdict"] == "unavailable":
@@ -253,7 +259,8 @@ class GateReport:
             f = facts.setdefault(s["method"], {"gradients": {}})
             f["gradients"][s["dtype"]] = s["verdict"]
             if s["verdict"] == "fail":
-                f.setdefault("gradient_failures", {})[s["dtype"]] = {"cases": s["cases"], "failed": s["failed cases"]}
+                f.setdefault("gradient_failures", {})[s["dtype"]] = {"cases": s["cases"], "failed": s["failed cases"],
+                                                                     "not_finite": s["failures not finite"]}
         return facts
 
     def markdown(self) -> str:

@@ -595,12 +595,13 @@ def recommend(methods: dict[str, dict], ran: list[str], *, t4: bool) -> list[str
         if failing:
             failures = f.get("gradient_failures", {})
             cases = [c for d in failing for c in failures.get(d, {}).get("failed", [])]
-            if cases and all("mean, ignore all" in c for c in cases):
+            not_finite = all(failures.get(d, {}).get("not_finite") for d in failing)
+            if cases and not_finite and all("mean, ignore all" in c for c in cases):
                 # One convention, not a wrong kernel: say what it costs a trainer.
                 out.append(f"Avoid {method_label(m)} where a micro-batch can be all padding: its gradients are not "
                            "finite when every target of a mean is ignored, where torch's cross_entropy gives 0, so one "
                            "such micro-batch puts NaN into the weights (01: the float64 gate"
-                           + gate_failures_text(failures, failing) + "; every other case passes).")
+                           + gate_failures_text(failures, failing) + "; every other case it ran passes).")
             else:
                 out.append(f"Avoid {method_label(m)} in {', '.join(failing)}: its gradients fail the float64 gate (01)"
                            + gate_failures_text(failures, failing) + ".")

@@ -123,8 +123,8 @@ def describe_step_times(
              "batches are every arm's, so the loss is what differs."]
     if first.get("device") not in (None, "cuda"):
         lines.append("On a CPU the Triton kernels (ours, Liger's) run under the Triton interpreter, which executes each "
-                     "kernel's programs in Python, one by one: every ratio below measures the interpreter's overhead, "
-                     "not a kernel's speed. A fused loss's step can also cost more than its timed call here: the fp16 "
+                     "kernel's programs in Python, one by one: a fused loss's ratio below measures the interpreter's "
+                     "overhead, not its kernels' speed. A fused loss's step can also cost more than its timed call here: the fp16 "
                      "loss scaler's upstream gradient is not 1, and a kernel that scales dE and dC by it (Liger's) "
                      "runs once more, interpreted.")
     base = labels.get(baseline, baseline)

@@ -39,7 +39,8 @@ SUMMARY = "summary.json"
 # engine's (``helpers.compare.verdicts``), which also reads them to recommend.
 FACT_KEYS = {
     "gradients": "{dtype name: 'pass' or 'fail'}: the accuracy gate's verdict against float64 (01)",
-    "gradient_failures": "{dtype name: {'cases': how many ran, 'failed': [the failing cases]}} where the gate fails (01)",
+    "gradient_failures": "{dtype name: {'cases': how many ran, 'failed': [the failing cases], 'not_finite': whether "
+                         "every failure is a gradient that is not finite}} where the gate fails (01)",
     "sweep": "{'dtype', 'points': {N: {'peak_bytes', 'seconds', 'status'}}}: one loss step (forward and backward) "
              "on this GPU at each token count swept (02)",
     "t4_peak_bytes_16k": "the same step's peak at 16,384 tokens under a T4's limits (a T4, or the pretend-T4 sweep) (02)",
@@ -172,7 +173,7 @@ def recommendation(methods: dict[str, dict], smoke: bool = False, ran: list[str]
     if smoke:
         lines += [f"> **{_smoke_note()}** The table and sentences below show the pipeline works; they "
                   "are not a recommendation.", ""]
-    methods = {m: f for m, f in methods.items() if any(c[4](f) is not None for c in _COLUMNS)}  # no empty rows
+    methods = {m: f for m, f in methods.items() if f}
     if not methods:
         return lines + ["This run measured nothing this table reads: run notebooks 01, 02, 03 and 05 (on a GPU) "
                         "to fill it.", ""]
@@ -180,7 +181,7 @@ def recommendation(methods: dict[str, dict], smoke: bool = False, ran: list[str]
         peak = _at_16k(methods[m], "peak_bytes")
         return (not isinstance(peak, int), peak if isinstance(peak, int) else 0, m)
 
-    order = sorted(methods, key=by_peak)
+    order = sorted((m for m in methods if any(c[4](methods[m]) is not None for c in _COLUMNS)), key=by_peak)  # no empty rows
     # In a T4's run the loss step's own peak is a T4's: the "as a T4" column would repeat it.
     columns = [c for c in _COLUMNS if any(c[4](methods[m]) is not None for m in order) and not (t4 and c[2] == "t4")]
     if pretend:

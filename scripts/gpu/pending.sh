@@ -8,7 +8,7 @@
 #   bash scripts/gpu/pending.sh graphs           the same: 4 below, tests and bench (~9 min); results under $OUT
 #   bash scripts/gpu/pending.sh graphs-nb03      the same: 4 below, notebook 03 (~4 min)
 #
-# 1. The soft cap's slope (tanh_and_slope) and the filter's pre-slope mass on sm_90 with this Triton:
+# 1. The soft cap's slope (tanh_and_gap, slope_from_gap) and the filter's pre-slope mass on sm_90 with this Triton:
 #    their tests. Predicted: all pass but the one strict expected failure.
 # 2. Their cost: the Gemma-2-2B head with and without Gemma-2's cap of 30, old and new alternated.
 #    Run on an H100 (docs/measurements/h100-2026-12-05): +4.8% with the cap for the slope q r^2 (ptxas spills);
@@ -18,8 +18,8 @@
 # 4. The loss's CUDA graphs on by default: the loss's tests with them on, the bench at 1,024 tokens, and
 #    notebook 03 as a pretend T4. Predicted: tests pass; ours ~1.9-2.0 ms against torch.compile's ~1.9;
 #    notebook 03's pretraining step under 1.29x exact's (its figure with the graphs off). Run on an H100
-#    (h100-2026-12-05): tests to 70% in the old 200 s, bench 3.0 ms against 3.3 eager and torch.compile's
-#    2.0 on a slower host, notebook 03 inconclusive (a noisy host). Timeouts raised since.
+#    (h100-2026-12-05) without effect: "python -m" imported this tree (graphs off) ahead of PYTHONPATH; now -P,
+#    the bench's ours_graphs method, and longer timeouts.
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
@@ -56,16 +56,20 @@ exit 0
 fi
 G="$PWD/.ab/graphs"
 if [ "$part" = graphs ]; then
-PYTHONPATH="$G:$PYTHONPATH" HELPERS_TEST_GPU=1 timeout 330 python3 -m pytest -q -p no:cacheprovider \
+# -P: "python -m" puts the working directory (this tree, graphs off) ahead of PYTHONPATH; the H100 run of
+# 2026-12-05 lost its graphs A/B to that. Each step says which helpers it imported.
+PYTHONPATH="$G:$PYTHONPATH" python3 -P -c "import helpers; print('tests import', helpers.__file__)"
+PYTHONPATH="$G:$PYTHONPATH" HELPERS_TEST_GPU=1 timeout 330 python3 -P -m pytest -q -p no:cacheprovider \
   tests/cce/test_graphs.py tests/cce/test_cce.py -x 2>&1 | tail -3
 step "tests with graphs on"
-PYTHONPATH="$G:$PYTHONPATH" taskset -c 5 timeout 240 python3 -m helpers bench --methods ours torch_compile apple_cce \
+# The bench's own graphed method, beside eager ours in one process (this tree: no PYTHONPATH needed).
+taskset -c 5 timeout 240 python3 -m helpers bench --methods ours ours_graphs torch_compile apple_cce \
   --time-failed --shapes qwen3-0.6b --N 1024 --regimes uniform realistic trained --dtypes bfloat16 \
   --output "$OUT/bench_graphs.jsonl" 2>&1 | tail -12
 step "bench with graphs on"
 exit 0
 fi
-PYTHONPATH="$G:$PYTHONPATH" timeout 230 python3 -m helpers run --pretend t4 --quick --only 03 \
+PYTHONPATH="$G:$PYTHONPATH" timeout 230 python3 -P -m helpers run --pretend t4 --quick --only 03 \
   --output "$OUT/nb03-graphs" > "$OUT/nb03-graphs.log" 2>&1
 echo "notebook 03 exit $?"; grep -n "| ours\|| exact" "$OUT"/nb03-graphs/03*/report.md | head -6
 step "notebook 03 with graphs on"

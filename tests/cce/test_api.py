@@ -182,13 +182,15 @@ def test_the_module_form():
     (lambda E, C, x, b: linear_cross_entropy(E, C, x, shift=1), "shift and return_lse must be True or False"),
     (lambda E, C, x, b: linear_cross_entropy(E, C, x, bias=b.requires_grad_(True), backward_impl="atomic"),
      "needs backward_impl"),
-    # Each once reached a kernel or the planner, or ran with a silent meaning (a reviewer's probes):
+    # Each once reached a kernel or the planner, or ran with a silent meaning:
     (lambda E, C, x, b: linear_cross_entropy(E, C, x, ignore_index=10**20), "ignore_index must fit in int64"),
     (lambda E, C, x, b: linear_cross_entropy(E, C, x.int(), ignore_index=2**32 - 100),
      r"ignore_index=4294967196 does not fit x's dtype \(int32\)"),
     (lambda E, C, x, b: linear_cross_entropy(E, C, x, configs=3), "configs must be None, a tier's name or a CCEConfigs"),
     (lambda E, C, x, b: linear_cross_entropy(E, C, x, label_smoothing=True), "label_smoothing must be a number"),
     (lambda E, C, x, b: linear_cross_entropy(E, C, x, z_loss=float("inf")), "z_loss must be a finite number"),
+    (lambda E, C, x, b: linear_cross_entropy(E, C, x, z_loss=-1.0, weight=torch.ones(C.shape[0])),
+     "z_loss must be a finite number"),  # class weights route the z-loss around the kernels' check
     (lambda E, C, x, b: linear_cross_entropy(E, C, x, filter_eps=float("inf")), "filter_eps must be 'auto', None or a "
      "finite number"),  # inf skipped every tile: every gradient 0
 ])

@@ -342,6 +342,7 @@ def cap_kernel(y_ptr, t_ptr, tanh_ptr, slope_ptr, n, BLOCK: tl.constexpr):
     tl.store(slope_ptr + offs, slope_from_gap(gap), mask=mask)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's arithmetic; on a GPU the saturation tests run the kernels")
 def test_the_soft_caps_slope_is_accurate_where_a_logit_can_carry_its_row():
     """``tanh_and_gap`` and ``slope_from_gap`` (every backward's chain rule through the cap), run under the
     interpreter on y from -60 to 60 and the special values: t has ``tanh``'s bits (the forward's, so the

@@ -193,9 +193,22 @@ def test_facts_give_each_method_its_verdict_per_dtype_it_ran_in(temporary_method
     assert facts["chunked"] == {"gradients": {"float32": "pass", "float16": "pass"}}
     cases = [c.name for c in CASES[:2]]
     assert facts["wrong"] == {"gradients": {"float32": "fail", "float16": "fail"},
-                              "gradient_failures": {d: {"cases": 2, "failed": cases} for d in ("float32", "float16")}}
+                              "gradient_failures": {d: {"cases": 2, "failed": cases, "not_finite": False}
+                                                    for d in ("float32", "float16")}}
     assert f"FAIL (2 of 2 cases: {'; '.join(cases)})" in report.markdown()
     assert "apple_cce" not in facts  # unavailable on a CPU: nothing measured, no verdict
+
+
+def gradient_times_nan(E, C, x, **kw):
+    return naive_loss(ScaledGradient.apply(E, float("nan")), ScaledGradient.apply(C, float("nan")), x, **kw)
+
+
+def test_a_failure_whose_gradients_are_not_finite_says_so(temporary_method):
+    """The REPORT tells a convention (NaN gradients where torch's cross_entropy gives 0) from a wrong kernel
+    by this fact (``verdicts.recommend``), not by the failing case's name."""
+    temporary_method(_wrong("nan_grads", gradient_times_nan))
+    report = run_gate(["nan_grads"], (torch.float32,), CASES[:1], device="cpu", raise_on_failure=False)
+    assert report.facts()["nan_grads"]["gradient_failures"]["float32"]["not_finite"] is True
 
 
 def test_a_realistic_case_draws_targets_that_repeat():

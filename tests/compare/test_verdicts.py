@@ -220,11 +220,15 @@ def test_a_loss_that_fits_nothing_is_not_dropped_and_the_default_leads_when_it_f
 def test_avoid_names_the_failing_cases_so_one_degenerate_case_reads_as_one(facts_kit):
     facts = facts_kit.h200()
     facts["apple_cce"]["gradient_failures"] = {"bfloat16": {"cases": 12, "failed": ["N=37 V=257 D=24 mean, ignore all"]}}
+    said = recommend(facts, ALL, t4=False)  # facts from before "not_finite": the plain sentence
+    assert ("Avoid Apple CCE in bfloat16: its gradients fail the float64 gate (01) in 1 of 12 cases "
+            "(bfloat16: [N=37 V=257 D=24 mean, ignore all]).") in said
+    facts["apple_cce"]["gradient_failures"]["bfloat16"]["not_finite"] = True
     said = recommend(facts, ALL, t4=False)
     assert ("Avoid Apple CCE where a micro-batch can be all padding: its gradients are not finite when every target "
             "of a mean is ignored, where torch's cross_entropy gives 0, so one such micro-batch puts NaN into the "
             "weights (01: the float64 gate in 1 of 12 cases (bfloat16: [N=37 V=257 D=24 mean, ignore all]); every "
-            "other case passes).") in said
+            "other case it ran passes).") in said
     # A failure that is not that convention keeps the plain sentence, with its cases.
     facts["apple_cce"]["gradient_failures"]["bfloat16"]["failed"].append("N=37 V=257 D=24 sum, ignore some")
     said = recommend(facts, ALL, t4=False)
