@@ -296,13 +296,16 @@ class GateReport:
         summary = [s for s in self.summary() if s["verdict"] != "unavailable"]
         dtypes = list(dict.fromkeys(s["dtype"] for s in summary))
         fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4.2), squeeze=False, sharey=True)
+        shown = set()  # the verdicts some bar has: the legend names only those
         for ax, d in zip(axes[0], dtypes):
             rows = [s for s in summary if s["dtype"] == d]
             names = [method_label(s["method"]) for s in rows]
             for k, q in enumerate(QUANTITIES):
                 ratios = [max(s.get(f"worst {q} error/bound", 0.0), 1e-6) for s in rows]
                 xs = [i + (k - 1) * 0.27 for i in range(len(rows))]
-                colours = [VERDICT_COLOURS[bar_verdict(s, r)] for s, r in zip(rows, ratios)]
+                verdicts = [bar_verdict(s, r) for s, r in zip(rows, ratios)]
+                shown.update(verdicts)
+                colours = [VERDICT_COLOURS[v] for v in verdicts]
                 ax.bar(xs, [r if math.isfinite(r) else 1e3 for r in ratios], width=0.27, color=colours,
                        hatch=QUANTITY_HATCHES[q], edgecolor="black", linewidth=0.5)
                 for xi, r in zip(xs, ratios):
@@ -313,7 +316,6 @@ class GateReport:
             ax.set_xticks(range(len(rows)), names, rotation=35, ha="right", fontsize=9)
             ax.set_title(f"{d} on {self.device}")
         axes[0][0].set_ylabel("worst error / bound  (bound: 1)")
-        shown = {bar_verdict(s, max(s.get(f"worst {q} error/bound", 0.0), 1e-6)) for s in summary for q in QUANTITIES}
         handles = [Patch(facecolor=c, edgecolor="black", label=v) for v, c in VERDICT_COLOURS.items() if v in shown]
         handles += [Patch(facecolor="white", edgecolor="black", hatch=h, label=q) for q, h in QUANTITY_HATCHES.items()]
         handles.append(plt.Line2D([], [], color="black", linestyle="--", label="bound"))
