@@ -185,7 +185,7 @@ from helpers.compare import measure, theory
 from IPython.display import Markdown, display
 
 from helpers.compare.heads import QWEN3
-from helpers.compare.units import format_bytes, memory_unit
+from helpers.compare.units import format_bytes, memory_unit, timed_calls
 from helpers.lab import distill, rl
 from helpers.lab.plots import mark_smoke
 from helpers.lab.profiles import SMOKE_NOTE, get_profile
@@ -528,7 +528,8 @@ def distill_cell(r):
 distill_table = ("| kind | " + " | ".join(distill.PATHS) + " |\n|---|" + "---:|" * len(distill.PATHS) + "\n"
                  + "\n".join(f"| {kind} | " + " | ".join(distill_cell(distill_step[(kind, p)]) for p in distill.PATHS)
                              + " |" for kind in Hd["kinds"]))
-display(Markdown(f"N, V, D_s, D_t = {tuple(Hd['shape'])}, {S['dtype']}: peak above the inputs, median time\n\n"
+display(Markdown(f"N, V, D_s, D_t = {tuple(Hd['shape'])}, {S['dtype']}: peak above the inputs, time "
+                 f"({timed_calls([S['repeats']])})\n\n"
                  + distill_table))
 
 # %% [markdown]

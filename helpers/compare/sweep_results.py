@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from helpers.compare.units import format_bytes, memory_unit
+from helpers.compare.units import format_bytes, memory_unit, timed_calls
 from helpers.compare.methods import METHODS
 from helpers.compare.sweep import ARTICLE_MICRO_BATCH_N, MethodPlan
 
@@ -119,7 +119,8 @@ def results_pivot(records: list[dict], labels: dict[str, str] | None = None, *, 
     digits = 2 if unit[0] == "GB" else 3
     Ns = sorted({r["N"] for r in records})
     points = {(r["method"], r["N"]): r for r in records}
-    caption = (f"Peak {unit[0]} above the inputs / forward+backward ms (median)" if cell == "memory_time"
+    timed = timed_calls([r.get("repeats") for r in records])
+    caption = (f"Peak {unit[0]} above the inputs / forward+backward ms ({timed})" if cell == "memory_time"
                else "Measured peak / theory (no formula: measured / floor dE + dC)")
     order_n = memory_order_n(records)
     order = f" (at N={order_n:,})" if order_n is not None and len(Ns) > 1 else ""

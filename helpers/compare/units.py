@@ -48,3 +48,15 @@ def format_bytes(n: float) -> str:
 
 
 __all__ = ["GB", "DTYPES", "format_bytes", "memory_unit", "torch_dtype", "dtype_name", "dtype_bytes", "lower_bound_bytes"]
+
+
+def timed_calls(repeats: list[int] | set[int] | tuple[int, ...]) -> str:
+    """What a reported time is, from the timed calls each point ran: "one timed call each" (the smoke
+    profiles time one: no median, no spread), "median of 7 calls", or "median of 5-10 calls"."""
+    counts = sorted({int(n) for n in repeats if n})
+    if counts == [1]:
+        return "one timed call each"
+    if not counts:
+        return "median"
+    return f"median of {counts[0]} calls" if len(counts) == 1 else f"median of {counts[0]}-{counts[-1]} calls"
+

@@ -16,7 +16,7 @@ import numpy as np
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocator
 
 from helpers.compare.methods import METHODS, method_label
-from helpers.compare.units import GB, memory_unit
+from helpers.compare.units import GB, memory_unit, timed_calls
 from helpers.lab.profiles import SMOKE_NOTE
 from helpers.lab.convergence import paired_difference
 from helpers.lab.training import TrainRun
@@ -146,7 +146,9 @@ def plot_memory_sweep(
     ax_mem.set_ylabel(f"peak memory above the inputs, {unit_name} (log)")
     ax_mem.set_title("loss forward + backward: peak memory")
     ax_time.set_ylabel("forward + backward, ms (log)")
-    ax_time.set_title("forward + backward time: median, p10-p90" + (f"\n{latency_caveat}" if latency_caveat else ""),
+    timed = timed_calls([r.get("repeats") for r in records])
+    spread = "" if timed == "one timed call each" else ", p10-p90"
+    ax_time.set_title(f"forward + backward time: {timed}{spread}" + (f"\n{latency_caveat}" if latency_caveat else ""),
                       fontsize=10)
     # One legend for both panels, below them: inside, it would hide the lines it explains.
     handles, labels = ax_mem.get_legend_handles_labels()

@@ -14,6 +14,7 @@ from helpers.compare.methods.baselines import naive_loss
 from helpers.compare.methods import Method
 from helpers.compare.heads import QWEN3
 from helpers.compare.sweep import MethodPlan, plan_methods, run_pretend_t4_sweep
+from helpers.compare.units import timed_calls
 from helpers.compare.sweep_results import describe_methods, headline, memory_order, report_facts, results_pivot
 from helpers.compare.theory import (
     T4_CAPABILITY,
@@ -84,6 +85,16 @@ def test_the_pivot_reads_like_the_articles_table():
     assert "| liger | 1.000 | 1.000 | 1.000 |" in ratio and "| torch_lce | 2.00× floor |  |  |" in ratio
     with pytest.raises(ValueError, match="cell must be"):
         results_pivot(H200, cell="peak")
+
+
+def test_the_pivot_says_what_a_time_is_one_call_in_a_smoke_run_a_median_otherwise():
+    def caption(repeats):
+        return results_pivot([{**r, "repeats": n} for r, n in zip(H200, repeats)]).splitlines()[0]
+
+    assert "ms (one timed call each)" in caption([1] * len(H200))
+    assert "ms (median of 7 calls)" in caption([7] * len(H200))
+    assert "ms (median of 5-7 calls)" in caption([5] + [7] * (len(H200) - 1))
+    assert timed_calls([None, 1, 1]) == "one timed call each" and timed_calls([]) == "median"
 
 
 def test_verdicts_say_what_grows_with_what_and_how_fast_next_to_torch_compile():
