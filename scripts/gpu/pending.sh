@@ -13,7 +13,9 @@
 #    their tests. Predicted: all pass but the one strict expected failure.
 # 2. Their cost: the Gemma-2-2B head with and without Gemma-2's cap of 30, old and new alternated.
 #    Run on an H100 (docs/measurements/h100-2026-12-05): +4.8% with the cap for the slope q r^2 (ptxas spills);
-#    the slope r (2 - r) since: predicted within 1% of old (stack 600 bytes against 608 on an sm_90 compile).
+#    the slope r (2 - r): +1.9% (h100-2026-12-05b; 296 more SASS instructions, spills gone). Since, the cap as
+#    r = 2 / (2^(z k) + 1) in every kernel (soft_cap_and_gap): predicted fwd+bwd at or below old's (7,152 SASS
+#    instructions against 8,576, but stack 736 bytes against 600), the capped forward ~0.7 ms faster.
 # 3. The RL step with Liger's fused GRPO loss beside ours and the naive path (scripts/gpu/rl_step.py).
 #    Predicted: every path within its float64 bounds; Liger between ours and naive in memory.
 # 4. The loss's CUDA graphs on by default: the loss's tests with them on, the bench at 1,024 tokens, and

@@ -22,7 +22,7 @@ import triton.language as tl  # noqa: E402
 
 import helpers.cce.backward.gemm  # noqa: E402
 from helpers.cce.kernels.configs import HostTuning, tier  # noqa: E402
-from helpers.cce.kernels.logits import slope_from_gap, tanh, tanh_and_gap  # noqa: E402
+from helpers.cce.kernels.logits import slope_from_gap, soft_cap, soft_cap_and_gap  # noqa: E402
 from helpers.cce import (  # noqa: E402
     CCEOptions,
     cce_backward,
@@ -332,33 +332,39 @@ def test_a_row_deep_in_the_soft_caps_saturation_keeps_its_gradient(impl):
 
 
 @triton.jit
-def cap_kernel(y_ptr, t_ptr, tanh_ptr, slope_ptr, n, BLOCK: tl.constexpr):
+def cap_kernel(z_ptr, capped_ptr, forward_ptr, slope_ptr, softcap, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    y = tl.load(y_ptr + offs, mask=mask, other=0.0)
-    t, gap = tanh_and_gap(y)
-    tl.store(t_ptr + offs, t, mask=mask)
-    tl.store(tanh_ptr + offs, tanh(y), mask=mask)
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0)
+    capped, gap = soft_cap_and_gap(z, softcap)
+    tl.store(capped_ptr + offs, capped, mask=mask)
+    tl.store(forward_ptr + offs, soft_cap(z, softcap), mask=mask)
     tl.store(slope_ptr + offs, slope_from_gap(gap), mask=mask)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's arithmetic; on a GPU the saturation tests run the kernels")
-def test_the_soft_caps_slope_is_accurate_where_a_logit_can_carry_its_row():
-    """``tanh_and_gap`` and ``slope_from_gap`` (every backward's chain rule through the cap), run under the
-    interpreter on y from -60 to 60 and the special values: t has ``tanh``'s bits (the forward's, so the
-    backward's softmax is the forward's); for y >= 0, the side where a logit can carry its row's softmax, the
-    slope is within 1e-5 relative of float64's 1 / cosh^2 until exp(2y) overflows (y ~ 44); for y < 0 it
-    is within 5e-7 absolute, as 1 - t^2 was (README, Caveats); inf gives 0 and NaN gives 0."""
+@pytest.mark.parametrize("softcap", [1.0, 30.0, 0.37])
+def test_the_soft_caps_slope_is_accurate_where_a_logit_can_carry_its_row(softcap):
+    """``soft_cap_and_gap`` and ``slope_from_gap`` (every backward's chain rule through the cap), run under the
+    interpreter on y = z / softcap from -60 to 60 and the special values: the capped logit has the forward's
+    bits (``soft_cap``: the backward's softmax is the forward's) and is within 2e-7 * softcap of float64's;
+    for y >= 0, the side where a logit can carry its row's softmax, the slope is within 2e-5 relative of
+    float64's 1 / cosh^2 until 2^(z k) overflows (y ~ 44; the exponent's own rounding, 2^-24 of ~2.9 y,
+    is most of it); for y < 0 it is within 5e-7 absolute, as 1 - t^2 was (README, Caveats); inf gives 0
+    and NaN gives 0."""
     y = torch.cat([torch.linspace(-60, 60, 4001), torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0])])
-    t, t_ref, slope = (torch.empty_like(y) for _ in range(3))
-    cap_kernel[(1,)](y, t, t_ref, slope, y.numel(), BLOCK=4096)
-    assert torch.equal(t[:-2], t_ref[:-2]) and t[-2].isnan() and t[-1] == 0  # tanh's bits
-    exact = 1 / torch.cosh(y.double()) ** 2
-    finite = y.isfinite()
-    positive = finite & (y >= 0) & (y < 43)
-    assert ((slope.double() - exact)[positive].abs() / exact[positive]).max() < 1e-5
-    assert exact[finite & (y > 9) & (y < 43)].min() > 0 and slope[finite & (y > 9) & (y < 43)].min() > 0
-    assert (slope.double() - exact)[finite & (y < 0)].abs().max() < 5e-7
+    z = (y * softcap).float()
+    capped, forward, slope = (torch.empty_like(z) for _ in range(3))
+    cap_kernel[(1,)](z, capped, forward, slope, softcap, z.numel(), BLOCK=4096)
+    assert torch.equal(capped[:-2], forward[:-2]) and capped[-2].isnan() and capped[-1] == 0  # the forward's bits
+    y64 = z.double() / softcap
+    finite = y64.isfinite()
+    assert (capped.double() - softcap * torch.tanh(y64))[finite].abs().max() < 2e-7 * softcap
+    exact = 1 / torch.cosh(y64) ** 2
+    positive = finite & (y64 >= 0) & (y64 < 43)
+    assert ((slope.double() - exact)[positive].abs() / exact[positive]).max() < 2e-5
+    assert exact[finite & (y64 > 9) & (y64 < 43)].min() > 0 and slope[finite & (y64 > 9) & (y64 < 43)].min() > 0
+    assert (slope.double() - exact)[finite & (y64 < 0)].abs().max() < 5e-7
     assert slope[-4] == 0 and slope[-3] == 0 and slope[-2] == 0 and slope[-1] == 1
 
 

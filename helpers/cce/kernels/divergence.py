@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from helpers.cce.kernels.gradient_tile import grouped_tile
-from helpers.cce.kernels.logits import add_bias, logit_tile, slope_from_gap, tanh, tanh_and_gap
+from helpers.cce.kernels.logits import add_bias, logit_tile, slope_from_gap, soft_cap, soft_cap_and_gap
 
 # The divergences, by their kernels' KIND (constexpr: a kernel reads no other global).
 FORWARD_KL, REVERSE_KL, JSD = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -54,7 +54,7 @@ def head_tile(
     z = head_logits(E_ptr, C_ptr, bias_ptr, rows, cols, row_mask, col_mask, D, stride_En, stride_Ed,
                     stride_Cv, stride_Cd, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, DOT_PRECISION)
     if HAS_SOFTCAP:
-        z = softcap * tanh(z / softcap)
+        z = soft_cap(z, softcap)
     return z
 
 
@@ -223,8 +223,7 @@ def divergence_gradient_chunk_kernel(
                       stride_Esn, stride_Esd, stride_Csv, stride_Csd,
                       BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS_S, DOT_PRECISION)
     if HAS_SOFTCAP:
-        t_s, gap = tanh_and_gap(z_s / softcap)
-        z_s = softcap * t_s
+        z_s, gap = soft_cap_and_gap(z_s, softcap)
     lse_s = tl.load(lse_s_ptr + rows, mask=row_mask, other=0.0)
     lse_t = tl.load(lse_t_ptr + rows, mask=row_mask, other=0.0)
     sign = tl.load(sign_ptr + rows, mask=row_mask, other=0.0)

@@ -39,7 +39,7 @@ derivative itself is r (2 - r) from r = 1 - t (``slope_from_gap``): 1 - t^2 is 0
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import add_bias, logit_tile, logit_tile_tma, slope_from_gap, tanh_and_gap
+from helpers.cce.kernels.logits import add_bias, logit_tile, logit_tile_tma, slope_from_gap, soft_cap_and_gap
 
 
 @triton.jit
@@ -129,8 +129,7 @@ def gradient_and_softmax_tile(
     if HAS_BIAS:
         z = add_bias(z, bias_ptr, cols, col_mask)
     if HAS_SOFTCAP:
-        t, gap = tanh_and_gap(z / softcap)
-        z = softcap * t
+        z, gap = soft_cap_and_gap(z, softcap)
     # The temperature divides the capped logit (x * 1.0 is exact: no temperature, the same bits).
     z = z * inv_temperature
 

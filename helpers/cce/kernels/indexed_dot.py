@@ -12,7 +12,7 @@ alone before it raises or goes on. With TILE_FLAGS it marks, for the LSE kernel 
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import tanh
+from helpers.cce.kernels.logits import soft_cap
 
 
 @triton.jit
@@ -63,6 +63,6 @@ def indexed_dot_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + x, mask=kept, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        acc = softcap * tanh(acc / softcap)
+        acc = soft_cap(acc, softcap)
     acc = acc * inv_temperature  # the temperature divides the capped logit (1.0: exact, no change)
     tl.store(out_ptr + rows, acc, mask=row_mask)

@@ -10,30 +10,34 @@ import triton.language as tl
 
 
 @triton.jit
-def tanh(y):
-    # tanh(y) = 1 - 2 / (exp(2y) + 1): exp and division exist on every backend, the interpreter
-    # included (libdevice's tanh does not). exp overflowing to inf gives exactly 1, so large |y| is
-    # safe; near 0 the absolute error is ~1 fp32 ulp of 1, i.e. ~1e-7 * softcap on the logit.
-    return 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+def soft_cap_and_gap(z, softcap):
+    # (softcap * tanh(z / softcap), r = 1 - tanh(z / softcap)): every kernel's soft cap, forward and backward
+    # alike, so that the backward's softmax is the forward's. tanh(y) = 1 - 2 / (exp(2y) + 1), formed as
+    # r = 2 / (2^(z k) + 1) with k = 2 log2(e) / softcap a scalar: one multiply and ex2 a logit, where
+    # exp(2 (z / softcap)) cost a division, exp's scaling and its range checks (sm_90, the Hopper G kernel
+    # without a bias: 7,152 SASS instructions against 8,576). exp2 and division exist on every backend, the
+    # interpreter included (libdevice's tanh does not); 2^(z k) overflowing to inf gives t = 1 exactly.
+    # Near 0, t's absolute error is ~1 fp32 ulp of 1 (~1e-7 * softcap on the logit); k's rounding moves
+    # the exponent by ~6e-8 relative, under ex2.approx's own error. A caller that needs the cap's slope
+    # keeps r, not t: one value per logit, as 1 - t * t kept t (``slope_from_gap``; keeping the slope as
+    # q r^2 with q = exp(2y) spilled: the Hopper G kernel's stack 1,384 bytes against 608).
+    r = 2.0 / (tl.exp2(z * (2.8853900817779268 / softcap)) + 1.0)
+    return softcap * (1.0 - r), r
 
 
 @triton.jit
-def tanh_and_gap(y):
-    # (tanh(y), r = 1 - tanh(y)): t with ``tanh``'s bits, and the gap it was formed from, which the soft cap's
-    # slope needs: 1 - t^2 = r (2 - r) (``slope_from_gap``). A caller keeps r, not t, for the chain rule: one
-    # value per logit, as 1 - t * t kept t, and ptxas then allocates nearly as it did for that (sm_90, the Hopper G
-    # kernel's stack frame: 600 bytes against 608, 744 against 648 with a bias; keeping the slope q r^2, with
-    # q = exp(2y), made it 1,384 and 1,528).
-    r = 2.0 / (tl.exp(2.0 * y) + 1.0)
-    return 1.0 - r, r
+def soft_cap(z, softcap):
+    # softcap * tanh(z / softcap), with ``soft_cap_and_gap``'s bits.
+    capped, _ = soft_cap_and_gap(z, softcap)
+    return capped
 
 
 @triton.jit
 def slope_from_gap(r):
-    # 1 - tanh(y)^2 from r = 1 - tanh(y) (``tanh_and_gap``): r (2 - r), accurate for y >= 0, the side where a logit
+    # 1 - tanh(y)^2 from r = 1 - tanh(y), y = z / softcap (``soft_cap_and_gap``): r (2 - r), accurate for y >= 0, the side where a logit
     # can carry its row's softmax, up to y ~ 44 where exp(2y) overflows (1 - t * t is 0 once t rounds to 1, y above
-    # ~9, while the slope is ~4 exp(-2y)): a few ulp under the interpreter; on a GPU exp is ex2.approx of
-    # 2y log2(e), whose relative error grows with y (~1e-5 at y = 40). For y < 0, 2 - r (= 1 + t) carries an
+    # ~9, while the slope is ~4 exp(-2y)): a few ulp under the interpreter; on a GPU ex2.approx's relative
+    # error grows with y (~1e-5 at y = 40). For y < 0, 2 - r (= 1 + t) carries an
     # absolute error of ~3e-7, as 1 - t * t did: the slope reaches 0 below y ~ -8 (README, Caveats). A NaN r (a
     # padding column's E . 0 with an inf in E) gives 0: maximum returns its number operand (max.f32; the
     # interpreter's fmax).

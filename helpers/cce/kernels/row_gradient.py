@@ -31,7 +31,7 @@ already read. Reference: ``helpers.spec.reference_loss`` and autograd through it
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import log1p_neg, slope_from_gap, tanh, tanh_and_gap
+from helpers.cce.kernels.logits import log1p_neg, slope_from_gap, soft_cap, soft_cap_and_gap
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def row_gradient_kernel(
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            z = softcap * tanh(z / softcap)
+            z = soft_cap(z, softcap)
         z = z * inv_temperature
         z_target += tl.sum(tl.where(cols == x, z, 0.0))
         if SUM_LOGITS:
@@ -100,8 +100,7 @@ def row_gradient_kernel(
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            t, gap = tanh_and_gap(z / softcap)
-            z = softcap * t
+            z, gap = soft_cap_and_gap(z, softcap)
         z = z * inv_temperature
         S = tl.exp(z - lse)
         G = tl.where(cols == x, t_x, a * S) - c / V
