@@ -60,7 +60,9 @@
 # **You will** see why the logits are the largest tensor in training, write the two reductions of
 # the forward pass and the gradient of the backward without them, and measure what that buys.
 # **You need** PyTorch, and the softmax and its gradient; no Triton (the primer covers what is
-# used). **You run** the notebook on a GPU (Colab or Kaggle's free T4 is enough) or on a Linux CPU,
+# used). **You run** the notebook on a GPU (Colab or Kaggle's free T4 should be enough: it passes on a
+# pretend T4, a larger GPU held to a T4's memory, shared memory and fp16, but has not run on a real one) or
+# on a Linux CPU,
 # where the kernels run under Triton's interpreter, in fp32 and fp16 (the interpreter's bf16 is
 # broken): the bf16 stories of sections 6 and 9 are then told on fp16 or emulated in PyTorch.
 #
@@ -80,8 +82,9 @@
 # is for whoever finishes early.
 #
 # **Run time** (the whole notebook, with no one typing; every run prints its seconds per section
-# and writes them to `results.json`'s `section_seconds`): on a 2-core CPU 17-22 s, attendee or
-# teacher, fp32 or the T4's fp16 (no section over 5 s); on an H200 as a pretend T4 (fp16, 64 KB of
+# and writes them to `results.json`'s `section_seconds`): on a 2-core CPU 17-30 s, attendee or
+# teacher, fp32 or the T4's fp16 (the longest section about 6 s; more while other work shares the
+# cores); on an H200 as a pretend T4 (fp16, 64 KB of
 # shared memory enforced) 22 s as an attendee and 15 s as the teacher, the longest section the
 # online log-sum-exp (6 s, its kernels compiling) and the payoff (4 s); on the H200 as itself 51 s
 # and 20 s, the attendee's first run compiling longer (`docs/measurements/h200-2026-12-02/workshop-04/`).
@@ -781,8 +784,8 @@ def check_logit_gradient(attempt):
 exercises.check("logit_gradient", logit_gradient, check_logit_gradient)
 
 # %% [markdown]
-# The answer: $G = \frac{1}{N}\left(S - \mathbb 1[v = x]\right)$, the softmax minus one at the
-# target, over N. The spec of the whole backward, checked against autograd's dE and dC:
+# Once the check passes, `show_solution("logit_gradient")` prints the worked answer. The spec of the
+# whole backward, from your G, checked against autograd's dE and dC:
 
 # %%
 def backward_spec(E, C, x, lse_rows, keep=None):
