@@ -17,7 +17,10 @@
 #    r = 2 / (2^(z k) + 1) in every kernel (soft_cap_and_gap): predicted fwd+bwd at or below old's (7,152 SASS
 #    instructions against 8,576, but stack 736 bytes against 600), the capped forward ~0.7 ms faster.
 # 3. The RL step with Liger's fused GRPO loss beside ours and the naive path (scripts/gpu/rl_step.py).
-#    Predicted: every path within its float64 bounds; Liger between ours and naive in memory.
+#    Predicted: every path within its float64 bounds; Liger between ours and naive in memory. Measured twice
+#    on H100s: Liger 545-565 ms at 16k (ours ~40), its 4k case failing inside torch.compile. Since: the
+#    compiler reset before each Liger case (predicted: the 4k case runs, ~135-145 ms) and liger_tuned
+#    (4 sequences a chunk, TF32): predicted 150-300 ms at 16k, within its gate.
 # 4. The loss's CUDA graphs on by default: the loss's tests with them on, the bench at 1,024 tokens, and
 #    notebook 03 as a pretend T4. Predicted: tests pass; ours ~1.9-2.0 ms against torch.compile's ~1.9;
 #    notebook 03's pretraining step under 1.29x exact's (its figure with the graphs off). Run on an H100

@@ -1,6 +1,10 @@
 """One GRPO step through a Qwen3-0.6B-shaped policy head on a GPU: ours against the naive path and
 Liger-Kernel's fused GRPO loss (``rl.liger_grpo_loss``: the same objective without the entropy bonus,
-which it lacks; its gate and its step run without it).
+which it lacks; its gate and its step run without it), as TRL calls it ("liger") and with two non-default
+settings ("liger_tuned": 4 sequences a chunk, TF32 for its fp32 products; ``rl.PATHS``). Before each Liger
+case the compiler's cache is reset (``torch._dynamo.reset``), so that each shape compiles once, statically,
+in the warm-ups: on torch 2.11 its recompile for a new shape with dynamic sizes failed inside
+torch.compile at 4,096 tokens in two H100 runs ("sources must not be empty for symbol s10").
 
     python scripts/gpu/rl_step.py [--out $OUT/rl_step.jsonl] [--tiny]
 
@@ -46,10 +50,13 @@ def gate(dtype, device, tiny: bool) -> dict:
 
 def step(path: str, B: int, T: int, V: int, D: int, dtype, device, cuda: bool, warmup: int, repeats: int) -> dict:
     inputs = rl.step_inputs(B, T, V, D, dtype, device)
+    if path.startswith("liger"):
+        torch._dynamo.reset()  # module doc
     m = measure(rl.head_step(path, inputs), warmup=warmup, repeats=repeats, device=device)
     N = B * T
     record = {"case": f"step/{path}/N={N}", "path": path, "N": N, "B": B, "T": T, "V": V, "D": D,
-              "dtype": dtype_name(dtype), "options": {**rl.STEP_OPTIONS, **rl.PATH_OPTIONS.get(path, {})},
+              "dtype": dtype_name(dtype),
+              "options": {**rl.STEP_OPTIONS, **rl.PATH_OPTIONS.get(path, {}), **getattr(rl.PATHS[path], "keywords", {})},
               "status": m.status, "error": m.error,
               "peak_bytes": m.peak_bytes, **(m.latency.as_dict() if m.latency else {})}
     if path == "ours":

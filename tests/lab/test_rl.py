@@ -199,11 +199,40 @@ def test_liger_refuses_what_it_cannot_compute():
         rl.liger_grpo_loss(E, C, x, advantages, mask, entropy_coef=0.01)
     with pytest.raises(ValueError, match=r"one advantage per sequence, \(B,\), got \(5, 7\)"):
         rl.liger_grpo_loss(E, C, x, advantages[:, None].expand(B, T), mask)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"chunk_size must be a positive int .*got {bad!r}"):
+            rl.liger_grpo_loss(E, C, x, advantages, mask, chunk_size=bad)
+
+
+def test_liger_tuned_is_liger_in_chunks_of_sequences_with_tf32_for_the_call_only(monkeypatch):
+    """The tuned settings change how Liger runs, not what it computes: in chunks of 2 sequences (of 5) its
+    loss and gradients are its default's within fp32's rounding, and TF32 is back as it was after the call,
+    also when the call fails."""
+    E, C, x, mask, old, ref, advantages = make_batch()
+    kwargs = dict(old_logprob=old, ref_logprob=ref, **{k: v for k, v in OPTIONS.items() if k not in ("softcap", "entropy_coef")})
+    default, dE, dC = loss_and_grads(rl.liger_grpo_loss, E, C, x, advantages, mask, **kwargs)
+    before = torch.backends.cuda.matmul.allow_tf32
+    chunked, dE2, dC2 = loss_and_grads(rl.liger_grpo_loss, E, C, x, advantages, mask, chunk_size=2, allow_tf32=True,
+                                       **kwargs)
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    assert abs(chunked.loss.item() - default.loss.item()) <= TOL * abs(default.loss.item())
+    assert relative_error(dE2, dE) < TOL and relative_error(dC2, dC) < TOL
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    def fails(self, *args, **kwargs):
+        assert torch.backends.cuda.matmul.allow_tf32 == (not before)  # set for the call
+        raise RuntimeError("inside Liger")
+
+    monkeypatch.setattr(LigerFusedLinearGRPOLoss, "forward", fails)
+    with pytest.raises(RuntimeError, match="inside Liger"):
+        rl.liger_grpo_loss(E, C, x, advantages, mask, allow_tf32=not before, **kwargs)
+    assert torch.backends.cuda.matmul.allow_tf32 == before
 
 
 def test_the_check_gates_every_path_at_its_own_options():
     check = rl.check_against_float64(rl.step_inputs(B, T, V, D, torch.float32, "cpu"))
-    assert set(check["errors"]) == {"ours", "naive", "liger"} and check["ok"] and all(check["within"].values())
+    assert set(check["errors"]) == {"ours", "naive", "liger", "liger_tuned"} and check["ok"]
+    assert all(check["within"].values())
     assert set(check["errors"]["liger"]) == {"dE", "dC"}  # no per-token outputs from Liger
     assert set(check["errors"]["ours"]) == {"logprob", "entropy", "dE", "dC"}
     # Liger's reference is the loss without the entropy bonus: against the one with it, dE is off.
