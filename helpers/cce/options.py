@@ -130,12 +130,18 @@ class CCEOptions:
     temperature: float = 1.0  # z = cap(E C^T + b) / temperature, before the lse and everything after it
 
 
+FP32_MAX = 3.4028234663852886e38
+
+
 def check_temperature(temperature) -> float:
     """``temperature`` as a float, or a ``ValueError`` naming it: a finite number > 0."""
     if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
             and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0 (the logits are divided by it), "
                          f"got {temperature!r}")
+    if 1.0 / temperature > FP32_MAX:  # the kernels multiply by 1 / temperature in fp32: inf, then NaN
+        raise ValueError(f"temperature must be at least 1 / {FP32_MAX:.3g} (the kernels scale by 1 / temperature "
+                         f"in fp32), got {temperature!r}")
     return float(temperature)
 
 

@@ -37,6 +37,7 @@ gradient, A * d logp, acts.
 from __future__ import annotations
 
 import copy
+import math
 import functools
 from typing import NamedTuple
 
@@ -94,6 +95,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "st
                          f"group_size={group_size}")
     if scale not in ADVANTAGE_SCALES:
         raise ValueError(f"scale must be one of {ADVANTAGE_SCALES}, got {scale!r}")
+    if scale == "std" and not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 < eps < math.inf):
+        raise ValueError(f"eps must be a finite number > 0 (added to each group's standard deviation, so that a "
+                         f"group of equal rewards gets advantages 0, not NaN), got {eps!r}")
     grouped = rewards.float().view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale == "std":
@@ -124,13 +128,17 @@ def _check_objective_inputs(x, advantages, mask, old_logprob, ref_logprob, eps_l
     for name, t in (("advantages", advantages), ("old_logprob", old_logprob), ("ref_logprob", ref_logprob)):
         if t is not None and not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    for name, t in (("advantages", advantages), ("mask", mask), ("old_logprob", old_logprob),
+                    ("ref_logprob", ref_logprob)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} must be on {x_name}'s device ({x.device}), got {t.device}")
     if not (isinstance(eps_low, (int, float)) and 0 <= eps_low < 1):
         raise ValueError(f"eps_low must be in [0, 1) (the ratio's floor is 1 - eps_low), got {eps_low!r}")
     if not (isinstance(eps_high, (int, float)) and eps_high >= 0):
         raise ValueError(f"eps_high must be >= 0 (the ratio's ceiling is 1 + eps_high), got {eps_high!r}")
-    for name, v in (("kl_coef", kl_coef), ("entropy_coef", entropy_coef)):
-        if not isinstance(v, (int, float)) or v != v:
-            raise ValueError(f"{name} must be a number, got {v!r}")
+    for name, v in (("kl_coef", kl_coef), ("entropy_coef", entropy_coef), ("eps_high", eps_high)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0 (a penalty), got {kl_coef!r}")
     if kl_coef and ref_logprob is None:
@@ -163,7 +171,11 @@ def policy_objective(
     (bool, or nonzero) at the completion tokens that count; the other arguments as ``grpo_loss``'s."""
     _check_objective_inputs(logprob, advantages, mask, old_logprob, ref_logprob, eps_low, eps_high, kl_coef,
                             entropy_coef, aggregation, max_tokens, "logprob", "per-token log-probabilities")
-    if mask is None or not isinstance(entropy, torch.Tensor) or entropy.shape != logprob.shape:
+    if not logprob.is_floating_point():
+        raise TypeError(f"logprob must be a floating-point tensor, got {logprob.dtype}")
+    if mask is None:
+        raise ValueError(f"mask must be given, (B, T) = {tuple(logprob.shape)}: True at the tokens that count")
+    if not isinstance(entropy, torch.Tensor) or entropy.shape != logprob.shape:
         raise ValueError(f"entropy and mask must have logprob's shape {tuple(logprob.shape)}, got "
                          f"{tuple(getattr(entropy, 'shape', ()))} and {tuple(getattr(mask, 'shape', ()))}")
     kept = mask.bool()
@@ -239,6 +251,15 @@ def grpo_loss(
                             entropy_coef, aggregation, max_tokens)
     kept = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()
     ignore_index = -100
+    # A kept token must be a class id: -100 there would pass as an ignored target (logp 0, ratio 1, no
+    # gradient, yet counted in the objective), so the range is checked here for every kept token.
+    V = C.shape[0] if isinstance(C, torch.Tensor) and C.dim() == 2 else None
+    if V is not None:
+        bad = kept & ((x < 0) | (x >= V))
+        if bad.any():
+            where = bad.nonzero()[0].tolist()
+            raise ValueError(f"x must hold token ids in [0, {V}) wherever mask is True (the tokens that count); "
+                             f"got {x[tuple(where)].item()} at {tuple(where)}")
     # Masked tokens go to the kernels as ignored targets: no work, logp 0 and no gradient.
     targets = torch.where(kept, x, ignore_index)
     out = linear_cross_entropy_outputs(E, C, targets, bias=bias, ignore_index=ignore_index, softcap=softcap,

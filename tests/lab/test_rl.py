@@ -132,6 +132,7 @@ def test_group_advantages_normalise_within_each_group():
     (lambda: rl.group_advantages(torch.ones(2, 4), 4), "rewards must be a 1-D tensor"),
     (lambda: rl.group_advantages(torch.ones(4), 1), "group_size must be an int >= 2"),
     (lambda: rl.group_advantages(torch.ones(4), 2, scale="max"), "scale must be one of"),
+    (lambda: rl.group_advantages(torch.ones(4), 2, eps=0), "eps must be a finite number > 0"),
 ])
 def test_group_advantages_refuse_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
@@ -144,6 +145,10 @@ def test_group_advantages_refuse_bad_input(call, message):
     ({"old_logprob": torch.zeros(5, 7, dtype=torch.long)}, TypeError, "old_logprob must be a floating-point"),
     ({"eps_low": 1.0}, ValueError, r"eps_low must be in \[0, 1\)"),
     ({"eps_high": -0.1}, ValueError, "eps_high must be >= 0"),
+    ({"eps_high": float("inf")}, ValueError, "eps_high must be a finite number, got inf"),
+    ({"kl_coef": True}, ValueError, "kl_coef must be a finite number, got True"),
+    ({"entropy_coef": float("inf")}, ValueError, "entropy_coef must be a finite number, got inf"),
+    ({"advantages": torch.zeros(5, device="meta")}, ValueError, r"advantages must be on x's device \(cpu\), got meta"),
     ({"kl_coef": 0.1, "ref_logprob": None}, ValueError, "kl_coef=0.1 needs ref_logprob"),
     ({"aggregation": "bnpo"}, ValueError, "aggregation must be one of"),
     ({"max_tokens": 8}, ValueError, "max_tokens is the \"constant\" aggregation's"),
@@ -158,6 +163,26 @@ def test_bad_input_is_refused_naming_the_argument(change, error, message):
             continue
         with pytest.raises(error, match=message):
             fn(**kwargs)
+
+
+def test_a_kept_token_must_be_a_class_id_and_the_objective_takes_float_log_probabilities():
+    """-100 at a kept token was read by the kernels as an ignored target (logp 0, ratio 1, no gradient) and
+    still counted in the objective: a wrong loss, silently. A kept token outside [0, V) is refused, naming
+    where; the masked ones may hold anything. And integer log-probabilities (an int advantage then rounds
+    to 0) are refused."""
+    E, C, x, mask, old, ref, advantages = make_batch()
+    x = x.clone()
+    x[0, 0] = -100
+    with pytest.raises(ValueError, match=rf"x must hold token ids in \[0, {V}\) wherever mask is True.*got -100 at \(0, 0\)"):
+        rl.grpo_loss(E, C, x, advantages, mask, old_logprob=old)
+    x[0, 0] = 1
+    rl.grpo_loss(E, C, x, advantages, mask, old_logprob=old)  # masked positions hold V + 5: never read
+    with pytest.raises(TypeError, match="logprob must be a floating-point tensor, got torch.int64"):
+        rl.policy_objective(torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T), advantages, mask)
+    with pytest.raises(ValueError, match=r"mask must be given, \(B, T\) = \(5, 7\)"):
+        rl.policy_objective(torch.zeros(B, T), torch.zeros(B, T), advantages, None)
+    with pytest.raises(ValueError, match="temperature must be at least 1 / 3.4e"):
+        rl.grpo_loss(E, C, x, advantages, mask, temperature=1e-40)
 
 
 def test_grpo_trains_a_tiny_policy():
