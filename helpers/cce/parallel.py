@@ -35,7 +35,9 @@ Refused, with a message: the "sparse" backward (its activity bits bound G with t
 which is not the global one); a process group of one holding a slice of a larger vocabulary; slices
 that overlap, leave a gap, pass ``vocab_size``, or differ in D; ranks that disagree on the targets,
 N or the options (a checksum of x and of the options is exchanged with the layout, so every rank
-raises the same error instead of one rank hanging in a collective). Class weights are a replicated
+raises the same error instead of one rank hanging in a collective). A rank whose own arguments are refused
+(a dtype, a shape, a type: ``validate_inputs`` and the rest, run before any collective) raises its error
+after the same exchange, and every other rank raises that it refused. Class weights are a replicated
 (V,) vector (not sharded): each row's weight is read by every rank.
 
 Reference: ``helpers.spec.reference_loss`` / ``reference_outputs`` on the whole C, and our single-device
@@ -46,6 +48,7 @@ loss; ``tests/cce/test_parallel.py`` compares the three on 2, 3 and 4 CPU proces
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -86,18 +89,39 @@ class ShardLayout:
         return torch.where(owned, x - self.vocab_start, NO_TARGET), owned
 
 
+def local_refusal(check: Callable[[], object]) -> tuple[object, Exception | None]:
+    """(what ``check()`` returned, None), or (None, the error it raised): a rank's own argument checks,
+    whose outcome ``shard_layout`` exchanges, so that a refusal on one rank is raised on every rank
+    instead of leaving the others waiting in a collective."""
+    try:
+        return check(), None
+    except (TypeError, ValueError, AttributeError, IndexError) as error:
+        return None, error
+
+
 def shard_layout(E, C_local, x, *, vocab_start: int, vocab_size: int, group, ignore_index: int,
-                 options: dict) -> ShardLayout:
-    """Exchange (one ``all_gather`` of 9 integers a rank) and check the ranks' layout: their slices
+                 options: dict, refused: Exception | None = None) -> ShardLayout:
+    """Exchange (one ``all_gather`` of 10 integers a rank) and check the ranks' layout: their slices
     must tile [0, vocab_size) with one D, the same N, targets and options; a ``ValueError`` otherwise,
-    raised alike on every rank. Reads the gathered integers on the host (one device sync)."""
+    raised alike on every rank. ``refused``: this rank's own argument checks' error (``local_refusal``):
+    raised here after the exchange, and every other rank raises that a rank refused its inputs. Reads the
+    gathered integers on the host (one device sync)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("vocab_parallel_cross_entropy needs torch.distributed initialised "
                            "(dist.init_process_group); for one device use helpers.linear_cross_entropy")
-    for name, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if refused is None:
+        for name, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                refused = TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if refused is not None:
+        device = E.device if isinstance(E, torch.Tensor) else (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+            else torch.device("cpu"))
+        meta = torch.zeros(10, dtype=torch.int64, device=device)
+        meta[9] = 1
+        _gather_meta(meta, group, world)
+        raise refused
     device = E.device
     x_flat = x.reshape(-1)
     integer = x.dtype in (torch.int32, torch.int64)
@@ -108,23 +132,30 @@ def shard_layout(E, C_local, x, *, vocab_start: int, vocab_size: int, group, ign
         C_local.shape[-1] if C_local.dim() == 2 else -1,
         E.shape[-1] if E.dim() >= 1 else -1,
         x_flat.numel(),
-        0, zlib.crc32(repr(sorted(options.items())).encode()), 0,
+        0, zlib.crc32(repr(sorted(options.items())).encode()), 0, 0,
     ], dtype=torch.int64, device=device)
     if integer and x_flat.numel():
         # A weighted sum of the targets: ranks fed different batches disagree here.
         position = torch.arange(x_flat.numel(), device=device) % 8191 + 1
         meta[6] = (x_flat.long() * position).sum()
         meta[8] = targets_out_of_range(x_flat, vocab_size, ignore_index).long()
-    if world > 1:
-        gathered = [torch.empty_like(meta) for _ in range(world)]
-        dist.all_gather(gathered, meta, group=group)
-        rows = [t.tolist() for t in gathered]
-    else:
-        rows = [meta.tolist()]
+    rows = _gather_meta(meta, group, world)
+    refusing = [r for r, row in enumerate(rows) if row[9]]
+    if refusing:
+        raise ValueError(f"rank(s) {refusing} refused their inputs (the error raised there says why): every rank "
+                         "stops here, none runs the loss")
     check_layout(rows, rank)
     if rows[rank][8]:
         raise_for_targets(x_flat, vocab_size, ignore_index, True)
     return ShardLayout(group, rank, world, vocab_start, rows[rank][1], vocab_size)
+
+
+def _gather_meta(meta: torch.Tensor, group, world: int) -> list[list[int]]:
+    if world == 1:
+        return [meta.tolist()]
+    gathered = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(gathered, meta, group=group)
+    return [t.tolist() for t in gathered]
 
 
 def check_layout(rows: list[list[int]], rank: int) -> None:
@@ -318,32 +349,37 @@ def vocab_parallel_cross_entropy(
     backward_impl: "gemm" or "atomic"; "sparse" is refused (module doc). Everything else: as
         ``linear_cross_entropy``. Every rank must call backward: it is collective.
     """
-    options = dict(ignore_index=ignore_index, reduction=reduction, shift=shift, softcap=softcap, z_loss=z_loss,
-                   label_smoothing=label_smoothing, return_lse=return_lse, filter_eps=filter_eps,
-                   sort_vocab=sort_vocab, accumulation=accumulation, full_c=full_c, full_e=full_e,
-                   backward_impl=backward_impl, temperature=temperature, dE_reduction=dE_reduction,
-                   configs=str(configs), weight=None if weight is None else tuple(weight.shape),
-                   bias=bias_local is not None, dtype=str(E.dtype))
-    # The targets as scored (shifted) before the layout checks their range: a first column the shift drops
-    # may hold anything, as for ``linear_cross_entropy`` (a shift that is not a bool is refused below).
-    lead = x.shape
-    check_ignore_index(ignore_index, x)  # before the shift writes it into x
-    x = shift_targets(x, shift is True, ignore_index)
+    def checks():
+        # The targets as scored (shifted) before the layout checks their range: a first column the shift drops
+        # may hold anything, as for ``linear_cross_entropy``.
+        _check_common(dE_reduction, backward_impl, shift)
+        check_ignore_index(ignore_index, x)  # before the shift writes it into x
+        scored = shift_targets(x, shift, ignore_index)
+        validate_inputs(E, C_local, scored, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+                        bias=bias_local, leading_dims=True, check_targets=False)  # x's range: shard_layout's
+        if not isinstance(return_lse, bool):
+            raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
+        if weight is not None:
+            # check_weight reads V and the device from its C: the whole vocabulary's, as no rank holds it.
+            check_weight(weight, C_local.new_empty(vocab_size, 0) if isinstance(vocab_size, int) else C_local)
+            if label_smoothing or z_loss:
+                raise ValueError("weight with label_smoothing or z_loss is not supported by the vocabulary-parallel "
+                                 "loss (each rank would need the weighted logit sums of every shard); use one or the other")
+        if stats is not None and not isinstance(stats, dict):
+            raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
+        return scored
+
+    scored, refused = local_refusal(checks)
+    options = {} if refused else dict(
+        ignore_index=ignore_index, reduction=reduction, shift=shift, softcap=softcap, z_loss=z_loss,
+        label_smoothing=label_smoothing, return_lse=return_lse, filter_eps=filter_eps, sort_vocab=sort_vocab,
+        accumulation=accumulation, full_c=full_c, full_e=full_e, backward_impl=backward_impl, temperature=temperature,
+        dE_reduction=dE_reduction, configs=str(configs), weight=None if weight is None else tuple(weight.shape),
+        bias=bias_local is not None, dtype=str(E.dtype))
+    x = scored
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
-                          ignore_index=ignore_index, options=options)
-    validate_inputs(E, C_local, x, ignore_index=ignore_index, reduction=reduction, softcap=softcap, bias=bias_local,
-                    leading_dims=True, check_targets=False)  # x's range: checked against V by shard_layout
-    _check_common(dE_reduction, backward_impl, shift)
-    if not isinstance(return_lse, bool):
-        raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
-    if weight is not None:
-        # check_weight reads V and the device from its C: the whole vocabulary's, as no rank holds it.
-        check_weight(weight, C_local.new_empty(vocab_size, 0))
-        if label_smoothing or z_loss:
-            raise ValueError("weight with label_smoothing or z_loss is not supported by the vocabulary-parallel loss "
-                             "(each rank would need the weighted logit sums of every shard); use one or the other")
-    if stats is not None and not isinstance(stats, dict):
-        raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
+                          ignore_index=ignore_index, options=options, refused=refused)
+    lead = x.shape
     E_rows = E.reshape(-1, E.shape[-1])
     plan = plan_call(
         E_rows, C_local, backward_impl=backward_impl, configs=configs, return_lse=return_lse,
@@ -424,21 +460,25 @@ def vocab_parallel_outputs(
     """``linear_cross_entropy_outputs`` (per-token logprob, entropy, correct) with C split by rows
     across the ranks of ``group``; the sharding arguments and ``dE_reduction`` as
     ``vocab_parallel_cross_entropy``'s, the rest as ``linear_cross_entropy_outputs``'s."""
-    options = dict(ignore_index=ignore_index, shift=shift, softcap=softcap, temperature=temperature,
-                   filter_eps=filter_eps, configs=str(configs), backward_impl=backward_impl,
-                   dE_reduction=dE_reduction, bias=bias_local is not None, dtype=str(E.dtype), outputs=True)
-    # The targets as scored (shifted) before the layout checks their range: a first column the shift drops
-    # may hold anything, as for ``linear_cross_entropy`` (a shift that is not a bool is refused below).
-    lead = x.shape
-    check_ignore_index(ignore_index, x)  # before the shift writes it into x
-    x = shift_targets(x, shift is True, ignore_index)
+    def checks():
+        _check_common(dE_reduction, backward_impl, shift)
+        check_ignore_index(ignore_index, x)  # before the shift writes it into x
+        scored = shift_targets(x, shift, ignore_index)
+        validate_inputs(E, C_local, scored, ignore_index=ignore_index, softcap=softcap, bias=bias_local,
+                        leading_dims=True, check_targets=False)
+        if stats is not None and not isinstance(stats, dict):
+            raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
+        return scored
+
+    scored, refused = local_refusal(checks)
+    options = {} if refused else dict(
+        ignore_index=ignore_index, shift=shift, softcap=softcap, temperature=temperature, filter_eps=filter_eps,
+        configs=str(configs), backward_impl=backward_impl, dE_reduction=dE_reduction, bias=bias_local is not None,
+        dtype=str(E.dtype), outputs=True)
+    x = scored
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
-                          ignore_index=ignore_index, options=options)
-    validate_inputs(E, C_local, x, ignore_index=ignore_index, softcap=softcap, bias=bias_local, leading_dims=True,
-                    check_targets=False)
-    _check_common(dE_reduction, backward_impl, shift)
-    if stats is not None and not isinstance(stats, dict):
-        raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
+                          ignore_index=ignore_index, options=options, refused=refused)
+    lead = x.shape
     E_rows = E.reshape(-1, E.shape[-1])
     plan = plan_call(
         E_rows, C_local, backward_impl=backward_impl, configs=configs, return_lse=False,

@@ -281,7 +281,11 @@ def check_errors(rank, world):
 
     # Shards of different D: rank 1's slice has one more column.
     wide = torch.randn(size, D + 1) if rank == 1 else C_r
-    expect_error("different D", lambda: call(C_local=wide))
+    expect_error("must share the hidden size D" if rank == 1 else "rank(s) [1] refused their inputs",
+                 lambda: call(C_local=wide))
+    # Every rank consistent with itself, the ranks not with each other: E and C one column wider on rank 1.
+    E_wide = torch.randn(E.shape[0], D + 1) if rank == 1 else E
+    expect_error("different D", lambda: vocab_parallel_cross_entropy(E_wide, wide, x, vocab_start=start, vocab_size=V))
     # Slices that overlap, leave a gap, or pass vocab_size.
     expect_error("held twice", lambda: call(C_local=C[30:] if rank == 1 else C[:40], vocab_start=30 * rank))
     expect_error("held by no rank", lambda: call(C_local=C[40:] if rank == 1 else C[:30], vocab_start=40 * rank))
@@ -304,6 +308,16 @@ def check_errors(rank, world):
     weight = torch.ones(V)
     expect_error("weight with label_smoothing or z_loss is not supported by the vocabulary-parallel loss",
                  lambda: call(weight=weight, label_smoothing=0.1))
+    # A refusal on one rank only (its own argument checks): raised there, and every other rank stops too,
+    # rather than waiting in the layout's all_gather until the group times out.
+    half = C_r.half() if rank == 1 else C_r
+    expect_error("C must have E's dtype" if rank == 1 else "rank(s) [1] refused their inputs", lambda: call(C_local=half))
+    listed = C_r.tolist() if rank == 0 else C_r
+    expect_error("C must be a torch.Tensor" if rank == 0 else "rank(s) [0] refused their inputs",
+                 lambda: call(C_local=listed))
+    expect_error("stats must be a dict" if rank == 1 else "rank(s) [1] refused their inputs",
+                 lambda: vocab_parallel_outputs(E, C_r, x, vocab_start=start, vocab_size=V,
+                                                stats=[] if rank == 1 else None))
     # After all of these, a good call still works (no rank left behind in a collective).
     assert torch.isfinite(call())
     # The range is checked on the targets as scored: a first target the causal shift drops may be anything,
