@@ -275,7 +275,8 @@ display(Markdown(
     f"N = {N_head:,}, V = {QWEN3.V:,}, D = {QWEN3.D:,}, {world} ranks, {element_bytes} bytes an element\n\n"
     "| what | bytes |\n|---|---:|\n"
     + "\n".join(f"| {what} | {format_bytes(n)} |" for what, n in memory.items())
-    + "\n\nPeak above the inputs of forward + backward (ours' formula, dE and dC included)\n\n"
+    + "\n\nPeak above the inputs of forward + backward, by ours' formula (dE and dC included) for an H200 in "
+    "bf16, whatever this run's card\n\n"
     "| where | peak |\n|---|---:|\n"
     + "\n".join(f"| {where} | {format_bytes(n)} |" for where, n in predicted.items())))
 
@@ -404,7 +405,10 @@ if timing:
 largest = max((r for r in timing if r["status"] == "ok" and r.get("speedup")), key=lambda r: (r["N"], r["vp_ms"]),
               default=None)
 checked = "every rank passes" if not failed else f"{len(failed)} rank checks FAIL"
-if largest:
+if largest and P.smoke:  # a smoke run's times measure the interpreter or a toy shape: not a headline
+    headline = (f"{world} ranks over {backend}, {S['dtype']}: {checked} against one device and float64; timed as "
+                "a smoke run only (its table, not a measurement)")
+elif largest:
     headline = (f"{world} ranks over {backend}, {S['dtype']}: {checked} against one device and float64; at "
                 f"{largest['N']:,} tokens the slowest rank {arm_cell(largest, 'vp')} against one device's "
                 f"{arm_cell(largest, 'single')} (every rank: the timing table)")
