@@ -1489,7 +1489,7 @@ for kahan in (False, True):
 # |---|---|
 # | loss = LSE − indexed dot | only N numbers survive the forward |
 # | online LSE over vocabulary blocks | the forward never writes a logit |
-# | recompute in backward, G = S − 1 | the backward never reads one: memory at the lower bound |
+# | recompute in backward, G = S − 1 | the backward never reads one: no N × V tensor, only the gradients (these kernels return them in fp32, twice the 16-bit lower bound; production returns the input dtype) |
 # | gradient filter (ε = 2⁻¹²) | skip tiles whose products round away |
 # | vocabulary sorting | gather the frequent tokens so that more tiles are skippable |
 # | Kahan summation | low-precision accumulation without its error |
