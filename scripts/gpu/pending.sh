@@ -4,7 +4,7 @@
 #   bash scripts/gpu/pending.sh prepare [BASE]   here, once: .ab/old = helpers/ of BASE (default d9c8f74, the
 #                                                tree before the soft cap's slope), .ab/graphs = helpers/ with
 #                                                the loss's CUDA graphs on in every tier (graphs_below_us 5000)
-#   bash scripts/gpu/pending.sh cap-rl           on the GPU, carrying .whl and .ab: 1-3 below (~7 min)
+#   bash scripts/gpu/pending.sh cap-rl           on the GPU, carrying .whl and .ab: 1-3 below (~9 min)
 #   bash scripts/gpu/pending.sh graphs           the same: 4 below, tests and bench (~9 min); results under $OUT
 #   bash scripts/gpu/pending.sh graphs-nb03      the same: 4 below, notebook 03 (~4 min)
 #   bash scripts/gpu/pending.sh graphs-suite     the same: 5 below, notebooks 01 02 05 06 with the graphs on (~9 min?)
@@ -63,7 +63,7 @@ for tree in old new old new; do
     --cases gemma2-8192 gemma2-8192-softcap30 --out "$OUT/loss_time_softcap.jsonl" 2>&1 | tail -3
 done
 step "soft-cap A/B"
-timeout 200 python3 scripts/gpu/rl_step.py --budget-s 180 --out "$OUT/rl_step.jsonl" 2>&1 | tail -8
+timeout 320 python3 scripts/gpu/rl_step.py --budget-s 300 --out "$OUT/rl_step.jsonl" 2>&1 | tail -8
 step "rl_step"
 exit 0
 fi
