@@ -362,17 +362,22 @@ results["numbers"]["qwen3_naive_peak_gb_at_16384"] = gigabytes(footprint["naive_
 # past the red line, a free T4's 16 GB: how many tokens fit under it?
 
 # %%
-def show_memory(N=16_384, vocabulary="Qwen3 (151,936)", D=1_024, dtype="bfloat16", card_gb=16.0):
+def show_memory(N=16_384, vocabulary="Qwen3 (151,936)", D=1_024, dtype=cfg["dtype"], card_gb=16.0):
     f = memory_footprint(N, VOCABULARIES[vocabulary], D, dtype)
     bars = [(f"logits ({dtype})", f["logits"], "C1")]
     if "logits_fp32" in f:  # 16-bit inputs: the upcast copy is a second tensor
         bars.append(("logits, fp32 copy", f["logits_fp32"], "C1"))
-    bars += [("naive peak (12 bytes per logit)", f["naive_peak"], "C3"), ("lower bound dE + dC", f["lower_bound"], "C2")]
+    bars += [("naive peak, all at once (12 bytes per logit)", f["naive_peak"], "C3"),
+             (f"lower bound dE + dC ({dtype})", f["lower_bound"], "C2")]
     fig, ax = plt.subplots(figsize=(10, 4))
-    ax.barh([label for label, _, _ in bars], [gigabytes(b) for _, b, _ in bars], color=[c for _, _, c in bars])
+    sizes = [gigabytes(b) for _, b, _ in bars]
+    ax.barh([label for label, _, _ in bars], sizes, color=[c for _, _, c in bars])
+    for y, size in enumerate(sizes):  # the value beside each bar: the lower bound's is too thin to see
+        ax.annotate(f"{size:,.2f} GB", (size, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=9)
     ax.axvline(card_gb, color="red", linestyle="--", label=f"card: {card_gb:g} GB")
+    ax.set_xlim(0, max(max(sizes), card_gb) * 1.18)  # room for the labels
     ax.set_xlabel("GB")
-    ax.set_title(f"N = {N:,}, {vocabulary}, D = {D:,}")
+    fig.suptitle(f"N = {N:,}, {vocabulary}, D = {D:,}, inputs in {dtype}")
     ax.legend(loc="lower right")
     ax.invert_yaxis()
     fig.tight_layout()
@@ -398,7 +403,7 @@ explore(
     N=SelectionSlider(options=[2**k for k in range(10, 18)], value=16_384, description="N tokens"),
     vocabulary=Dropdown(options=list(VOCABULARIES), value="Qwen3 (151,936)"),
     D=Dropdown(options=[768, 1_024, 2_048, 2_304, 4_096], value=1_024),
-    dtype=Dropdown(options=["float32", "bfloat16", "float16"], value="bfloat16"),
+    dtype=Dropdown(options=["float32", "bfloat16", "float16"], value=cfg["dtype"]),
     card_gb=FloatText(value=16.0, description="card GB"),
 );
 
@@ -1295,8 +1300,8 @@ print(f"tiles skipped: {before:.1%} in the original order -> {after:.1%} sorted;
 results["numbers"]["tiles_skipped_sorted"] = after
 
 fig, axes = plt.subplots(2, 1, figsize=(12, 7))
-draw_mask(axes[0], mask_c, f"vocabulary in original order: {before:.0%} of tiles skipped")
-draw_mask(axes[1], mask_c_sorted, f"sorted by average logit: {after:.0%} of tiles skipped")
+draw_mask(axes[0], mask_c, f"vocabulary in original order, {BLOCK_N} x {BLOCK_V} tiles: {before:.0%} of tiles skipped")
+draw_mask(axes[1], mask_c_sorted, f"sorted by average logit, {BLOCK_N} x {BLOCK_V} tiles: {after:.0%} of tiles skipped")
 fig.tight_layout()
 fig.savefig(out / "sorting.png")
 plt.show()
