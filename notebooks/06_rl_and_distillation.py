@@ -269,9 +269,13 @@ print("ours is within every bound" if check["ok"] else "ours is OFF the float64 
 if not check["ok"]:
     problems.append(f"ours is off the float64 reference in {check['dtype']}: {check['errors']['ours']} "
                     f"against bounds {check['bounds']['ours']}")
-peers_off = [path for path, within in check["within"].items() if not within and path != "ours"]
+for path, error in check["failed"].items():
+    print(f"{path:<16}failed: {error}")
+peers_off = [path for path, within in check["within"].items()
+             if not within and path != "ours" and path not in check["failed"]]
 findings += [f"{path} is off the float64 reference in {check['dtype']}: {check['errors'][path]} against bounds "
              f"{check['bounds'][path]}" for path in peers_off]
+findings += [f"{path} failed on the gate's inputs in {check['dtype']}: {error}" for path, error in check["failed"].items()]
 
 # %% [markdown]
 # ## The memory arithmetic at the Qwen3-0.6B head, 16k tokens
@@ -538,7 +542,7 @@ display(Markdown(f"N, V, D_s, D_t = {tuple(Hd['shape'])}, {S['dtype']}: peak abo
 # ## Results
 
 # %%
-liger_check = "" if "liger" not in check["errors"] else (
+liger_check = f" Liger failed on the gate's inputs: {check['failed']['liger']}." if "liger" in check["failed"] else "" if "liger" not in check["errors"] else (
     f" Liger, against the same loss without the entropy bonus: {'within' if check['within']['liger'] else '**outside**'}"
     f" its bounds (dE {check['errors']['liger']['dE']:.1e}, dC {check['errors']['liger']['dC']:.1e}).")
 

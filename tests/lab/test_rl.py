@@ -229,29 +229,52 @@ def test_liger_refuses_what_it_cannot_compute():
             rl.liger_grpo_loss(E, C, x, advantages, mask, chunk_size=bad)
 
 
+def tf32_setting():
+    matmul = torch.backends.cuda.matmul
+    return matmul.fp32_precision if hasattr(matmul, "fp32_precision") else matmul.allow_tf32
+
+
 def test_liger_tuned_is_liger_in_chunks_of_sequences_with_tf32_for_the_call_only(monkeypatch):
     """The tuned settings change how Liger runs, not what it computes: in chunks of 2 sequences (of 5) its
-    loss and gradients are its default's within fp32's rounding, and TF32 is back as it was after the call,
-    also when the call fails."""
+    loss and gradients are its default's within fp32's rounding; TF32 is set for the call only (back as it
+    was after it, also when the call fails), and left alone at the default allow_tf32=None."""
     E, C, x, mask, old, ref, advantages = make_batch()
     kwargs = dict(old_logprob=old, ref_logprob=ref, **{k: v for k, v in OPTIONS.items() if k not in ("softcap", "entropy_coef")})
     default, dE, dC = loss_and_grads(rl.liger_grpo_loss, E, C, x, advantages, mask, **kwargs)
-    before = torch.backends.cuda.matmul.allow_tf32
+    before = tf32_setting()
     chunked, dE2, dC2 = loss_and_grads(rl.liger_grpo_loss, E, C, x, advantages, mask, chunk_size=2, allow_tf32=True,
                                        **kwargs)
-    assert torch.backends.cuda.matmul.allow_tf32 == before
+    assert tf32_setting() == before
     assert abs(chunked.loss.item() - default.loss.item()) <= TOL * abs(default.loss.item())
     assert relative_error(dE2, dE) < TOL and relative_error(dC2, dC) < TOL
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
+    seen = []
+
     def fails(self, *args, **kwargs):
-        assert torch.backends.cuda.matmul.allow_tf32 == (not before)  # set for the call
+        seen.append(tf32_setting())
         raise RuntimeError("inside Liger")
 
     monkeypatch.setattr(LigerFusedLinearGRPOLoss, "forward", fails)
-    with pytest.raises(RuntimeError, match="inside Liger"):
-        rl.liger_grpo_loss(E, C, x, advantages, mask, allow_tf32=not before, **kwargs)
-    assert torch.backends.cuda.matmul.allow_tf32 == before
+    for setting in (True, False, None):
+        with pytest.raises(RuntimeError, match="inside Liger"):
+            rl.liger_grpo_loss(E, C, x, advantages, mask, allow_tf32=setting, **kwargs)
+        assert tf32_setting() == before
+    assert seen[0] in ("tf32", True) and seen[1] in ("ieee", False) and seen[2] == before
+
+
+def test_a_peer_that_raises_is_recorded_not_the_gates_failure(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("sources must not be empty for symbol s10")
+
+    monkeypatch.setitem(rl.PATHS, "liger_tuned", broken)
+    check = rl.check_against_float64(rl.step_inputs(B, T, V, D, torch.float32, "cpu"))
+    assert check["ok"] and check["within"]["liger"] and not check["within"]["liger_tuned"]
+    assert check["failed"] == {"liger_tuned": "RuntimeError: sources must not be empty for symbol s10"}
+    assert "liger_tuned" not in check["errors"]
+    monkeypatch.setitem(rl.PATHS, "ours", broken)
+    with pytest.raises(RuntimeError, match="symbol s10"):  # ours failing stops the gate
+        rl.check_against_float64(rl.step_inputs(B, T, V, D, torch.float32, "cpu"))
 
 
 def test_the_check_gates_every_path_at_its_own_options():
