@@ -34,7 +34,7 @@ bits) and must call backward on it: the backward's ``all_reduce`` is collective.
 Refused, with a message: the "sparse" backward (its activity bits bound G with the slice's own lse,
 which is not the global one); a process group of one holding a slice of a larger vocabulary; slices
 that overlap, leave a gap, pass ``vocab_size``, or differ in D; ranks that disagree on the targets,
-N or the options (a checksum of x and of the options is exchanged with the layout, so every rank
+N, the options or whether dE is wanted (a checksum of x and of the options is exchanged with the layout, so every rank
 raises the same error instead of one rank hanging in a collective). A rank whose own arguments are refused
 (a dtype, a shape, a type: ``validate_inputs`` and the rest, run before any collective) raises its error
 after the same exchange, and every other rank raises that it refused. Class weights are a replicated
@@ -95,7 +95,7 @@ def local_refusal(check: Callable[[], object]) -> tuple[object, Exception | None
     instead of leaving the others waiting in a collective."""
     try:
         return check(), None
-    except (TypeError, ValueError, AttributeError, IndexError) as error:
+    except Exception as error:  # whatever a check raises: the other ranks must hear of it
         return None, error
 
 
@@ -110,15 +110,13 @@ def shard_layout(E, C_local, x, *, vocab_start: int, vocab_size: int, group, ign
         raise RuntimeError("vocab_parallel_cross_entropy needs torch.distributed initialised "
                            "(dist.init_process_group); for one device use helpers.linear_cross_entropy")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if refused is None:
-        for name, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                refused = TypeError(f"{name} must be an int, got {type(value).__name__}")
+    # The exchange's device follows the group's backend on every rank (not E's, which a refused rank may
+    # not have): CUDA under NCCL alone, else the CPU (gloo, or a group with both).
+    backend = str(dist.get_backend(group))
+    exchange = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend and "gloo" not in backend
+                else torch.device("cpu"))
     if refused is not None:
-        device = E.device if isinstance(E, torch.Tensor) else (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
-            else torch.device("cpu"))
-        meta = torch.zeros(10, dtype=torch.int64, device=device)
+        meta = torch.zeros(10, dtype=torch.int64, device=exchange)
         meta[9] = 1
         _gather_meta(meta, group, world)
         raise refused
@@ -139,7 +137,7 @@ def shard_layout(E, C_local, x, *, vocab_start: int, vocab_size: int, group, ign
         position = torch.arange(x_flat.numel(), device=device) % 8191 + 1
         meta[6] = (x_flat.long() * position).sum()
         meta[8] = targets_out_of_range(x_flat, vocab_size, ignore_index).long()
-    rows = _gather_meta(meta, group, world)
+    rows = _gather_meta(meta.to(exchange), group, world)
     refusing = [r for r, row in enumerate(rows) if row[9]]
     if refusing:
         raise ValueError(f"rank(s) {refusing} refused their inputs (the error raised there says why): every rank "
@@ -289,12 +287,20 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         return _reduce_dE(dE, layout, ctx.dE_reduction), dC, None, db, None, None, None, None
 
 
-def _check_common(dE_reduction, backward_impl, shift):
+def _check_common(dE_reduction, backward_impl, shift, vocab_start, vocab_size):
+    for name, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not 0 < vocab_size < 2**62 or not 0 <= vocab_start < vocab_size:
+        raise ValueError(f"vocab_size must be in [1, 2^62) and vocab_start in [0, vocab_size), got vocab_start="
+                         f"{vocab_start} and vocab_size={vocab_size}")
     if dE_reduction not in DE_REDUCTIONS:
         raise ValueError(f"dE_reduction must be one of {DE_REDUCTIONS}, got {dE_reduction!r}")
     if backward_impl == "sparse":
         raise ValueError('backward_impl="sparse" is not supported by the vocabulary-parallel loss: its activity bits '
                          "bound G with each slice's own lse, not the global one; use \"gemm\" or \"atomic\"")
+    if backward_impl not in ("gemm", "atomic"):  # "auto" would pick per rank, and may pick "sparse"
+        raise ValueError(f'backward_impl must be "gemm" or "atomic" for the vocabulary-parallel loss, got {backward_impl!r}')
     if not isinstance(shift, bool):
         raise ValueError(f"shift must be True or False, got {shift!r}")
 
@@ -352,7 +358,7 @@ def vocab_parallel_cross_entropy(
     def checks():
         # The targets as scored (shifted) before the layout checks their range: a first column the shift drops
         # may hold anything, as for ``linear_cross_entropy``.
-        _check_common(dE_reduction, backward_impl, shift)
+        _check_common(dE_reduction, backward_impl, shift, vocab_start, vocab_size)
         check_ignore_index(ignore_index, x)  # before the shift writes it into x
         scored = shift_targets(x, shift, ignore_index)
         validate_inputs(E, C_local, scored, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
@@ -361,7 +367,7 @@ def vocab_parallel_cross_entropy(
             raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
         if weight is not None:
             # check_weight reads V and the device from its C: the whole vocabulary's, as no rank holds it.
-            check_weight(weight, C_local.new_empty(vocab_size, 0) if isinstance(vocab_size, int) else C_local)
+            check_weight(weight, C_local.new_empty(vocab_size, 0))
             if label_smoothing or z_loss:
                 raise ValueError("weight with label_smoothing or z_loss is not supported by the vocabulary-parallel "
                                  "loss (each rank would need the weighted logit sums of every shard); use one or the other")
@@ -375,7 +381,8 @@ def vocab_parallel_cross_entropy(
         label_smoothing=label_smoothing, return_lse=return_lse, filter_eps=filter_eps, sort_vocab=sort_vocab,
         accumulation=accumulation, full_c=full_c, full_e=full_e, backward_impl=backward_impl, temperature=temperature,
         dE_reduction=dE_reduction, configs=str(configs), weight=None if weight is None else tuple(weight.shape),
-        bias=bias_local is not None, dtype=str(E.dtype))
+        bias=bias_local is not None, dtype=str(E.dtype),
+        dE_wanted=torch.is_grad_enabled() and E.requires_grad)  # the backward's all_reduce is collective
     x = scored
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
                           ignore_index=ignore_index, options=options, refused=refused)
@@ -461,7 +468,7 @@ def vocab_parallel_outputs(
     across the ranks of ``group``; the sharding arguments and ``dE_reduction`` as
     ``vocab_parallel_cross_entropy``'s, the rest as ``linear_cross_entropy_outputs``'s."""
     def checks():
-        _check_common(dE_reduction, backward_impl, shift)
+        _check_common(dE_reduction, backward_impl, shift, vocab_start, vocab_size)
         check_ignore_index(ignore_index, x)  # before the shift writes it into x
         scored = shift_targets(x, shift, ignore_index)
         validate_inputs(E, C_local, scored, ignore_index=ignore_index, softcap=softcap, bias=bias_local,
@@ -474,7 +481,8 @@ def vocab_parallel_outputs(
     options = {} if refused else dict(
         ignore_index=ignore_index, shift=shift, softcap=softcap, temperature=temperature, filter_eps=filter_eps,
         configs=str(configs), backward_impl=backward_impl, dE_reduction=dE_reduction, bias=bias_local is not None,
-        dtype=str(E.dtype), outputs=True)
+        dtype=str(E.dtype), outputs=True,
+        dE_wanted=torch.is_grad_enabled() and E.requires_grad)  # the backward's all_reduce is collective
     x = scored
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
                           ignore_index=ignore_index, options=options, refused=refused)

@@ -318,6 +318,14 @@ def check_errors(rank, world):
     expect_error("stats must be a dict" if rank == 1 else "rank(s) [1] refused their inputs",
                  lambda: vocab_parallel_outputs(E, C_r, x, vocab_start=start, vocab_size=V,
                                                 stats=[] if rank == 1 else None))
+    expect_error("vocab_size must be in [1, 2^62)" if rank == 1 else "rank(s) [1] refused their inputs",
+                 lambda: vocab_parallel_cross_entropy(E, C_r, x, vocab_start=start, vocab_size=-5 if rank == 1 else V,
+                                                      weight=torch.ones(V)))
+    expect_error('backward_impl must be "gemm" or "atomic"', lambda: call(backward_impl="auto"))
+    # The backward's all_reduce of dE is collective: ranks that disagree on wanting dE are refused.
+    E_grad = E.clone().requires_grad_(rank == 0)
+    expect_error("different loss options",
+                 lambda: vocab_parallel_cross_entropy(E_grad, C_r, x, vocab_start=start, vocab_size=V))
     # After all of these, a good call still works (no rank left behind in a collective).
     assert torch.isfinite(call())
     # The range is checked on the targets as scored: a first target the causal shift drops may be anything,
