@@ -13,8 +13,8 @@
   (triton-lang/triton#9171: Triton 3.6 with NumPy 2.5 is one such pair), fails in every kernel that
   loops to a runtime bound, deep in the kernel ("only 0-dimensional arrays can be converted to
   Python scalars"). Importing ``helpers`` then raises at once, saying what to install instead. And NumPy's
-  RuntimeWarnings from inside the interpreter (log of 0, overflow to inf: the kernels' IEEE arithmetic,
-  deliberate) are silenced.
+  RuntimeWarnings from inside the interpreter for a division by zero or an overflow (log of 0, 2^x to inf:
+  the kernels' IEEE arithmetic, deliberate) are silenced; "invalid value" (a NaN made) is not.
 - ``HELPERS_PRETEND=<card>`` (set by ``python -m helpers run --pretend <card>``; the older
   ``HELPERS_PRETEND_T4=1`` means ``t4``): this process is a pretend card, its allocator capped at
   the card's memory and its kernels held to the card's shared memory
@@ -81,7 +81,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     # is deliberate; under the interpreter NumPy warns at each such value, in red under a notebook's cells.
     import warnings
 
-    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+    for deliberate in ("divide by zero encountered", "overflow encountered"):  # "invalid value" (a NaN made) stays
+        warnings.filterwarnings("ignore", message=deliberate, category=RuntimeWarning, module="triton.runtime.interpreter")
 
 from helpers.cce.device import pretend, pretended_card  # noqa: E402
 

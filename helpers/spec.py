@@ -128,6 +128,9 @@ def validate_inputs(
         raise_for_targets(x, C.shape[0], ignore_index)
 
 
+MIN_SOFTCAP = 1e-30  # far below any cap in use (Gemma-2's 30 and 50), far above where 2.885 / softcap leaves fp32
+
+
 def check_softcap(softcap) -> None:
     """A ``ValueError`` naming ``softcap`` unless it is None or a finite number > 0 (not a bool). Comparisons
     only: torch.compile traces a soft cap that changes between calls as a symbolic float, which
@@ -135,6 +138,9 @@ def check_softcap(softcap) -> None:
     if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
                                     and 0 < softcap < math.inf):
         raise ValueError(f"softcap must be None or a finite positive number, got {softcap!r}")
+    if softcap is not None and softcap < MIN_SOFTCAP:  # the kernels scale by 2 log2(e) / softcap in fp32
+        raise ValueError(f"softcap must be at least {MIN_SOFTCAP:g} (the kernels scale the logits by 2 log2(e) / "
+                         f"softcap in fp32, which overflows below it), got {softcap!r}")
 
 
 def check_ignore_index(ignore_index, x: torch.Tensor | None = None) -> None:

@@ -587,7 +587,7 @@ write_report_fragment(out, f"""
 ![GRPO reward](grpo_reward.png)
 ![One step through the head](head_step.png)
 
-### Distillation, N, V, D_s, D_t = {tuple(Hd['shape'])}, {S['dtype']}: peak above the inputs, median time
+### Distillation, N, V, D_s, D_t = {tuple(Hd['shape'])}, {S['dtype']}: peak above the inputs, time ({timed_calls([S['repeats']])})
 
 {distill_table}
 

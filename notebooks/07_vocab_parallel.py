@@ -194,7 +194,7 @@ from matplotlib.ticker import FormatStrFormatter, NullFormatter
 import helpers
 from helpers.compare import theory
 from helpers.compare.heads import QWEN3
-from helpers.compare.units import format_bytes
+from helpers.compare.units import format_bytes, timed_calls
 from helpers.lab import parallel
 from helpers.lab.plots import mark_smoke
 from helpers.lab.profiles import SMOKE_NOTE, get_profile
@@ -365,7 +365,8 @@ else:
             if r["status"] == "ok" and r[f"{arm}_status"] != "ok":
                 findings.append(f"rank {r['rank']}, N = {r['N']:,}, {arm}: {r[f'{arm}_status']} ({r[f'{arm}_error']})")
     timing_table = (
-        f"V = {S['V']:,}, D = {S['D']:,}, {S['dtype']}, {world} ranks: median time, peak above the inputs\n\n"
+        f"V = {S['V']:,}, D = {S['D']:,}, {S['dtype']}, {world} ranks: time ({timed_calls([S['calls']['repeats']])}), "
+        "peak above the inputs\n\n"
         "| N per rank | rank | vocabulary-parallel | single device | single / vp |\n|---:|---:|---:|---:|---:|\n"
         + "\n".join(f"| {r['N']:,} | {r['rank']} | {arm_cell(r, 'vp')} | {arm_cell(r, 'single')} "
                      f"| {r.get('speedup', '')} |" for r in measured))
@@ -383,7 +384,7 @@ if timing:
                 Ns, ms, mb = zip(*points)
                 ax_time.plot(Ns, ms, style, marker="o", color=f"C{rank}", label=f"{label}, rank {rank}")
                 ax_peak.plot(Ns, mb, style, marker="o", color=f"C{rank}", label=f"{label}, rank {rank}")
-    ax_time.set(xscale="log", yscale="log", xlabel="tokens N per rank", ylabel="forward + backward, ms (median)",
+    ax_time.set(xscale="log", yscale="log", xlabel="tokens N per rank", ylabel=f"forward + backward, ms ({timed_calls([S['calls']['repeats']])})",
                 title=f"Time: V = {S['V']:,}, D = {S['D']:,}, {S['dtype']}")
     ax_peak.set(xscale="log", yscale="log", xlabel="tokens N per rank", ylabel="peak above the inputs, MB",
                 title=f"Peak memory per rank ({world} ranks, {backend})")

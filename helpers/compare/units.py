@@ -47,7 +47,8 @@ def format_bytes(n: float) -> str:
     return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.2f} MB"
 
 
-__all__ = ["GB", "DTYPES", "format_bytes", "memory_unit", "torch_dtype", "dtype_name", "dtype_bytes", "lower_bound_bytes"]
+__all__ = ["GB", "DTYPES", "format_bytes", "memory_unit", "torch_dtype", "dtype_name", "dtype_bytes", "lower_bound_bytes",
+           "timed_calls"]
 
 
 def timed_calls(repeats: list[int] | set[int] | tuple[int, ...]) -> str:

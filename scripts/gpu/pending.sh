@@ -9,7 +9,7 @@
 #   bash scripts/gpu/pending.sh graphs-nb03      the same: 4 below, notebook 03 (~4 min)
 #   bash scripts/gpu/pending.sh graphs-suite     the same: 5 below, notebooks 01 02 05 06 with the graphs on (~9 min?)
 #
-# 1. The soft cap's slope (tanh_and_gap, slope_from_gap) and the filter's pre-slope mass on sm_90 with this Triton:
+# 1. The soft cap's slope (soft_cap_and_gap, slope_from_gap) and the filter's pre-slope mass on sm_90 with this Triton:
 #    their tests. Predicted: all pass but the one strict expected failure.
 # 2. Their cost: the Gemma-2-2B head with and without Gemma-2's cap of 30, old and new alternated.
 #    Run on an H100 (docs/measurements/h100-2026-12-05): +4.8% with the cap for the slope q r^2 (ptxas spills);

@@ -368,6 +368,28 @@ def test_the_soft_caps_slope_is_accurate_where_a_logit_can_carry_its_row(softcap
     assert slope[-4] == 0 and slope[-3] == 0 and slope[-2] == 0 and slope[-1] == 1
 
 
+def test_every_kernel_caps_its_logits_through_one_function():
+    """The forward's capped logits must be the backward's bit for bit (the backward's softmax is exp(z - lse)
+    with the forward's lse), so every kernel caps through ``soft_cap`` / ``soft_cap_and_gap``: no kernel
+    divides by the cap or calls a tanh of its own (read from the kernels' code, docstrings and comments
+    aside)."""
+    import ast
+    import pathlib
+
+    import helpers.cce.kernels as kernels
+
+    own = []
+    for path in sorted(pathlib.Path(kernels.__file__).parent.glob("*.py")):
+        if path.name == "logits.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and "softcap" in ast.unparse(node.right):
+                own.append(f"{path.name}:{node.lineno} divides by the cap: {ast.unparse(node)}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in ("tanh", "tanh_and_gap"):
+                own.append(f"{path.name}:{node.lineno} calls {ast.unparse(node.func)}")
+    assert not own, own
+
+
 @pytest.mark.parametrize("impl", ["gemm", "atomic", "sparse"])
 def test_an_inf_in_E_under_a_soft_cap_leaves_dE_finite(impl):
     """A soft cap maps an infinite logit to +-cap with a zero derivative: torch's dE is finite. A
