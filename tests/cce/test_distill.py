@@ -273,6 +273,8 @@ def _bad(**change):
     (dict(reduction="batchmean"), ValueError, "reduction must be one of"),
     (dict(softcap=-1.0), ValueError, "softcap must be None or a finite positive number"),
     (dict(softcap=float("inf")), ValueError, "softcap must be None or a finite positive number"),
+    (dict(softcap=1e-35), ValueError, "softcap must be at least 1e-30"),
+    (dict(temperature=1e-40), ValueError, "temperature must be at least 1 / 3.4e"),
     (dict(ignore_index=None, x=torch.zeros(N, dtype=torch.int64)), TypeError, "ignore_index must be an int"),
     (dict(bias_t=torch.zeros(V + 1)), ValueError, r"bias_t must be \(V,\) = \(257,\)"),
     (dict(bias_s=torch.zeros(V, dtype=torch.float16)), TypeError, "bias_s must have E_s's dtype"),
