@@ -1532,7 +1532,7 @@ for kahan in (False, True):
 #   the targets', and the dropped entries, each negligible, sum to the whole softmax: dE came out
 #   2.3·10<sup>-2</sup> off on an H200. Bounding the row mass keeps what one skip drops below ε in
 #   every row. On a peaked softmax it skips less than the paper's rule (the cell below counts both, at
-#   this profile's tiles), which is why section 8's production dE was closer to float64.
+#   this profile's tiles), one reason section 8's production dE can be the closer to float64.
 # - **G is written per vocabulary chunk and multiplied by cuBLAS, not added with atomics.** Our
 #   backward adds each tile's `Gᵀ E` into dC with `tl.atomic_add` (dE stays in registers: a program
 #   owns its rows). The production "atomic" backward, which also splits the vocabulary across
