@@ -305,13 +305,15 @@ def check_table(records):
     rows = ["| N, V, D | case | rank | V_r | targets owned | loss | dE | dC_r | |",
             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in records:
-        cells = " | ".join(f"{r[f'{q}_vs_single']:.1e} / {r[f'{q}_vs_float64']:.1e}" for q in ("loss", "dE", "dC_r"))
+        cells = " | ".join(f"{r[f'{q}_vs_single']:.1e} / {r[f'{q}_vs_float64']:.1e} (≤ {r['tolerance']:.0e} / "
+                           f"{r[f'{q}_bound']:.1e})" for q in ("loss", "dE", "dC_r"))
         rows.append(f"| {r['N']:,}, {r['V']:,}, {r['D']:,} | {r['case']} | {r['rank']} | {r['V_r']:,} | {r['owned']:,} "
                     f"| {cells} | {r['status']} |")
     return "\n".join(rows)
 
 
-display(Markdown(f"{S['dtype']}: relative error against the single-device loss / against float64\n\n"
+display(Markdown(f"{S['dtype']}: relative error against the single-device loss / against float64 (bounds: the "
+                 "dtype's tolerance / max(tolerance, 2x the single-device loss's own error))\n\n"
                  + check_table(check_records)))
 failed = [r for r in check_records if r["status"] != "ok"]
 for r in failed:
