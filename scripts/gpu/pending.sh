@@ -15,7 +15,8 @@
 #    Run on an H100 (docs/measurements/h100-2026-12-05): +4.8% with the cap for the slope q r^2 (ptxas spills);
 #    the slope r (2 - r): +1.9% (h100-2026-12-05b; 296 more SASS instructions, spills gone). Since, the cap as
 #    r = 2 / (2^(z k) + 1) in every kernel (soft_cap_and_gap): predicted fwd+bwd at or below old's (7,152 SASS
-#    instructions against 8,576, but stack 736 bytes against 600), the capped forward ~0.7 ms faster.
+#    instructions against 8,576, but stack 736 bytes against 600), the capped forward ~0.7 ms faster. Measured
+#    (h100-2026-12-05b/softcap-exp2): forward -4.9% (right), fwd+bwd +0.8% against old (wrong by 0.8%).
 # 3. The RL step with Liger's fused GRPO loss beside ours and the naive path (scripts/gpu/rl_step.py).
 #    Predicted: every path within its float64 bounds; Liger between ours and naive in memory. Measured twice
 #    on H100s: Liger 545-565 ms at 16k (ours ~40), its 4k case failing inside torch.compile. Since: the
