@@ -130,7 +130,9 @@ def shard_layout(E, C_local, x, *, vocab_start: int, vocab_size: int, group, ign
         C_local.shape[-1] if C_local.dim() == 2 else -1,
         E.shape[-1] if E.dim() >= 1 else -1,
         x_flat.numel(),
-        0, zlib.crc32(repr(sorted(options.items())).encode()), 0, 0,
+        # Whether dE is wanted joins the options: the backward's all_reduce of dE is collective.
+        0, zlib.crc32(repr(sorted({**options, "dE_wanted": torch.is_grad_enabled() and E.requires_grad}.items()))
+                      .encode()), 0, 0,
     ], dtype=torch.int64, device=device)
     if integer and x_flat.numel():
         # A weighted sum of the targets: ranks fed different batches disagree here.
@@ -287,6 +289,21 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         return _reduce_dE(dE, layout, ctx.dE_reduction), dC, None, db, None, None, None, None
 
 
+def _scored_targets(E, C_local, x, bias_local, stats, *, ignore_index, shift, softcap, reduction, dE_reduction,
+                    backward_impl, vocab_start, vocab_size):
+    """Both entry points' own argument checks (run under ``local_refusal``), and the targets as scored:
+    shifted before the layout checks their range, so that a first column the shift drops may hold anything,
+    as for ``linear_cross_entropy``."""
+    _check_common(dE_reduction, backward_impl, shift, vocab_start, vocab_size)
+    check_ignore_index(ignore_index, x)  # before the shift writes it into x
+    scored = shift_targets(x, shift, ignore_index)
+    validate_inputs(E, C_local, scored, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+                    bias=bias_local, leading_dims=True, check_targets=False)  # x's range: shard_layout's
+    if stats is not None and not isinstance(stats, dict):
+        raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
+    return scored
+
+
 def _check_common(dE_reduction, backward_impl, shift, vocab_start, vocab_size):
     for name, value in (("vocab_start", vocab_start), ("vocab_size", vocab_size)):
         if not isinstance(value, int) or isinstance(value, bool):
@@ -356,13 +373,9 @@ def vocab_parallel_cross_entropy(
         ``linear_cross_entropy``. Every rank must call backward: it is collective.
     """
     def checks():
-        # The targets as scored (shifted) before the layout checks their range: a first column the shift drops
-        # may hold anything, as for ``linear_cross_entropy``.
-        _check_common(dE_reduction, backward_impl, shift, vocab_start, vocab_size)
-        check_ignore_index(ignore_index, x)  # before the shift writes it into x
-        scored = shift_targets(x, shift, ignore_index)
-        validate_inputs(E, C_local, scored, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
-                        bias=bias_local, leading_dims=True, check_targets=False)  # x's range: shard_layout's
+        scored = _scored_targets(E, C_local, x, bias_local, stats, ignore_index=ignore_index, shift=shift,
+                                 softcap=softcap, reduction=reduction, dE_reduction=dE_reduction,
+                                 backward_impl=backward_impl, vocab_start=vocab_start, vocab_size=vocab_size)
         if not isinstance(return_lse, bool):
             raise ValueError(f"return_lse must be True or False, got {return_lse!r}")
         if weight is not None:
@@ -371,8 +384,6 @@ def vocab_parallel_cross_entropy(
             if label_smoothing or z_loss:
                 raise ValueError("weight with label_smoothing or z_loss is not supported by the vocabulary-parallel "
                                  "loss (each rank would need the weighted logit sums of every shard); use one or the other")
-        if stats is not None and not isinstance(stats, dict):
-            raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
         return scored
 
     scored, refused = local_refusal(checks)
@@ -381,8 +392,7 @@ def vocab_parallel_cross_entropy(
         label_smoothing=label_smoothing, return_lse=return_lse, filter_eps=filter_eps, sort_vocab=sort_vocab,
         accumulation=accumulation, full_c=full_c, full_e=full_e, backward_impl=backward_impl, temperature=temperature,
         dE_reduction=dE_reduction, configs=str(configs), weight=None if weight is None else tuple(weight.shape),
-        bias=bias_local is not None, dtype=str(E.dtype),
-        dE_wanted=torch.is_grad_enabled() and E.requires_grad)  # the backward's all_reduce is collective
+        bias=bias_local is not None, dtype=str(E.dtype))
     x = scored
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
                           ignore_index=ignore_index, options=options, refused=refused)
@@ -467,22 +477,13 @@ def vocab_parallel_outputs(
     """``linear_cross_entropy_outputs`` (per-token logprob, entropy, correct) with C split by rows
     across the ranks of ``group``; the sharding arguments and ``dE_reduction`` as
     ``vocab_parallel_cross_entropy``'s, the rest as ``linear_cross_entropy_outputs``'s."""
-    def checks():
-        _check_common(dE_reduction, backward_impl, shift, vocab_start, vocab_size)
-        check_ignore_index(ignore_index, x)  # before the shift writes it into x
-        scored = shift_targets(x, shift, ignore_index)
-        validate_inputs(E, C_local, scored, ignore_index=ignore_index, softcap=softcap, bias=bias_local,
-                        leading_dims=True, check_targets=False)
-        if stats is not None and not isinstance(stats, dict):
-            raise ValueError(f"stats must be a dict (filled by the backward) or None, got {type(stats).__name__}")
-        return scored
-
-    scored, refused = local_refusal(checks)
+    scored, refused = local_refusal(lambda: _scored_targets(
+        E, C_local, x, bias_local, stats, ignore_index=ignore_index, shift=shift, softcap=softcap, reduction="none",
+        dE_reduction=dE_reduction, backward_impl=backward_impl, vocab_start=vocab_start, vocab_size=vocab_size))
     options = {} if refused else dict(
         ignore_index=ignore_index, shift=shift, softcap=softcap, temperature=temperature, filter_eps=filter_eps,
         configs=str(configs), backward_impl=backward_impl, dE_reduction=dE_reduction, bias=bias_local is not None,
-        dtype=str(E.dtype), outputs=True,
-        dE_wanted=torch.is_grad_enabled() and E.requires_grad)  # the backward's all_reduce is collective
+        dtype=str(E.dtype), outputs=True)
     x = scored
     layout = shard_layout(E, C_local, x, vocab_start=vocab_start, vocab_size=vocab_size, group=group,
                           ignore_index=ignore_index, options=options, refused=refused)
