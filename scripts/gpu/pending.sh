@@ -8,6 +8,7 @@
 #   bash scripts/gpu/pending.sh graphs           the same: 4 below, tests and bench (~9 min); results under $OUT
 #   bash scripts/gpu/pending.sh graphs-nb03      the same: 4 below, notebook 03 (~4 min)
 #   bash scripts/gpu/pending.sh graphs-suite     the same: 5 below, notebooks 01 02 05 06 with the graphs on (~9 min?)
+#   bash scripts/gpu/pending.sh eager-suite      the same notebooks from this tree (graphs off): 5's baseline
 #
 # 1. The soft cap's slope (soft_cap_and_gap, slope_from_gap) and the filter's pre-slope mass on sm_90 with this Triton:
 #    their tests. Predicted: all pass but the one strict expected failure.
@@ -48,8 +49,8 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 part=${1:-}
-[ "$part" = cap-rl ] || [ "$part" = graphs ] || [ "$part" = graphs-nb03 ] || [ "$part" = graphs-suite ] || {
-  echo "say prepare, cap-rl, graphs, graphs-nb03 or graphs-suite, not '$part'"; exit 2; }
+case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite) ;;
+  *) echo "say prepare, cap-rl, graphs, graphs-nb03, graphs-suite or eager-suite, not '$part'"; exit 2;; esac
 [ -d .ab/old ] && [ -d .ab/graphs/notebooks ] || { echo "run 'bash scripts/gpu/pending.sh prepare' here first and carry .ab"; exit 2; }
 source scripts/gpu/env.sh || exit 1
 t0=$SECONDS
@@ -69,6 +70,7 @@ step "rl_step"
 exit 0
 fi
 G="$PWD/.ab/graphs"
+[ "$part" = eager-suite ] && G="$PWD"
 if [ "$part" = graphs ]; then
 # -P: "python -m" puts the working directory (this tree, graphs off) ahead of PYTHONPATH; the H100 run of
 # 2026-12-05 lost its graphs A/B to that. Each step says which helpers it imported.
@@ -87,9 +89,9 @@ fi
 # gives first, so this checkout must not be on it (env.sh put it there).
 only=$([ "$part" = graphs-nb03 ] && echo "03" || echo "01 02 05 06")
 cd "$G" && export PYTHONPATH="$G:/tmp/site"
-(cd notebooks && python3 -c "import helpers; print('notebook kernels import', helpers.__file__)")
-timeout 520 python3 -m helpers run --pretend t4 --quick --only $only --output "$OUT/suite-graphs" \
-  > "$OUT/suite-graphs.log" 2>&1
-echo "notebooks $only exit $?"; tail -4 "$OUT/suite-graphs.log"
-grep -ho "[^\"]*\(step time of exact\|formula\|theory\)[^\"]*" "$OUT"/suite-graphs/0*/*.ipynb | sort -u | head -20
-step "notebooks $only with graphs on"
+(cd notebooks && python3 -c "import helpers; print('notebook kernels import', helpers.__file__)"); grep -h "graphs_below_us: float" helpers/cce/kernels/configs.py
+timeout 520 python3 -m helpers run --pretend t4 --quick --only $only --output "$OUT/$part" \
+  > "$OUT/$part.log" 2>&1
+echo "notebooks $only exit $?"; tail -4 "$OUT/$part.log"
+grep -ho "[^\"]*\(step time of exact\|formula\|theory\)[^\"]*" "$OUT"/$part/0*/*.ipynb | sort -u | head -20
+step "notebooks $only ($part)"
