@@ -11,7 +11,7 @@ holds ~7 fp32 (128, V) buffers a chunk (~0.5 GB), and the gradients N D_s + V D_
 Here neither head's logits exist beyond a tile: the forward keeps O(N) row statistics, and the
 backward writes G = dloss / ds one vocabulary chunk at a time into the rows of dE_s or dC_s that it
 has not yet written (the "gemm" backward's places, ``helpers.cce.backward.gemm``). Memory beyond the
-inputs and the returned gradients: 3 SPLITS N + 4 N fp32 in the forward (SPLITS ~ 1-2 on an H200),
+inputs and the returned gradients: 5 SPLITS N + 6 N fp32 in the forward (SPLITS ~ 1-2 on an H200),
 and the "gemm" backward's dE accumulator (16-bit inputs: N D_s 4 bytes, 67 MB at N = 16,384).
 
 The price is arithmetic. Liger multiplies each head once (2 N V (D_s + D_t) FLOP) and makes the two
@@ -21,10 +21,12 @@ D_t = 2 D_s, 2.2x for the JSD, whose forward walks the tiles twice (below).
 
 The math. Row i (a kept token), s = cap(E_s C_s^T + b_s) / tau, t = cap(E_t C_t^T + b_t) / tau (one
 soft cap and one temperature for both heads, the temperature after the cap, as the loss's), the
-softmaxes q = exp(s - lse_s) and p = exp(t - lse_t):
+softmaxes q = exp(s - lse_s) and p = exp(t - lse_t) (each lse kept as its row's maximum m and
+l = log sum_v exp(z_v - m), log q = (s - m_s) - l_s: ``helpers.cce.kernels.divergence``'s doc says why):
 
     "forward"  KL(p || q) = sum_v p (t - s) - (lse_t - lse_s)           dKL/ds_v = q_v - p_v
     "reverse"  KL(q || p) = (lse_t - lse_s) - sum_v q (t - s)           dKL/ds_v = q_v (log q_v - log p_v - KL)
+                                                                        = q_v (s_v - t_v + sum_u q_u (t_u - s_u))
     "jsd"      JSD = beta KL(p || M) + (1 - beta) KL(q || M),           dJSD/ds_v = (1 - beta) q_v (log q_v - log M_v - K)
                M = beta p + (1 - beta) q,  K = KL(q || M)
 
@@ -38,8 +40,9 @@ and the student's soft cap's 1 - (z / softcap)^2, and the row's upstream gradien
 The forward. The two KLs need, per row, both lse and one cross sum weighted by one head's softmax:
 one pass, with the cross sum rescaled like its head's running sum (``divergence_forward_kernel``,
 the online softmax of both heads). The JSD's log M needs both final lse inside each term, which no
-rescaling gives: its first pass makes the lse, a second pass the sums. The backward saves lse_s,
-lse_t and the row's KL (reverse) or K (JSD), 4 N fp32.
+rescaling gives: its first pass makes the lse, a second pass the sums. The backward saves both heads'
+(m, l) and sum_v q (t - s) (reverse: the gradient's second form, in which the lse cancel) or K (JSD),
+5 N fp32.
 
 The teacher is a constant: no gradient reaches E_t, C_t or bias_t, whether they require grad or
 not (as Liger's teacher inputs, and the usual ``with torch.no_grad()`` around a teacher's forward).
@@ -95,9 +98,9 @@ class DivergenceRows(NamedTuple):
     """Each row's statistics from ``distill_forward``, each (N,) fp32, every row (kept or not)."""
 
     loss: torch.Tensor  # the row's divergence
-    lse_s: torch.Tensor  # the student's log-sum-exp
-    lse_t: torch.Tensor  # the teacher's
-    row_stat: torch.Tensor | None  # what G needs beyond the lse: the KL (reverse), K (jsd); None (forward)
+    norm_s: torch.Tensor  # (2, N): the student's row maximum m and l = log sum_v exp(s_v - m) (lse = m + l)
+    norm_t: torch.Tensor  # the teacher's
+    row_stat: torch.Tensor | None  # what G needs beyond the lse: sum q (t - s) (reverse), K (jsd); None (forward)
 
 
 def _heads(E_s, C_s, bias_s, E_t, C_t, bias_t):
@@ -136,32 +139,47 @@ def distill_forward(
     v_blocks = triton.cdiv(V, cfg.BLOCK_V)
     blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
     splits = triton.cdiv(v_blocks, blocks_per_split)
-    out = torch.empty(3, splits, N, dtype=torch.float32, device=E_s.device)
+    out = torch.empty(5, splits, N, dtype=torch.float32, device=E_s.device)
     pointers, strides = _heads(E_s, C_s, bias_s, E_t, C_t, bias_t)
     flags = dict(_flags(o, bias_s, bias_t, E_s.dtype), SPLIT_MAJOR=split_major(n_blocks),
                  **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D"), **cfg.launch)
     softcap = o.softcap if o.softcap is not None else 1.0
 
-    def walk(lse_s, lse_t, second_pass: bool):
+    def walk(norm_s, norm_t, second_pass: bool):
         divergence_forward_kernel[grid_order(n_blocks, splits)](
-            *pointers, lse_s, lse_t, out, N, V, D_s, D_t, blocks_per_split, *strides, splits * N,
-            softcap, 1.0 / o.temperature, float(o.beta), SECOND_PASS=second_pass, **flags)
+            *pointers, norm_s, norm_t, out, N, V, D_s, D_t, blocks_per_split, *strides, splits * N,
+            norm_s.stride(0), softcap, 1.0 / o.temperature, float(o.beta), SECOND_PASS=second_pass, **flags)
 
-    # 1. Both heads' lse per split and, for the KLs, the cross sum's mean under the weighting head.
-    walk(out, out, False)
-    lse_s_split, lse_t_split, mean_split = out
-    lse_s, lse_t = torch.logsumexp(lse_s_split, dim=0), torch.logsumexp(lse_t_split, dim=0)
+    # 1. Both heads' (m, l) per split and, for the KLs, the cross sum's mean under the weighting head.
+    walk(out[0], out[2], False)
+    (norm_s, share_s), (norm_t, share_t) = merge_normalisers(out[0:2]), merge_normalisers(out[2:4])
+    mean_split = out[4]
+    # lse_t - lse_s, with each head's maxima subtracted before their logs.
+    lse_gap = (norm_t[0] - norm_s[0]) + (norm_t[1] - norm_s[1])
     if o.kind == "forward":
-        # sum_v p (t - s): the splits' means weighted by their share of p, exp(lse_t,k - lse_t).
-        cross = (torch.exp(lse_t_split - lse_t) * mean_split).sum(dim=0)
-        return DivergenceRows(cross - (lse_t - lse_s), lse_s, lse_t, None)
+        # sum_v p (t - s): the splits' means weighted by their share of p.
+        cross = (share_t * mean_split).sum(dim=0)
+        return DivergenceRows(cross - lse_gap, norm_s, norm_t, None)
     if o.kind == "reverse":
-        cross = (torch.exp(lse_s_split - lse_s) * mean_split).sum(dim=0)
-        kl = (lse_t - lse_s) - cross
-        return DivergenceRows(kl, lse_s, lse_t, kl)
-    # 2. [JSD] the second pass, with both lse known: the divergence's and K's sums per split.
-    walk(lse_s, lse_t, True)
-    return DivergenceRows(out[0].sum(dim=0), lse_s, lse_t, out[1].sum(dim=0))
+        cross = (share_s * mean_split).sum(dim=0)
+        return DivergenceRows(lse_gap - cross, norm_s, norm_t, cross)
+    # 2. [JSD] the second pass, with both lse known: the divergence's sums, K's and sum q per split. K is
+    # sum q (log q - log M) over the q the backward makes, sum q (1 up to rounding): G's row then sums to 0
+    # as the exact one does (without it, 12x the naive path's error in the gradients at tau = 0.1 before
+    # the (m, l) split; tests/cce/test_distill.py, the cold cases).
+    walk(norm_s, norm_t, True)
+    loss, k_sum, q_sum = out[:3].sum(dim=1)
+    return DivergenceRows(loss, norm_s, norm_t, k_sum / q_sum)
+
+
+def merge_normalisers(split: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """((2, N) (m, l) of whole rows, (SPLITS, N) each split's share of the row's softmax) from the
+    splits' (2, SPLITS, N) (m_k, l_k): m = max_k m_k, l = log sum_k exp(m_k - m + l_k)."""
+    m_split, l_split = split
+    m = m_split.amax(dim=0)
+    terms = (m_split - m) + l_split
+    l = torch.logsumexp(terms, dim=0)
+    return torch.stack([m, l]), torch.exp(terms - l)
 
 
 def distill_backward(
@@ -190,7 +208,7 @@ def distill_backward(
     cfg = pair_config(configs.backward_gemm_for(E_s.dtype))
     up = RowGradient.of_upstream(grad_rows, kept)
     sign = up.coef[0]
-    row_stat = rows.row_stat if rows.row_stat is not None else rows.lse_s  # not read for "forward"
+    row_stat = rows.row_stat if rows.row_stat is not None else rows.norm_s[0]  # not read for "forward"
     flags = dict(_flags(o, bias_s, bias_t, E_s.dtype), **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"),
                  **cfg.launch)
 
@@ -199,8 +217,8 @@ def distill_backward(
         tiles = triton.cdiv(n1 - n0, cfg.BLOCK_N) * triton.cdiv(v1 - v0, cfg.BLOCK_V)
         pointers, strides = _heads(E_s[n0:n1], C_s, bias_s, E_t[n0:n1], C_t, bias_t)
         divergence_gradient_chunk_kernel[(tiles,)](
-            *pointers, rows.lse_s[n0:n1], rows.lse_t[n0:n1], row_stat[n0:n1], sign[n0:n1], G,
-            n1 - n0, V, D_s, D_t, v0, v1 - v0, *strides, G.stride(0), G.stride(1),
+            *pointers, rows.norm_s[:, n0:n1], rows.norm_t[:, n0:n1], row_stat[n0:n1], sign[n0:n1], G,
+            n1 - n0, V, D_s, D_t, v0, v1 - v0, *strides, G.stride(0), G.stride(1), rows.norm_s.stride(0),
             o.softcap if o.softcap is not None else 1.0, 1.0 / o.temperature, float(o.beta), **flags)
         return tiles
 
@@ -219,7 +237,7 @@ class DistillPlan:
 
 class LinearKLDivFunction(torch.autograd.Function):
     """The reduced divergence of E_s (N, D_s), C_s against E_t (N, D_t), C_t by a ``DistillPlan``; the
-    backward rebuilds both heads' tiles (it saves 4 N fp32). The teacher's tensors come in detached."""
+    backward rebuilds both heads' tiles (it saves 5 N fp32). The teacher's tensors come in detached."""
 
     @staticmethod
     def forward(ctx, E_s, C_s, bias_s, E_t, C_t, bias_t, kept, plan: DistillPlan, stats=None):
@@ -233,7 +251,7 @@ class LinearKLDivFunction(torch.autograd.Function):
             loss = loss_rows.sum()
         else:
             loss = loss_rows.sum() / n_kept  # 0 / 0 = NaN when no token is kept, as torch's mean
-        ctx.save_for_backward(E_s, C_s, bias_s, E_t, C_t, bias_t, kept, n_kept, rows.lse_s, rows.lse_t,
+        ctx.save_for_backward(E_s, C_s, bias_s, E_t, C_t, bias_t, kept, n_kept, rows.norm_s, rows.norm_t,
                               rows.row_stat)
         ctx.plan, ctx.stats = plan, stats
         ctx.set_materialize_grads(False)
@@ -244,7 +262,7 @@ class LinearKLDivFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        E_s, C_s, bias_s, E_t, C_t, bias_t, kept, n_kept, lse_s, lse_t, row_stat = ctx.saved_tensors
+        E_s, C_s, bias_s, E_t, C_t, bias_t, kept, n_kept, norm_s, norm_t, row_stat = ctx.saved_tensors
         plan = ctx.plan
         if grad_loss is None or not any(plan.need):
             return (None,) * 9
@@ -257,7 +275,7 @@ class LinearKLDivFunction(torch.autograd.Function):
         else:
             # No token kept: torch's gradients are 0, not NaN, so divide by at least 1.
             grad_rows = (grad_loss.to(torch.float32) / n_kept.clamp(min=1)).expand(N)
-        rows = DivergenceRows(None, lse_s, lse_t, row_stat)
+        rows = DivergenceRows(None, norm_s, norm_t, row_stat)
         dE, dC, db = distill_backward(E_s, C_s, E_t, C_t, rows, grad_rows, kept, plan.options, plan.configs,
                                       bias_s, bias_t, plan.need, ctx.stats)
         return dE, dC, db, None, None, None, None, None, None

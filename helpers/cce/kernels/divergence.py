@@ -5,7 +5,12 @@ vocabulary; each kernel rebuilds, for one (BLOCK_N, BLOCK_V) block of the vocabu
 (``head_tile``, twice: two ``logit_tile`` products over different D) and keeps neither:
 
     s = cap(E_s C_s^T + b_s) / tau,   t = cap(E_t C_t^T + b_t) / tau,
-    log q = s - lse_s (the student's softmax),   log p = t - lse_t (the teacher's).
+    log q = (s - m_s) - l_s (the student's softmax),   log p = (t - m_t) - l_t (the teacher's),
+
+each head's lse kept as its row's maximum m and log sum_v exp(z_v - m) = l, not rounded into one fp32
+m + l: at a low temperature |s| ~ 1 / tau, and lse's rounding (ulp(m + l), ~4e-6 at 50) would shift
+every log q of the row by as much, which G = q - p and the KLs' G turn into errors 2-12x the naive
+path's (torch's log_softmax, which takes (s - m) - l, makes none).
 
 ``divergence_forward_kernel`` walks a vocabulary split per program, as ``lse_forward_kernel`` does.
 First pass (every kind): both running (max, sum) pairs, the online softmax of each head, and for
@@ -82,13 +87,20 @@ def log_mixture(log_p, log_q, beta):
 
 
 @triton.jit
+def row_normaliser(norm_ptr, rows, row_mask, stride_norm):
+    """A head's (m, l) of ``rows`` (module doc): log softmax = (z - m) - l."""
+    m = tl.load(norm_ptr + rows, mask=row_mask, other=0.0)
+    return m, tl.load(norm_ptr + stride_norm + rows, mask=row_mask, other=0.0)
+
+
+@triton.jit
 def divergence_forward_kernel(
     # pointers
     Es_ptr, Cs_ptr, bs_ptr,  # the student: E_s (N, D_s), C_s (V, D_s), b_s (V,) (HAS_BIAS_S only)
     Et_ptr, Ct_ptr, bt_ptr,  # the teacher: E_t (N, D_t), C_t (V, D_t), b_t (V,) (HAS_BIAS_T only)
-    lse_s_ptr, lse_t_ptr,  # (N,) fp32: whole rows' lse (SECOND_PASS only)
-    out_ptr,  # (3, SPLITS, N) fp32. First pass: lse_s, lse_t and the mean of (t - s) (the KLs) per
-    #           split. Second pass: the JSD's terms and K = sum q (log q - log M) per split (2 used).
+    norm_s_ptr, norm_t_ptr,  # (2, N) fp32: whole rows' (m, l) (SECOND_PASS only; module doc)
+    out_ptr,  # (5, SPLITS, N) fp32. First pass: m_s, l_s, m_t, l_t and the mean of (t - s) (the KLs)
+    #           per split. Second pass: the JSD's terms, sum q (log q - log M) and sum q per split.
     # sizes
     N, V, D_s, D_t,
     blocks_per_split,  # vocabulary blocks of BLOCK_V per split
@@ -96,6 +108,7 @@ def divergence_forward_kernel(
     stride_Esn, stride_Esd, stride_Csv, stride_Csd,
     stride_Etn, stride_Etd, stride_Ctv, stride_Ctd,
     stride_out,  # SPLITS * N: from one output to the next
+    stride_norm,  # from a normaliser's m to its l
     # options
     softcap, inv_temperature, beta,
     # meta-parameters
@@ -120,10 +133,11 @@ def divergence_forward_kernel(
     sum_s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     sum_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
     cross = tl.zeros((BLOCK_N,), dtype=tl.float32)  # A (first pass) or the JSD's terms (second)
-    k_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)  # K (second pass)
+    k_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)  # K's sum q (log q - log M) (second pass)
+    q_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)  # K's normaliser sum q (second pass)
     if SECOND_PASS:
-        lse_s = tl.load(lse_s_ptr + rows, mask=row_mask, other=0.0)
-        lse_t = tl.load(lse_t_ptr + rows, mask=row_mask, other=0.0)
+        m_s, l_s = row_normaliser(norm_s_ptr, rows, row_mask, stride_norm)
+        m_t, l_t = row_normaliser(norm_t_ptr, rows, row_mask, stride_norm)
 
     v_begin = split * blocks_per_split * BLOCK_V
     v_end = tl.minimum(V, v_begin + blocks_per_split * BLOCK_V)
@@ -140,13 +154,15 @@ def divergence_forward_kernel(
         if SECOND_PASS:
             # 2b. [JSD] beta p (log p - log M) + (1 - beta) q (log q - log M), and K's q (log q - log M);
             # padding columns give 0.
-            log_q = s - lse_s[:, None]
-            log_p = t - lse_t[:, None]
+            log_q = (s - m_s[:, None]) - l_s[:, None]
+            log_p = (t - m_t[:, None]) - l_t[:, None]
             log_M = log_mixture(log_p, log_q, beta)
-            q_term = tl.where(col_mask[None, :], tl.exp(log_q) * (log_q - log_M), 0.0)
+            q = tl.where(col_mask[None, :], tl.exp(log_q), 0.0)
+            q_term = q * (log_q - log_M)
             p_term = tl.where(col_mask[None, :], tl.exp(log_p) * (log_p - log_M), 0.0)
             cross += tl.sum(beta * p_term + (1.0 - beta) * q_term, axis=1)
             k_sum += tl.sum(q_term, axis=1)
+            q_sum += tl.sum(q, axis=1)
         else:
             # 2a. [Online softmax] of each head, padding columns -inf (exp gives 0); every tile holds a
             # real column, so the maxima are finite.
@@ -168,17 +184,21 @@ def divergence_forward_kernel(
             m_s = m_s_new
             m_t = m_t_new
 
-    # 3. Per split: lse = m + log sum, the mean of (t - s) under the weighting head's softmax; or the JSD's sums.
+    # 3. Per split: each head's (m, log sum), the mean of (t - s) under the weighting head's softmax; or the
+    # JSD's sums.
     out = split.to(tl.int64) * N + rows
     if SECOND_PASS:
         tl.store(out_ptr + out, cross, mask=row_mask)
         tl.store(out_ptr + stride_out + out, k_sum, mask=row_mask)
+        tl.store(out_ptr + 2 * stride_out + out, q_sum, mask=row_mask)
     else:
-        tl.store(out_ptr + out, m_s + tl.log(sum_s), mask=row_mask)
-        tl.store(out_ptr + stride_out + out, m_t + tl.log(sum_t), mask=row_mask)
+        tl.store(out_ptr + out, m_s, mask=row_mask)
+        tl.store(out_ptr + stride_out + out, tl.log(sum_s), mask=row_mask)
+        tl.store(out_ptr + 2 * stride_out + out, m_t, mask=row_mask)
+        tl.store(out_ptr + 3 * stride_out + out, tl.log(sum_t), mask=row_mask)
         if KIND != JSD:
             weight_sum = sum_t if KIND == FORWARD_KL else sum_s
-            tl.store(out_ptr + 2 * stride_out + out, cross / weight_sum, mask=row_mask)
+            tl.store(out_ptr + 4 * stride_out + out, cross / weight_sum, mask=row_mask)
 
 
 @triton.jit
@@ -186,8 +206,8 @@ def divergence_gradient_chunk_kernel(
     # pointers
     Es_ptr, Cs_ptr, bs_ptr,  # the student's rows of this chunk E_s (rows, D_s), C_s (V, D_s), b_s (V,)
     Et_ptr, Ct_ptr, bt_ptr,  # the teacher's: E_t (rows, D_t), C_t (V, D_t), b_t (V,)
-    lse_s_ptr, lse_t_ptr,  # (rows,) fp32
-    row_stat_ptr,  # (rows,) fp32: the row's reverse KL (REVERSE_KL) or K = KL(q || M) (JSD); unused for FORWARD_KL
+    norm_s_ptr, norm_t_ptr,  # (2, rows) fp32: each head's (m, l) (module doc)
+    row_stat_ptr,  # (rows,) fp32: sum_v q (t - s) (REVERSE_KL) or K = KL(q || M) (JSD); unused for FORWARD_KL
     sign_ptr,  # (rows,) fp32: the sign of the row's upstream gradient, 0 at ignored rows
     G_ptr,  # (rows, v_count) in E_s's dtype
     # sizes
@@ -197,6 +217,7 @@ def divergence_gradient_chunk_kernel(
     stride_Esn, stride_Esd, stride_Csv, stride_Csd,
     stride_Etn, stride_Etd, stride_Ctv, stride_Ctd,
     stride_Gn, stride_Gv,
+    stride_norm,  # from a normaliser's m to its l
     # options
     softcap, inv_temperature, beta,
     # meta-parameters
@@ -224,11 +245,12 @@ def divergence_gradient_chunk_kernel(
                       BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS_S, DOT_PRECISION)
     if HAS_SOFTCAP:
         z_s, gap = soft_cap_and_gap(z_s, softcap)
-    lse_s = tl.load(lse_s_ptr + rows, mask=row_mask, other=0.0)
-    lse_t = tl.load(lse_t_ptr + rows, mask=row_mask, other=0.0)
+    m_s, l_s = row_normaliser(norm_s_ptr, rows, row_mask, stride_norm)
+    m_t, l_t = row_normaliser(norm_t_ptr, rows, row_mask, stride_norm)
     sign = tl.load(sign_ptr + rows, mask=row_mask, other=0.0)
-    log_q = z_s * inv_temperature - lse_s[:, None]
-    log_p = t - lse_t[:, None]
+    s = z_s * inv_temperature
+    log_q = (s - m_s[:, None]) - l_s[:, None]
+    log_p = (t - m_t[:, None]) - l_t[:, None]
     q = tl.exp(log_q)
 
     # 3. G = dloss / ds per kind (``helpers.cce.distill``'s module doc derives each):
@@ -237,7 +259,9 @@ def divergence_gradient_chunk_kernel(
     else:
         r = tl.load(row_stat_ptr + rows, mask=row_mask, other=0.0)
         if KIND == REVERSE_KL:
-            G = q * (log_q - log_p - r[:, None])  # KL(q || p): q (log q - log p - KL)
+            # KL(q || p): q (log q - log p - KL) = q (s - t + sum_u q_u (t_u - s_u)): the lse cancel, so
+            # neither they nor the KL (their difference less the mean, ~1/tau each) round into it.
+            G = q * (s - t + r[:, None])
         else:
             G = (1.0 - beta) * q * (log_q - log_mixture(log_p, log_q, beta) - r[:, None])  # (1 - beta) q (log q/M - K)
     # then the chain rule through the temperature and the student's soft cap.
