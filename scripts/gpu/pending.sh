@@ -9,6 +9,7 @@
 #   bash scripts/gpu/pending.sh graphs-nb03      the same: 4 below, notebook 03 (~4 min)
 #   bash scripts/gpu/pending.sh graphs-suite     the same: 5 below, notebooks 01 02 05 06 with the graphs on (~9 min?)
 #   bash scripts/gpu/pending.sh eager-suite      the same notebooks from this tree (graphs off): 5's baseline
+#   bash scripts/gpu/pending.sh distill          6 below (~6 min)
 #
 # 1. The soft cap's slope (soft_cap_and_gap, slope_from_gap) and the filter's pre-slope mass on sm_90 with this Triton:
 #    their tests. Predicted: all pass but the one strict expected failure.
@@ -35,6 +36,10 @@
 # 5. The suite with the graphs on: each notebook exits 0 with the same verdicts as eager, ours' measured peaks
 #    within 2% of eager's (the bench's ours_graphs: 341 MB against 338 at 1,024 tokens) and its formula
 #    still within 10% in 02 (measure.release_memory drops the graphs between points).
+# 6. Distillation with each head's lse kept as (row max, log sum) apart (helpers.cce.kernels.divergence): its
+#    tests on sm_90 (the cold-temperature cases among them: fp32, tau = 0.1, within 2x the naive path's error;
+#    on the CPU at most 1.44x, where one fp32 lse gave 2.6-14x) and distill_check.py (bf16 and fp16 accuracy,
+#    then time at 16k). Predicted: all pass; time as before within noise (two loads a row more).
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
@@ -49,8 +54,8 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 part=${1:-}
-case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite) ;;
-  *) echo "say prepare, cap-rl, graphs, graphs-nb03, graphs-suite or eager-suite, not '$part'"; exit 2;; esac
+case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill) ;;
+  *) echo "say prepare, cap-rl, graphs, graphs-nb03, graphs-suite, eager-suite or distill, not '$part'"; exit 2;; esac
 [ -d .ab/old ] && [ -d .ab/graphs/notebooks ] || { echo "run 'bash scripts/gpu/pending.sh prepare' here first and carry .ab"; exit 2; }
 source scripts/gpu/env.sh || exit 1
 t0=$SECONDS
@@ -67,6 +72,13 @@ done
 step "soft-cap A/B"
 timeout 320 python3 scripts/gpu/rl_step.py --budget-s 300 --out "$OUT/rl_step.jsonl" 2>&1 | tail -8
 step "rl_step"
+exit 0
+fi
+if [ "$part" = distill ]; then
+HELPERS_TEST_GPU=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/cce/test_distill.py 2>&1 | tail -3
+step "distillation tests"
+timeout 330 python3 scripts/gpu/distill_check.py --budget-s 300 --out "$OUT/distill_check.jsonl" 2>&1 | tail -14
+step "distill_check"
 exit 0
 fi
 G="$PWD/.ab/graphs"
