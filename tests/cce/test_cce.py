@@ -744,6 +744,37 @@ def test_the_persistent_g_kernel_gives_the_same_bits(tma, subtile, filtered, sor
     assert s0["tiles"] == s1["tiles"] and s0.get("skipped") == s1.get("skipped")
 
 
+@pytest.mark.parametrize("impl", ["atomic", "gemm", "sparse"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tiles_of_128_columns_form_g_in_two_halves(impl, dtype):
+    """Every backward with 128-column tiles, whose G is formed a column half at a time
+    (``gradient_and_softmax_tile``; the interpreter tier's 32 columns never are): V = 301 gives a last
+    tile of 45 columns, a partial left half and an all-padding right one. The soft cap, ignored rows and
+    per-row gradients against float64; with z-loss, label smoothing, class weights and the sorted
+    vocabulary as well, against the same call on the 32-column tiles."""
+    import dataclasses
+
+    from helpers.cce.kernels.configs import LaunchConfig
+
+    wide = LaunchConfig(16, 128, 16, 1, 1, GROUP_N=2)
+    base = tier("interpreter")
+    configs = dataclasses.replace(base, forward={2: wide, 4: wide}, backward={2: wide, 4: wide},
+                                  backward_gemm={2: wide, 4: wide},
+                                  sparse={2: LaunchConfig(16, 64, 16, 1, 1), 4: LaunchConfig(16, 64, 16, 1, 1)})
+    E, C, x = make_inputs(dtype, scale=4.0, ignore=[0, 7, 36])
+    go = upstream("none")
+    spec = dict(softcap=3.0, reduction="none")
+    check(run_ours(E, C, x, go, backward_impl=impl, configs=configs, filter_eps=2.0**-12, **spec),
+          reference_loss_and_grads(E, C, x, go, **spec), dtype)
+    weight = torch.rand(V, generator=torch.Generator().manual_seed(3)).to(DEVICE) + 0.5
+    everything = dict(spec, z_loss=0.05, label_smoothing=0.2, weight=weight, filter_eps=2.0**-14,
+                      sort_vocab=impl == "sparse", backward_impl=impl)
+    got = run_ours(E, C, x, go, configs=configs, **everything)
+    narrow = run_ours(E, C, x, go, configs=base, **everything)
+    for a, b in zip(got, narrow):
+        assert relative_error(a, b) < TOL[dtype] / 4, relative_error(a, b)
+
+
 def _row_gradient_torch(grad_rows, grad_lse, kept, lse, r, z_loss, label_smoothing):
     """``RowGradient.of`` as the torch expressions its kernels replaced: (w, w_rel, w_scale, coef), coef's
     second row the target column's t = (a - b) - a r."""

@@ -128,6 +128,59 @@ def gradient_and_softmax_tile(
                        BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION)
     if HAS_BIAS:
         z = add_bias(z, bias_ptr, cols, col_mask)
+    # The row's coefficients (module doc), each (BLOCK_N,).
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    a = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
+    t_x = tl.load(coef_ptr + stride_coef + rows, mask=row_mask, other=0.0)
+    c = tl.load(coef_ptr + 2 * stride_coef + rows, mask=row_mask, other=0.0)
+    if ENTROPY:
+        d = tl.load(coef_ptr + 3 * stride_coef + rows, mask=row_mask, other=0.0)
+    else:
+        d = a  # not read
+    x = tl.load(x_ptr + rows * stride_x, mask=row_mask, other=-1)
+    # Compared in int32 (a valid target is below V < 2^31; anything else matches no column), so
+    # that no int64 column index is held per element of the tile.
+    x = tl.where((x >= 0) & (x < V), x, -1).to(tl.int32)
+    if BLOCK_V >= 128:
+        # [Two column halves] one half's softmax and cap gap live at a time, not the whole tile's: on sm_90
+        # the Hopper G kernel (128 x 256, bf16, the filter on) spills 94 values a thread against 185 with
+        # the cap, 50 against 72 without (Triton 3.9, cuobjdump); no layout conversion (the halves are the
+        # register halves of the dot's accumulator). The same arithmetic per element: the same G and S.
+        z_l, z_r = _column_halves(z, BLOCK_N, BLOCK_V)
+        cols_l, cols_r = _column_halves(cols[None, :], 1, BLOCK_V)
+        mask_l, mask_r = _column_halves(col_mask[None, :], 1, BLOCK_V)
+        G_l, S_l, mass_l = gradient_of_logits(z_l, cols_l, mask_l, lse, a, t_x, c, d, x, V, softcap,
+                                              inv_temperature, class_weight_ptr, HAS_SOFTCAP, ENTROPY,
+                                              CLASS_WEIGHTS)
+        G_r, S_r, mass_r = gradient_of_logits(z_r, cols_r, mask_r, lse, a, t_x, c, d, x, V, softcap,
+                                              inv_temperature, class_weight_ptr, HAS_SOFTCAP, ENTROPY,
+                                              CLASS_WEIGHTS)
+        return (_joined_halves(G_l, G_r, BLOCK_N, BLOCK_V), _joined_halves(S_l, S_r, BLOCK_N, BLOCK_V),
+                mass_l + mass_r)
+    return gradient_of_logits(z, cols[None, :], col_mask[None, :], lse, a, t_x, c, d, x, V, softcap,
+                              inv_temperature, class_weight_ptr, HAS_SOFTCAP, ENTROPY, CLASS_WEIGHTS)
+
+
+@triton.jit
+def _column_halves(t, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """(left, right): the (ROWS, COLS / 2) column halves of the (ROWS, COLS) tile ``t``."""
+    return tl.split(tl.permute(tl.reshape(t, (ROWS, 2, COLS // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def _joined_halves(left, right, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """``_column_halves``' inverse: the (ROWS, COLS) tile."""
+    return tl.reshape(tl.permute(tl.join(left, right), (0, 2, 1)), (ROWS, COLS))
+
+
+@triton.jit
+def gradient_of_logits(
+    z, cols, col_mask,  # the logits before the cap (BLOCK_N, W) fp32; their columns (1, W) and mask (1, W)
+    lse, a, t_x, c, d, x,  # the rows' lse, coefficients and targets (int32, -1: none), each (BLOCK_N,)
+    V, softcap, inv_temperature, class_weight_ptr,
+    HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, CLASS_WEIGHTS: tl.constexpr,
+):
+    """(G, S, mass) of ``gradient_and_softmax_tile`` for logits ``z`` of any width W."""
     if HAS_SOFTCAP:
         z, gap = soft_cap_and_gap(z, softcap)
     # The temperature divides the capped logit (x * 1.0 is exact: no temperature, the same bits).
@@ -135,31 +188,22 @@ def gradient_and_softmax_tile(
 
     # G = a S - c / V (+ d S (z - lse)) off the target, t - c / V on it (module doc), then the
     # chain rule through the temperature and the soft cap.
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    a = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
-    t_x = tl.load(coef_ptr + stride_coef + rows, mask=row_mask, other=0.0)
-    c = tl.load(coef_ptr + 2 * stride_coef + rows, mask=row_mask, other=0.0)
-    x = tl.load(x_ptr + rows * stride_x, mask=row_mask, other=-1)
-    # Compared in int32 (a valid target is below V < 2^31; anything else matches no column), so
-    # that no int64 column index is held per element of the tile.
-    x = tl.where((x >= 0) & (x < V), x, -1).to(tl.int32)
     log_S = z - lse[:, None]
     S = tl.exp(log_S)
-    is_target = x[:, None] == cols.to(tl.int32)[None, :]
+    is_target = x[:, None] == cols.to(tl.int32)
     G = a[:, None] * S
     if ENTROPY:
         # The entropy's term: -e S (z - lse + H) = d S log S + (-e H) S, the second part already in a
         # (on the target column, in t).
-        d = tl.load(coef_ptr + 3 * stride_coef + rows, mask=row_mask, other=0.0)
         G += d[:, None] * S * log_S
     G = tl.where(is_target, t_x[:, None], G)
     if CLASS_WEIGHTS:
         w = tl.load(class_weight_ptr + cols, mask=col_mask, other=0.0)
-        G = G - c[:, None] * (w[None, :] / V)
+        G = G - c[:, None] * (w / V)
     else:
         G = G - c[:, None] / V
     # Padding columns contribute nothing, and must not keep a tile from being skipped.
-    G = tl.where(col_mask[None, :], G * inv_temperature, 0.0)
+    G = tl.where(col_mask, G * inv_temperature, 0.0)
     # What the filter judges: each row's |G| mass in the tile before the soft cap's derivative (the
     # gradient with respect to the capped logits; module doc). Without a cap, the mass of G itself.
     mass = tl.sum(tl.abs(G), axis=1)
@@ -167,4 +211,4 @@ def gradient_and_softmax_tile(
         # The slope is 0, not NaN, in a padding column whose logit E . 0 is NaN (an inf in E), so its G
         # stays 0 (``slope_from_gap``); a real column with a NaN logit has a NaN G already.
         G = G * slope_from_gap(gap)
-    return G, tl.where(col_mask[None, :], S, 0.0), mass
+    return G, tl.where(col_mask, S, 0.0), mass
