@@ -11,7 +11,8 @@ holds ~7 fp32 (128, V) buffers a chunk (~0.5 GB), and the gradients N D_s + V D_
 Here neither head's logits exist beyond a tile: the forward keeps O(N) row statistics, and the
 backward writes G = dloss / ds one vocabulary chunk at a time into the rows of dE_s or dC_s that it
 has not yet written (the "gemm" backward's places, ``helpers.cce.backward.gemm``). Memory beyond the
-inputs and the returned gradients: 5 SPLITS N + 6 N fp32 in the forward (SPLITS ~ 1-2 on an H200),
+inputs and the returned gradients: 5 SPLITS N + 6 N fp32 in the forward (SPLITS ~ 1-2 on an H200; and
+the splits' merge's few (SPLITS, N) temporaries),
 and the "gemm" backward's dE accumulator (16-bit inputs: N D_s 4 bytes, 67 MB at N = 16,384).
 
 The price is arithmetic. Liger multiplies each head once (2 N V (D_s + D_t) FLOP) and makes the two
@@ -26,7 +27,7 @@ l = log sum_v exp(z_v - m), log q = (s - m_s) - l_s: ``helpers.cce.kernels.diver
 
     "forward"  KL(p || q) = sum_v p (t - s) - (lse_t - lse_s)           dKL/ds_v = q_v - p_v
     "reverse"  KL(q || p) = (lse_t - lse_s) - sum_v q (t - s)           dKL/ds_v = q_v (log q_v - log p_v - KL)
-                                                                        = q_v (s_v - t_v + sum_u q_u (t_u - s_u))
+                                                                        = q_v (sum_u q_u c_u - c_v)
     "jsd"      JSD = beta KL(p || M) + (1 - beta) KL(q || M),           dJSD/ds_v = (1 - beta) q_v (log q_v - log M_v - K)
                M = beta p + (1 - beta) q,  K = KL(q || M)
 
@@ -35,14 +36,16 @@ l = log sum_v exp(z_v - m), log q = (s - m_s) - l_s: ``helpers.cce.kernels.diver
 beta = 0 and 1 it special-cases to these two KLs.) The reverse gradient: d log q_u / ds_v = [u = v]
 - q_v, so d/ds_v sum_u q_u (log q_u - log p_u) = q_v (log q_v - log p_v) - q_v KL + (q_v - q_v); the
 JSD's the same with log M, whose own derivative's terms cancel (sum_u dM_u = 0). Then times 1 / tau
-and the student's soft cap's 1 - (z / softcap)^2, and the row's upstream gradient g_i.
+and the student's soft cap's 1 - (z / softcap)^2, and the row's upstream gradient g_i. The kernels
+form the KLs' sums over c = (t - m_t) - (s - m_s), the gap of the two heads centred on their maxima:
+log p - log q = c - l_t + l_s, so KL(p || q) = sum p c + (l_s - l_t), KL(q || p) = (l_t - l_s) - sum q c,
+each term as small as a log-probability where t - s is ~1 / tau (kernels' doc).
 
 The forward. The two KLs need, per row, both lse and one cross sum weighted by one head's softmax:
 one pass, with the cross sum rescaled like its head's running sum (``divergence_forward_kernel``,
 the online softmax of both heads). The JSD's log M needs both final lse inside each term, which no
 rescaling gives: its first pass makes the lse, a second pass the sums. The backward saves both heads'
-(m, l) and sum_v q (t - s) (reverse: the gradient's second form, in which the lse cancel) or K (JSD),
-5 N fp32.
+(m, l) and sum_v q c (reverse) or K (JSD): 5 N fp32 (4 N for the forward KL).
 
 The teacher is a constant: no gradient reaches E_t, C_t or bias_t, whether they require grad or
 not (as Liger's teacher inputs, and the usual ``with torch.no_grad()`` around a teacher's forward).
@@ -95,12 +98,12 @@ def pair_config(cfg: LaunchConfig) -> LaunchConfig:
 
 
 class DivergenceRows(NamedTuple):
-    """Each row's statistics from ``distill_forward``, each (N,) fp32, every row (kept or not)."""
+    """Each row's statistics from ``distill_forward``, fp32, every row (kept or not)."""
 
-    loss: torch.Tensor  # the row's divergence
+    loss: torch.Tensor  # (N,): the row's divergence
     norm_s: torch.Tensor  # (2, N): the student's row maximum m and l = log sum_v exp(s_v - m) (lse = m + l)
     norm_t: torch.Tensor  # the teacher's
-    row_stat: torch.Tensor | None  # what G needs beyond the lse: sum q (t - s) (reverse), K (jsd); None (forward)
+    row_stat: torch.Tensor | None  # (N,), what G needs beyond (m, l): sum q c (reverse), K (jsd); None (forward)
 
 
 def _heads(E_s, C_s, bias_s, E_t, C_t, bias_t):
@@ -150,19 +153,20 @@ def distill_forward(
             *pointers, norm_s, norm_t, out, N, V, D_s, D_t, blocks_per_split, *strides, splits * N,
             norm_s.stride(0), softcap, 1.0 / o.temperature, float(o.beta), SECOND_PASS=second_pass, **flags)
 
-    # 1. Both heads' (m, l) per split and, for the KLs, the cross sum's mean under the weighting head.
+    # 1. Both heads' (m, l) per split and, for the KLs, the mean of c = (t - m_t) - (s - m_s) under the
+    # weighting head (``helpers.cce.kernels.divergence``).
     walk(out[0], out[2], False)
     (norm_s, share_s), (norm_t, share_t) = merge_normalisers(out[0:2]), merge_normalisers(out[2:4])
-    mean_split = out[4]
-    # lse_t - lse_s, with each head's maxima subtracted before their logs.
-    lse_gap = (norm_t[0] - norm_s[0]) + (norm_t[1] - norm_s[1])
+    (m_s, l_s), (m_t, l_t) = norm_s, norm_t
+    # A split's c is centred on its own maxima: moved to the rows' by (m_t,k - m_t) - (m_s,k - m_s).
+    moved = out[4] + ((out[2] - m_t) - (out[0] - m_s))
     if o.kind == "forward":
-        # sum_v p (t - s): the splits' means weighted by their share of p.
-        cross = (share_t * mean_split).sum(dim=0)
-        return DivergenceRows(cross - lse_gap, norm_s, norm_t, None)
+        # KL(p || q) = sum_v p (log p - log q) = sum_v p c + (l_s - l_t).
+        return DivergenceRows((share_t * moved).sum(dim=0) + (l_s - l_t), norm_s, norm_t, None)
     if o.kind == "reverse":
-        cross = (share_s * mean_split).sum(dim=0)
-        return DivergenceRows(lse_gap - cross, norm_s, norm_t, cross)
+        # KL(q || p) = (l_t - l_s) - sum_v q c; the backward's G is q (sum_v q c - c).
+        mean_c = (share_s * moved).sum(dim=0)
+        return DivergenceRows((l_t - l_s) - mean_c, norm_s, norm_t, mean_c)
     # 2. [JSD] the second pass, with both lse known: the divergence's sums, K's and sum q per split. K is
     # sum q (log q - log M) over the q the backward makes, sum q (1 up to rounding): G's row then sums to 0
     # as the exact one does (without it, 12x the naive path's error in the gradients at tau = 0.1 before

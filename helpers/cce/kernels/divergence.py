@@ -14,12 +14,17 @@ path's (torch's log_softmax, which takes (s - m) - l, makes none).
 
 ``divergence_forward_kernel`` walks a vocabulary split per program, as ``lse_forward_kernel`` does.
 First pass (every kind): both running (max, sum) pairs, the online softmax of each head, and for
-the two KLs the running sum of (t - s) weighted by one head's exp, rescaled with that head's sum:
+the two KLs the running sum of c = (t - m_t) - (s - m_s), the logits' gap with each head centred on its
+row maximum, weighted by one head's exp and rescaled with that head's sum; when the maxima move to m',
+every c already summed moves by (m_s' - m_s) - (m_t' - m_t):
 
-    A' = A exp(m_w - m_w') + sum_v exp(w_v - m_w') (t_v - s_v),   mean = A / S_w,
+    A' = (A + S_w ((m_s' - m_s) - (m_t' - m_t))) exp(m_w - m_w') + sum_v exp(w_v - m_w') c'_v,   mean = A / S_w,
 
-w = t (forward KL: mean = sum_v p_v (t_v - s_v)) or w = s (reverse: sum_v q_v (t_v - s_v)). A split's
-mean is a mean under its own softmax; the host merges splits with weights exp(lse_w,k - lse_w).
+w = t (forward KL: mean = sum_v p_v c_v) or w = s (reverse: sum_v q_v c_v). Centred, c is as small as
+the two heads' log-probabilities, where t - s is ~1 / tau: the reverse KL's G = q (mean - c) is a difference
+of such numbers (with t - s, a student sharper than its teacher erred 3-36x the naive path's on its top
+column, where the true G is damped by 1 - q). A split's mean is under its own softmax and maxima; the host
+merges splits (``helpers.cce.distill``).
 Second pass (JSD only): log M = log(beta p + (1 - beta) q) needs both whole rows' lse, which no
 rescaling gives, so the JSD walks the tiles again with them known and sums its terms directly.
 
@@ -91,6 +96,12 @@ def row_normaliser(norm_ptr, rows, row_mask, stride_norm):
     """A head's (m, l) of ``rows`` (module doc): log softmax = (z - m) - l."""
     m = tl.load(norm_ptr + rows, mask=row_mask, other=0.0)
     return m, tl.load(norm_ptr + stride_norm + rows, mask=row_mask, other=0.0)
+
+
+@triton.jit
+def centred_gap(s, t, m_s, m_t):
+    """c = (t - m_t) - (s - m_s) of (BLOCK_N, BLOCK_V) tiles and (BLOCK_N,) maxima (module doc)."""
+    return (t - m_t[:, None]) - (s - m_s[:, None])
 
 
 @triton.jit
@@ -166,7 +177,7 @@ def divergence_forward_kernel(
         else:
             # 2a. [Online softmax] of each head, padding columns -inf (exp gives 0); every tile holds a
             # real column, so the maxima are finite.
-            diff = tl.where(col_mask[None, :], t - s, 0.0)
+            s_real, t_real = s, t
             s = tl.where(col_mask[None, :], s, float("-inf"))
             t = tl.where(col_mask[None, :], t, float("-inf"))
             m_s_new = tl.maximum(m_s, tl.max(s, axis=1))
@@ -174,18 +185,22 @@ def divergence_forward_kernel(
             e_s = tl.exp(s - m_s_new[:, None])
             e_t = tl.exp(t - m_t_new[:, None])
             if KIND != JSD:
-                # [Cross term] sum_v exp(w_v - m_w) (t_v - s_v), rescaled with w's sum: w = t or s.
+                # [Cross term] sum_v exp(w_v - m_w) c_v, c centred on the maxima (module doc): w = t or s.
+                c = tl.where(col_mask[None, :], centred_gap(s_real, t_real, m_s_new, m_t_new), 0.0)
                 if KIND == FORWARD_KL:
-                    cross = cross * tl.exp(m_t - m_t_new) + tl.sum(e_t * diff, axis=1)
+                    sum_w, alpha, e_w = sum_t, tl.exp(m_t - m_t_new), e_t
                 else:
-                    cross = cross * tl.exp(m_s - m_s_new) + tl.sum(e_s * diff, axis=1)
+                    sum_w, alpha, e_w = sum_s, tl.exp(m_s - m_s_new), e_s
+                # The first tile: nothing summed yet, and the maxima's move is -inf - -inf.
+                shift = tl.where(sum_w > 0, (m_s_new - m_s) - (m_t_new - m_t), 0.0)
+                cross = (cross + sum_w * shift) * alpha + tl.sum(e_w * c, axis=1)
             sum_s = sum_s * tl.exp(m_s - m_s_new) + tl.sum(e_s, axis=1)
             sum_t = sum_t * tl.exp(m_t - m_t_new) + tl.sum(e_t, axis=1)
             m_s = m_s_new
             m_t = m_t_new
 
-    # 3. Per split: each head's (m, log sum), the mean of (t - s) under the weighting head's softmax; or the
-    # JSD's sums.
+    # 3. Per split: each head's (m, log sum), the mean of c under the weighting head's softmax; or the JSD's
+    # sums.
     out = split.to(tl.int64) * N + rows
     if SECOND_PASS:
         tl.store(out_ptr + out, cross, mask=row_mask)
@@ -207,7 +222,7 @@ def divergence_gradient_chunk_kernel(
     Es_ptr, Cs_ptr, bs_ptr,  # the student's rows of this chunk E_s (rows, D_s), C_s (V, D_s), b_s (V,)
     Et_ptr, Ct_ptr, bt_ptr,  # the teacher's: E_t (rows, D_t), C_t (V, D_t), b_t (V,)
     norm_s_ptr, norm_t_ptr,  # (2, rows) fp32: each head's (m, l) (module doc)
-    row_stat_ptr,  # (rows,) fp32: sum_v q (t - s) (REVERSE_KL) or K = KL(q || M) (JSD); unused for FORWARD_KL
+    row_stat_ptr,  # (rows,) fp32: sum_v q c (REVERSE_KL; module doc) or K = KL(q || M) (JSD); unused for FORWARD_KL
     sign_ptr,  # (rows,) fp32: the sign of the row's upstream gradient, 0 at ignored rows
     G_ptr,  # (rows, v_count) in E_s's dtype
     # sizes
@@ -259,9 +274,9 @@ def divergence_gradient_chunk_kernel(
     else:
         r = tl.load(row_stat_ptr + rows, mask=row_mask, other=0.0)
         if KIND == REVERSE_KL:
-            # KL(q || p): q (log q - log p - KL) = q (s - t + sum_u q_u (t_u - s_u)): the lse cancel, so
-            # neither they nor the KL (their difference less the mean, ~1/tau each) round into it.
-            G = q * (s - t + r[:, None])
+            # KL(q || p): q (log q - log p - KL) = q (sum_u q_u c_u - c), c centred (module doc): every
+            # term as small as the log-probabilities, not ~1 / tau as s, t, their lse and the KL's parts.
+            G = q * (r[:, None] - centred_gap(s, t, m_s, m_t))
         else:
             G = (1.0 - beta) * q * (log_q - log_mixture(log_p, log_q, beta) - r[:, None])  # (1 - beta) q (log q/M - K)
     # then the chain rule through the temperature and the student's soft cap.
