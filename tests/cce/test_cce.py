@@ -368,6 +368,62 @@ def test_the_soft_caps_slope_is_accurate_where_a_logit_can_carry_its_row(softcap
     assert slope[-4] == 0 and slope[-3] == 0 and slope[-2] == 0 and slope[-1] == 1
 
 
+@triton.jit
+def precise_cap_kernel(z_ptr, capped_ptr, forward_ptr, softcap, n, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0)
+    capped, _ = soft_cap_and_gap(z, softcap, PRECISE)
+    tl.store(capped_ptr + offs, capped, mask=mask)
+    tl.store(forward_ptr + offs, soft_cap(z, softcap, PRECISE), mask=mask)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's arithmetic; on a GPU the saturation tests run the kernels")
+@pytest.mark.parametrize("softcap", [30.0, 2.5])
+def test_the_precise_soft_cap_keeps_small_logits_to_fp32s_precision(softcap):
+    """The cap's fp32-input form (``soft_cap_and_gap``'s PRECISE): from y = z / softcap = 1e-6 to 50 (both
+    signs), the capped logit within 8 x 2^-24 relative of float64's softcap tanh(y) (measured 4.5-5.3, the
+    worst just above |y| = 0.4, where the exp form takes over), and ``soft_cap`` gives the same bits. The
+    16-bit inputs' form, 1 - r, is ~1e-6 relative at |y| ~ 0.03 (a logit of 1 under a cap of 30) and 1e-1
+    at 1e-6, which is why fp32 inputs take the other."""
+    y = torch.cat([torch.logspace(-6, 1.7, 3000), -torch.logspace(-6, 1.7, 3000)])
+    z = (y * softcap).float()
+    reference = softcap * torch.tanh(z.double() / softcap)
+    ulps = {}
+    for precise in (True, False):
+        capped, forward = torch.empty_like(z), torch.empty_like(z)
+        precise_cap_kernel[(1,)](z, capped, forward, softcap, z.numel(), PRECISE=precise, BLOCK=8192)
+        assert torch.equal(capped, forward)
+        ulps[precise] = ((capped.double() - reference).abs() / (reference.abs() * 2.0**-24)).max().item()
+    assert ulps[True] < 8 and ulps[False] > 1e3, ulps
+
+
+@pytest.mark.parametrize("impl", ["gemm", "atomic", "sparse"])
+def test_a_large_soft_cap_keeps_fp32s_gradients_at_the_naive_paths_accuracy(impl):
+    """Gemma-2's final cap is 30 (its attention's 50); fp32 logits of ~1 sit at y = z / cap ~ 0.02, where the
+    cap's 16-bit form, cap (1 - r), carries ~cap x 6e-8 absolute: dC erred 2.1-2.4x the naive fp32 path's
+    against float64 (``scripts/experiments/softcap_precision.py``, cap 50). fp32 inputs take tanh's series
+    there (``soft_cap_and_gap``'s PRECISE) in every kernel that caps: the forward's, the target logit's and
+    each backward's here, the forward-gradients schedule's in tests/cce/test_forward_grads.py."""
+    E, C, x = make_inputs(torch.float32, n=48, v=301, d=32, seed=3)
+    go = upstream("sum")
+    _, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="sum", softcap=50.0)
+    En, Cn = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
+    z = 50.0 * torch.tanh(En @ Cn.T / 50.0)
+    F.cross_entropy(z, x, reduction="sum").backward(go)
+    stats = {}
+    filter_eps = 1e-7 if impl == "sparse" else None  # "sparse" is the filter's backward: it drops ~nothing here
+    _, dE, dC = run_ours(E, C, x, go, reduction="sum", softcap=50.0, filter_eps=filter_eps, stats=stats,
+                         **forced(impl))
+    assert stats["backward"] == impl
+    # "sparse"'s dC errs 1.76x the naive path's here without a cap (its own sums; 2.1x with the cap, 3.0x with
+    # the cap's 16-bit form); the others' 1.24x (1.41x, 2.1-2.4x).
+    bound = 2.5 if impl == "sparse" else 1.8
+    for name, ours, naive in (("dE", relative_error(dE, rdE), relative_error(En.grad, rdE)),
+                              ("dC", relative_error(dC, rdC), relative_error(Cn.grad, rdC))):
+        assert ours < bound * naive, f"{name}: {ours:.2e} against naive's {naive:.2e}"
+
+
 def test_every_kernel_caps_its_logits_through_one_function():
     """The forward's capped logits must be the backward's bit for bit (the backward's softmax is exp(z - lse)
     with the forward's lse), so every kernel caps through ``soft_cap`` / ``soft_cap_and_gap``: no kernel

@@ -64,7 +64,7 @@ def head_tile(
     z = head_logits(E_ptr, C_ptr, bias_ptr, rows, cols, row_mask, col_mask, D, stride_En, stride_Ed,
                     stride_Cv, stride_Cd, BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS, DOT_PRECISION)
     if HAS_SOFTCAP:
-        z = soft_cap(z, softcap)
+        z = soft_cap(z, softcap, DOT_PRECISION == "ieee")
     return z
 
 
@@ -259,7 +259,7 @@ def divergence_gradient_chunk_kernel(
                       stride_Esn, stride_Esd, stride_Csv, stride_Csd,
                       BLOCK_N, BLOCK_V, BLOCK_D, HAS_BIAS_S, DOT_PRECISION)
     if HAS_SOFTCAP:
-        z_s, gap = soft_cap_and_gap(z_s, softcap)
+        z_s, gap = soft_cap_and_gap(z_s, softcap, DOT_PRECISION == "ieee")
     m_s, l_s = row_normaliser(norm_s_ptr, rows, row_mask, stride_norm)
     m_t, l_t = row_normaliser(norm_t_ptr, rows, row_mask, stride_norm)
     sign = tl.load(sign_ptr + rows, mask=row_mask, other=0.0)

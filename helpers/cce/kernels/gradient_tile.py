@@ -151,14 +151,15 @@ def gradient_and_softmax_tile(
         mask_l, mask_r = _column_halves(col_mask[None, :], 1, BLOCK_V)
         G_l, S_l, mass_l = gradient_of_logits(z_l, cols_l, mask_l, lse, a, t_x, c, d, x, V, softcap,
                                               inv_temperature, class_weight_ptr, HAS_SOFTCAP, ENTROPY,
-                                              CLASS_WEIGHTS)
+                                              CLASS_WEIGHTS, DOT_PRECISION == "ieee")
         G_r, S_r, mass_r = gradient_of_logits(z_r, cols_r, mask_r, lse, a, t_x, c, d, x, V, softcap,
                                               inv_temperature, class_weight_ptr, HAS_SOFTCAP, ENTROPY,
-                                              CLASS_WEIGHTS)
+                                              CLASS_WEIGHTS, DOT_PRECISION == "ieee")
         return (_joined_halves(G_l, G_r, BLOCK_N, BLOCK_V), _joined_halves(S_l, S_r, BLOCK_N, BLOCK_V),
                 mass_l + mass_r)
     return gradient_of_logits(z, cols[None, :], col_mask[None, :], lse, a, t_x, c, d, x, V, softcap,
-                              inv_temperature, class_weight_ptr, HAS_SOFTCAP, ENTROPY, CLASS_WEIGHTS)
+                              inv_temperature, class_weight_ptr, HAS_SOFTCAP, ENTROPY, CLASS_WEIGHTS,
+                              DOT_PRECISION == "ieee")
 
 
 @triton.jit
@@ -179,10 +180,11 @@ def gradient_of_logits(
     lse, a, t_x, c, d, x,  # the rows' lse, coefficients and targets (int32, -1: none), each (BLOCK_N,)
     V, softcap, inv_temperature, class_weight_ptr,
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, CLASS_WEIGHTS: tl.constexpr,
+    PRECISE_CAP: tl.constexpr,  # fp32 inputs (``soft_cap_and_gap``)
 ):
     """(G, S, mass) of ``gradient_and_softmax_tile`` for logits ``z`` of any width W."""
     if HAS_SOFTCAP:
-        z, gap = soft_cap_and_gap(z, softcap)
+        z, gap = soft_cap_and_gap(z, softcap, PRECISE_CAP)
     # The temperature divides the capped logit (x * 1.0 is exact: no temperature, the same bits).
     z = z * inv_temperature
 

@@ -63,6 +63,6 @@ def indexed_dot_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + x, mask=kept, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        acc = soft_cap(acc, softcap)
+        acc = soft_cap(acc, softcap, E_ptr.dtype.element_ty == tl.float32)
     acc = acc * inv_temperature  # the temperature divides the capped logit (1.0: exact, no change)
     tl.store(out_ptr + rows, acc, mask=row_mask)

@@ -9,8 +9,13 @@ import triton
 import triton.language as tl
 
 
+# Where ``soft_cap_and_gap``'s PRECISE form takes tanh(y) / y's Taylor series (to y^13, Horner in fp32:
+# within 1.5 fp32 ulp of tanh for |y| < 0.4).
+PRECISE_CAP_BELOW = tl.constexpr(0.4)
+
+
 @triton.jit
-def soft_cap_and_gap(z, softcap):
+def soft_cap_and_gap(z, softcap, PRECISE: tl.constexpr = False):
     # (softcap * tanh(z / softcap), r = 1 - tanh(z / softcap)): every kernel's soft cap, forward and backward
     # alike, so that the backward's softmax is the forward's. tanh(y) = 1 - 2 / (exp(2y) + 1), formed as
     # r = 2 / (2^(z k) + 1) with k = 2 log2(e) / softcap a scalar: one multiply and ex2 a logit, where
@@ -21,14 +26,29 @@ def soft_cap_and_gap(z, softcap):
     # the exponent by ~6e-8 relative, under ex2.approx's own error. A caller that needs the cap's slope
     # keeps r, not t: one value per logit, as 1 - t * t kept t (``slope_from_gap``; keeping the slope as
     # q r^2 with q = exp(2y) spilled: the Hopper G kernel's stack 1,384 bytes against 608).
+    # PRECISE (fp32 inputs): 1 - r loses t's relative precision as y -> 0 (at a cap of 30, logits under
+    # ~12 carried ~1e-6 * |z| where fp32 holds 6e-8, and fp32 gradients erred 2.0-2.3x the naive path's), so
+    # below |y| = 0.4 the capped logit is z (tanh(y) / y) from its Taylor series (7 FMAs a logit; the exp
+    # form is within ~1 ulp rms above 0.4). 16-bit inputs carry more rounding than either form.
     r = 2.0 / (tl.exp2(z * (2.8853900817779268 / softcap)) + 1.0)
-    return softcap * (1.0 - r), r
+    capped = softcap * (1.0 - r)
+    if PRECISE:
+        y = z * (1.0 / softcap)
+        y2 = y * y
+        p = 21844 / 6081075 * y2 - 1382 / 155925
+        p = p * y2 + 62 / 2835
+        p = p * y2 - 17 / 315
+        p = p * y2 + 2 / 15
+        p = p * y2 - 1 / 3
+        p = p * y2 + 1.0
+        capped = tl.where(tl.abs(y) < PRECISE_CAP_BELOW, z * p, capped)
+    return capped, r
 
 
 @triton.jit
-def soft_cap(z, softcap):
+def soft_cap(z, softcap, PRECISE: tl.constexpr = False):
     # softcap * tanh(z / softcap), with ``soft_cap_and_gap``'s bits.
-    capped, _ = soft_cap_and_gap(z, softcap)
+    capped, _ = soft_cap_and_gap(z, softcap, PRECISE)
     return capped
 
 

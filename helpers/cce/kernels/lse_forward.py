@@ -161,7 +161,7 @@ def lse_forward_kernel(
         if HAS_BIAS:
             z = add_bias(z, bias_ptr, c_rows, cols < V)  # C's rows: the bias follows the sort
         if HAS_SOFTCAP:
-            z = soft_cap(z, softcap)
+            z = soft_cap(z, softcap, DOT_PRECISION == "ieee")
         z = z * inv_temperature  # the temperature divides the capped logit (1.0: exact, no change)
         # Padding columns (the last tile only: a runtime branch, so full tiles carry no masks) are
         # -inf, so they add exp(-inf) = 0 below; the column indices are formed afresh after the

@@ -68,7 +68,7 @@ def row_gradient_kernel(
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            z = soft_cap(z, softcap)
+            z = soft_cap(z, softcap, Z_ptr.dtype.element_ty == tl.float32)
         z = z * inv_temperature
         z_target += tl.sum(tl.where(cols == x, z, 0.0))
         if SUM_LOGITS:
@@ -100,7 +100,7 @@ def row_gradient_kernel(
         mask = cols < V
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            z, gap = soft_cap_and_gap(z, softcap)
+            z, gap = soft_cap_and_gap(z, softcap, Z_ptr.dtype.element_ty == tl.float32)
         z = z * inv_temperature
         S = tl.exp(z - lse)
         G = tl.where(cols == x, t_x, a * S) - c / V
