@@ -39,7 +39,10 @@ JSD's the same with log M, whose own derivative's terms cancel (sum_u dM_u = 0).
 and the student's soft cap's 1 - (z / softcap)^2, and the row's upstream gradient g_i. The kernels
 form the KLs' sums over c = (t - m_t) - (s - m_s), the gap of the two heads centred on their maxima:
 log p - log q = c - l_t + l_s, so KL(p || q) = sum p c + (l_s - l_t), KL(q || p) = (l_t - l_s) - sum q c,
-each term as small as a log-probability where t - s is ~1 / tau (kernels' doc).
+each term as small as a log-probability where t - s is ~1 / tau (kernels' doc). The JSD takes
+g = log p - log q the same way, log q/M = -log(beta e^g + 1 - beta), and sums its value as
+beta (p log p/M - p + M) + (1 - beta) (q log q/M - q + M), terms >= 0 and second order in g (the
+same sum: beta (M - p) + (1 - beta) (M - q) = 0), so a JSD near zero keeps its relative precision.
 
 The forward. The two KLs need, per row, both lse and one cross sum weighted by one head's softmax:
 one pass, with the cross sum rescaled like its head's running sum (``divergence_forward_kernel``,

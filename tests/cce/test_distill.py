@@ -181,6 +181,43 @@ def test_a_student_sharper_than_its_flat_teacher_keeps_the_naive_paths_accuracy(
         assert ours < 2 * theirs, f"{name}: {ours:.2e} against naive's {theirs:.2e}"
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_jsd_weighted_to_the_student_keeps_the_naive_paths_accuracy(seed):
+    """beta = 0.1, tau = 2, fp32: M ~ q, so log q/M ~ beta (log p - log q) is small, and formed as
+    log q - log M (two numbers of log V's size) the gradient erred 1.8-2.8x the naive path's against
+    float64; from g = log p - log q (the centred gap less the log sums' difference) as
+    -log(beta e^g + 1 - beta): 0.6-0.8x."""
+    heads, _ = make_inputs(torch.float32, seed=seed)
+    options = dict(kind="jsd", beta=0.1, temperature=2.0, reduction="sum")
+    _, grads = run_ours(heads, biases=False, **options)
+    _, ref_grads = run_reference(heads, biases=False, **options)
+    E_s, C_s = (heads[k].detach().clone().requires_grad_(True) for k in ("E_s", "C_s"))
+    naive = reference_kl_div(E_s, C_s, heads["E_t"], heads["C_t"], dtype=torch.float32, **options)
+    naive.backward(upstream(naive.shape))
+    for name, ours, theirs in zip(("dE_s", "dC_s"), errors(grads[:2], ref_grads[:2]),
+                                  errors((E_s.grad, C_s.grad), ref_grads[:2])):
+        assert ours < 1.5 * theirs, f"{name}: {ours:.2e} against naive's {theirs:.2e}"
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5, 0.9])
+def test_a_jsd_near_zero_keeps_fp32s_relative_precision(beta):
+    """A teacher within ~1% of its student: every row's JSD is 2e-6 to 3e-5, a sum of first-order terms
+    beta p log p/M + (1 - beta) q log q/M that cancel, which gave rows 3e-3 to 1.5e-2 relative error (the
+    naive fp32 path's: 2e-3 to 9e-3). Summed as beta (p log p/M - p + M) + (1 - beta) (q log q/M - q + M),
+    each term >= 0 and second order: within 1e-5 of float64, row by row (the logits' own fp32 rounding,
+    ~1e-7 of gaps of ~1e-2, leaves about that); the bound is 1e-4."""
+    heads, _ = make_inputs(torch.float32, seed=4)
+    noise = torch.randn(heads["E_s"].shape, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    heads["E_t"] = heads["E_s"] + 0.01 * noise * heads["E_s"].std()
+    heads["C_t"] = heads["C_s"]
+    options = dict(kind="jsd", beta=beta, reduction="none", temperature=1.0)
+    loss, _ = run_ours(heads, biases=False, **options)
+    ref, _ = run_reference(heads, biases=False, **options)
+    assert ref.min() > 0 and ref.max() < 1e-3
+    rows = ((loss.double() - ref).abs() / ref).max().item()
+    assert rows < 1e-4, f"worst row's relative error {rows:.2e}"
+
+
 @pytest.mark.parametrize("kind", DIVERGENCES)
 def test_a_large_soft_cap_keeps_the_naive_paths_accuracy(kind):
     """Logits of ~1 under a cap of 50, fp32: the cap's 16-bit form, cap (1 - r), carries ~cap x 6e-8 where
