@@ -237,7 +237,7 @@ def cce_forward_outputs(
     lse_split, nontarget_split, _, (entropy_split, max_split, target_split) = _lse_splits(
         E, C, bias, x, target_logit, replace(o, label_smoothing=0.0), fwd, v_splits, softcap, row_stats=True)
     lse, entropy, row_max = merge_row_stats(lse_split, entropy_split, max_split)
-    r = nontarget_mass(nontarget_split, lse)
+    r = nontarget_mass(nontarget_split, lse, target_logit)
     kept = x != o.ignore_index
     logprob = torch.where(kept, log_target_prob(target_logit, lse, r), 0.0)
     # Ties: correct when the target's logit equals the row's largest (the target is among the maxima).
@@ -361,10 +361,14 @@ def _indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg, counts: torch.Tensor | N
     return target_logit
 
 
-def nontarget_mass(nontarget_split: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """r = 1 - p(target) of each row, (N,) fp32, from its splits' non-target lse (SPLITS, N) and its lse:
-    exp(lse_u - lse), to fp32's relative precision (``lse_forward_kernel``'s NONTARGET)."""
-    return torch.exp(torch.logsumexp(nontarget_split, dim=0) - lse)
+def nontarget_mass(nontarget_split: torch.Tensor, lse: torch.Tensor, target_logit: torch.Tensor) -> torch.Tensor:
+    """r = 1 - p(target) of each row, (N,) fp32, as the backward takes it: from its splits' non-target lse
+    (SPLITS, N) and its lse, exp(lse_u - lse), to fp32's relative precision (``lse_forward_kernel``'s
+    NONTARGET), where that is below 1/2; else 1 - exp(z_x - lse), whose absolute error is the naive
+    path's (``helpers.cce.kernels.logits.target_complement``, the same rule in the kernels, says why)."""
+    r = torch.exp(torch.logsumexp(nontarget_split, dim=0) - lse)
+    from_target = 1.0 - torch.exp(target_logit - lse)
+    return torch.where((r < 0.5) | from_target.isnan(), r, from_target)
 
 
 def log_target_prob(target_logit: torch.Tensor, lse: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

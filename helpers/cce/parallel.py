@@ -247,7 +247,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         gathered = _all_gather_rows(torch.stack(rows), layout)
         lse = torch.logsumexp(gathered[:, 0], dim=0)  # lse = log sum_r exp(lse_r)
         target_logit = gathered[:, 1].sum(dim=0)  # one rank's value, zeros elsewhere
-        r = nontarget_mass(gathered[:, 2], lse)  # 1 - p(target), to fp32's relative precision
+        r = nontarget_mass(gathered[:, 2], lse, target_logit)  # 1 - p(target), as the backward takes it
         # 3. The loss of each row, as ``cce_forward`` combines one device's statistics.
         loss_rows = -log_target_prob(target_logit, lse, r) + o.label_smoothing * target_logit
         if o.label_smoothing > 0:
@@ -432,7 +432,7 @@ class VocabParallelOutputsFunction(torch.autograd.Function):
         gathered = _all_gather_rows(torch.stack(rows), layout)
         lse, entropy, row_max = merge_row_stats(gathered[:, 0], gathered[:, 1], gathered[:, 2])
         target_logit, target_in_tile = gathered[:, 3].sum(dim=0), gathered[:, 4].sum(dim=0)
-        r = nontarget_mass(gathered[:, 5], lse)
+        r = nontarget_mass(gathered[:, 5], lse, target_logit)
         kept = x != o.ignore_index
         logprob = torch.where(kept, log_target_prob(target_logit, lse, r), 0.0)
         entropy = torch.where(kept, entropy, 0.0)

@@ -90,19 +90,22 @@ CASES = {
 
 def test_a_large_soft_cap_keeps_fp32s_gradients_at_the_naive_paths_accuracy():
     """As tests/cce/test_cce.py's test of that name, through this schedule's row kernel: logits of ~1
-    under a cap of 50, fp32, dE and dC within 1.8x the naive fp32 path's error against float64 (the
-    cap's 16-bit form gave dC ~2.2x)."""
+    under a cap of 50, fp32, dE and dC within 1.5x the naive fp32 path's error against float64 (the cap's
+    16-bit form gave dC ~3x), and the same rows without a cap (1.06x and 0.96x; this schedule's row kernel
+    sums a row's mass in one program, so its non-target mass alone gave 1.11x and 1.02x)."""
     E, C, x, _ = inputs(torch.float32)
     go = torch.tensor(1.7)
-    loss, dE, dC, _, stats = run(E, C, x, None, go, reduction="sum", softcap=50.0, configs=CONFIGS["several"],
-                                 memory_budget=budget_for(torch.float32, ROWS))
-    assert stats["schedule"] == "forward_grads", stats["why"]
-    _, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="sum", softcap=50.0)
-    En, Cn = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
-    torch.nn.functional.cross_entropy(50.0 * torch.tanh(En @ Cn.T / 50.0), x, reduction="sum").backward(go)
-    for name, ours, naive in (("dE", relative_error(dE, rdE), relative_error(En.grad, rdE)),
-                              ("dC", relative_error(dC, rdC), relative_error(Cn.grad, rdC))):
-        assert ours < 1.8 * naive, f"{name}: {ours:.2e} against naive's {naive:.2e}"
+    for softcap in (50.0, None):
+        loss, dE, dC, _, stats = run(E, C, x, None, go, reduction="sum", softcap=softcap, configs=CONFIGS["several"],
+                                     memory_budget=budget_for(torch.float32, ROWS))
+        assert stats["schedule"] == "forward_grads", stats["why"]
+        _, rdE, rdC = reference_loss_and_grads(E, C, x, go, reduction="sum", softcap=softcap)
+        En, Cn = E.clone().requires_grad_(True), C.clone().requires_grad_(True)
+        z = En @ Cn.T if softcap is None else softcap * torch.tanh(En @ Cn.T / softcap)
+        torch.nn.functional.cross_entropy(z, x, reduction="sum").backward(go)
+        for name, ours, naive in (("dE", relative_error(dE, rdE), relative_error(En.grad, rdE)),
+                                  ("dC", relative_error(dC, rdC), relative_error(Cn.grad, rdC))):
+            assert ours < 1.5 * naive, f"softcap {softcap}, {name}: {ours:.2e} against naive's {naive:.2e}"
 
 @pytest.mark.parametrize("chunks", ["one", "several", "fp32_logits", "dC_in_dtype"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -65,6 +65,18 @@ def slope_from_gap(r):
 
 
 @triton.jit
+def target_complement(r, z_x, lse):
+    # 1 - p(target) as the backward takes it (its target column is a (1 - r) - b = (a - b) - a r): r, the row's
+    # non-target mass to fp32's relative precision, where r < 1/2 (a confident token); else 1 - exp(z_x - lse),
+    # rounded once near 1 as the naive path's p - 1 is: r's own relative error (~1e-6, a sum of V terms over
+    # its lse) is ~1e-6 absolute there, and an fp32 flat row's target column erred ~40x the naive path's (its
+    # dC 1.5-2.6x over the whole gradient). Where that form is NaN (an infinite lse), r.
+    # ``helpers.cce.forward.nontarget_mass`` is the same rule for the torch paths.
+    from_target = 1.0 - tl.exp(z_x - lse)
+    return tl.where((r < 0.5) | (from_target != from_target), r, from_target)
+
+
+@triton.jit
 def log1p_neg(r):
     # log1p(-r) for r in [0, 1), without libdevice (the interpreter has none): with q = 1 - r rounded,
     # log(q) r / (1 - q) is accurate to a few ulp, 1 - q being exact (Goldberg, "What every computer

@@ -31,7 +31,7 @@ already read. Reference: ``helpers.spec.reference_loss`` and autograd through it
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import log1p_neg, slope_from_gap, soft_cap, soft_cap_and_gap
+from helpers.cce.kernels.logits import log1p_neg, slope_from_gap, soft_cap, soft_cap_and_gap, target_complement
 
 
 @triton.jit
@@ -85,6 +85,7 @@ def row_gradient_kernel(
     lse = m + tl.log(s)
     r = tl.math.div_rn(u, s)  # 1 - S_x to fp32's relative precision (``lse_forward_kernel``'s NONTARGET)
     nll = tl.where(r < 0.5, -log1p_neg(r), lse - z_target)
+    r = target_complement(r, z_target, lse)  # the target column's 1 - S_x
     loss = nll + label_smoothing * z_target + z_loss * lse * lse
     if SUM_LOGITS:
         loss -= label_smoothing / V * z_sum

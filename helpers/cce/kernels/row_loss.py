@@ -12,7 +12,8 @@ element-wise torch launches of N elements. Per row i (one program per BLOCK rows
 r_i = 1 - p(target) comes to fp32's relative precision from the forward's masked sum; lse - z_x, two
 separately rounded numbers of |z|'s size, would be wrong by ~ulp(|z|) (~4e-6 at |z| ~ 30) where the
 loss itself is ~r (a confident token). Where r >= 1/2 the loss is >= log 2 and lse - z_x is exact enough.
-r is stored for the backward (``helpers.cce.backward.rows``).
+r is stored for the backward (``helpers.cce.backward.rows``), as 1 - exp(z_x - lse) where r >= 1/2
+(``target_complement``: there r's relative error is the target column's absolute one).
 
 With REDUCE (up to ``ONE_PROGRAM_ROWS`` rows, one program walking every block) the launch also writes the
 loss reduced: the rows' sum (REDUCE = 1) or that sum over the kept rows' count (REDUCE = 2: 0 / 0 = NaN
@@ -24,7 +25,7 @@ Reference: the forward's tests against float64 (tests/cce/test_cce.py).
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import log1p_neg
+from helpers.cce.kernels.logits import log1p_neg, target_complement
 
 
 ONE_PROGRAM_ROWS = 8192  # the most rows whose loss one program reduces (REDUCE)
@@ -81,6 +82,7 @@ def _block_loss(lse_split_ptr, nontarget_split_ptr, logit_sum_split_ptr, target_
     kept = x != ignore_index
     z_x = tl.load(target_ptr + rows, mask=inside, other=0.0)
     loss = tl.where(r < 0.5, -log1p_neg(r), lse - z_x)
+    r = target_complement(r, z_x, lse)  # what the backward takes
     if SMOOTHING:
         loss = loss + (1.0 - target_weight) * z_x - smoothing_weight * logit_sum
     if Z_LOSS:  # only where asked: 0 x lse^2 would make an infinite lse's loss NaN
