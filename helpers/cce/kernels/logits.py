@@ -65,7 +65,7 @@ def slope_from_gap(r):
 
 
 @triton.jit
-def target_complement(r, z_x, lse):
+def target_complement(r, z_x, lse):  # z_x and lse may share any shift (only z_x - lse is used)
     # 1 - p(target) as the backward takes it (its target column is a (1 - r) - b = (a - b) - a r): r, the row's
     # non-target mass to fp32's relative precision, where r < 1/2 (a confident token); else 1 - exp(z_x - lse),
     # rounded once near 1 as the naive path's p - 1 is: r's own relative error (~1e-6, a sum of V terms over
