@@ -51,21 +51,23 @@ def leaves(*tensors, dtype):
     return [t.detach().to(dtype).requires_grad_(True) for t in tensors]
 
 
-def cross_entropy_ratios(E, C, x, softcap: float) -> dict:
+def cross_entropy_ratios(E, C, x, softcap: float, **extra) -> dict:
+    """dE's and dC's error ratios (``ratios``); ``extra``: more of the loss's options (e.g. temperature)."""
     grads = {}
     for name, dtype in (("exact", torch.float64), ("naive", torch.float32)):
         e, c = leaves(E, C, dtype=dtype)
-        reference_loss(e, c, x, reduction="sum", softcap=softcap, dtype=dtype).backward()
+        reference_loss(e, c, x, reduction="sum", softcap=softcap, dtype=dtype, **extra).backward()
         grads[name] = (e.grad, c.grad)
     e, c = leaves(E, C, dtype=torch.float32)
-    linear_cross_entropy(e, c, x, reduction="sum", softcap=softcap).backward()
+    linear_cross_entropy(e, c, x, reduction="sum", softcap=softcap, **extra).backward()
     grads["ours"] = (e.grad, c.grad)
     return ratios(grads)
 
 
-def divergence_ratios(E, C, E_t, C_t, softcap: float, kind: str) -> dict:
+def divergence_ratios(E, C, E_t, C_t, softcap: float, kind: str, **extra) -> dict:
+    """dE_s's and dC_s's error ratios (``ratios``); ``extra``: more options (e.g. temperature)."""
     grads = {}
-    options = dict(kind=kind, reduction="sum", softcap=softcap)
+    options = dict(kind=kind, reduction="sum", softcap=softcap, **extra)
     for name, dtype in (("exact", torch.float64), ("naive", torch.float32)):
         e, c = leaves(E, C, dtype=dtype)
         reference_kl_div(e, c, E_t.to(dtype), C_t.to(dtype), dtype=dtype, **options).backward()

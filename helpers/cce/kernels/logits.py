@@ -46,6 +46,39 @@ def soft_cap_and_gap(z, softcap, PRECISE: tl.constexpr = False):
 
 
 @triton.jit
+def exp_of(x, PRECISE: tl.constexpr = False):
+    # exp(x). tl.exp on a GPU is ex2.approx(x * log2(e)): the product's rounding moves the exponent by up to
+    # |x| 2^-24 log2(e), a relative error of ~|x| 6e-8 in the result (4e-7 at x = -6, where a probability of
+    # 2.5e-3 still counts), beside ex2.approx's own few ulp; CUDA's expf (torch's) keeps ~1 ulp. PRECISE
+    # (fp32 inputs) forms it from fp32 operations alone, to ~1 ulp on every backend: x = n ln2 + r with n the
+    # nearest integer to x log2(e) and r by two FMAs (Cody and Waite: ln2's high part has 16 bits, so n ln2_hi
+    # is exact for |n| < 2^8), e^r on |r| <= ln2 / 2 by its Taylor series to r^7 (truncation 5e-9 relative),
+    # scaled by 2^n as two exact powers of two built from their bits (so that results down to fp32's
+    # subnormals, and underflow to 0, come out as expf's). x is clamped to [-104, 89] first: exp(-inf) = 0,
+    # exp(89) = inf; a NaN stays NaN.
+    if PRECISE:
+        xc = tl.minimum(tl.maximum(x, -104.0), 89.0)
+        n = tl.floor(xc * 1.4426950408889634 + 0.5)
+        r = tl.fma(n, -0.693145751953125, xc)  # ln2's high part: 0x3F317200, its last 8 bits zero
+        r = tl.fma(n, -1.4286068203094172e-06, r)  # ln2 - its high part
+        e = 1.0 / 5040
+        e = tl.fma(e, r, 1.0 / 720)
+        e = tl.fma(e, r, 1.0 / 120)
+        e = tl.fma(e, r, 1.0 / 24)
+        e = tl.fma(e, r, 1.0 / 6)
+        e = tl.fma(e, r, 0.5)
+        e = tl.fma(e, r, 1.0)
+        e = tl.fma(e, r, 1.0)
+        k = n.to(tl.int32)
+        half = k >> 1  # 2^n = 2^half 2^(n - half), each factor a normal number for n in [-150, 128]
+        scale_a = ((half + 127) << 23).to(tl.float32, bitcast=True)
+        scale_b = ((k - half + 127) << 23).to(tl.float32, bitcast=True)
+        return tl.where(x == x, (e * scale_a) * scale_b, x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
 def soft_cap(z, softcap, PRECISE: tl.constexpr = False):
     # softcap * tanh(z / softcap), with ``soft_cap_and_gap``'s bits.
     capped, _ = soft_cap_and_gap(z, softcap, PRECISE)
