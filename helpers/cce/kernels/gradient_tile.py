@@ -39,7 +39,7 @@ derivative itself is r (2 - r) from r = 1 - t (``slope_from_gap``): 1 - t^2 is 0
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import add_bias, logit_tile, logit_tile_tma, slope_from_gap, soft_cap_and_gap
+from helpers.cce.kernels.logits import add_bias, exp_of, logit_tile, logit_tile_tma, slope_from_gap, soft_cap_and_gap
 
 
 @triton.jit
@@ -180,18 +180,18 @@ def gradient_of_logits(
     lse, a, t_x, c, d, x,  # the rows' lse, coefficients and targets (int32, -1: none), each (BLOCK_N,)
     V, softcap, inv_temperature, class_weight_ptr,
     HAS_SOFTCAP: tl.constexpr, ENTROPY: tl.constexpr, CLASS_WEIGHTS: tl.constexpr,
-    PRECISE_CAP: tl.constexpr,  # fp32 inputs (``soft_cap_and_gap``)
+    PRECISE: tl.constexpr,  # fp32 inputs: the cap's and exp's precise forms (``soft_cap_and_gap``, ``exp_of``)
 ):
     """(G, S, mass) of ``gradient_and_softmax_tile`` for logits ``z`` of any width W."""
     if HAS_SOFTCAP:
-        z, gap = soft_cap_and_gap(z, softcap, PRECISE_CAP)
+        z, gap = soft_cap_and_gap(z, softcap, PRECISE)
     # The temperature divides the capped logit (x * 1.0 is exact: no temperature, the same bits).
     z = z * inv_temperature
 
     # G = a S - c / V (+ d S (z - lse)) off the target, t - c / V on it (module doc), then the
     # chain rule through the temperature and the soft cap.
     log_S = z - lse[:, None]
-    S = tl.exp(log_S)
+    S = exp_of(log_S, PRECISE)
     is_target = x[:, None] == cols.to(tl.int32)
     G = a[:, None] * S
     if ENTROPY:

@@ -105,7 +105,7 @@ def target_complement(r, z_x, lse):  # z_x and lse may share any shift (only z_x
     # its lse) is ~1e-6 absolute there, and an fp32 flat row's target column erred ~40x the naive path's (its
     # dC 1.5-2.6x over the whole gradient). Where that form is NaN (an infinite lse), r.
     # ``helpers.cce.forward.nontarget_mass`` is the same rule for the torch paths.
-    from_target = 1.0 - tl.exp(z_x - lse)
+    from_target = 1.0 - exp_of(z_x - lse, True)
     return tl.where((r < 0.5) | (from_target != from_target), r, from_target)
 
 

@@ -61,7 +61,7 @@ held across the D loop spilled registers on sm_90.
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import add_bias, logit_tile, logit_tile_tma, soft_cap
+from helpers.cce.kernels.logits import add_bias, exp_of, logit_tile, logit_tile_tma, soft_cap
 
 
 @triton.jit
@@ -178,8 +178,8 @@ def lse_forward_kernel(
         # 2. [Online softmax] Every tile holds at least one real column (v0 < V), so m' is finite
         # after the first tile.
         m_new = tl.maximum(m, tl.max(z, axis=1))
-        p = tl.exp(z - m_new[:, None])
-        alpha = tl.exp(m - m_new)  # the running sums' rescale (0 before the first tile)
+        p = exp_of(z - m_new[:, None], DOT_PRECISION == "ieee")
+        alpha = exp_of(m - m_new, DOT_PRECISION == "ieee")  # the running sums' rescale (0 before the first tile)
         if ROW_STATS:
             # [Entropy] t = sum_v p_v (z_v - m), kept relative to the running max so that H = log s - t / s
             # never subtracts two logit-sized numbers. On a new max m': sum p' (z - m') =
@@ -224,7 +224,7 @@ def lse_forward_kernel(
             u = s
         holds = (x >= v_begin) & (x < v_end)
         z_x = tl.load(target_logit_ptr + rows, mask=row_mask & holds, other=0.0)
-        lse_sum = u + tl.where(holds, tl.exp(z_x - m), 0.0)
+        lse_sum = u + tl.where(holds, exp_of(z_x - m, DOT_PRECISION == "ieee"), 0.0)
     tl.store(lse_split_ptr + out, m + tl.log(lse_sum), mask=row_mask)
     if SUM_LOGITS:
         tl.store(logit_sum_split_ptr + out, logit_sum, mask=row_mask)

@@ -31,7 +31,7 @@ already read. Reference: ``helpers.spec.reference_loss`` and autograd through it
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import log1p_neg, slope_from_gap, soft_cap, soft_cap_and_gap, target_complement
+from helpers.cce.kernels.logits import exp_of, log1p_neg, slope_from_gap, soft_cap, soft_cap_and_gap, target_complement
 
 
 @triton.jit
@@ -75,8 +75,8 @@ def row_gradient_kernel(
             z_sum += tl.sum(tl.where(mask, z, 0.0))
         z = tl.where(mask, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z))
-        p = tl.exp(z - m_new)
-        alpha = tl.exp(m - m_new)
+        p = exp_of(z - m_new, Z_ptr.dtype.element_ty == tl.float32)
+        alpha = exp_of(m - m_new, Z_ptr.dtype.element_ty == tl.float32)
         u = u * alpha + tl.sum(tl.where(cols == x, 0.0, p))
         s = s * alpha + tl.sum(p)
         m = m_new
@@ -106,7 +106,7 @@ def row_gradient_kernel(
         if HAS_SOFTCAP:
             z, gap = soft_cap_and_gap(z, softcap, Z_ptr.dtype.element_ty == tl.float32)
         z = z * inv_temperature
-        S = tl.exp((z - m) - log_s)
+        S = exp_of((z - m) - log_s, Z_ptr.dtype.element_ty == tl.float32)
         G = tl.where(cols == x, t_x, a * S) - c / V
         G = G * inv_temperature
         if HAS_SOFTCAP:

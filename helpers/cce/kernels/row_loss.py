@@ -25,7 +25,7 @@ Reference: the forward's tests against float64 (tests/cce/test_cce.py).
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import log1p_neg, target_complement
+from helpers.cce.kernels.logits import exp_of, log1p_neg, target_complement
 
 
 ONE_PROGRAM_ROWS = 8192  # the most rows whose loss one program reduces (REDUCE)
@@ -72,12 +72,13 @@ def _block_loss(lse_split_ptr, nontarget_split_ptr, logit_sum_split_ptr, target_
     nontarget = tl.zeros([BLOCK], dtype=tl.float32)  # in the same scale m (every split's u <= its s)
     logit_sum = tl.zeros([BLOCK], dtype=tl.float32)
     for k in range(0, splits):
-        total += tl.exp(tl.load(lse_split_ptr + k * stride_split + rows, mask=inside, other=0.0) - m)
-        nontarget += tl.exp(tl.load(nontarget_split_ptr + k * stride_split + rows, mask=inside, other=0.0) - m)
+        # exp_of's precise form whatever the inputs' dtype: a few exps a row, and the lse every backward takes.
+        total += exp_of(tl.load(lse_split_ptr + k * stride_split + rows, mask=inside, other=0.0) - m, True)
+        nontarget += exp_of(tl.load(nontarget_split_ptr + k * stride_split + rows, mask=inside, other=0.0) - m, True)
         if SMOOTHING:
             logit_sum += tl.load(logit_sum_split_ptr + k * stride_split + rows, mask=inside, other=0.0)
     lse = m + tl.log(total)
-    r = tl.exp(tl.log(nontarget) - tl.log(total))  # exp(lse_u - lse): relative precision, no 1 - p
+    r = exp_of(tl.log(nontarget) - tl.log(total), True)  # exp(lse_u - lse): relative precision, no 1 - p
     x = tl.load(x_ptr + rows * stride_x, mask=inside, other=ignore_index)
     kept = x != ignore_index
     z_x = tl.load(target_ptr + rows, mask=inside, other=0.0)
