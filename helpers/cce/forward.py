@@ -54,10 +54,12 @@ def cce_forward(
     class_weight: torch.Tensor | None = None,
     reduced: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, Activity]:
-    """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32; r (N,) fp32, each row's non-target
-    softmax mass 1 - p(target), to fp32's relative precision (``lse_forward_kernel``'s NONTARGET: the
-    backward's target column and a confident token's loss are formed from it), 1 where the target is
-    ignored), from Algorithms 1 and 2; with
+    """(loss per row (N,) fp32, 0 at ignored rows; lse (N,) fp32; r (2N,) fp32, two rows the backward
+    takes, flat (``r.view(2, -1)``): the first each row's 1 - p(target), from the non-target softmax
+    mass to fp32's relative precision where it is below 1/2 (``lse_forward_kernel``'s NONTARGET: the
+    backward's target column and a confident token's loss are formed from it), from the target's own logit above
+    (``helpers.cce.kernels.logits.target_complement``), the second the lse's rounding lo (lse + lo is the
+    row's lse to ~1e-14 for fp32 inputs: ``row_loss_kernel``)), from Algorithms 1 and 2; with
     ``emit_activity``, a fourth element: the ``Activity`` the "sparse" backward needs (the options
     must have a filter: ``options.filter_eps``; ``options.sort_vocab`` walks the sorted vocabulary).
     ``return_lse``: the lse is returned to the caller, so a gradient may flow into it and the bits are
@@ -99,17 +101,19 @@ def cce_forward(
         raise ValueError("class_weight is for label smoothing without a z-loss or activity bits "
                          "(helpers.cce.class_weights)")
     if not emit_activity:
-        lse_split, nontarget_split, logit_sum_split, _ = _lse_splits(
+        lse_split, nontarget_split, logit_sum_split, _, lse_lo_split = _lse_splits(
             E, C, bias, x, target_logit, o, fwd, v_splits, softcap, gluon=gluon, class_weight=class_weight,
             tile_flags=tile_flags)
         activity = None
     else:
-        lse_split, nontarget_split, logit_sum_split, activity = _lse_with_activity(
+        lse_split, nontarget_split, logit_sum_split, activity, lse_lo_split = _lse_with_activity(
             E, C, bias, x, target_logit, o, configs, v_splits, softcap, return_lse)
     # The splits merged and each row's loss, in one launch (``row_loss_kernel``).
     N = x.shape[0]
-    lse, r, loss = (torch.empty(N, dtype=torch.float32, device=E.device) for _ in range(3))  # no views: a custom
-    # op's outputs may not alias each other
+    # r: the backward's rows, r and the lse's rounding lo (``row_loss_kernel``). No views: a custom op's outputs
+    # may not alias each other.
+    lse, loss = (torch.empty(N, dtype=torch.float32, device=E.device) for _ in range(2))
+    r = torch.empty(2 * N, dtype=torch.float32, device=E.device)
     # Class weights: the kernel's rows are lse - z_x, weighted with the smoothing term after it.
     reduce = 0
     if reduced is not None:
@@ -122,7 +126,8 @@ def cce_forward(
         reduced if reduce else lse, counts if reduce == 2 else x,
         N, lse_split.shape[0], lse_split.stride(0), x.stride(0), o.ignore_index,
         1.0 if weighted else 1.0 - o.label_smoothing, o.label_smoothing / V, float(o.z_loss),
-        SMOOTHING=smoothing and not weighted, Z_LOSS=bool(o.z_loss), BLOCK=ROW_BLOCK, REDUCE=reduce)
+        SMOOTHING=smoothing and not weighted, Z_LOSS=bool(o.z_loss), BLOCK=ROW_BLOCK, REDUCE=reduce,
+        lse_lo_split_ptr=lse_lo_split, HAS_LO=lse_lo_split is not None)
     if weighted:
         loss = smoothed_rows(loss, lse, logit_sum_split.sum(0), x, class_weight, o.label_smoothing, o.ignore_index)
     return (loss, lse, r) if activity is None else (loss, lse, r, activity)
@@ -137,8 +142,9 @@ def reduces_in_kernel(N: int, reduction: str, weighted: bool = False) -> bool:
 
 def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softcap, row_stats=False, gluon=False,
                 class_weight=None, tile_flags: TileFlags | None = None):
-    """Algorithm 2 without bits: (lse_split, nontarget_split, logit_sum_split, row_stats), each split's
-    rows (SPLITS, N); nontarget_split: the lse of each split without the target x's column (NONTARGET;
+    """Algorithm 2 without bits: (lse_split, nontarget_split, logit_sum_split, row_stats, lse_lo_split), each
+    split's rows (SPLITS, N); lse_lo_split: the rounding of each split's lse for fp32 inputs (``lse_forward_kernel``'s
+    LSE_LO; None otherwise); nontarget_split: the lse of each split without the target x's column (NONTARGET;
     ``target_logit``: Algorithm 1's z_x, the target's term of the plain walk's sums);
     with ``row_stats``, row_stats = (entropy_split, max_split, target_split) (``lse_forward_kernel``'s
     ROW_STATS), else None. ``gluon``: the plain lse runs the Gluon kernel (``_runs_gluon``'s answer).
@@ -153,12 +159,13 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
         flags = tile_flags.for_tiling(pingpong.BLOCK_N, pingpong.BLOCK_V) if tile_flags else None
         lse_split, nontarget_split = pingpong.lse_forward_pingpong(E, C, x, target_logit, o.ignore_index,
                                                                    tile_flags=flags)
-        return lse_split, nontarget_split, lse_split, None
+        return lse_split, nontarget_split, lse_split, None, None
     n_blocks, v_splits = split_grid(N, fwd, E.device, v_splits, D, E.element_size())
     v_blocks = triton.cdiv(V, fwd.BLOCK_V)
     blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
     v_splits = triton.cdiv(v_blocks, blocks_per_split)
     lse_split, nontarget_split = torch.empty(2, v_splits, N, dtype=torch.float32, device=E.device).unbind(0)
+    lse_lo_split = torch.empty_like(lse_split) if E.dtype == torch.float32 else None
     logit_sum_split = torch.empty_like(lse_split) if o.label_smoothing > 0 else lse_split
     stats = tuple(torch.empty_like(lse_split) for _ in range(3)) if row_stats else None
     flags = tile_flags.for_tiling(fwd.BLOCK_N, fwd.BLOCK_V) if tile_flags and not row_stats else None
@@ -173,9 +180,10 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
         softcap, 0.0, 1.0 / o.temperature,
         ROW_STATS=row_stats, NONTARGET=True, TILE_FLAGS=flags is not None,
         class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,
+        lse_lo_split_ptr=lse_lo_split, LSE_LO=lse_lo_split is not None,
         **launch,
     )
-    return lse_split, nontarget_split, logit_sum_split, stats
+    return lse_split, nontarget_split, logit_sum_split, stats, lse_lo_split
 
 
 def _runs_gluon(E, C, bias, o: CCEOptions, host, v_splits) -> bool:
@@ -234,7 +242,7 @@ def cce_forward_outputs(
     softcap = o.softcap if o.softcap is not None else 1.0
     # Algorithm 1: z_{i, x_i} as the loss's forward makes it; the accuracy uses the LSE tiles' own copy.
     target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg)
-    lse_split, nontarget_split, _, (entropy_split, max_split, target_split) = _lse_splits(
+    lse_split, nontarget_split, _, (entropy_split, max_split, target_split), _ = _lse_splits(
         E, C, bias, x, target_logit, replace(o, label_smoothing=0.0), fwd, v_splits, softcap, row_stats=True)
     lse, entropy, row_max = merge_row_stats(lse_split, entropy_split, max_split)
     r = nontarget_mass(nontarget_split, lse, target_logit)
@@ -283,9 +291,9 @@ def cce_forward_rows(
     target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg, tile_flags=tile_flags)
     if outputs:
         o = replace(o, label_smoothing=0.0)
-    lse_split, nontarget_split, logit_sum_split, row_stats = _lse_splits(E, C, bias, x, target_logit, o, fwd,
-                                                                         v_splits, softcap, row_stats=outputs,
-                                                                         tile_flags=tile_flags)
+    lse_split, nontarget_split, logit_sum_split, row_stats, _ = _lse_splits(E, C, bias, x, target_logit, o, fwd,
+                                                                            v_splits, softcap, row_stats=outputs,
+                                                                            tile_flags=tile_flags)
     logit_sum = logit_sum_split.sum(dim=0) if o.label_smoothing > 0 else None
     lse_nontarget = torch.logsumexp(nontarget_split, dim=0)
     if not outputs:
@@ -451,7 +459,8 @@ def _launch_flags(cfg, o: CCEOptions, bias, dtype, n_blocks: int, e_desc: bool) 
 
 
 def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_splits, softcap, return_lse):
-    """Algorithm 2 with activity bits: (lse_split, nontarget_split, logit_sum_split, Activity); the module doc says
+    """Algorithm 2 with activity bits: (lse_split, nontarget_split, logit_sum_split, Activity, lse_lo_split: as
+    ``_lse_splits``'s); the module doc says
     how the bits' lower bound is kept tight (target seed; pilot launch when sorted)."""
     if o.filter_eps is None:
         raise ValueError("activity bits need a gradient filter (options.filter_eps)")
@@ -487,6 +496,7 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
     splits = triton.cdiv(v_blocks, blocks_per_split) if v_blocks else 0
     lse_split, nontarget_split = torch.empty(2, (1 if pilot else 0) + splits, N, dtype=torch.float32,
                                              device=device).unbind(0)
+    lse_lo_split = torch.empty_like(lse_split) if E.dtype == torch.float32 else None
     # The targets as the kernel walks the columns: their sorted positions in the sorted walk (-1 where
     # ignored or out of range: no column), so that a tile holds a target where its positions do.
     if order is not None:
@@ -501,7 +511,7 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
     strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1))
     E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=order is not None)
     flags = dict(_launch_flags(fwd, o, bias, E.dtype, n_blocks, e_desc),
-                 EMIT_BITS=True, SORTED=order is not None, SUB=sub, NONTARGET=True)
+                 EMIT_BITS=True, SORTED=order is not None, SUB=sub, NONTARGET=True, LSE_LO=lse_lo_split is not None)
     order_arg = order if order is not None else seed_max
     bias_arg = bias if bias is not None else seed_max
     if pilot:
@@ -510,12 +520,13 @@ def _lse_with_activity(E, C, bias, x, target_logit, o: CCEOptions, configs, v_sp
             E_arg, C_arg, bias_arg, lse_split[0], logit_sum_split[0], bits, seed_add, seed_max, order_arg,
             x_walk, *(seed_max,) * 3, nontarget_split[0], target_logit, seed_max, *common, 0, ignore_walk,
             triton.cdiv(pilot, fwd.BLOCK_V), *strides, softcap, eps,
-            1.0 / o.temperature, **flags)
+            1.0 / o.temperature, lse_lo_split_ptr=lse_lo_split[0] if lse_lo_split is not None else None, **flags)
         seed_add = lse_split[0]
     if splits:
         lse_forward_kernel[grid_order(n_blocks, splits)](
             E_arg, C_arg, bias_arg, lse_split[1 if pilot else 0:], logit_sum_split[1 if pilot else 0:], bits,
             seed_add, seed_max, order_arg, x_walk, *(seed_max,) * 3, nontarget_split[1 if pilot else 0:],
             target_logit, seed_max, *common, pilot, ignore_walk, blocks_per_split, *strides, softcap, eps, 1.0 / o.temperature,
-            **flags)
-    return lse_split, nontarget_split, logit_sum_split, Activity(bits, bits_v, V, order, o.filter_eps, pilot, coef_max)
+            lse_lo_split_ptr=lse_lo_split[1 if pilot else 0:] if lse_lo_split is not None else None, **flags)
+    return (lse_split, nontarget_split, logit_sum_split,
+            Activity(bits, bits_v, V, order, o.filter_eps, pilot, coef_max), lse_lo_split)

@@ -65,8 +65,8 @@ def traceable_backward(backward_impl: str) -> str:
 
 def loss_forward(E, C, x, bias, plan: CCEPlan, *, check_targets: bool = True):
     """(loss, lse, r, n_kept, activity) of E (N, D), C (V, D), x (N,) by ``plan``: the loss reduced as
-    ``plan.options.reduction`` says, the lse (N,) fp32, each row's non-target mass r (N,) fp32
-    (``cce_forward``'s: the backward's target column), the kept rows' count (an int64 scalar), the
+    ``plan.options.reduction`` says, the lse (N,) fp32, the rows the backward takes r (2N,) fp32
+    (``cce_forward``'s: its target column's 1 - p and the lse's rounding), the kept rows' count (an int64 scalar), the
     "sparse" backward's bits (None without).
 
     ``check_targets``: raise for a target outside [0, V) that is not ignore_index. It costs one
@@ -218,7 +218,7 @@ def _(E, C, x, bias, *options):
     N = E.shape[0]
     loss = E.new_empty((N,) if plan.options.reduction == "none" else (), dtype=torch.float32)
     return (loss, E.new_empty((N,), dtype=torch.float32), x.new_empty((), dtype=torch.int64),
-            E.new_empty((N,), dtype=torch.float32))
+            E.new_empty((2 * N,), dtype=torch.float32))
 
 
 @torch.library.custom_op("cce::linear_cross_entropy_backward", mutates_args=())

@@ -263,7 +263,9 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
             loss = loss_rows.sum()
         else:
             loss = loss_rows.sum() / n_kept  # NaN when every token is ignored, as torch
-        ctx.save_for_backward(E, C_local, x_local, kept, lse, r, n_kept, bias_local)
+        # The backward's rows (``RowGradient.of``): r and the lse's rounding, 0 here (the ranks' lse merged in fp32).
+        rows_back = torch.cat([r, torch.zeros_like(r)])
+        ctx.save_for_backward(E, C_local, x_local, kept, lse, rows_back, n_kept, bias_local)
         ctx.plan, ctx.layout, ctx.dE_reduction, ctx.stats = plan, layout, dE_reduction, stats
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(n_kept)

@@ -108,7 +108,7 @@ def launch_costs(device, dtype) -> dict:
             lambda mode=mode: fp32_product(out, a, b, alpha=0.5, accumulate=True, mode=mode), device)
     labels = torch.randint(0, n, (n,), device=device)
     lse = torch.randn(n, device=device)
-    r = torch.rand(n, device=device)
+    r = torch.rand(2 * n, device=device)  # cce_forward's r: 1 - S_x and the lse's rounding
     costs["Triton launch (row weights)"] = host_us(
         lambda: RowGradient.of(None, None, labels, -100, lse, r, CCEOptions()), device, calls=100)
     if device.type == "cuda":

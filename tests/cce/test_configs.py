@@ -27,7 +27,7 @@ import pytest
 KERNEL_FLAGS = {
     # (kernel, variant) -> the constexpr flags compiled: every flag on, and every flag off.
     ("lse_forward", "all"): dict(HAS_SOFTCAP=True, SUM_LOGITS=True, EMIT_BITS=False, SORTED=False, SUB=1,
-                                 CLASS_WEIGHTS=True, NONTARGET=True, TILE_FLAGS=True),
+                                 CLASS_WEIGHTS=True, NONTARGET=True, TILE_FLAGS=True, LSE_LO=True),
     ("lse_forward", "none"): dict(HAS_SOFTCAP=False, SUM_LOGITS=False, EMIT_BITS=False, SORTED=False, SUB=1),
     # The forward of backward_impl="sparse": activity bits, sorted walk (SUB from the tier's tiles).
     ("lse_forward", "bits"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SUM_LOGITS=False, EMIT_BITS=True,
@@ -62,7 +62,7 @@ KERNEL_FLAGS = {
     ("row_gradient", "all"): dict(HAS_SOFTCAP=True, SUM_LOGITS=True),
     ("row_gradient", "none"): dict(HAS_SOFTCAP=False, SUM_LOGITS=False),
     # The per-row kernels of the forward's end and the backward's start (no tiles: one tier, one dtype).
-    ("row_loss", "all"): dict(SMOOTHING=True, Z_LOSS=True),
+    ("row_loss", "all"): dict(SMOOTHING=True, Z_LOSS=True, HAS_LO=True),
     ("row_loss", "none"): dict(SMOOTHING=False, Z_LOSS=False),
     ("row_weights", "all"): dict(HAS_H=True, ONE_PROGRAM=True),
     ("row_weights", "none"): dict(HAS_H=False, ONE_PROGRAM=False),

@@ -51,7 +51,8 @@ def cce_backward(
     """(dE (N, D), dC (V, D), db (V,)) in the inputs' dtypes; None for a gradient that ``need``
     (dE, dC, db) does not ask for, which is then not computed.
 
-    lse, r: (N,) fp32 each, ``cce_forward``'s lse and non-target mass r = 1 - p(target).
+    lse: (N,) fp32, ``cce_forward``'s lse; r: (2N,) fp32, its rows for the backward (1 - p(target) and
+    the lse's rounding).
     grad_rows: (N,) fp32, the upstream gradient of each row's loss (0 at ignored rows is implied).
     grad_lse: (N,) fp32 or None, the gradient flowing into the returned lse (``return_lse``).
     bias: the head's bias (V,), or None. backward_impl: "gemm", "atomic" or "sparse" (module doc;

@@ -49,12 +49,14 @@ class RowGradient:
         an expanded one: a mean or a sum), any float dtype, or None (no gradient into the loss);
         labels, ignore: a row is kept where labels != ignore (x and ignore_index; or a kept mask and 0);
         divisor: None, or a mean's n_kept (an int64 scalar): its rows get grad_rows / max(n_kept, 1);
-        grad_lse: (N,) the gradient flowing into the returned lse, or None; nontarget: (N,) fp32,
-        each row's r = 1 - S_x from the forward (``cce_forward``). One launch up to
+        grad_lse: (N,) the gradient flowing into the returned lse, or None; nontarget: (2N,) fp32, each
+        row's r = 1 - S_x and its lse's rounding lo from the forward (``cce_forward``'s r). One launch up to
         ``ONE_PROGRAM_ROWS`` rows, two past it (``helpers.cce.kernels.row_weights``: with few tokens the
         host's launches bound the backward, so the kept mask and the mean's division are made there too)."""
         N = lse.shape[0]
         device = lse.device
+        if nontarget.shape != (2 * N,) or not nontarget.is_contiguous():
+            raise ValueError(f"nontarget must be cce_forward's r, contiguous ({2 * N},), got {tuple(nontarget.shape)}")
         # w, w_rel, coef's three rows and w_scale in one allocation, each 16-byte aligned as an allocation of
         # its own is (the kernels specialise on their pointers' alignment).
         n = -(-N // 4) * 4
@@ -113,7 +115,7 @@ class RowGradient:
             G = g [alpha S - beta [v = x] - eps w_v / V] + h S,  alpha = (1 - eps) t + eps W / V,  beta = (1 - eps) t,
 
         so a = (g alpha + h) / w, b = g beta / w (the kernels take t = (g eps W / V + h) / w - a r, module
-        doc), c = g eps / w, the kernels multiplying c / V by w_v
+        doc, and a exp(-lo), ``row_weights``), c = g eps / w, the kernels multiplying c / V by w_v
         (CLASS_WEIGHTS). w = max(|g| k, |h|) with k = max(|alpha|, |beta|, eps max|w_v| / V) keeps
         |a| <= 2, |b| <= 1 and each |c w_v| / V <= 1, negative weights included: G's entries stay of
         size ~1 in fp16 whatever the weights' scale, which w carries instead."""
@@ -130,8 +132,9 @@ class RowGradient:
         w = torch.maximum(g.abs() * k, h.abs())
         safe = torch.where(w > 0, w, 1.0)
         a = (g * alpha + h) / safe
-        t = (g * ((eps / V) * weight.sum()) + h) / safe - a * nontarget.to(torch.float32)
-        coef = torch.stack([a, t, g * eps / safe])
+        r, lo = nontarget.to(torch.float32).view(2, -1)  # cce_forward's r: 1 - S_x and the lse's rounding
+        t = (g * ((eps / V) * weight.sum()) + h) / safe - a * r
+        coef = torch.stack([a * torch.exp(-lo), t, g * eps / safe])  # the softmax is S exp(-lo) (``row_weights``)
         w_scale = w.amax().reshape(1)
         w_rel = torch.where(w_scale > 0, w / w_scale, 0.0)
         return cls(w, w_rel, w_scale, False, coef)

@@ -98,15 +98,25 @@ def slope_from_gap(r):
 
 
 @triton.jit
-def target_complement(r, z_x, lse):  # z_x and lse may share any shift (only z_x - lse is used)
+def target_complement(r, log_p):
     # 1 - p(target) as the backward takes it (its target column is a (1 - r) - b = (a - b) - a r): r, the row's
-    # non-target mass to fp32's relative precision, where r < 1/2 (a confident token); else 1 - exp(z_x - lse),
-    # rounded once near 1 as the naive path's p - 1 is: r's own relative error (~1e-6, a sum of V terms over
-    # its lse) is ~1e-6 absolute there, and an fp32 flat row's target column erred ~40x the naive path's (its
-    # dC 1.5-2.6x over the whole gradient). Where that form is NaN (an infinite lse), r.
+    # non-target mass to fp32's relative precision, where r < 1/2 (a confident token); else 1 - exp(log p),
+    # log p = z_x - lse, rounded once near 1 as the naive path's p - 1 is: r's own relative error (~1e-6, a sum
+    # of V terms over its lse) is ~1e-6 absolute there, and an fp32 flat row's target column erred ~40x the
+    # naive path's (its dC 1.5-2.6x over the whole gradient). Where that form is NaN (an infinite lse), r.
     # ``helpers.cce.forward.nontarget_mass`` is the same rule for the torch paths.
-    from_target = 1.0 - exp_of(z_x - lse, True)
+    from_target = 1.0 - exp_of(log_p, True)
     return tl.where((r < 0.5) | (from_target != from_target), r, from_target)
+
+
+@triton.jit
+def sum_rounding(a, b, s):
+    # (a + b) - s for s = fl(a + b), exactly (Knuth's TwoSum: six additions, no assumption on |a| and |b|);
+    # 0 where s is not finite. An lse kept as s + this (``lse_forward_kernel``'s LSE_LO, ``row_loss_kernel``)
+    # is exact to ~1e-14 where s alone rounds to ulp(s) / 2 (~1e-6 at 30), which shifts a whole row's softmax.
+    bb = s - a
+    err = (a - (s - bb)) + (b - bb)
+    return tl.where(s - s == 0.0, err, 0.0)
 
 
 @triton.jit

@@ -61,7 +61,7 @@ held across the D loop spilled registers on sm_90.
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import add_bias, exp_of, logit_tile, logit_tile_tma, soft_cap
+from helpers.cce.kernels.logits import add_bias, exp_of, logit_tile, logit_tile_tma, soft_cap, sum_rounding
 
 
 @triton.jit
@@ -109,6 +109,8 @@ def lse_forward_kernel(
     TILE_FLAGS: tl.constexpr = False,  # the plain walk masks only the tiles flagged by Algorithm 1's launch
     class_weight_ptr=None,  # (V,) fp32 class weights w: SUM_LOGITS sums w_v z_{i, v} (CLASS_WEIGHTS only)
     CLASS_WEIGHTS: tl.constexpr = False,
+    lse_lo_split_ptr=None,  # (SPLITS, N) fp32: the rounding of each split's lse, m + log s (LSE_LO only)
+    LSE_LO: tl.constexpr = False,  # fp32 inputs: the lse as two words (``sum_rounding``)
 ):
     if SPLIT_MAJOR:  # the splits of one row block are consecutive programs: they share E's strip in L2
         split = tl.program_id(0)
@@ -225,7 +227,11 @@ def lse_forward_kernel(
         holds = (x >= v_begin) & (x < v_end)
         z_x = tl.load(target_logit_ptr + rows, mask=row_mask & holds, other=0.0)
         lse_sum = u + tl.where(holds, exp_of(z_x - m, DOT_PRECISION == "ieee"), 0.0)
-    tl.store(lse_split_ptr + out, m + tl.log(lse_sum), mask=row_mask)
+    log_sum = tl.log(lse_sum)
+    lse = m + log_sum
+    tl.store(lse_split_ptr + out, lse, mask=row_mask)
+    if LSE_LO:
+        tl.store(lse_lo_split_ptr + out, sum_rounding(m, log_sum, lse), mask=row_mask)
     if SUM_LOGITS:
         tl.store(logit_sum_split_ptr + out, logit_sum, mask=row_mask)
     if ROW_STATS:

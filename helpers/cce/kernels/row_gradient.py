@@ -88,7 +88,7 @@ def row_gradient_kernel(
     lse = m + log_s
     r = tl.math.div_rn(u, s)  # 1 - S_x to fp32's relative precision (``lse_forward_kernel``'s NONTARGET)
     nll = tl.where(r < 0.5, -log1p_neg(r), lse - z_target)
-    r = target_complement(r, z_target - m, log_s)  # the target column's 1 - S_x
+    r = tl.where(kept, target_complement(r, (z_target - m) - log_s), r)  # the target column's 1 - S_x
     loss = nll + label_smoothing * z_target + z_loss * lse * lse
     if SUM_LOGITS:
         loss -= label_smoothing / V * z_sum

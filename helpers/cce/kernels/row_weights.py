@@ -9,7 +9,8 @@ launch of its own. Here it is two kernels over blocks of rows:
         g = g_i at kept rows (labels_i != ignore), else 0, divided by max(n_kept, 1) for a mean (DIVIDE);
         h = h_i (0 without a gradient into the lse)
         w = max(|g|, |h|);  safe = w where w > 0, else 1
-        coef = (a, t, c) = ((g (1 + 2 zl lse) + h) / safe,  (g (2 zl lse + ls) + h) / safe - a r,  g ls / safe)
+        coef = (a exp(-lo), t, c) with a = (g (1 + 2 zl lse) + h) / safe,  t = (g (2 zl lse + ls) + h) / safe - a r,
+        c = g ls / safe
         (3, N): t is the target column's a S_x - b with S_x = 1 - r, r the row's non-target mass from
         the forward (``helpers.cce.kernels.gradient_tile``), and a - b formed without the subtraction
         block_max[program] = max w over the program's rows (NaN if any w is NaN)
@@ -37,6 +38,8 @@ w / max w is at most 1 (exactly 1 for a mean or a sum); the bounds the bits and 
 import triton
 import triton.language as tl
 
+from helpers.cce.kernels.logits import exp_of
+
 
 ONE_PROGRAM_ROWS = 8192  # the most rows one program of ``row_weights_kernel`` takes alone (module doc)
 
@@ -63,10 +66,13 @@ def _block_weights(g_ptr, h_ptr, labels_ptr, divisor_ptr, lse_ptr, r_ptr, w_ptr,
     safe = tl.where(w > 0, w, 1.0)
     tl.store(w_ptr + rows, w, mask=inside)
     r = tl.load(r_ptr + rows, mask=inside, other=0.0)
+    lo = tl.load(r_ptr + N + rows, mask=inside, other=0.0)
     a = tl.math.div_rn(g * (1.0 + 2.0 * z_loss * lse) + h, safe)
-    tl.store(coef_ptr + rows, a, mask=inside)
     t = tl.math.div_rn(g * (2.0 * z_loss * lse + label_smoothing) + h, safe) - a * r
     tl.store(coef_ptr + stride_coef + rows, t, mask=inside)
+    # The kernels form S = exp(z - lse) from the fp32 lse; the row's lse is lse + lo, so its softmax is
+    # S exp(-lo): folded into a (the target column's t takes r, which needs no lse).
+    tl.store(coef_ptr + rows, a * exp_of(-lo, True), mask=inside)
     tl.store(coef_ptr + 2 * stride_coef + rows, tl.math.div_rn(g * label_smoothing, safe), mask=inside)
     w_in = tl.where(inside, w, 0.0)
     return tl.max(w_in, axis=0), tl.max((w_in != w_in).to(tl.int32), axis=0)
@@ -77,7 +83,8 @@ def row_weights_kernel(
     # g (N,) upstream gradient per row, any float dtype (stride 0: one value for every row), or any
     # pointer without HAS_G (g = 0); h (N,) the gradient into the lse, or any pointer without HAS_H;
     # labels (N,) integers, a row kept where labels != ignore (the targets and ignore_index, or a kept
-    # mask and 0); divisor: an int64 scalar, n_kept, with DIVIDE; lse, r (N,) fp32 (r: the non-target mass).
+    # mask and 0); divisor: an int64 scalar, n_kept, with DIVIDE; lse (N,) fp32; r (2N,) fp32: the
+    # target column's 1 - S_x and the lse's rounding lo (``cce_forward``'s).
     g_ptr, h_ptr, labels_ptr, divisor_ptr, lse_ptr, r_ptr,
     # Outputs: w (N,) fp32; coef (3, N) fp32, rows stride_coef apart; block_max (programs,) fp32;
     # with ONE_PROGRAM (one program, every row) w_rel (N,) and w_scale (1,) instead of block_max.
