@@ -29,9 +29,10 @@ Second pass (JSD only): log M = log(beta p + (1 - beta) q) needs both whole rows
 rescaling gives, so the JSD walks the tiles again with them known and sums its terms directly, each
 from g = log p - log q = c - (l_t - l_s) and log q/M = -log(beta e^g + 1 - beta) (``student_to_teacher``),
 never as a difference of two log-probabilities.
-Every exp is ``exp_of``, PRECISE for fp32 inputs: ``tl.exp`` on a GPU is ex2.approx of a rounded product,
-~|x| 6e-8 relative, and at a temperature of 0.1 fp32 dE_s erred 2.1-4.5x the naive path's on an H100
-(the interpreter's numpy exp shows none of it).
+Every exp is ``exp_of``, PRECISE for fp32 inputs (``tl.exp`` on a GPU is ex2.approx of a rounded product,
+~|x| 6e-8 relative). For fp32 inputs ``helpers.cce.distill`` compiles these kernels without FMA contraction:
+with it, fp32 dE_s at a temperature of 0.1 erred 2.1-4.5x the naive path's on an H100 (exp_of changed
+none of those figures; the interpreter shows neither).
 
 ``divergence_gradient_chunk_kernel`` writes one chunk of G = dloss_i / ds_{i, v} / w_i (the row's
 upstream weight w_i applied after the products, as ``gradient_chunk_kernel``'s G), the operand of
