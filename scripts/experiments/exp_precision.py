@@ -16,7 +16,7 @@ The interpreter's exp is numpy's, so a CPU never shows the difference. Two parts
    path's accuracy. Run it on two trees (``PYTHONPATH=old/tree``) to see a change.
 
 Nothing is asserted (status "ok" when every number is finite); the gates are ``tests/cce/test_distill.py``
-and ``tests/cce/test_kernels_math.py``.
+and ``tests/cce/test_cce.py`` (``exp_of`` itself, and the large-logits and flat-softmax accuracy tests).
 """
 
 from __future__ import annotations
