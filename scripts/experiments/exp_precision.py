@@ -37,7 +37,7 @@ import triton.language as tl  # noqa: E402
 
 from helpers.compare.results_file import ResultsWriter, run_meta  # noqa: E402
 from helpers.spec import DIVERGENCES  # noqa: E402
-from softcap_precision import cross_entropy_ratios, divergence_ratios, inputs  # noqa: E402
+from softcap_precision import cross_entropy_ratios, divergence_ratios, inputs, status  # noqa: E402
 
 try:
     from helpers.cce.kernels.logits import exp_of
@@ -108,8 +108,7 @@ def main():
         r = (cross_entropy_ratios(E, C, x, None, temperature=tau) if loss == "cross_entropy"
              else divergence_ratios(E, C, E_t, C_t, None, loss, temperature=tau))
         r = dict(part="gradients", case=case, loss=loss, temperature=tau, student_scale=scale, seed=seed, **r)
-        r["status"] = "ok" if all(math.isfinite(v) for k, v in r.items() if k.endswith(("_ours", "_naive"))) \
-            else "not finite"
+        r["status"] = status(r)
         failed += r["status"] != "ok"
         writer.append(r)
         print(f"{case:34s} {r['dE_ratio']:14.2f} {r['dC_ratio']:14.2f}", flush=True)

@@ -78,6 +78,12 @@ def divergence_ratios(E, C, E_t, C_t, softcap: float, kind: str, **extra) -> dic
     return ratios(grads)
 
 
+def status(record: dict) -> str:
+    """"ok" when every error in ``record`` (``ratios``' keys) is finite, else "not finite"."""
+    finite = all(math.isfinite(v) for k, v in record.items() if k.endswith(("_ours", "_naive")))
+    return "ok" if finite else "not finite"
+
+
 def ratios(grads: dict) -> dict:
     record = {}
     for i, name in enumerate(("dE", "dC")):
@@ -108,8 +114,7 @@ def main():
                          else divergence_ratios(E, C, E_t, C_t, softcap, loss))
                     r = dict(case=f"{loss}/cap{softcap or 0:g}/rms{scale:g}/seed{seed}", loss=loss, softcap=softcap,
                              scale=scale, seed=seed, **r)
-                    r["status"] = "ok" if all(math.isfinite(v) for k, v in r.items() if k.endswith(
-                        ("_ours", "_naive"))) else "not finite"
+                    r["status"] = status(r)
                     failed += r["status"] != "ok"
                     writer.append(r)
                     print(f"{r['case']:34s} {r['dE_ratio']:14.2f} {r['dC_ratio']:14.2f}", flush=True)
