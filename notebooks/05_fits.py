@@ -173,6 +173,7 @@ card = "t4"  # "t4": a 16 GB card's memory on any bigger GPU; "this": the card a
 # %%
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -278,12 +279,8 @@ measure.release_memory(device)
 trainer = fits.Trainer(model, precision)
 largest, tried = {}, {}
 for name, arm in arms.items():
-    def fits_in(tokens, arm=arm, trainer=trainer):
-        r = fits.measure_step(trainer, arm, ids, tokens, S["seq_len"], warmup=1, repeats=1,
-                              budget_bytes=cap.budget_bytes)
-        return r["status"] == "ok"
-
-    largest[name], tried[name] = fits.largest_fit(fits_in, S["fit_start"], S["fit_limit"], S["fit_step"])
+    largest[name], tried[name] = fits.largest_micro_batch(trainer, arm, ids, S["seq_len"], S["fit_start"],
+                                                          S["fit_limit"], S["fit_step"], budget_bytes=cap.budget_bytes)
     shown = "not even one sequence" if largest[name] is None else f"{largest[name]:,} tokens"
     if largest[name] is not None and largest[name] == max(tried[name]):
         shown += " or more (nothing larger was tried: the search's limit)"
@@ -385,8 +382,12 @@ else:
 # cannot see a drift that builds over hundreds of steps (fp16 Liger's, say): notebook 03 can.
 
 # %%
+held = weakref.ref(model)
 del trainer, model
 measure.release_memory(device)
+if held() is not None:  # the curves' models need the card this one and its optimizer state hold
+    raise RuntimeError("the search's model is still referenced after `del`: its weights and optimizer state would "
+                       "stay on the card and the training curves below would run out of memory")
 C = S["curve"]
 curve_tokens = min([C["tokens"], *[v for v in largest.values() if v]])
 curves = {}

@@ -206,6 +206,19 @@ def largest_fit(fits: Callable[[int], bool], start: int, limit: int, step: int) 
     return good, tried
 
 
+def largest_micro_batch(trainer: Trainer, arm: Arm, ids, seq_len: int, start: int, limit: int, step: int, *,
+                        budget_bytes: int | None = None) -> tuple[int | None, list[int]]:
+    """``largest_fit`` of one arm's whole training step (``measure_step``, one timed repeat): the
+    largest micro-batch in tokens and every size tried. The search's closure lives and dies here: one
+    kept by the caller (a notebook's global, say) would keep ``trainer``'s weights and optimizer state
+    on the card after the caller deleted its own names for them."""
+    def fits(tokens: int) -> bool:
+        r = measure_step(trainer, arm, ids, tokens, seq_len, warmup=1, repeats=1, budget_bytes=budget_bytes)
+        return r["status"] == "ok"
+
+    return largest_fit(fits, start, limit, step)
+
+
 def step_timeline(trainer: Trainer, arm: Arm, ids, tokens: int, seq_len: int, seed=0) -> list[int] | None:
     """Bytes held above the step's start after each allocation and free of one training step;
     None when the step runs out of memory (a cache fragmented by earlier steps can do that at a
@@ -274,4 +287,4 @@ def loss_and_grads(model, arm: Arm, input_ids, labels, precision: str):
 
 
 __all__ = ["QWEN3_SHAPES", "ARMS", "EXACT", "Arm", "Trainer", "build_model", "batch", "measure_step", "largest_fit",
-           "step_timeline", "train_curve", "max_relative_gap", "loss_and_grads", "compute_dtype"]
+           "largest_micro_batch", "step_timeline", "train_curve", "max_relative_gap", "loss_and_grads", "compute_dtype"]
