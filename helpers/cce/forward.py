@@ -36,7 +36,7 @@ from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
 from helpers.cce.kernels.lse_forward import lse_forward_kernel
 from helpers.cce.kernels.row_loss import ONE_PROGRAM_ROWS as ROW_LOSS_ONE_PROGRAM, row_loss_kernel
-from helpers.cce.options import CCEOptions, dot_precision, resolve_configs
+from helpers.cce.options import CCEOptions, dot_precision, fp_fusion, resolve_configs
 
 
 
@@ -364,7 +364,7 @@ def _indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg, counts: torch.Tensor | N
         HAS_BIAS=bias is not None,
         COUNTS=counts is not None,
         TILE_FLAGS=tile_flags is not None,
-        **dot_cfg.tiles("BLOCK_N", "BLOCK_D"), **dot_cfg.launch,
+        **dot_cfg.tiles("BLOCK_N", "BLOCK_D"), **dot_cfg.launch, enable_fp_fusion=fp_fusion(E.dtype),
     )
     return target_logit
 
@@ -453,7 +453,7 @@ def _launch_flags(cfg, o: CCEOptions, bias, dtype, n_blocks: int, e_desc: bool) 
     row blocks and E (and C) read through descriptors or not (``e_desc``)."""
     return dict(
         HAS_SOFTCAP=o.softcap is not None, HAS_BIAS=bias is not None, SUM_LOGITS=o.label_smoothing > 0,
-        DOT_PRECISION=dot_precision(dtype), E_DESC=e_desc, SPLIT_MAJOR=split_major(n_blocks),
+        DOT_PRECISION=dot_precision(dtype), enable_fp_fusion=fp_fusion(dtype), E_DESC=e_desc, SPLIT_MAJOR=split_major(n_blocks),
         **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D"), **cfg.launch,
     )
 

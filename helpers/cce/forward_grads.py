@@ -34,7 +34,7 @@ import torch
 from helpers.cce.backward.gemm import fp32_product, product_mode
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.row_gradient import row_gradient_kernel
-from helpers.cce.options import CCEOptions, CCEPlan
+from helpers.cce.options import CCEOptions, CCEPlan, fp_fusion
 from helpers.cce.schedules import Schedule, choose_schedule
 from helpers.spec import raise_for_targets, targets_out_of_range
 
@@ -152,7 +152,7 @@ def forward_grads(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: torch
             o.ignore_index, o.softcap if o.softcap is not None else 1.0, 1.0 / o.temperature, o.z_loss,
             o.label_smoothing,
             BLOCK_V=cfg.BLOCK_V, HAS_SOFTCAP=o.softcap is not None, SUM_LOGITS=o.label_smoothing > 0,
-            **cfg.launch,
+            enable_fp_fusion=fp_fusion(E.dtype), **cfg.launch,
         )
         # 3. dE_r = s G C: (r, V) @ (V, D), written once.
         if need_dE:

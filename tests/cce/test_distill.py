@@ -372,12 +372,3 @@ def test_bad_input_is_named(change, error, match):
     with pytest.raises(error, match=match):
         linear_kl_div(args.pop("E_s"), args.pop("C_s"), args.pop("E_t"), args.pop("C_t"), **args)
 
-
-def test_fp32_inputs_compile_the_kernels_without_contraction():
-    """On an H100 the cold-temperature and sharp-student tests above failed in fp32 with the compiler's FMA
-    contraction (dE_s 2.1-4.5x the naive path's error) and passed without it: fp32 inputs launch the
-    distillation kernels with ``enable_fp_fusion=False`` (the interpreter ignores it; 16-bit inputs keep it)."""
-    options = distill.DistillOptions()
-    assert distill._flags(options, None, None, torch.float32)["enable_fp_fusion"] is False
-    assert distill._flags(options, None, None, torch.float16)["enable_fp_fusion"] is True
-    assert distill._flags(options, None, None, torch.bfloat16)["enable_fp_fusion"] is True

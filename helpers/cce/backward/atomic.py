@@ -17,7 +17,7 @@ from helpers.cce.backward.rows import RowGradient, fold_dC
 from helpers.cce.shared import MiB
 from helpers.cce.kernels.atomic_gradients import backward_atomic_kernel
 from helpers.cce.kernels.configs import LaunchConfig
-from helpers.cce.options import CCEOptions, dot_precision, tile_eps
+from helpers.cce.options import CCEOptions, dot_precision, fp_fusion, tile_eps
 
 
 def atomic_chunks(N: int, V: int, D: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -117,7 +117,7 @@ def _launch(E, x, lse, rows, dE_acc, dC_acc, v_begin, v_count, *, dc_local, C, b
         SORTED=vocab_order is not None,
         DC_LOCAL=dc_local,
         COUNT_SKIPS=count_skips,
-        DOT_PRECISION=dot_precision(E.dtype),
+        DOT_PRECISION=dot_precision(E.dtype), enable_fp_fusion=fp_fusion(E.dtype),
         inv_temperature=1.0 / o.temperature,
         ENTROPY=up.coef.shape[0] > 3,
         class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,

@@ -40,7 +40,7 @@ from helpers.cce.backward.rows import RowGradient, fold_dC
 from helpers.cce.shared import MiB, no_host_sync, read_later
 from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
 from helpers.cce.kernels.configs import HostTuning, LaunchConfig
-from helpers.cce.options import CCEOptions, dot_precision, tile_eps
+from helpers.cce.options import CCEOptions, dot_precision, fp_fusion, tile_eps
 
 
 def gemm_chunks(N: int, V: int, D: int, dtype: torch.dtype, block_v: int) -> tuple[int, int]:
@@ -400,7 +400,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                     FILTER=filtering,
                     SPLIT_G=split,
                     SORTED=vocab_order is not None,
-                    DOT_PRECISION=dot_precision(dtype),
+                    DOT_PRECISION=dot_precision(dtype), enable_fp_fusion=fp_fusion(dtype),
                     E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=persistent > 0,
                     inv_temperature=1.0 / o.temperature, ENTROPY=up.coef.shape[0] > 3,
                     class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,

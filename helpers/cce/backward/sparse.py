@@ -84,7 +84,7 @@ from helpers.cce.kernels.pair_gradients import (
     sparse_g_kernel,
 )
 from helpers.cce.kernels.configs import CCEConfigs, HostTuning
-from helpers.cce.options import CCEOptions, dot_precision
+from helpers.cce.options import CCEOptions, dot_precision, fp_fusion
 
 
 def why_dense(activity: Activity | None, o: CCEOptions, block_v: int, reason: str | None) -> str | None:
@@ -245,7 +245,8 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, host: Host
     counting = stats is not None
     common = dict(
         BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, HAS_SOFTCAP=o.softcap is not None,
-        HAS_BIAS=bias is not None, SORTED=order is not None, DOT_PRECISION=dot_precision(dtype), **cfg.launch)
+        HAS_BIAS=bias is not None, SORTED=order is not None, DOT_PRECISION=dot_precision(dtype),
+        enable_fp_fusion=fp_fusion(dtype), **cfg.launch)
     # lse stands in for the pointers of a bias or an order there is not.
     gather = (E, C, x, lse, up.coef, bias if bias is not None else lse, order if order is not None else lse)
     strides = (E.stride(0), E.stride(1), C.stride(0), C.stride(1), x.stride(0), up.coef.stride(0))
@@ -337,7 +338,8 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, host: Host
         per_byte = np.pad(per_tile, (0, 8 * T8 - T)).reshape(T8, 8).sum(1)
         byte_cost = [pair_index.index_bytes(int(c), N, 1, False, segment_rows) for c in per_byte]
         vocab_args = dict(BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, SORTED=order is not None, NEED_DC=need_dC,
-                          NEED_DB=need_db, DOT_PRECISION=dot_precision(dtype), **cfg.launch)
+                          NEED_DB=need_db, DOT_PRECISION=dot_precision(dtype), enable_fp_fusion=fp_fusion(dtype),
+                          **cfg.launch)
         for batch in _batches(list(range(T8)), lambda b: byte_cost[b], index_budget):
             b0, b1 = batch[0], batch[-1] + 1
             index = pair_index.build(bits, live, plan["seg_start"], plan["seg_group"], b0, b1 - b0,
