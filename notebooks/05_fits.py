@@ -385,9 +385,9 @@ else:
 held = weakref.ref(model)
 del trainer, model
 measure.release_memory(device)
-if held() is not None:  # the curves' models need the card this one and its optimizer state hold
-    raise RuntimeError("the search's model is still referenced after `del`: its weights and optimizer state would "
-                       "stay on the card and the training curves below would run out of memory")
+if held() is not None:  # the curves' models need the card this one holds
+    raise RuntimeError("the search's model is still referenced after `del`: its weights would stay on the card "
+                       "and the training curves below would run out of memory")
 C = S["curve"]
 curve_tokens = min([C["tokens"], *[v for v in largest.values() if v]])
 curves = {}

@@ -210,8 +210,8 @@ def largest_micro_batch(trainer: Trainer, arm: Arm, ids, seq_len: int, start: in
                         budget_bytes: int | None = None) -> tuple[int | None, list[int]]:
     """``largest_fit`` of one arm's whole training step (``measure_step``, one timed repeat): the
     largest micro-batch in tokens and every size tried. The search's closure lives and dies here: one
-    kept by the caller (a notebook's global, say) would keep ``trainer``'s weights and optimizer state
-    on the card after the caller deleted its own names for them."""
+    kept by the caller (a notebook's global, say) would keep ``trainer``'s model on the card after the
+    caller deleted its own names for it."""
     def fits(tokens: int) -> bool:
         r = measure_step(trainer, arm, ids, tokens, seq_len, warmup=1, repeats=1, budget_bytes=budget_bytes)
         return r["status"] == "ok"
