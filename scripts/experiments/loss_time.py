@@ -8,7 +8,8 @@ It calls only the public ``helpers.linear_cross_entropy``, so the same script ti
 tree first on PYTHONPATH (``PYTHONPATH=/path/to/old/tree python .../loss_time.py --label old``) and
 alternate the trees in one session, old, new, old, new, to see a change's cost beside the GPU's drift
 (the clock under its power cap moves ~5% between runs). Per head, bf16, a flat softmax (and at 16k
-tokens a realistic one, where "auto" runs the sparse backward): the forward alone (no_grad) and
+tokens a realistic one, where "auto" runs the sparse backward; two fp32 cases, whose kernels take the
+precise exps, the two-word lse and no FMA contraction that 16-bit inputs do not): the forward alone (no_grad) and
 forward+backward, median of 15 calls after 3 (``call_times_ms``), and the step's host time and GPU busy
 time back to back (``host_and_device_time``: with few tokens the host bounds the step). ``--reference``
 times methods of the comparison's registry (e.g. torch.compile's loss) on the same inputs and timers; each
@@ -35,15 +36,18 @@ from helpers.compare.results_file import ResultsWriter, run_meta
 
 
 def cases(tiny: bool):
-    """(name, N, V, D, softmax regime, soft cap): "realistic" is where "auto" runs the sparse backward,
+    """(name, N, V, D, softmax regime, soft cap, dtype): "realistic" is where "auto" runs the sparse backward,
     whose forward is another kernel (activity bits, the sorted walk); Gemma-2's own soft cap of 30 is
-    another G kernel (the cap's derivative, and the filter's mass taken before it)."""
+    another G kernel (the cap's derivative, and the filter's mass taken before it). None: bf16 on a GPU (fp32
+    on the CPU); the fp32 cases are smaller (fp32 products run on CUDA cores, ~20x slower)."""
     if tiny:
-        return [("tiny", 8, 300, 32, "uniform", None), ("tiny-softcap", 8, 300, 32, "uniform", 30.0)]
-    return ([(f"qwen3-{n}", n, QWEN3.V, QWEN3.D, "uniform", None) for n in (1024, 16384)]
-            + [("qwen3-16384-realistic", 16384, QWEN3.V, QWEN3.D, "realistic", None),
-               ("gemma2-8192", 8192, GEMMA2.V, GEMMA2.D, "uniform", None),
-               ("gemma2-8192-softcap30", 8192, GEMMA2.V, GEMMA2.D, "uniform", 30.0)])
+        return [("tiny", 8, 300, 32, "uniform", None, None), ("tiny-softcap", 8, 300, 32, "uniform", 30.0, None)]
+    return ([(f"qwen3-{n}", n, QWEN3.V, QWEN3.D, "uniform", None, None) for n in (1024, 16384)]
+            + [("qwen3-16384-realistic", 16384, QWEN3.V, QWEN3.D, "realistic", None, None),
+               ("gemma2-8192", 8192, GEMMA2.V, GEMMA2.D, "uniform", None, None),
+               ("gemma2-8192-softcap30", 8192, GEMMA2.V, GEMMA2.D, "uniform", 30.0, None),
+               ("qwen3-4096-fp32", 4096, QWEN3.V, QWEN3.D, "uniform", None, torch.float32),
+               ("gemma2-2048-fp32-softcap30", 2048, GEMMA2.V, GEMMA2.D, "uniform", 30.0, torch.float32)])
 
 
 def main():
@@ -57,13 +61,14 @@ def main():
                              "timers (e.g. torch_compile), each a record labelled by its name")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    default_dtype = torch.bfloat16 if device == "cuda" else torch.float32
     writer = ResultsWriter(args.out or os.devnull, run_meta(device))
     repeats, warmup = (2, 1) if args.tiny else (15, 3)
     print(f"tree {args.label or '-'}: helpers from {os.path.dirname(os.path.dirname(helpers.__file__))}")
-    for name, n, v, d, regime, softcap in cases(args.tiny):
+    for name, n, v, d, regime, softcap, dtype in cases(args.tiny):
         if args.cases and name not in args.cases:
             continue
+        dtype = dtype or default_dtype
         E, C, x = make_inputs(n, v, d, dtype, device, regime=regime, seed=0)
         E, C = E.requires_grad_(), C.requires_grad_()
         for label, loss_fn in ((args.label, linear_cross_entropy),

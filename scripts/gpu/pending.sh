@@ -13,6 +13,7 @@
 #   bash scripts/gpu/pending.sh halves           7 below (~8 min; prepare with BASE = the commit before it)
 #   bash scripts/gpu/pending.sh exp              8 below (~4 min; .ab/old from before exp_of)
 #   bash scripts/gpu/pending.sh fusion           9 below (~5 min)
+#   bash scripts/gpu/pending.sh fp32             10 below (~4 min; .ab/old = 0021837, before exp_of)
 #
 # 1. The soft cap's slope (soft_cap_and_gap, slope_from_gap) and the filter's pre-slope mass on sm_90 with this Triton:
 #    their tests. Predicted: all pass but the one strict expected failure.
@@ -76,6 +77,11 @@
 #    tests pass on sm_90; exp_precision's cross_entropy rows near the interpreter's (tau 0.1: <= ~1.1x at x1,
 #    <= ~3x at x8; docs/measurements/cpu-2026-12-06-lse/after.txt); the divergences' as in 8; notebook 05 as a
 #    pretend T4 exits 0, the default loss training at 4,096 tokens.
+# 10. What fp32 inputs pay for their precision: exp_of's PRECISE form (~15 operations a logit), the two-word lse
+#    (a TwoSum a tile a row) and no contraction (the epilogues' multiply-adds; an sm_90 compile here shows the
+#    ieee tl.dot keeps its fma.rn.f32 with the option off). loss_time.py's fp32 cases (Qwen3 head at 4,096
+#    tokens; Gemma-2 at 2,048 with its cap of 30), .ab/old (0021837) and this tree alternated twice. Predicted:
+#    new within +0.5 to +2% of old (the products are D = 1,024-2,304 multiply-adds a logit on CUDA cores).
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
@@ -90,8 +96,8 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 part=${1:-}
-case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion) ;;
-  *) echo "say prepare, cap-rl, graphs, graphs-nb03, graphs-suite, eager-suite, distill, halves, exp or fusion, not '$part'"
+case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion|fp32) ;;
+  *) echo "say prepare, cap-rl, graphs, graphs-nb03, graphs-suite, eager-suite, distill, halves, exp, fusion or fp32, not '$part'"
      exit 2;; esac
 [ -d .ab/old ] && [ -d .ab/graphs/notebooks ] || { echo "run 'bash scripts/gpu/pending.sh prepare' here first and carry .ab"; exit 2; }
 source scripts/gpu/env.sh || exit 1
@@ -150,6 +156,15 @@ step "exp_precision"
 timeout 240 python3 -m helpers run --pretend t4 --quick --only 05 --output "$OUT/nb05" > "$OUT/nb05.log" 2>&1
 echo "notebook 05 exit $?"; tail -3 "$OUT/nb05.log"
 step "notebook 05 as a T4"
+exit 0
+fi
+if [ "$part" = fp32 ]; then
+for tree in old new old new; do
+  P=$([ $tree = old ] && echo "$PWD/.ab/old" || echo "$PWD")
+  PYTHONPATH="$P:$PYTHONPATH" timeout 110 python3 scripts/experiments/loss_time.py --label $tree \
+    --cases qwen3-4096-fp32 gemma2-2048-fp32-softcap30 --out "$OUT/loss_time_fp32.jsonl" 2>&1 | tail -3
+done
+step "fp32 A/B"
 exit 0
 fi
 if [ "$part" = distill ]; then
