@@ -702,8 +702,11 @@ def main():
         forward_candidates = [L(16, 32, 16, 1, 1), L(32, 16, 16, 1, 1, GROUP_N=2)]
         g_candidates = forward_candidates + [L(16, 32, 16, 1, 1, persistent=1)]  # the forward has no walk
         base = tier("interpreter")
-    gemma = ("gemma2", scale(8192, 40), scale(GEMMA2.V, 500), scale(GEMMA2.D, 36))
-    qwen = ("qwen3-16k", scale(16_384, 64), scale(QWEN3.V, 301), scale(QWEN3.D, 24))
+    # --tiny: ten vocabulary tiles of the interpreter's 32 columns are enough to run every section's code
+    # (scale's V // 256 gave 1,000 and 593: 164 s of CI on two cores, ~60 s this way).
+    vocab = (lambda v, lo: 320) if args.tiny else scale
+    gemma = ("gemma2", scale(8192, 40), vocab(GEMMA2.V, 500), scale(GEMMA2.D, 36))
+    qwen = ("qwen3-16k", scale(16_384, 64), vocab(QWEN3.V, 301), scale(QWEN3.D, 24))
     repeats = 1 if args.tiny else 7  # --tiny checks code paths: one timed call (and its warm-up) is enough
     c = Checker(args.budget_s, device)
     print(f"swept tier: {base.name}", flush=True)
@@ -756,7 +759,7 @@ def main():
             c.run(f"bench_loop/{name}", bench_loop, cases[name])
     if not args.tier and "small_n" in sections:
         for N in (1024, 4096) if cuda else (scale(1024, 24),):
-            c.run(f"small_n/{N}", small_n_sweep, N, scale(QWEN3.V, 301), scale(QWEN3.D, 24), dtype, device, repeats,
+            c.run(f"small_n/{N}", small_n_sweep, N, vocab(QWEN3.V, 301), scale(QWEN3.D, 24), dtype, device, repeats,
                   cuda)
     if cuda and not args.tier and "cublas" in sections:
         for name in cases:
@@ -773,7 +776,7 @@ def main():
             del case
             release_memory(device)
     if not args.tier and "order" in sections:
-        for shape in first_only((gemma, qwen, ("qwen3-131k", scale(131_072, 256), scale(QWEN3.V, 301),
+        for shape in first_only((gemma, qwen, ("qwen3-131k", scale(131_072, 256), vocab(QWEN3.V, 301),
                                                scale(QWEN3.D, 24)))):
             case = Case(*shape, dtype, device, regime="realistic")
             c.run(f"order/{shape[0]}", forward_order_sweep, case, base, repeats)
