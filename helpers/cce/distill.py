@@ -116,12 +116,12 @@ def _heads(E_s, C_s, bias_s, E_t, C_t, bias_t):
              E_t.stride(0), E_t.stride(1), C_t.stride(0), C_t.stride(1)))
 
 
-def _flags(o: DistillOptions, bias_s, bias_t, dtype) -> dict:
+def _flags(o: DistillOptions, bias_s, bias_t, dtype, cfg) -> dict:
     """The kernels' constexprs and, for fp32 inputs, no multiply-add contraction (``fp_fusion``: on an H100
     with it, fp32 dE_s at a temperature of 0.1 erred 2.1-4.5x the naive path's error; without, within the
     tests' 2x, and on an H200 all of test_distill passed)."""
     return dict(KIND=KIND_CODES[o.kind], HAS_SOFTCAP=o.softcap is not None, HAS_BIAS_S=bias_s is not None,
-                HAS_BIAS_T=bias_t is not None, DOT_PRECISION=dot_precision(dtype),
+                HAS_BIAS_T=bias_t is not None, DOT_PRECISION=dot_precision(dtype, cfg),
                 enable_fp_fusion=fp_fusion(dtype))
 
 
@@ -151,7 +151,7 @@ def distill_forward(
     splits = triton.cdiv(v_blocks, blocks_per_split)
     out = torch.empty(5, splits, N, dtype=torch.float32, device=E_s.device)
     pointers, strides = _heads(E_s, C_s, bias_s, E_t, C_t, bias_t)
-    flags = dict(_flags(o, bias_s, bias_t, E_s.dtype), SPLIT_MAJOR=split_major(n_blocks),
+    flags = dict(_flags(o, bias_s, bias_t, E_s.dtype, cfg), SPLIT_MAJOR=split_major(n_blocks),
                  **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D"), **cfg.launch)
     softcap = o.softcap if o.softcap is not None else 1.0
 
@@ -220,7 +220,7 @@ def distill_backward(
     up = RowGradient.of_upstream(grad_rows, kept)
     sign = up.coef[0]
     row_stat = rows.row_stat if rows.row_stat is not None else rows.norm_s[0]  # not read for "forward"
-    flags = dict(_flags(o, bias_s, bias_t, E_s.dtype), **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"),
+    flags = dict(_flags(o, bias_s, bias_t, E_s.dtype, cfg), **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"),
                  **cfg.launch)
 
     def g_chunk(G, n0, n1, v0, v1):

@@ -453,7 +453,7 @@ def _launch_flags(cfg, o: CCEOptions, bias, dtype, n_blocks: int, e_desc: bool) 
     row blocks and E (and C) read through descriptors or not (``e_desc``)."""
     return dict(
         HAS_SOFTCAP=o.softcap is not None, HAS_BIAS=bias is not None, SUM_LOGITS=o.label_smoothing > 0,
-        DOT_PRECISION=dot_precision(dtype), enable_fp_fusion=fp_fusion(dtype), E_DESC=e_desc, SPLIT_MAJOR=split_major(n_blocks),
+        DOT_PRECISION=dot_precision(dtype, cfg), enable_fp_fusion=fp_fusion(dtype), E_DESC=e_desc, SPLIT_MAJOR=split_major(n_blocks),
         **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D"), **cfg.launch,
     )
 

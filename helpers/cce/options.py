@@ -25,7 +25,7 @@ import triton
 
 from helpers.cce.auto import RECORD, AutoChoice
 from helpers.cce.device import device_info
-from helpers.cce.kernels.configs import CCEConfigs, select_configs, tier
+from helpers.cce.kernels.configs import CCEConfigs, LaunchConfig, select_configs, tier
 from helpers.cce.kernels.logits import logit_tile
 from helpers.spec import SUPPORTED_DTYPES
 
@@ -236,10 +236,15 @@ def resolve_configs(configs: CCEConfigs | str | None, device: torch.device) -> C
     return configs
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s input_precision: fp32 inputs get real fp32 products (a GPU's default for an
-    fp32 dot is tf32, a 10-bit mantissa); for fp16/bf16 operands the setting has no effect."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(dtype: torch.dtype, cfg: LaunchConfig) -> str:
+    """Our kernels' DOT_PRECISION (``helpers.cce.kernels.logits.dot``): "ieee" for fp32 inputs (real fp32
+    products; a GPU's default for an fp32 dot is tf32, a 10-bit mantissa); for fp16/bf16 "tf32" (the
+    setting has no effect on their tensor-core product), or "fma" where ``cfg`` runs on a tier whose
+    Triton has no tensor-core tl.dot (``LaunchConfig.tensor_cores``): the operands in fp32 and fp32 FMAs,
+    as Triton compiles them for a T4."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "tf32" if cfg.tensor_cores else "fma"
 
 
 def fp_fusion(dtype: torch.dtype) -> bool:

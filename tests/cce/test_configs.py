@@ -69,70 +69,21 @@ KERNEL_FLAGS = {
     ("row_scale", "all"): dict(MAX_BLOCK=1024),
 }
 ROW_KERNELS = ("row_loss", "row_weights", "row_scale")
+# The kernels with a product (tl.dot) in them.
+DOT_KERNELS = ("lse_forward", "backward", "backward_gemm", "sparse_dE_pack", "sparse_g", "sparse_dC")
 ROW_KERNEL_VARIANTS = [k for k in KERNEL_FLAGS if k[0] in ROW_KERNELS]
 SPARSE_KERNELS = ("sparse_dE_pack", "sparse_dE_reduce", "sparse_g", "sparse_dC", "sparse_dC_finish")
 INDEX_KERNELS = ("count_pairs", "write_pairs")
 DTYPE_NAMES = {2: ("fp16", "bf16"), 4: ("fp32",)}
 
 
-def _signature(kernel_name, fn, dtype):
-    """Triton signature strings for each argument of our kernels, by naming convention."""
-    pointers = {
-        "E_ptr": dtype, "C_ptr": dtype, "x_ptr": "i64", "vocab_order_ptr": "i64",
-        "skip_count_ptr": "i32", "G_ptr": dtype, "G_exact_ptr": dtype, "tile_kept_ptr": "i8", "tile_flags_ptr": "i8",
-        "bits_ptr": "u8", "live_ptr": "u8", "seg_start_ptr": "i32", "cnt_ptr": "i32", "popcount_ptr": "i32",
-        "off_ptr": "i64", "rank_ptr": "i32", "row_slot_ptr": "i64", "seg_slot_base_ptr": "i64",
-        "pair_row_ptr": "i32", "pair_slot_ptr": "i32", "pack_off_ptr": "i64", "pair_off_ptr": "i64",
-        "pair_cnt_ptr": "i32", "kept_ptr": "i32", "Gc_ptr": dtype, "Z_ptr": dtype,
-    }
-    if kernel_name.startswith("sparse"):
-        # The outputs themselves, not fp32 scratch; the bias in the inputs' dtype.
-        pointers.update(dE_ptr=dtype, dC_ptr=dtype, bias_ptr=dtype, Y_ptr="fp32" if dtype == "fp32" else "fp16")
-    floats = {"softcap", "z_loss", "label_smoothing", "eps", "inv_temperature", "target_weight", "smoothing_weight"}
-    sig = {}
-    for param in fn.params:
-        name = param.name
-        if param.is_constexpr:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = "*" + pointers.get(name, "fp32")
-        elif name in floats:
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    return sig
-
-
-# How the JIT specializes our kernels' arguments on a GPU, which the compiles here must copy: an
-# int equal to 1 becomes a constant (the unit strides of contiguous tensors), and pointers and ints
-# divisible by 16 carry that fact. Without it the loads are not known to be contiguous, so the
-# pipeliner does not multi-buffer them, and the shared memory reported is a fraction of a real launch's.
-UNIT_STRIDES = ("stride_Ed", "stride_Cd", "stride_dEd", "stride_dCd", "stride_Gv", "stride_x")
-# Row strides and D (the model's hidden size) are multiples of 16 in every real model: it is what
-# lets a row's loads be vectorized, and so multi-buffered.
-ROW_STRIDES = ("stride_En", "stride_Cv", "stride_dEn", "stride_dCv", "stride_Gn", "stride_Y", "D")
-
-
-def _specialize(fn, sig, constexprs):
-    """``sig`` and ``constexprs`` as a launch on contiguous tensors would specialize them; the attrs."""
-    for name in UNIT_STRIDES:
-        if name in sig:
-            sig[name] = "constexpr"
-            constexprs[name] = 1
-    attrs = {}
-    for i, param in enumerate(fn.params):
-        kind = sig.get(param.name, "")
-        if (kind.startswith("*") or param.name in ROW_STRIDES) and param.name not in constexprs:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return attrs
-
-
 def compile_ours(request):
     """Runs in the subprocess: compile one kernel for one target, return its shared memory."""
-    import triton
+    import torch
 
     from helpers.cce.kernels import pair_gradients as S
     from helpers.cce.kernels import configs as K
+    from helpers.cce.kernels import offline
     from helpers.cce.kernels.atomic_gradients import backward_atomic_kernel
     from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
     from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
@@ -141,6 +92,7 @@ def compile_ours(request):
     from helpers.cce.kernels.row_gradient import row_gradient_kernel
     from helpers.cce.kernels.row_loss import row_loss_kernel
     from helpers.cce.kernels.row_weights import row_scale_kernel, row_weights_kernel
+    from helpers.cce.options import dot_precision
 
     kernels = {"lse_forward": lse_forward_kernel, "backward": backward_atomic_kernel,
                "indexed_dot": indexed_dot_kernel, "backward_gemm": gradient_chunk_kernel,
@@ -174,7 +126,7 @@ def compile_ours(request):
     elif request["kernel"] in SPARSE_KERNELS:
         cfg = tier.sparse[size]
         constexprs = cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D")
-        constexprs["DOT_PRECISION"] = "ieee" if size == 4 else "tf32"
+        constexprs["DOT_PRECISION"] = dot_precision(torch.float32 if size == 4 else torch.float16, cfg)
     else:
         table = {"lse_forward": tier.forward, "backward": tier.backward,
                  "backward_gemm": tier.backward_gemm}[request["kernel"]]
@@ -182,15 +134,17 @@ def compile_ours(request):
         if request["kernel"] == "lse_forward" and KERNEL_FLAGS[("lse_forward", request["variant"])].get("SORTED"):
             cfg = tier.forward_sorted.get(size, cfg)  # the sorted walk's own tiles
         constexprs = cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D")
-        constexprs["DOT_PRECISION"] = "ieee" if size == 4 else "tf32"
+        constexprs["DOT_PRECISION"] = dot_precision(torch.float32 if size == 4 else torch.float16, cfg)
         if request["kernel"] in ("backward", "backward_gemm"):
             constexprs["GROUP_N"] = cfg.GROUP_N
         if request["kernel"] == "backward_gemm":  # the G kernel's walk and its G blocks, as shipped
             constexprs.update(PERSISTENT=cfg.persistent > 0, G_SUBTILE=cfg.g_subtile)
     constexprs.update(KERNEL_FLAGS[(request["kernel"], request["variant"])])
+    if request.get("dot"):  # the product as Triton would compile it, whatever the tier says
+        constexprs["DOT_PRECISION"] = request["dot"]
     if constexprs.get("EMIT_BITS"):
         constexprs["SUB"] = cfg.BLOCK_V // tier.sparse[size].BLOCK_V
-    sig = _signature(request["kernel"], fn, request["dtype"])
+    sig = offline.signature(request["kernel"], fn, request["dtype"])
     if constexprs.get("E_DESC"):  # tensor descriptors in place of E's and C's pointers (and G's)
         dtype = request["dtype"]
         sig["E_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_N}, {cfg.BLOCK_D}]>"
@@ -198,40 +152,16 @@ def compile_ours(request):
             sig["C_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_V}, {cfg.BLOCK_D}]>"
         if constexprs.get("G_DESC"):
             sig["G_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_N}, {cfg.BLOCK_V // cfg.g_subtile}]>"
-    attrs = _specialize(fn, sig, constexprs)
     major, minor = request.get("target") or tier.target_capability
-    compiled = triton.compile(
-        triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-        target=triton.backends.compiler.GPUTarget("cuda", 10 * major + minor, 32),
-        options=cfg.launch,
-    )
+    compiled = offline.compile_for(fn, sig, constexprs, (major, minor), cfg.launch)
+    # cuobjdump for the one kernel a test reads (hundreds are compiled here)
+    usage = (offline.resource_usage(compiled.asm["cubin"])
+             if _key(request) == "hopper-227k-backward_gemm-bf16-tma" else None)
     return dict(request, shared=compiled.metadata.shared, budget=tier.shared_memory_bytes,
-                config=repr(cfg), compiled_for=[major, minor],
-                # cuobjdump for the one kernel a test reads (hundreds are compiled here)
-                stack=(_stack_bytes(compiled.asm["cubin"]) if _key(request) == "hopper-227k-backward_gemm-bf16-tma"
-                       else None),
+                config=repr(cfg), compiled_for=[major, minor], stack=usage and usage["stack"],
+                tensor_cores=offline.tensor_cores(compiled),
                 accumulator_operands=ACCUMULATOR_AS_OPERAND.findall(compiled.asm["ttgir"]),
                 divisions=sorted(set(FP32_DIVISION.findall(compiled.asm["ptx"]))))
-
-
-def _stack_bytes(cubin: bytes) -> int | None:
-    """A kernel's stack frame per thread, in bytes (cuobjdump's STACK): where ptxas puts the registers it
-    spills. None where Triton's wheel ships no cuobjdump; a ``RuntimeError`` where its answer has no STACK."""
-    import tempfile
-
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
-        return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    found = re.search(r"STACK:(\d+)", usage)
-    if not found:
-        raise RuntimeError(f"cuobjdump -res-usage gave no STACK: {usage[-300:]!r}")
-    return int(found.group(1))
 
 
 # In TTGIR: a dot's accumulator layout (#mma) converted to a dot's register-operand layout.
@@ -310,6 +240,10 @@ def all_requests():
                 for kernel in ("backward", "backward_gemm", "sparse_dE_pack"):
                     requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant="none",
                                          target=[9, 0]))
+    # Whether Triton has tensor cores for a 16-bit tl.dot on each tier's GPU: the G kernel with tl.dot's own
+    # product ("tf32", not the tier's choice).
+    requests += [dict(tier=tier.name, dtype="fp16", kernel="backward_gemm", variant="none", dot="tf32")
+                 for tier in TIERS]
     # The row kernels read no tiles: the T4's tier, for sm_75 and for sm_90.
     rows = [dict(tier="turing-64k", dtype="fp32", kernel=k, variant=v) for k, v in KERNEL_FLAGS if k in ROW_KERNELS]
     requests += rows + [dict(r, target=[9, 0]) for r in rows]
@@ -330,7 +264,8 @@ def _uses_tma(tier, kernel, variant, dtype) -> bool:
 
 def _key(r):
     target = f"-sm{r['target'][0]}{r['target'][1]}" if r.get("target") else ""
-    return f"{r['tier']}-{r['kernel']}-{r['dtype']}-{r['variant']}{target}"
+    dot = f"-{r['dot']}" if r.get("dot") else ""
+    return f"{r['tier']}-{r['kernel']}-{r['dtype']}-{r['variant']}{target}{dot}"
 
 
 @pytest.fixture(scope="module")
@@ -427,7 +362,7 @@ def test_row_kernels_divide_with_correct_rounding(compiled, request_):
 
 @pytest.mark.slow  # compiles kernels for sm_75/sm_80/sm_90 (a minute on a cold cache)
 def test_turing_configs_fit_64_kb(compiled):
-    turing = [r for k, r in compiled.items() if k.startswith("turing-64k") and "-sm" not in k]
+    turing = [r for k, r in compiled.items() if k.startswith("turing-64k") and "-sm" not in k and not r.get("dot")]
     # (fp16, fp32) x [3 kernels x (all flags, none) + indexed_dot + the forward's bits variant
     # + the sparse backward's kernels: 3 x (all, none) + the reduce + dC's finish + 2 index kernels
     # + the three-product schedule's row kernel (all, none)] + the row kernels (fp32 only)
@@ -436,6 +371,29 @@ def test_turing_configs_fit_64_kb(compiled):
         assert r["shared"] <= 65536, (
             f"Triton {compiled['triton']}: {_key(r)} needs {r['shared']:,} B > 65,536 B (T4, sm_75)"
         )
+
+
+@pytest.mark.slow  # shares the compile above
+@pytest.mark.parametrize("tier_name", [r["tier"] for r in _our_requests() if r.get("dot")])
+def test_each_tier_knows_whether_its_triton_has_tensor_cores(compiled, tier_name):
+    """A tier's ``LaunchConfig.tensor_cores`` is what the installed Triton does with a 16-bit tl.dot on the
+    tier's GPU: from Triton 3.3 on, compute capability below 8.0 gets fp32 FMAs (so our Turing kernels
+    form that product themselves, and a pretend T4 pays for it). Fails when a Triton brings Turing's
+    tensor cores back (then the Turing tier should say so), or drops them elsewhere."""
+    from helpers.cce.kernels.configs import tier as tier_named
+
+    tier = tier_named(tier_name)
+    plain = compiled[f"{tier_name}-backward_gemm-fp16-none-tf32"]
+    assert "error" not in plain, plain["error"]
+    assert plain["tensor_cores"] == tier.backward_gemm[2].tensor_cores, (
+        f"Triton {compiled['triton']} compiles a 16-bit tl.dot for sm_{tier.target_capability[0]}"
+        f"{tier.target_capability[1]} {'on' if plain['tensor_cores'] else 'without'} tensor cores; "
+        f"the tier {tier_name} says tensor_cores={tier.backward_gemm[2].tensor_cores}")
+    # And the tier's own kernels agree: every 16-bit product with a dot, compiled for the tier's GPU.
+    for key, r in compiled.items():
+        if (key.startswith(tier_name + "-") and isinstance(r, dict) and r.get("dtype") in ("fp16", "bf16")
+                and not r.get("target") and not r.get("dot") and r["kernel"] in DOT_KERNELS):
+            assert r["tensor_cores"] == tier.backward_gemm[2].tensor_cores, (key, r["tensor_cores"])
 
 
 @pytest.mark.slow  # compiles kernels for sm_75/sm_80/sm_90 (a minute on a cold cache)

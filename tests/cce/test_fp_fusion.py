@@ -23,21 +23,23 @@ from helpers.cce.options import resolve_configs  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """(kernel name, whether it forms logits, its enable_fp_fusion) of every launch while the test runs."""
+def record_launches(monkeypatch) -> list[tuple[str, list[str], dict]]:
+    """(kernel name, its argument names, the launch's keyword arguments) of every Triton launch from now on."""
     seen = []
     kind = type(lse_forward_kernel)  # the interpreter's function or the JIT's
     run = kind.run
 
     def spy(self, *args, **kwargs):
-        names = getattr(self, "arg_names", [])
-        seen.append((self.__name__, "DOT_PRECISION" in names or "inv_temperature" in names,
-                     kwargs.get("enable_fp_fusion")))
+        seen.append((self.__name__, list(getattr(self, "arg_names", [])), kwargs))
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(kind, "run", spy)
     return seen
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    return record_launches(monkeypatch)
 
 
 def _inputs(dtype, N=24, V=80, D=16, seed=0):
@@ -72,7 +74,8 @@ def test_fp32_logits_compile_without_contraction(launches, path, dtype):
     E, C, x = _inputs(dtype)
     loss = (_distill if path == "distill" else _cross_entropy(path))(E, C, x)
     loss.backward()
-    forming = [(name, fusion) for name, forms, fusion in launches if forms]
+    forming = [(name, kwargs.get("enable_fp_fusion")) for name, names, kwargs in launches
+               if "DOT_PRECISION" in names or "inv_temperature" in names]
     assert forming, f"no kernel forming logits ran on the {path} path"
     wanted = dtype != torch.float32
     assert all(fusion is wanted for _, fusion in forming), (

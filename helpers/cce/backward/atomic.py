@@ -117,7 +117,7 @@ def _launch(E, x, lse, rows, dE_acc, dC_acc, v_begin, v_count, *, dc_local, C, b
         SORTED=vocab_order is not None,
         DC_LOCAL=dc_local,
         COUNT_SKIPS=count_skips,
-        DOT_PRECISION=dot_precision(E.dtype), enable_fp_fusion=fp_fusion(E.dtype),
+        DOT_PRECISION=dot_precision(E.dtype, cfg), enable_fp_fusion=fp_fusion(E.dtype),
         inv_temperature=1.0 / o.temperature,
         ENTROPY=up.coef.shape[0] > 3,
         class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,

@@ -400,7 +400,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                     FILTER=filtering,
                     SPLIT_G=split,
                     SORTED=vocab_order is not None,
-                    DOT_PRECISION=dot_precision(dtype), enable_fp_fusion=fp_fusion(dtype),
+                    DOT_PRECISION=dot_precision(dtype, cfg), enable_fp_fusion=fp_fusion(dtype),
                     E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=persistent > 0,
                     inv_temperature=1.0 / o.temperature, ENTROPY=up.coef.shape[0] > 3,
                     class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,

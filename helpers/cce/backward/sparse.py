@@ -245,7 +245,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, host: Host
     counting = stats is not None
     common = dict(
         BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, HAS_SOFTCAP=o.softcap is not None,
-        HAS_BIAS=bias is not None, SORTED=order is not None, DOT_PRECISION=dot_precision(dtype),
+        HAS_BIAS=bias is not None, SORTED=order is not None, DOT_PRECISION=dot_precision(dtype, cfg),
         enable_fp_fusion=fp_fusion(dtype), **cfg.launch)
     # lse stands in for the pointers of a bias or an order there is not.
     gather = (E, C, x, lse, up.coef, bias if bias is not None else lse, order if order is not None else lse)
@@ -338,7 +338,7 @@ def _sparse(E, C, x, lse, up, activity: Activity, o: CCEOptions, cfg, host: Host
         per_byte = np.pad(per_tile, (0, 8 * T8 - T)).reshape(T8, 8).sum(1)
         byte_cost = [pair_index.index_bytes(int(c), N, 1, False, segment_rows) for c in per_byte]
         vocab_args = dict(BLOCK_N=P, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, SORTED=order is not None, NEED_DC=need_dC,
-                          NEED_DB=need_db, DOT_PRECISION=dot_precision(dtype), enable_fp_fusion=fp_fusion(dtype),
+                          NEED_DB=need_db, DOT_PRECISION=dot_precision(dtype, cfg), enable_fp_fusion=fp_fusion(dtype),
                           **cfg.launch)
         for batch in _batches(list(range(T8)), lambda b: byte_cost[b], index_budget):
             b0, b1 = batch[0], batch[-1] + 1

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from helpers.cce.kernels.gradient_tile import gradient_tile, grouped_tile
+from helpers.cce.kernels.logits import dot
 
 
 @triton.jit
@@ -73,14 +74,14 @@ def accumulate_grads(
             # block after the first multiplied c by stale values (relative error 1.0-1.4 at every
             # shape, fp16 and bf16; the interpreter has no registers and was right).
             # tests/cce/test_configs.py checks the sm_90 compile keeps no accumulator as operand.
-            dE_tile = tl.trans(tl.dot(tl.trans(c), tl.trans(G_dE), input_precision=DOT_PRECISION))
+            dE_tile = tl.trans(dot(tl.trans(c), tl.trans(G_dE), None, DOT_PRECISION))
             dE_tile = dE_tile * dE_scale  # (BLOCK_N, BLOCK_D)
             tl.atomic_add(dE_ptr + rows[:, None] * stride_dEn + d[None, :] * stride_dEd, dE_tile,
                           mask=row_mask[:, None] & d_mask[None, :], sem="relaxed")
         if DO_DC:
             e = tl.load(E_ptr + rows[:, None] * stride_En + d[None, :] * stride_Ed,
                         mask=row_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-            dC_tile = tl.dot(G_dC, e, input_precision=DOT_PRECISION) * g_scale  # (BLOCK_V, BLOCK_D)
+            dC_tile = dot(G_dC, e, None, DOT_PRECISION) * g_scale  # (BLOCK_V, BLOCK_D)
             tl.atomic_add(dC_ptr + dC_rows[:, None] * stride_dCv + d[None, :] * stride_dCd, dC_tile,
                           mask=col_mask[:, None] & d_mask[None, :], sem="relaxed")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 MiB = 1024 * 1024
 
@@ -44,13 +45,26 @@ class LaunchConfig:
     # memory for it).
     persistent: int = 0
     g_subtile: int = 1
+    # ptxas's register ceiling per thread (None: its own choice): where a kernel's registers, not its
+    # shared memory, would decide how many of its programs share a multiprocessor.
+    maxnreg: int | None = None
+    # Whether Triton runs this configuration's 16-bit products on tensor cores. Triton from 3.3 compiles
+    # tl.dot for compute capability below 8.0 (a T4) as fp32 FMAs on CUDA cores, the operands upcast
+    # (triton-lang/triton#5066; tests/cce/test_configs.py checks it on the installed Triton): a T4's
+    # products in any Triton kernel run at its fp32 rate (8 TFLOP/s) where cuBLAS's run on its fp16 tensor
+    # cores (65). False: our kernels form that product themselves (``DOT_PRECISION="fma"``), the same
+    # arithmetic on a real T4, and on a pretend T4 (a bigger GPU with this tier) the same cost.
+    tensor_cores: bool = True
 
     def tiles(self, *names: str) -> dict:
         return {name: getattr(self, name) for name in names}
 
     @property
     def launch(self) -> dict:
-        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,12 @@ class HostTuning:
     # H200 the "gemm" design's 36.3 ms at the Qwen3 head (N 16,384) and 59.5 ms at the Gemma-2-2B head
     # against their cuBLAS products fit 0.63 and 0.75.
     triton_share: float = 0.7
+    # What ``memory_budget="default"`` (the loss's default) means on a GPU of this tier: "min" (the recompute
+    # design) or a number of bytes. For a tier whose Triton has no tensor-core products
+    # (``LaunchConfig.tensor_cores``), where our two Triton products are the slow ones and "forward_grads"
+    # makes its three in cuBLAS (``helpers.cce.schedules``); "min" on every tier today (the Turing tier's
+    # comment says why).
+    default_budget: str | int = "min"
     # Host time per kernel launch, microseconds (a "forward_grads" chunk launches ~5).
     launch_us: float = 10.0
     # "forward_grads" with fp16 inputs holds its logits in fp32 where a logit could pass this
@@ -248,6 +268,7 @@ class CCEConfigs:
 
 
 _L = LaunchConfig
+_T = partial(LaunchConfig, tensor_cores=False)  # a tier whose Triton has no tensor-core tl.dot
 # ``CCEConfigs.tuned``'s results by (the tier's id, the knobs): a handful per process.
 _TUNED: dict[tuple, tuple[CCEConfigs, CCEConfigs]] = {}
 
@@ -269,15 +290,23 @@ TIERS: tuple[CCEConfigs, ...] = (
     CCEConfigs(
         "turing-64k", 64 * 1024, (7, 5),
         # fp16: the fastest of 8 candidates under 64 KB, timed on an H200 (scripts/experiments/tune.py
-        # --tier turing-64k): a proxy, no T4 was available to time on.
-        forward={2: _L(128, 128, 32, 8, 3), 4: _L(64, 64, 32, 4, 2)},
-        backward={2: _L(64, 64, 32, 4, 2), 4: _L(64, 64, 16, 4, 2)},
-        backward_gemm={2: _L(128, 64, 32, 4, 3), 4: _L(64, 64, 32, 4, 2)},
+        # --tier turing-64k): a proxy, no T4 was available to time on, and timed on tensor cores, which a T4's
+        # Triton does not use (``LaunchConfig.tensor_cores``): not the fastest tiles for its FMA products.
+        forward={2: _T(128, 128, 32, 8, 3), 4: _T(64, 64, 32, 4, 2)},
+        backward={2: _T(64, 64, 32, 4, 2), 4: _T(64, 64, 16, 4, 2)},
+        backward_gemm={2: _T(128, 64, 32, 4, 3), 4: _T(64, 64, 32, 4, 2)},
         # Not swept (these tiles have run only as a pretend T4 on an H200): 64-column tiles, two bits per
         # forward tile.
-        sparse={2: _L(64, 64, 32, 4, 2), 4: _L(32, 64, 32, 4, 2)},
+        sparse={2: _T(64, 64, 32, 4, 2), 4: _T(32, 64, 32, 4, 2)},
         # Not timed: a T4's datasheet (65 TFLOP/s fp16 dense, 8 fp32, 320 GB/s).
         row_gradient=_L(1, 1024, 1, 4, 1),
+        # The default budget stays "min" though 1 GiB is far faster here: on an H100 as a T4 (its products as
+        # fp32 FMAs), fp16, the Qwen3 head at 16,384 tokens, "min" 490 ms forward and backward at 413 MB, 1 GiB
+        # 29 ms at 1.41 GB, Liger 81 ms at 384 MB (docs/measurements/h100-2026-12-06). With 1 GiB as the
+        # default, notebook 03 failed there: fp16 fine-tuning drifted 0.0475 from exact (bound 0.001), the
+        # forward_grads schedule's gradients rounded to fp16 before the loss scale reached them, as Liger's.
+        # They are held in fp32 until the backward since (``helpers.cce.forward_grads``); 1 GiB waits for
+        # notebook 03 to pass on a GPU with that (scripts/gpu/pending.sh).
         host=HostTuning(matmul_tflops_16bit=65.0, matmul_tflops_fp32=8.0, bandwidth_gbs=320.0),
     ),
     CCEConfigs(
@@ -312,7 +341,12 @@ TIERS: tuple[CCEConfigs, ...] = (
         forward={2: _L(128, 256, 64, 8, 3, tma=True), 4: _L(128, 64, 32, 8, 3)},
         forward_sorted={2: _L(256, 128, 64, 8, 3, tma=True)},
         backward={2: _L(128, 128, 64, 8, 3), 4: _L(64, 64, 32, 4, 3)},
-        backward_gemm={2: _L(128, 256, 64, 8, 3, GROUP_N=16, tma=True, persistent=1), 4: _L(128, 64, 32, 8, 3)},
+        # fp32's G kernel: at most 128 registers a thread, so that two programs (8 warps each) share a
+        # multiprocessor. With the soft cap, the precise exps and no contraction, Triton 3.6's ptxas took 200
+        # and one program fitted: the capped fp32 step 4.8% slower on an H100 (Gemma-2-2B head). At 128 it
+        # spills 56 bytes a thread (sm_90 compiles: scripts/experiments/registers.py).
+        backward_gemm={2: _L(128, 256, 64, 8, 3, GROUP_N=16, tma=True, persistent=1),
+                       4: _L(128, 64, 32, 8, 3, maxnreg=128)},
         # Not swept (the only tiles run, on an H200): packs of 64 rows x 128 columns, two bits per forward tile.
         sparse={2: _L(64, 128, 64, 4, 3), 4: _L(64, 64, 32, 4, 3)},
         # Where the sparse backward stopped beating "gemm" on an H200 with a trained model's softmax

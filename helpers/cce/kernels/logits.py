@@ -129,6 +129,19 @@ def log1p_neg(r):
 
 
 @triton.jit
+def dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """acc + a b in fp32 (acc None: a b), as ``DOT_PRECISION`` says: tl.dot's input_precision ("ieee" for
+    fp32 inputs, "tf32" for 16-bit ones, whose tensor-core product it does not change), or "fma": the
+    operands upcast to fp32 and multiplied with fp32 FMAs, what Triton compiles a 16-bit tl.dot to for a
+    GPU without tensor-core support in it (``LaunchConfig.tensor_cores``), spelled out so that a bigger
+    GPU standing in for one pays the same."""
+    if DOT_PRECISION == "fma":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def logit_tile(
     E_ptr, C_ptr,  # E (N, D), C (V, D), any strides
     rows, cols,  # (BLOCK_N,), (BLOCK_V,) int64 indices into E and C
@@ -150,7 +163,7 @@ def logit_tile(
         e = tl.load(e_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
         c = tl.load(c_ptrs, mask=d_mask[:, None] & col_mask[None, :], other=0.0)
         # DOT_PRECISION is "ieee" for fp32 inputs: real fp32 products, not tf32 (10-bit mantissa).
-        z = tl.dot(e, c, z, input_precision=DOT_PRECISION)
+        z = dot(e, c, z, DOT_PRECISION)
         e_ptrs += BLOCK_D * stride_Ed
         c_ptrs += BLOCK_D * stride_Cd
     return z
@@ -184,7 +197,7 @@ def logit_tile_tma(
         else:
             c = tl.load(c_ptrs, mask=(offs_d < D - d0)[:, None] & col_mask[None, :], other=0.0)
             c_ptrs += BLOCK_D * stride_Cd
-        z = tl.dot(e, c, z, input_precision=DOT_PRECISION)
+        z = dot(e, c, z, DOT_PRECISION)
     return z
 
 

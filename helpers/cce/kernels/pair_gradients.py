@@ -36,6 +36,7 @@ import triton.language as tl
 
 from helpers.cce.kernels.gradient_tile import gradient_and_softmax_tile
 from helpers.cce.kernels.pair_list import locate_pack
+from helpers.cce.kernels.logits import dot
 
 
 @triton.jit
@@ -129,7 +130,7 @@ def sparse_dE_pack_kernel(
             # (c^T G^T)^T, not tl.dot(G_dt, c): the form that keeps the logit accumulator's cast out
             # of sm_90's register operands across this loop (see ``atomic_gradients.py``: ptxas reused
             # those registers and dE came out wrong on the H200).
-            y = tl.trans(tl.dot(tl.trans(c), tl.trans(G_dt), input_precision=DOT_PRECISION))
+            y = tl.trans(dot(tl.trans(c), tl.trans(G_dt), None, DOT_PRECISION))
             tl.store(Y_ptr + slots[:, None] * stride_Y + d[None, :], y.to(Y_ptr.dtype.element_ty),
                      mask=q_mask[:, None] & d_mask[None, :])
 
@@ -260,7 +261,7 @@ def sparse_dC_kernel(
             rows = tl.load(pair_row_ptr + q, mask=q_mask, other=0).to(tl.int64)
             e = tl.load(E_ptr + rows[:, None] * stride_En + d[None, :] * stride_Ed,
                         mask=q_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
-            acc = tl.dot(gT, e, acc, input_precision=DOT_PRECISION)
+            acc = dot(gT, e, acc, DOT_PRECISION)
         if NEED_DB:
             # db_v = sum_i w_i G_{i, v}: the same operand as dC's, summed over the rows instead of
             # multiplied by E (empty lanes hold zeros).
