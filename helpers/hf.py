@@ -445,14 +445,14 @@ _REFUSED = {
 }
 
 
-def patch(model, *, allow_unlisted: bool = False, loss=None, memory_budget="min", class_weight=None,
+def patch(model, *, allow_unlisted: bool = False, loss=None, memory_budget="default", class_weight=None,
           temperature: float = 1.0, **refused):
     """Make ``model`` (this instance only) compute its training loss without logits; returns it.
 
     ``loss``: the linear cross-entropy the patched forward calls, with ``linear_cross_entropy``'s
     signature (E, C, x, *, bias, ignore_index, reduction, softcap); None: ours.
-    ``memory_budget``: ``linear_cross_entropy``'s ("min", a number of bytes beyond the inputs, dE
-    and dC, or "auto"), passed to every call (to ``loss`` too, when it is not "min").
+    ``memory_budget``: ``linear_cross_entropy``'s ("default", "min", a number of bytes beyond the inputs,
+    dE and dC, or "auto"), passed to every call (to ``loss`` too, when it is neither "default" nor "min").
     ``class_weight``: (V,) class weights for every labelled call, ``F.cross_entropy``'s ``weight``.
     transformers' loss takes none (its ``fixed_cross_entropy`` drops extra keywords), so this is an
     option of the patch, not of the call: a weighted mean over the kept targets, or with the Trainer's
@@ -483,8 +483,10 @@ def patch(model, *, allow_unlisted: bool = False, loss=None, memory_budget="min"
                                 ("temperature", temperature != 1.0, "temperature")):
         if loss is not None and used and not _takes(loss, keyword):
             raise ValueError(f"{name} needs a loss that takes {keyword}=; {getattr(loss, '__name__', loss)!r} does not")
-    if memory_budget != "min":
+    if memory_budget not in ("default", "min"):
         loss = functools.partial(loss or linear_cross_entropy, memory_budget=memory_budget)
+    elif memory_budget == "min" and loss is None:
+        loss = functools.partial(linear_cross_entropy, memory_budget="min")
     state = check_supported(model, allow_unlisted=allow_unlisted)
     if class_weight is not None:  # on any device (moved at each call): checked against the head's size only
         device = class_weight.device if isinstance(class_weight, torch.Tensor) else None

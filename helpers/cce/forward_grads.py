@@ -20,6 +20,14 @@ whose only gradient is the loss's (not reduction "none", not a gradient into a r
 schedule chooser refuses those, ``schedule_reason``). The gradient filter does not apply: cuBLAS
 multiplies every entry of G anyway.
 
+fp16 inputs hold dE, dC and db in fp32 until the backward, which rounds each to fp16 after the upstream
+scalar: fp16 training scales the loss (``torch.amp.GradScaler``) so that small gradients survive fp16's
+range, and that scale arrives only as the upstream gradient. Rounded to fp16 in the forward, as Liger
+rounds them, gradients below fp16's range were lost before it: on an H100 as a T4, notebook 03's fp16
+fine-tuning under this schedule drifted 0.0475 from exact (bound 0.001), and on the CPU with E and C of
+~1e-4 and a scale of 2^16, dE and dC erred 1.6e-2 against float64 where the recompute design erred 2.2e-4
+(``tests/cce/test_forward_grads.py``). bf16 has fp32's range and keeps its own dtype.
+
 Why holding logits pays: on an H200 one bf16 product at the Qwen3 head (N 16,384) is 6.4 ms; the
 schedule moves ~6 N V b bytes more than its products' operands (Z written, read twice and written by
 the row kernel, read by two products: 30 GB, ~6 ms at 4.8 TB/s) and saves the recompute design's two
@@ -37,6 +45,9 @@ from helpers.cce.kernels.row_gradient import row_gradient_kernel
 from helpers.cce.options import CCEOptions, CCEPlan, fp_fusion
 from helpers.cce.schedules import Schedule, choose_schedule
 from helpers.spec import raise_for_targets, targets_out_of_range
+
+# The dtype the forward holds the gradients in until the backward, by input dtype (module doc); else the inputs'.
+HELD = {torch.float16: torch.float32}
 
 
 def schedule_reason(options: CCEOptions, *, return_lse: bool, need: tuple[bool, bool, bool]) -> str | None:
@@ -110,7 +121,7 @@ def forward_grads(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: torch
     """(loss (N,) fp32, 0 at ignored rows; lse (N,) fp32; dE, dC, db of the loss summed over rows
     times ``scale``, None where ``need`` says not wanted), in chunks of ``rows`` rows (module doc).
     ``logits_dtype``: the chunks' dtype (None: E's); ``fp32_dC``: 16-bit dC accumulated over several
-    chunks in fp32 (else in itself)."""
+    chunks in fp32 (else in itself). For fp16 inputs dE, dC and db are returned in fp32 (``HELD``)."""
     o = options
     need_dE, need_dC, need_db = need
     N, D = E.shape
@@ -123,12 +134,14 @@ def forward_grads(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: torch
     cfg = configs.row_gradient
     loss = torch.empty(N, dtype=torch.float32, device=device)
     lse = torch.empty(N, dtype=torch.float32, device=device)
-    dE = torch.empty(N, D, dtype=dtype, device=device) if need_dE else None
-    # dC: written by its one product (one chunk), accumulated in itself (fp32), else in fp32 and rounded at the end.
+    held = HELD.get(dtype, dtype)
+    dE = torch.empty(N, D, dtype=held, device=device) if need_dE else None
+    # dC: written by its one product (one chunk), accumulated in itself (fp32), else in fp32 and rounded at the
+    # end (or kept in fp32: fp16).
     dC_acc = None
     dC = None
     if need_dC:
-        if several and dtype != torch.float32 and fp32_dC:
+        if held != dtype or (several and dtype != torch.float32 and fp32_dC):
             dC_acc = torch.empty(V, D, dtype=torch.float32, device=device)
         else:
             dC = torch.empty(V, D, dtype=dtype, device=device)
@@ -167,11 +180,14 @@ def forward_grads(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: torch
         if need_db:
             fp32_product(db_acc, G.T, ones[:r], alpha=1.0, accumulate=not first, mode=mode)
     del Z_buf, G, Z
-    if dC_acc is not None:
+    if dC_acc is not None and held != dtype:
+        dC = dC_acc.mul_(scale)  # held in fp32
+    elif dC_acc is not None:
         dC = torch.empty(V, D, dtype=dtype, device=device)
         torch.mul(dC_acc, scale, out=dC)  # rounded once
-        del dC_acc
-    db = (db_acc[:, 0] * scale).to(bias.dtype) if need_db else None
+    del dC_acc
+    db = db_acc[:, 0] * scale if need_db else None
+    db = db.to(bias.dtype) if need_db and held == dtype else db
     return loss, lse, dE, dC, db
 
 
@@ -181,6 +197,7 @@ class ForwardGradsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, E, C, x, bias, plan, schedule: Schedule, stats=None):
+        ctx.dtypes = (E.dtype, C.dtype, bias.dtype if bias is not None else None)
         o = plan.options
         V = C.shape[0]
         kept = x != o.ignore_index
@@ -209,5 +226,11 @@ class ForwardGradsFunction(torch.autograd.Function):
         if grad_loss is None:
             return None, None, None, None, None, None, None
         g = grad_loss.to(torch.float32)
-        grads = [t.mul_(g) if t is not None else None for t in (dE, dC, db)]  # x 1.0 is exact
+        held = [dE, dC, db]
+        del dE, dC, db
+        grads = []
+        for i, dtype in enumerate(ctx.dtypes):  # each rounded to its dtype in turn (fp16: held in fp32 so far)
+            t, held[i] = held[i], None
+            grads.append(None if t is None else t.mul_(g).to(dtype))  # in place, then rounded once; x 1.0 is exact
+            del t
         return grads[0], grads[1], None, grads[2], None, None, None

@@ -21,8 +21,12 @@ element; b_z: the logits', b or 4 for fp16 logits that could overflow):
                    = 4 V D + max(R V b_z - V D b, 0)       (16-bit, several chunks, dC's fp32
                      accumulator, and the chunk's logits beyond the room dC takes only at the end)
                    + 4 V (db's fp32 accumulator) + 16 N (per-row state)
+    forward_grads, fp16 inputs: dE and dC held in fp32 until the backward (the loss scale of fp16
+                     training reaches them there; rounded to fp16 before it, small gradients were lost:
+                     ``helpers.cce.forward_grads``), each rounded to fp16 in turn:
+                   = max(2 (N + V) D + R V b_z, 4 N D + 2 V D, 4 V D) + the same two terms
 
-dC's accumulator over several 16-bit chunks is fp32 (4 V D bytes), or dC itself, in its dtype,
+dC's accumulator over several bf16 chunks is fp32 (4 V D bytes), or dC itself, in its dtype,
 rounded once per chunk, for at most ``HostTuning.dC_in_dtype_chunks`` chunks (the error that costs:
 ``HostTuning``): the faster of the two that fit. In its own dtype it leaves the budget to larger
 chunks and moves b / 4 of the bytes per chunk, so it is the faster wherever it fits: at the Qwen3
@@ -30,7 +34,7 @@ head (N 16,384) 1 GiB gives 5 chunks against fp32's 13; at the Gemma-2-2B head t
 accumulator alone is 2.36 GB, so 1 GiB runs there only this way (4 chunks of 2,048 rows).
 
 The time model (constants per tier: ``HostTuning``): FLOP at the tier's matmul rate (Triton kernels
-at ``triton_share`` of it), plus the bytes each schedule moves beyond its products' operands at the
+at ``triton_share`` of it, of its fp32 rate on a tier without tensor-core products in Triton: a T4), plus the bytes each schedule moves beyond its products' operands at the
 memory's bandwidth, plus host time per launch:
 
     recompute      = 2 P / (share rate) + (n_E + n_C) P / rate + 3 N V b / bw      (G written, read twice)
@@ -49,8 +53,9 @@ rows against 40 predicted).
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -75,14 +80,25 @@ class MemoryBudgetError(RuntimeError):
 
 
 def check_memory_budget(memory_budget) -> str | int:
-    """``memory_budget`` as "min", "auto" or a whole number of bytes; a ``ValueError`` naming it otherwise."""
-    if isinstance(memory_budget, str) and memory_budget in ("min", "auto"):
+    """``memory_budget`` as "default", "min", "auto" or a whole number of bytes; a ``ValueError`` naming it
+    otherwise."""
+    if isinstance(memory_budget, str) and memory_budget in ("default", "min", "auto"):
         return memory_budget
     if (isinstance(memory_budget, (int, float)) and not isinstance(memory_budget, bool)
             and math.isfinite(memory_budget) and memory_budget >= 0):
         return int(memory_budget)
-    raise ValueError(f"memory_budget must be 'min', 'auto' or a number of bytes >= 0 (extra memory beyond the "
-                     f"inputs, dE and dC), got {memory_budget!r}")
+    raise ValueError(f"memory_budget must be 'default', 'min', 'auto' or a number of bytes >= 0 (extra memory "
+                     f"beyond the inputs, dE and dC), got {memory_budget!r}")
+
+
+def resolve_memory_budget(memory_budget, configs: CCEConfigs, device: torch.device) -> str | int:
+    """``memory_budget`` checked, with "default" replaced by what it means for this tier on this device: the
+    tier's ``HostTuning.default_budget`` on a GPU ("min", or a number of bytes on a tier whose Triton has no
+    tensor-core products, where our Triton products are the slow ones), "min" on the CPU."""
+    memory_budget = check_memory_budget(memory_budget)
+    if memory_budget != "default":
+        return memory_budget
+    return configs.host.default_budget if device.type == "cuda" else "min"
 
 
 def lower_bound_bytes(N: int, V: int, D: int, itemsize: int, need: tuple[bool, bool, bool] = (True, True, False)) -> int:
@@ -110,13 +126,18 @@ def recompute_extra_bytes(N: int, V: int, D: int, itemsize: int, configs: CCECon
 
 
 def forward_grads_extra_bytes(N: int, V: int, D: int, itemsize: int, rows: int, logits_itemsize: int, *,
-                              need: tuple[bool, bool, bool] = (True, True, False), fp32_dC: bool = True) -> int:
+                              need: tuple[bool, bool, bool] = (True, True, False), fp32_dC: bool = True,
+                              fp16: bool = False) -> int:
     """The "forward_grads" schedule's predicted bytes above its inputs and LB, with chunks of ``rows``
     rows and logits of ``logits_itemsize`` bytes; ``fp32_dC``: 16-bit dC accumulated in fp32 over
-    several chunks (else in itself) (module doc)."""
+    several chunks (else in itself); ``fp16``: fp16 inputs, whose gradients are held in fp32 until the
+    backward (module doc)."""
     rows = min(rows, N)
     chunk = rows * V * logits_itemsize
-    if need[1] and itemsize < 4 and rows < N and fp32_dC:  # dC's fp32 accumulator; dC itself only at the end
+    if fp16:  # dE and dC in fp32 through the forward; in the backward each is rounded to fp16 in turn
+        E2, C2 = need[0] * 2 * N * D, need[1] * 2 * V * D
+        extra = max(E2 + C2 + chunk, 2 * E2 + C2, 2 * C2)
+    elif need[1] and itemsize < 4 and rows < N and fp32_dC:  # dC's fp32 accumulator; dC itself only at the end
         extra = 4 * V * D + max(chunk - V * D * itemsize, 0)
     else:
         extra = chunk
@@ -125,14 +146,15 @@ def forward_grads_extra_bytes(N: int, V: int, D: int, itemsize: int, rows: int, 
 
 def forward_grads_rows(N: int, V: int, D: int, itemsize: int, logits_itemsize: int, budget: int,
                        configs: CCEConfigs, need: tuple[bool, bool, bool] = (True, True, False),
-                       fp32_dC: bool = True) -> int:
+                       fp32_dC: bool = True, fp16: bool = False) -> int:
     """The most rows a "forward_grads" chunk may take within ``budget`` extra bytes: N when all the
     rows fit, else a multiple of ``host.row_multiple``; 0 when not even one such chunk fits.
-    ``host.forward_grads_rows`` instead, when set and it fits. ``fp32_dC``: as
+    ``host.forward_grads_rows`` instead, when set and it fits. ``fp32_dC``, ``fp16``: as
     ``forward_grads_extra_bytes``."""
 
     def extra(rows):
-        return forward_grads_extra_bytes(N, V, D, itemsize, rows, logits_itemsize, need=need, fp32_dC=fp32_dC)
+        return forward_grads_extra_bytes(N, V, D, itemsize, rows, logits_itemsize, need=need, fp32_dC=fp32_dC,
+                                         fp16=fp16)
 
     fixed = configs.host.forward_grads_rows
     if fixed:
@@ -156,6 +178,13 @@ def _rate(itemsize: int, configs: CCEConfigs) -> float:
     return 1e12 * (host.matmul_tflops_fp32 if itemsize == 4 else host.matmul_tflops_16bit)
 
 
+def _triton_rate(itemsize: int, configs: CCEConfigs) -> float:
+    """Our Triton products' rate: ``triton_share`` of the tier's matmul rate, of its fp32 rate where its
+    Triton has no tensor-core product (``LaunchConfig.tensor_cores``: a T4's 8 TFLOP/s, not 65)."""
+    on_tensor_cores = configs.backward_gemm[4 if itemsize == 4 else 2].tensor_cores
+    return configs.host.triton_share * _rate(itemsize if on_tensor_cores else 4, configs)
+
+
 def recompute_seconds(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs,
                       need: tuple[bool, bool, bool] = (True, True, False)) -> float:
     """The "recompute" schedule's predicted time (module doc), seconds."""
@@ -164,19 +193,20 @@ def recompute_seconds(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs
     dtype = torch.float32 if itemsize == 4 else torch.float16
     plan = gemm_plan(N, V, D, dtype, configs.backward_gemm_for(dtype).BLOCK_V, host=host)
     launches = 3 * sum(len(chunks) for _, _, chunks in plan.row_chunks)
-    return (2 * P / (host.triton_share * rate) + (need[0] + need[1]) * P / rate
+    return (2 * P / _triton_rate(itemsize, configs) + (need[0] + need[1]) * P / rate
             + 3 * N * V * itemsize / (host.bandwidth_gbs * 1e9) + launches * host.launch_us * 1e-6)
 
 
 def forward_grads_seconds(N: int, V: int, D: int, itemsize: int, rows: int, logits_itemsize: int,
                           configs: CCEConfigs, need: tuple[bool, bool, bool] = (True, True, False),
-                          fp32_dC: bool = True) -> float:
+                          fp32_dC: bool = True, fp16: bool = False) -> float:
     """The "forward_grads" schedule's predicted time with chunks of ``rows`` rows (module doc), seconds."""
     host, rate = configs.host, _rate(itemsize, configs)
     chunks = triton.cdiv(N, rows)
-    accumulator = need[1] * (chunks > 1) * 2 * (4 if fp32_dC else itemsize) * V * D * chunks
+    accumulator = need[1] * (chunks > 1 or fp16) * 2 * (4 if fp32_dC or fp16 else itemsize) * V * D * chunks
+    held = fp16 * 6 * (need[0] * N + need[1] * V) * D  # fp16: the fp32 gradients read, their fp16 written
     return ((1 + need[0] + need[1]) * 2.0 * N * V * D / rate
-            + (6 * N * V * logits_itemsize + accumulator) / (host.bandwidth_gbs * 1e9)
+            + (6 * N * V * logits_itemsize + accumulator + held) / (host.bandwidth_gbs * 1e9)
             + 5 * chunks * host.launch_us * 1e-6)
 
 
@@ -238,12 +268,13 @@ def auto_budget_bytes(device: torch.device, lb: int) -> int | None:
 
 
 def _least_forward_grads_bytes(N: int, V: int, D: int, itemsize: int, logits_itemsize: int, configs: CCEConfigs,
-                               need: tuple[bool, bool, bool]) -> int:
+                               need: tuple[bool, bool, bool], fp16: bool) -> int:
     """The least extra memory "forward_grads" runs in: chunks of ``host.row_multiple`` rows with dC's
-    fp32 accumulator, or dC accumulated in itself over at most ``host.dC_in_dtype_chunks`` chunks."""
+    fp32 accumulator, or (bf16) dC accumulated in itself over at most ``host.dC_in_dtype_chunks`` chunks."""
     host = configs.host
-    least = forward_grads_extra_bytes(N, V, D, itemsize, min(N, host.row_multiple), logits_itemsize, need=need)
-    if need[1] and itemsize < 4 and host.dC_in_dtype_chunks:
+    least = forward_grads_extra_bytes(N, V, D, itemsize, min(N, host.row_multiple), logits_itemsize, need=need,
+                                      fp16=fp16)
+    if need[1] and itemsize < 4 and host.dC_in_dtype_chunks and not fp16:
         rows = min(N, host.row_multiple * triton.cdiv(triton.cdiv(N, host.dC_in_dtype_chunks), host.row_multiple))
         least = min(least, forward_grads_extra_bytes(N, V, D, itemsize, rows, logits_itemsize, need=need,
                                                      fp32_dC=False))
@@ -285,11 +316,28 @@ def _mib(n: int) -> str:
 def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, configs: CCEConfigs, *,
                     need: tuple[bool, bool, bool], device: torch.device = torch.device("cpu"),
                     not_forward_grads: str | None = None, logits_itemsize: int | None = None) -> Schedule:
-    """The fastest schedule whose predicted extra memory fits ``memory_budget`` (checked:
-    ``check_memory_budget``). ``not_forward_grads``: why "forward_grads" cannot run for this call
-    (None: it can); ``logits_itemsize``: its logits' bytes (None: the inputs'). Raises
-    ``MemoryBudgetError`` when a number of bytes fits no schedule."""
-    memory_budget = check_memory_budget(memory_budget)
+    """The fastest schedule whose predicted extra memory fits ``memory_budget`` (``resolve_memory_budget``).
+    ``not_forward_grads``: why "forward_grads" cannot run for this call (None: it can); ``logits_itemsize``:
+    its logits' bytes (None: the inputs'). Raises ``MemoryBudgetError`` when a number of bytes the caller
+    gave fits no schedule; a tier's default budget that fits none runs "min"."""
+    budget = resolve_memory_budget(memory_budget, configs, device)
+    choose = functools.partial(_choose_schedule, N, V, D, dtype, configs=configs, need=need, device=device,
+                               not_forward_grads=not_forward_grads, logits_itemsize=logits_itemsize)
+    if memory_budget != "default" or budget == "min":
+        return choose(budget)
+    said = (f"the {configs.name} tier's default budget, {_mib(budget)} (its Triton has no tensor-core products; "
+            "cuBLAS has)")
+    try:
+        schedule = choose(budget)
+    except MemoryBudgetError:
+        schedule = choose("min")
+        return replace(schedule, why=f"{said} fits no schedule: {schedule.why}")
+    return replace(schedule, why=f"{said}: {schedule.why}")
+
+
+def _choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, *, configs: CCEConfigs,
+                     need: tuple[bool, bool, bool], device: torch.device, not_forward_grads: str | None,
+                     logits_itemsize: int | None) -> Schedule:
     b = dtype.itemsize
     upcast = device.type != "cuda" and b < 4
     lb = lower_bound_bytes(N, V, D, b, need)
@@ -339,18 +387,19 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
     bz = logits_itemsize or b
     # Its chunks' rows with dC's fp32 accumulator, and with dC accumulated in itself (16-bit, several
     # chunks, at most ``dC_in_dtype_chunks``): the faster of the two that fit.
-    candidates = []
-    rows = forward_grads_rows(N, V, D, b, bz, budget, configs, need)
+    # fp16: the gradients held in fp32 until the backward, dC's accumulator fp32 (``forward_grads``).
+    candidates, fp16 = [], dtype == torch.float16
+    rows = forward_grads_rows(N, V, D, b, bz, budget, configs, need, fp16=fp16)
     if rows:
-        candidates.append((forward_grads_seconds(N, V, D, b, rows, bz, configs, need), rows, True))
-    if need[1] and b < 4 and rows < N:
+        candidates.append((forward_grads_seconds(N, V, D, b, rows, bz, configs, need, fp16=fp16), rows, True))
+    if need[1] and b < 4 and rows < N and not fp16:
         in_dtype = forward_grads_rows(N, V, D, b, bz, budget, configs, need, fp32_dC=False)
         if in_dtype and triton.cdiv(N, in_dtype) <= configs.host.dC_in_dtype_chunks:
             candidates.append((forward_grads_seconds(N, V, D, b, in_dtype, bz, configs, need, fp32_dC=False),
                                in_dtype, False))
     if candidates:
         seconds, rows, fp32_dC = min(candidates, key=lambda c: c[0])  # a tie keeps fp32's
-        extra = forward_grads_extra_bytes(N, V, D, b, rows, bz, need=need, fp32_dC=fp32_dC)
+        extra = forward_grads_extra_bytes(N, V, D, b, rows, bz, need=need, fp32_dC=fp32_dC, fp16=fp16)
         ms = 1e3 * seconds
         chunks = triton.cdiv(N, rows)
         if not fits_recompute or ms < recompute[1]:
@@ -364,7 +413,7 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
                             torch.float32 if bz == 4 else dtype, fp32_dC)
         return recompute_schedule(budget, f"recompute predicted faster ({recompute[1]:.2f} ms) than forward_grads "
                                           f"in {chunks} chunk(s) of {rows:,} rows ({ms:.2f} ms)")
-    least = _least_forward_grads_bytes(N, V, D, b, bz, configs, need)
+    least = _least_forward_grads_bytes(N, V, D, b, bz, configs, need, fp16)
     if fits_recompute:
         return recompute_schedule(budget, f"forward_grads needs at least {_mib(least)}, more than the budget "
                                           f"{_mib(budget)}")

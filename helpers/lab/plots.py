@@ -235,13 +235,18 @@ def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path
     for ax, N in zip(axes[0], Ns):
         at_N = {r["method"]: r for r in records if r["N"] == N}
         ok = {m: r for m, r in at_N.items() if r["status"] == "ok" and r.get("median_ms")}
-        line = [(ok[m]["peak_bytes"] / scale, ok[m]["median_ms"], m) for m in curve if m in ok]
+        # Least memory first: ours as it ships need not be the least (a tier's default budget,
+        # ``HostTuning.default_budget``, may be a number), and equal peaks keep the curve's order, so that
+        # one label names them.
+        line = sorted(((ok[m]["peak_bytes"] / scale, ok[m]["median_ms"], m) for m in curve if m in ok),
+                      key=lambda p: (round(p[0], 2), curve.index(p[2])))
         if line:
             ax.plot([p[0] for p in line], [p[1] for p in line], "-", color=colors["ours"], lw=2, marker="o",
-                    label="ours, memory_budget from 'min' to 64 GiB")
+                    label="ours, memory_budget from its default to 64 GiB")
             groups = []  # budgets that ran the same schedule land on one point: one label for them
             for gb, ms, m in line:
-                budget = "min" if m == curve[0] else m.removeprefix("ours_budget_").upper()  # curve[0]: "min"
+                # curve[0]: ours as it ships, its default budget ("min" on every tier today)
+                budget = "default" if m == curve[0] else m.removeprefix("ours_budget_").upper()
                 if groups and abs(gb / groups[-1][0] - 1) < 0.01:
                     groups[-1][2].append(budget)
                 else:

@@ -109,8 +109,9 @@ def main():
         for options in ({}, {"softcap": 4.0}, {"z_loss": 1e-3, "label_smoothing": 0.1})[: 3 if cuda else 1]:
             check.run(f"accuracy/{str(dtype).removeprefix('torch.')}/{options}", accuracy, dtype, options, device,
                       args.tiny, required=True)
-        check.run(f"accuracy/{str(dtype).removeprefix('torch.')}/dC_in_dtype", accuracy, dtype, {"softcap": 4.0},
-                  device, args.tiny, False, required=True)
+        if dtype != torch.float16:  # fp16 holds its gradients in fp32 (helpers.cce.forward_grads): never in its dtype
+            check.run(f"accuracy/{str(dtype).removeprefix('torch.')}/dC_in_dtype", accuracy, dtype, {"softcap": 4.0},
+                      device, args.tiny, False, required=True)
     cases = ([("qwen3-16k", 16_384, QWEN3.V, QWEN3.D), ("qwen3-65k", 65_536, QWEN3.V, QWEN3.D),
               ("gemma2-8k", 8_192, GEMMA2.V, GEMMA2.D)] if not args.tiny else [("tiny", 256, 1031, 40)])
     budgets = (2**28, 2**30, 2**32) if not args.tiny else (2**22,)

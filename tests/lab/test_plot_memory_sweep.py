@@ -76,3 +76,25 @@ def test_a_smoke_run_is_stamped_in_the_saved_file(tmp_path, monkeypatch):
     assert (tmp_path / "smoke.png").stat().st_size > 10_000
     plt.close(fig)
     plt.close(plain)
+
+
+def test_the_tradeoff_curve_runs_least_memory_first_and_names_equal_points_once(tmp_path):
+    """Ours as it ships under a tier's default budget of 1 GiB (``HostTuning.default_budget``, as the T4's tier
+    had for a run): the same point as the 1 GiB arm, and more memory than 256 MiB. The line goes by memory,
+    not by the curve's order, and one label names both (drawn in the curve's order, the line zigzagged and
+    the two labels overlapped)."""
+    from helpers.compare.methods.ours import BUDGET_CURVE
+    from helpers.lab.plots import plot_tradeoff
+
+    def at(method, peak, ms):
+        return dict(point(method, 16_384, peak=peak), median_ms=ms)
+
+    records = [at("ours", 1.41e9, 29.1), at("ours_budget_256m", 0.41e9, 520.0), at("ours_budget_512m", 0.84e9, 31.0),
+               at("ours_budget_1g", 1.41e9, 29.0), at("ours_budget_4g", 4.6e9, 27.5), at("liger", 0.38e9, 80.6)]
+    fig = plot_tradeoff(records, BUDGET_CURVE, path=tmp_path / "tradeoff.png", title="t")
+    ax = fig.axes[0]
+    xs = list(ax.lines[0].get_xdata())
+    assert xs == sorted(xs), xs
+    labels = [t.get_text() for t in ax.texts if t.get_text() and not t.get_text().startswith("not drawn")]
+    assert labels == ["256M", "512M", "default-1G", "4G"], labels
+    plt.close(fig)

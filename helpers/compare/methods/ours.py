@@ -36,7 +36,7 @@ def _ours_reason(device, dtype, softcap) -> Reason:
 
 
 def ours_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] | None,
-                    configs: CCEConfigs | None = None, memory_budget="min") -> int:
+                    configs: CCEConfigs | None = None, memory_budget="default") -> int:
     # helpers.cce with its defaults (backward "gemm"): the forward keeps O(N) (lse per row and vocabulary
     # split); the backward allocates dE and dC, for 16-bit inputs dE's fp32 accumulator (n_chunk, D)
     # and, with several row chunks, dC rows staged in fp32 (v_chunk, D) before each fold. Each G chunk
@@ -69,7 +69,8 @@ OURS = Method(
     supports_bias=True,
     peak_bytes=ours_peak_bytes,
     peak_formula=("(N·D + V·D)·b + 16-bit: dE's fp32 accumulator + fp32: a G chunk (16-bit G lives "
-             "in dE's and dC's rows not yet written; helpers.cce.gemm_plan) + 24 bytes of per-row state"),
+             "in dE's and dC's rows not yet written; helpers.cce.gemm_plan) + 24 bytes of per-row state "
+             "(under a tier's default budget other than 'min', the schedule it picks: helpers.cce.schedules)"),
 )
 
 
@@ -107,7 +108,8 @@ OURS_BUDGET_4G = _ours_budget(2**32, "4g")
 OURS_BUDGET_64G = _ours_budget(2**36, "64g")
 # Half of what is free when the loss runs (its memory formula: the least, what "auto" leaves when little is free).
 OURS_BUDGET_AUTO = _ours_budget("auto", "auto")
-# The budgets of the trade-off curve (notebook 02), least first: "min" (ours itself) to unlimited.
+# The budgets of the trade-off curve (notebook 02), least first: ours itself (its default budget, "min" on
+# every tier today) to unlimited.
 BUDGET_CURVE = ("ours", "ours_budget_256m", "ours_budget_512m", "ours_budget_1g", "ours_budget_4g", "ours_budget_64g")
 OURS_NOFILTER = Method(
     name="ours_nofilter",
