@@ -224,8 +224,9 @@ if P.smoke:
 #
 # The same line lets a big GPU pretend to be a small one: capped at `memory_fraction` (90%) of a
 # T4's memory, the card runs out where a T4 reader running this notebook would, and our kernels
-# take their T4 configurations (`helpers.cce.device.pretend_t4_scope`). The speed stays this
-# card's, and so do the peers' own code paths. On the CPU there is no allocator to cap; the
+# take their T4 configurations (`helpers.cce.device.pretend_t4_scope`), their products on CUDA
+# cores as a T4's Triton compiles them. The speed stays this card's, and so do the peers' own code
+# paths. On the CPU there is no allocator to cap; the
 # profile's simulated card is a budget on each step's measured peak.
 
 # %%

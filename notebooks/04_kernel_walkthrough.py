@@ -88,8 +88,9 @@
 # shared memory enforced) 22 s as an attendee and 15 s as the teacher, the longest section the
 # online log-sum-exp (6 s, its kernels compiling) and the payoff (4 s); on the H200 as itself 51 s
 # and 20 s, the attendee's first run compiling longer (`docs/measurements/h200-2026-12-02/workshop-04/`).
-# A real T4 multiplies fp16 about twelve times slower than an H200, so expect the payoff to take
-# longer there; the minutes above are for people, not for the machine.
+# A real T4 multiplies fp16 about twelve times slower than an H200 (and in Triton kernels, these
+# included, on its CUDA cores, not its tensor cores), so expect the payoff to take longer there; the
+# minutes above are for people, not for the machine.
 # **Needs Triton**, which installs on Linux only: on macOS or Windows open the notebook in Colab or
 # Kaggle (the badges above).
 #

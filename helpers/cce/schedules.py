@@ -24,7 +24,7 @@ element; b_z: the logits', b or 4 for fp16 logits that could overflow):
     forward_grads, fp16 inputs: dE and dC held in fp32 until the backward (the loss scale of fp16
                      training reaches them there; rounded to fp16 before it, small gradients were lost:
                      ``helpers.cce.forward_grads``), each rounded to fp16 in turn:
-                   = max(2 (N + V) D + R V b_z, 4 N D + 2 V D, 4 V D) + the same two terms
+                   = max(2 (N + V) D + R V b_z, 4 N D + 2 V D, 4 V D) + 4 V + 16 N, as above
 
 dC's accumulator over several bf16 chunks is fp32 (4 V D bytes), or dC itself, in its dtype,
 rounded once per chunk, for at most ``HostTuning.dC_in_dtype_chunks`` chunks (the error that costs:
@@ -34,8 +34,9 @@ head (N 16,384) 1 GiB gives 5 chunks against fp32's 13; at the Gemma-2-2B head t
 accumulator alone is 2.36 GB, so 1 GiB runs there only this way (4 chunks of 2,048 rows).
 
 The time model (constants per tier: ``HostTuning``): FLOP at the tier's matmul rate (Triton kernels
-at ``triton_share`` of it, of its fp32 rate on a tier without tensor-core products in Triton: a T4), plus the bytes each schedule moves beyond its products' operands at the
-memory's bandwidth, plus host time per launch:
+at ``triton_share`` of it, or of its fp32 rate on a tier whose Triton has no tensor-core products: a T4),
+plus the bytes each schedule moves beyond its products' operands at the memory's bandwidth, plus host
+time per launch:
 
     recompute      = 2 P / (share rate) + (n_E + n_C) P / rate + 3 N V b / bw      (G written, read twice)
     forward_grads  = (1 + n_E + n_C) P / rate + 6 N V b_z / bw                      (Z written; read
@@ -325,8 +326,7 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
                                not_forward_grads=not_forward_grads, logits_itemsize=logits_itemsize)
     if memory_budget != "default" or budget == "min":
         return choose(budget)
-    said = (f"the {configs.name} tier's default budget, {_mib(budget)} (its Triton has no tensor-core products; "
-            "cuBLAS has)")
+    said = f"the {configs.name} tier's default budget, {_mib(budget)}"
     try:
         schedule = choose(budget)
     except MemoryBudgetError:

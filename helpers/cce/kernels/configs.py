@@ -344,7 +344,9 @@ TIERS: tuple[CCEConfigs, ...] = (
         # fp32's G kernel: at most 128 registers a thread, so that two programs (8 warps each) share a
         # multiprocessor. With the soft cap, the precise exps and no contraction, Triton 3.6's ptxas took 200
         # and one program fitted: the capped fp32 step 4.8% slower on an H100 (Gemma-2-2B head). At 128 it
-        # spills 56 bytes a thread (sm_90 compiles: scripts/experiments/registers.py).
+        # spills 56 bytes a thread (sm_90 compiles: scripts/experiments/registers.py), and the step took
+        # 462.4 ms against 472.7 without the ceiling and 450.7 before those changes
+        # (docs/measurements/h100-2026-12-06).
         backward_gemm={2: _L(128, 256, 64, 8, 3, GROUP_N=16, tma=True, persistent=1),
                        4: _L(128, 64, 32, 8, 3, maxnreg=128)},
         # Not swept (the only tiles run, on an H200): packs of 64 rows x 128 columns, two bits per forward tile.
