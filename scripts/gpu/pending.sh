@@ -126,10 +126,13 @@
 #    loss scale of 2^16: 1.6e-2 before, within 1.5x of "min"'s 2.2e-4 after), and the Turing tier's default back
 #    to "min". Hence 14.
 # 14. The T4's default budget again, with fp16 gradients held in fp32: schedule_check.py (fp16 and bf16 under
-#    budgets on sm_90), then notebook 03 as a pretend T4 (quick) from .ab/t4budget (this tree with the Turing
-#    tier's default_budget at 1 GiB). Predicted: schedule_check passes; 03 exits 0 with ours (forward_grads in
-#    fp16) equivalent to exact in fine-tuning (drift within 0.001) and pretraining. If so, set the Turing tier's
-#    default_budget to 1 GiB (helpers/cce/kernels/configs.py) and say so in README and api.py.
+#    budgets on sm_90, and fp16's peaks under 1 and 4 GiB at the Qwen3 head, 16k: the held gradients' memory
+#    formula), the bench as a pretend T4 (ours_budget_1g, Liger, fp16, 16k), then notebook 03 as a pretend T4
+#    (quick) from .ab/t4budget (this tree with the Turing tier's default_budget at 1 GiB). Predicted:
+#    schedule_check passes (fp16 peaks 1,409 MB with 7 chunks of 2,368 rows and 4,638 MB with 2 chunks, each
+#    within 5%); ours_budget_1g 30-34 ms (29.1 before, now 7 chunks and fp32 gradients); 03 exits 0 with ours
+#    (forward_grads in fp16) equivalent to exact in fine-tuning (drift within 0.001) and pretraining. If so, set
+#    the Turing tier's default_budget to 1 GiB (helpers/cce/kernels/configs.py) and say so in README and api.py.
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
@@ -222,6 +225,9 @@ fi
 if [ "$part" = t4-budget ]; then
 timeout 230 python3 scripts/gpu/schedule_check.py --budget-s 200 --out "$OUT/schedule_check.jsonl" 2>&1 | tail -8
 step "schedule_check"
+timeout 100 python3 -m helpers bench --pretend t4 --methods ours_budget_1g liger --shapes qwen3-0.6b \
+  --N 16384 --regimes uniform --dtypes float16 --output "$OUT/bench_t4_budget.jsonl" 2>&1 | tail -4
+step "pretend T4 bench, fp16 gradients held in fp32"
 T="$PWD/.ab/t4budget"
 cd "$T" && export PYTHONPATH="$T:/tmp/site"
 (cd notebooks && python3 -c "import helpers; print('notebook kernels import', helpers.__file__)")

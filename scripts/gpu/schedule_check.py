@@ -7,13 +7,15 @@ over several row chunks, and predicted against measured peak memory.
    fp16, with the soft cap, and with the z-loss and label smoothing: dE's and dC's error against
    float64 beside the naive path's (logits in the dtype, then fp32), and the gate's rule (within
    max(floor, 2x naive's)) — the CPU tests cover fp32 and fp16 at tiny shapes, not bf16. Also with
-   dC accumulated in its own dtype (a budget below its fp32 accumulator) over the most chunks
-   allowed (``HostTuning.dC_in_dtype_chunks``, 16): the rounding that grows with the chunks.
+   bf16's dC accumulated in its own dtype (a budget below its fp32 accumulator) over the most chunks
+   allowed (``HostTuning.dC_in_dtype_chunks``, 16): the rounding that grows with the chunks (fp16 holds
+   its gradients in fp32 until the backward, so never).
 2. Peak memory of forward+backward above the inputs under budgets of 256 MiB, 1 GiB and 4 GiB at the
    Qwen3 head (N = 16,384 and 65,536) and the Gemma-2-2B head (N = 8,192), and 40 MiB at 16,384 (below
    the recompute plan's own need: fewer rows per dE accumulator), bf16: the schedule chosen,
    the predicted peak (``stats``) against the measured one; the target is within 5%, and the budget
-   never exceeded.
+   never exceeded. And fp16 at the Qwen3 head, 16,384 tokens, under 1 and 4 GiB: its gradients held in
+   fp32 through the forward, a formula of its own.
 
 ``--tiny``: small shapes on a CPU under the interpreter (fp32 and fp16), to check the script.
 """
@@ -71,8 +73,8 @@ def accuracy(dtype, options: dict, device, tiny: bool, fp32_dC: bool = True) -> 
             "status": "ok" if ok and (ran or not torch.device(device).type == "cuda") else "FAIL"}
 
 
-def peaks(name, N, V, D, budget, device) -> dict:
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16
+def peaks(name, N, V, D, budget, device, dtype=None) -> dict:
+    dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float16)
     E, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=N)
     E.requires_grad_(True)
     C.requires_grad_(True)
@@ -86,7 +88,8 @@ def peaks(name, N, V, D, budget, device) -> dict:
     _, peak = peak_memory(step, device=device)  # above the inputs: dE, dC and the scratch
     lb = lower_bound_bytes(N, V, D, dtype)
     predicted = stats.get("predicted_peak_bytes")
-    rec = {"case": f"peak/{name}/budget={budget}", "N": N, "V": V, "D": D, "budget": budget,
+    rec = {"case": f"peak/{name}/budget={budget}", "dtype": str(dtype).removeprefix("torch."), "N": N, "V": V, "D": D,
+           "budget": budget,
            "schedule": stats.get("schedule"), "rows": stats.get("rows"), "gemm_chunks": stats.get("gemm_chunks"),
            "why": stats.get("why"),
            "peak_bytes": int(peak), "lower_bound_bytes": int(lb), "predicted_peak_bytes": predicted,
@@ -122,6 +125,12 @@ def main():
     # tiny shape forward_grads fits such a budget: the case would repeat the one above.)
     if not args.tiny:
         check.run("peak/qwen3-16k/tight", peaks, "qwen3-16k", 16_384, QWEN3.V, QWEN3.D, 40 * 2**20, device)
+    # fp16 (a T4's dtype): the three-product schedule holds its gradients in fp32 until the backward, a memory
+    # formula of its own (helpers.cce.schedules).
+    if cuda:
+        for budget in (2**30, 2**32):
+            check.run(f"peak/qwen3-16k-fp16/{budget}", peaks, "qwen3-16k-fp16", 16_384, QWEN3.V, QWEN3.D, budget,
+                      device, torch.float16)
     finish(check, args.out, cuda)
 
 
