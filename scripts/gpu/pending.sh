@@ -167,6 +167,13 @@ case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halve
 source scripts/gpu/env.sh || exit 1
 t0=$SECONDS
 step() { echo "== $1 after $((SECONDS - t0)) s"; }
+# as_t4 SECONDS "NOTEBOOKS": those notebooks as a pretend T4 (quick) into /tmp/as-t4, what comes back (REPORT.md,
+# summary.json, the log) into $OUT: only 8 files return, so not every notebook's output.
+as_t4() {
+  timeout "$1" python3 -m helpers run --pretend t4 --quick --only $2 --output /tmp/as-t4 > "$OUT/suite.log" 2>&1
+  echo "notebooks $2 exit $?"; tail -4 "$OUT/suite.log"
+  cp /tmp/as-t4/REPORT.md /tmp/as-t4/summary.json "$OUT/" 2>/dev/null
+}
 if [ "$part" = cap-rl ]; then
 HELPERS_TEST_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/cce/test_cce.py tests/cce/test_distill.py \
   tests/cce/test_forward_grads.py -k "inf_in_E or saturat or deep_in" 2>&1 | tail -3
@@ -232,17 +239,13 @@ T="$PWD/.ab/t4budget"
 cd "$T" && export PYTHONPATH="$T:/tmp/site"
 (cd notebooks && python3 -c "import helpers; print('notebook kernels import', helpers.__file__)")
 grep -h "default_budget=" helpers/cce/kernels/configs.py
-timeout 330 python3 -m helpers run --pretend t4 --quick --only 03 --output /tmp/t4-budget > "$OUT/suite.log" 2>&1
-echo "notebook 03 exit $?"; tail -4 "$OUT/suite.log"
-cp /tmp/t4-budget/REPORT.md /tmp/t4-budget/summary.json "$OUT/" 2>/dev/null
+as_t4 330 "03"
 step "notebook 03 as a T4, default budget 1 GiB"
 exit 0
 fi
 if [ "$part" = t4-train ]; then
-timeout 400 python3 -m helpers run --pretend t4 --quick --only 01 03 --output /tmp/t4-train > "$OUT/suite.log" 2>&1
-echo "notebooks 01 03 exit $?"; tail -5 "$OUT/suite.log"
-cp /tmp/t4-train/REPORT.md /tmp/t4-train/summary.json "$OUT/" 2>/dev/null
-cp /tmp/t4-train/03_convergence/*.json "$OUT/" 2>/dev/null
+as_t4 400 "01 03"
+cp /tmp/as-t4/03_convergence/*.json "$OUT/" 2>/dev/null
 ls "$OUT"
 step "notebooks 01 and 03 as a T4"
 exit 0
@@ -254,10 +257,8 @@ step "fma and default-budget tests"
 timeout 100 python3 -m helpers bench --pretend t4 --methods ours ours_budget_1g liger --shapes qwen3-0.6b \
   --N 16384 --regimes uniform --dtypes float16 --output "$OUT/bench_t4_default.jsonl" 2>&1 | tail -5
 step "pretend T4 bench, the default budget"
-timeout 330 python3 -m helpers run --pretend t4 --quick --only 02 05 --output /tmp/t4-default > "$OUT/suite.log" 2>&1
-echo "notebooks 02 05 exit $?"; tail -4 "$OUT/suite.log"
-cp /tmp/t4-default/REPORT.md /tmp/t4-default/summary.json "$OUT/" 2>/dev/null
-cp /tmp/t4-default/02_memory_sweep/*.png "$OUT/" 2>/dev/null
+as_t4 330 "02 05"
+cp /tmp/as-t4/02_memory_sweep/*.png "$OUT/" 2>/dev/null
 ls "$OUT"
 step "notebooks 02 and 05 as a T4"
 exit 0
