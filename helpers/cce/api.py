@@ -294,8 +294,9 @@ def linear_cross_entropy(
         if smoothing_weight:
             plan = replace(plan, class_weight=weight.to(torch.float32).contiguous())
         schedule = None
-        memory_budget = resolve_memory_budget(memory_budget, plan.configs, E.device)
-        if memory_budget != "min" or stats is not None:  # "min" without stats: no model to run
+        # "min" without stats: no model to run. The budget goes on as given: a tier's default that fits no
+        # schedule runs "min" where a caller's number raises (``choose_schedule``).
+        if resolve_memory_budget(memory_budget, plan.configs, E.device) != "min" or stats is not None:
             schedule = plan_schedule(E_rows, C, bias, plan, memory_budget, return_lse=lse_wanted)
             if stats is not None:
                 stats.update(schedule.as_stats())

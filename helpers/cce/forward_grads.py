@@ -43,7 +43,7 @@ from helpers.cce.backward.gemm import fp32_product, product_mode
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.row_gradient import row_gradient_kernel
 from helpers.cce.options import CCEOptions, CCEPlan, fp_fusion
-from helpers.cce.schedules import Schedule, choose_schedule
+from helpers.cce.schedules import Schedule, choose_schedule, resolve_memory_budget
 from helpers.spec import raise_for_targets, targets_out_of_range
 
 # The dtype the forward holds the gradients in until the backward, by input dtype (module doc); else the inputs'.
@@ -77,7 +77,8 @@ def plan_schedule(E: torch.Tensor, C: torch.Tensor, bias: torch.Tensor | None, p
     (``logits_bound``: one host read, only for fp16 under a budget other than "min")."""
     reason = schedule_reason(plan.options, return_lse=return_lse, need=plan.need)
     logits_itemsize = None
-    if memory_budget != "min" and reason is None and E.dtype == torch.float16:
+    budget = resolve_memory_budget(memory_budget, plan.configs, E.device)
+    if budget != "min" and reason is None and E.dtype == torch.float16:
         if float(logits_bound(E.detach(), C.detach(), bias.detach() if bias is not None else None)) > plan.configs.host.fp16_logit_limit:
             logits_itemsize = 4
     N, D = E.shape
@@ -221,13 +222,11 @@ class ForwardGradsFunction(torch.autograd.Function):
         if ctx.grads is None:
             raise RuntimeError("the forward_grads schedule's gradients were handed over by an earlier backward; "
                                "use memory_budget='min' to backpropagate through the loss twice")
-        dE, dC, db = ctx.grads
+        held = list(ctx.grads)  # dE, dC, db
         ctx.grads = None  # handed over: autograd may keep them as .grad without a copy
         if grad_loss is None:
             return None, None, None, None, None, None, None
         g = grad_loss.to(torch.float32)
-        held = [dE, dC, db]
-        del dE, dC, db
         grads = []
         for i, dtype in enumerate(ctx.dtypes):  # each rounded to its dtype in turn (fp16: held in fp32 so far)
             t, held[i] = held[i], None

@@ -67,12 +67,7 @@ def measure(tier: K.CCEConfigs, kernel: str, dtype: torch.dtype, softcap: bool) 
     record = dict(case=f"{tier.name}/{kernel}/{name}/{'cap' if softcap else 'nocap'}", tier=tier.name, kernel=kernel,
                   dtype=name, softcap=softcap, config=repr(cfg))
     constexprs = _constexprs(kernel, cfg, dtype, softcap)
-    sig = offline.signature("backward_gemm" if kernel == "G" else "lse_forward", fn, name)
-    if cfg.tma:  # tensor descriptors in place of E's and C's pointers (and G's)
-        sig["E_ptr"] = f"tensordesc<{name}[{cfg.BLOCK_N}, {cfg.BLOCK_D}]>"
-        sig["C_ptr"] = f"tensordesc<{name}[{cfg.BLOCK_V}, {cfg.BLOCK_D}]>"
-        if kernel == "G":
-            sig["G_ptr"] = f"tensordesc<{name}[{cfg.BLOCK_N}, {cfg.BLOCK_V // cfg.g_subtile}]>"
+    sig = offline.signature("backward_gemm" if kernel == "G" else "lse_forward", fn, name, constexprs, cfg)
     options = dict(cfg.launch, enable_fp_fusion=fp_fusion(dtype))
     try:
         compiled = offline.compile_for(fn, sig, constexprs, tier.target_capability, options)

@@ -144,14 +144,7 @@ def compile_ours(request):
         constexprs["DOT_PRECISION"] = request["dot"]
     if constexprs.get("EMIT_BITS"):
         constexprs["SUB"] = cfg.BLOCK_V // tier.sparse[size].BLOCK_V
-    sig = offline.signature(request["kernel"], fn, request["dtype"])
-    if constexprs.get("E_DESC"):  # tensor descriptors in place of E's and C's pointers (and G's)
-        dtype = request["dtype"]
-        sig["E_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_N}, {cfg.BLOCK_D}]>"
-        if not constexprs.get("SORTED"):
-            sig["C_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_V}, {cfg.BLOCK_D}]>"
-        if constexprs.get("G_DESC"):
-            sig["G_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_N}, {cfg.BLOCK_V // cfg.g_subtile}]>"
+    sig = offline.signature(request["kernel"], fn, request["dtype"], constexprs, cfg)
     major, minor = request.get("target") or tier.target_capability
     compiled = offline.compile_for(fn, sig, constexprs, (major, minor), cfg.launch)
     # cuobjdump for the one kernel a test reads (hundreds are compiled here)

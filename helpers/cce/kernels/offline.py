@@ -35,8 +35,10 @@ _FLOATS = {"softcap", "z_loss", "label_smoothing", "eps", "inv_temperature", "ta
 TENSOR_CORE_PTX = re.compile(r"\b(?:mma\.sync|wgmma\.mma_async)\b")
 
 
-def signature(kernel_name: str, fn, dtype: str) -> dict:
-    """Triton signature strings for each argument of one of our kernels, by naming convention."""
+def signature(kernel_name: str, fn, dtype: str, constexprs: dict | None = None, cfg=None) -> dict:
+    """Triton signature strings for each argument of one of our kernels, by naming convention; with
+    ``constexprs`` asking for tensor descriptors (E_DESC, G_DESC), E's, C's (unless SORTED) and G's as
+    descriptors of ``cfg``'s blocks."""
     pointers = dict(_POINTERS, **{name: dtype for name in _INPUT_POINTERS})
     if kernel_name.startswith("sparse"):
         # The outputs themselves, not fp32 scratch; the bias in the inputs' dtype.
@@ -52,6 +54,13 @@ def signature(kernel_name: str, fn, dtype: str) -> dict:
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
+    constexprs = constexprs or {}
+    if constexprs.get("E_DESC"):
+        sig["E_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_N}, {cfg.BLOCK_D}]>"
+        if not constexprs.get("SORTED"):
+            sig["C_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_V}, {cfg.BLOCK_D}]>"
+        if constexprs.get("G_DESC"):
+            sig["G_ptr"] = f"tensordesc<{dtype}[{cfg.BLOCK_N}, {cfg.BLOCK_V // cfg.g_subtile}]>"
     return sig
 
 
