@@ -87,7 +87,7 @@ def _bench(args) -> int:
     )
     print(bench_table(records))
     if args.output:
-        print(f"results appended to {args.output}")
+        print(f"results written to {args.output} (a fresh file: what was there is replaced)")
     return 1 if any(r.status == "error" for r in records) else 0
 
 
@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--regimes", nargs="+", default=["uniform"], choices=REGIMES)
     bench.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["float32", "float16", "bfloat16"])
     bench.add_argument("--N", nargs="+", type=_at_least(1), help="token counts (default: each shape's list)")
-    bench.add_argument("--output", help="write results here: JSON Lines, a meta record first (device, versions, command)")
+    bench.add_argument("--output", help="write results here, replacing the file, as they are measured: JSON Lines, a "
+                       "meta record first (device, versions, command)")
     bench.add_argument("--warmup", type=_at_least(0), default=2)
     bench.add_argument("--repeats", type=_at_least(1), default=7)
     bench.add_argument("--time-failed", action="store_true", help="also time methods that fail the gate")

@@ -507,9 +507,9 @@ if t4_pass:
 # ## Memory for speed: one loss, many budgets
 #
 # The sweep above runs every method as it ships. Ours can also be told how much memory it may take
-# for speed: `memory_budget` (`"min"` by default, a number of bytes, or `"auto"`; on a T4 a budget pays
-# most: Triton runs a T4's 16-bit products in our kernels as fp32 FMAs, not on its tensor cores, and the
-# held-logits schedule below makes all of its products in cuBLAS). Under "min" it
+# for speed: `memory_budget` (`"default"`: `"min"`, the least, on most cards and 1 GiB on a T4; or a number
+# of bytes, or `"auto"`). On a T4 the default is 1 GiB: Triton runs a T4's 16-bit products in our kernels as fp32 FMAs, not on its tensor cores, and the
+# held-logits schedule below makes all of its products in cuBLAS (`"min"` there is ~15x slower). Under "min" it
 # recomputes the logits in the backward: four N×V×D products and nearly nothing above the gradients
 # themselves. Given room, it holds the logits of R rows at a time and makes the gradients in the
 # forward, as torch.compile and Liger do: three products, at R·V·b bytes per chunk (plus dC's fp32

@@ -200,10 +200,12 @@ def linear_cross_entropy(
         Liger does (``helpers.cce.class_weights``; weight with label smoothing not under
         torch.compile). Per-token log-probabilities, entropies and accuracy:
         ``helpers.cce.outputs.linear_cross_entropy_outputs``.
-    memory_budget: "default" (the tier's ``HostTuning.default_budget``, "min" on every tier today; "min"
-        on the CPU and under torch.compile. On a T4 a budget is far faster: Triton compiles its 16-bit
-        products as fp32 FMAs, and the schedule whose three products run in cuBLAS was 17x faster on an
-        H100 standing in for a T4, 29 ms against 490 at the Qwen3 head and 16,384 tokens), "min" (the
+    memory_budget: "default" (the tier's ``HostTuning.default_budget``: 1 GiB on a T4, raised where that
+        fits no three-product schedule up to ``HostTuning.default_budget_max``, 4 GiB, and half of what is
+        free; "min" on every other tier, on the CPU and under torch.compile. On a T4 Triton compiles its
+        16-bit products as fp32 FMAs, and the schedule whose three products run in cuBLAS was 15x faster on
+        an H100 standing in for a T4, 31.8 ms against 490 at the Qwen3 head and 16,384 tokens, at 1.41 GB
+        against 0.41), "min" (the
         recompute design above, within ~1.1-1.2 LB at LLM heads; up to ``HostTuning.g_buffer_max_bytes``
         more on a small head whose G chunks in place would all be host-bound,
         ``helpers.cce.backward.gemm.gemm_plan``), a number of bytes the call may hold beyond its inputs and the gradients it returns (dE, dC), or "auto"

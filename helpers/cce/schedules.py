@@ -316,11 +316,14 @@ def _mib(n: int) -> str:
 
 def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, configs: CCEConfigs, *,
                     need: tuple[bool, bool, bool], device: torch.device = torch.device("cpu"),
-                    not_forward_grads: str | None = None, logits_itemsize: int | None = None) -> Schedule:
+                    not_forward_grads: str | None = None, logits_itemsize: int | None = None,
+                    ask_free: bool = True) -> Schedule:
     """The fastest schedule whose predicted extra memory fits ``memory_budget`` (``resolve_memory_budget``).
     ``not_forward_grads``: why "forward_grads" cannot run for this call (None: it can); ``logits_itemsize``:
     its logits' bytes (None: the inputs'). Raises ``MemoryBudgetError`` when a number of bytes the caller
-    gave fits no schedule; a tier's default budget that fits none runs "min"."""
+    gave fits no schedule; a tier's default budget that fits none runs "min". ``ask_free``: a raised default
+    (``_raised_default``) is bounded by what ``device`` has free; False for a prediction of a card other
+    than this process's (``helpers.compare``'s formulas), which leaves that bound out."""
     budget = resolve_memory_budget(memory_budget, configs, device)
     choose = functools.partial(_choose_schedule, N, V, D, dtype, configs=configs, need=need, device=device,
                                not_forward_grads=not_forward_grads, logits_itemsize=logits_itemsize)
@@ -332,7 +335,36 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
     except MemoryBudgetError:
         schedule = choose("min")
         return replace(schedule, why=f"{said} fits no schedule: {schedule.why}")
+    raised = None if schedule.name != "recompute" else _raised_default(
+        N, V, D, dtype, budget, configs, need, device, not_forward_grads, logits_itemsize, ask_free)
+    if raised is not None:
+        room, least = raised
+        bigger = choose(room)
+        if bigger.name == "forward_grads":
+            return replace(bigger, why=f"{said}, raised to {_mib(room)} (forward_grads' least need here, "
+                                       f"{_mib(least)}, plus the default; at most {_mib(configs.host.default_budget_max)} "
+                                       f"and {AUTO_SHARE:.0%} of what is free): {bigger.why}")
     return replace(schedule, why=f"{said}: {schedule.why}")
+
+
+def _raised_default(N: int, V: int, D: int, dtype: torch.dtype, budget: int, configs: CCEConfigs,
+                    need: tuple[bool, bool, bool], device: torch.device, not_forward_grads: str | None,
+                    logits_itemsize: int | None, ask_free: bool = True) -> tuple[int, int] | None:
+    """(room, least): where the tier's numeric default ``budget`` is below "forward_grads"' least need
+    (``least``), the default raised to least + budget, at most ``HostTuning.default_budget_max`` and
+    ``auto_budget_bytes`` (what is free; not asked unless ``ask_free``); None where it is not raised (no
+    ceiling, forward_grads cannot run or already fits, or it would not fit the room)."""
+    ceiling = configs.host.default_budget_max
+    if not ceiling or not_forward_grads is not None:
+        return None
+    b = dtype.itemsize
+    least = _least_forward_grads_bytes(N, V, D, b, logits_itemsize or b, configs, need, dtype == torch.float16)
+    if least <= budget:
+        return None
+    room = min(ceiling, least + budget)
+    free = auto_budget_bytes(device, lower_bound_bytes(N, V, D, b, need)) if ask_free else None
+    room = room if free is None else min(room, free)
+    return (room, least) if room >= least else None
 
 
 def _choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, *, configs: CCEConfigs,

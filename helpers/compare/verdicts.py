@@ -499,7 +499,7 @@ def crossovers(methods: dict[str, dict], trained: bool) -> list[str]:
 def budget_sentences(methods: dict[str, dict]) -> list[str]:
     """What ours' memory budgets bought in 02 (``budgets`` of its facts), per token count of
     ``REGIME_TOKENS``: each budget that ran another schedule than ours as it ships (its default budget,
-    "min" on every tier today; a peak more than ``MEMORY_TIE`` above it) and passed the gate, its time and peak
+    "min", 1 GiB on a T4; a peak more than ``MEMORY_TIE`` above it) and passed the gate, its time and peak
     beside the default's and the fastest other method's. Said as measured, not recommended: notebook 03
     trains ours with its default budget only."""
     from helpers.compare.units import format_bytes

@@ -245,7 +245,7 @@ def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path
                     label="ours, memory_budget from its default to 64 GiB")
             groups = []  # budgets that ran the same schedule land on one point: one label for them
             for gb, ms, m in line:
-                # curve[0]: ours as it ships, its default budget ("min" on every tier today)
+                # curve[0]: ours as it ships, its default budget ("min"; 1 GiB on a T4)
                 budget = "default" if m == curve[0] else m.removeprefix("ours_budget_").upper()
                 if groups and abs(gb / groups[-1][0] - 1) < 0.01:
                     groups[-1][2].append(budget)

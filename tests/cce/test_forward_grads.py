@@ -314,21 +314,58 @@ def test_the_chooser_takes_the_fastest_that_fits_and_the_most_rows():
 
 def test_the_default_budget_is_the_tiers():
     """memory_budget="default" (the loss's default): each tier's ``default_budget``, "min" on every shipped tier
-    and always on the CPU. A tier whose default is 1 GiB (the T4's, measured so: its Triton's 16-bit products
-    as fp32 FMAs) runs forward_grads at the Qwen3 head and 16,384 fp16 tokens, all three products in cuBLAS,
+    but the T4's and always on the CPU. The T4's is 1 GiB (measured so: its Triton's 16-bit products as fp32
+    FMAs): it runs forward_grads at the Qwen3 head and 16,384 fp16 tokens, all three products in cuBLAS,
     and says why."""
     need, cuda = (True, True, False), torch.device("cuda")
     Nq, Vq, Dq = 16384, 151936, 1024
-    for name in ("turing-64k", "ampere-99k", "ampere-163k", "hopper-227k"):
+    for name in ("ampere-99k", "ampere-163k", "hopper-227k"):
         s = choose_schedule(Nq, Vq, Dq, torch.float16, "default", tier(name), need=need, device=cuda)
         assert s.name == "recompute" and s.budget_bytes is None, (name, s.why)
-    turing = tier("turing-64k").tuned(default_budget=2**30)
+    turing = tier("turing-64k")
+    assert turing.host.default_budget == 2**30
     s = choose_schedule(Nq, Vq, Dq, torch.float16, "default", turing, need=need, device=cuda)
     assert s.name == "forward_grads" and s.budget_bytes == 2**30 and "turing-64k tier's default budget" in s.why
     assert choose_schedule(Nq, Vq, Dq, torch.float16, "default", turing, need=need).name == "recompute"  # CPU
     # The time model knows why: the recompute design's two Triton products at a T4's fp32 rate.
     assert (choose_schedule(Nq, Vq, Dq, torch.float16, "min", turing, need=need, device=cuda).predicted_ms
             > 5 * s.predicted_ms)
+
+
+@pytest.mark.parametrize("free_gib, raised", [(12, True), (2, False)])
+def test_a_default_too_small_for_the_head_is_raised_within_its_ceiling(monkeypatch, free_gib, raised):
+    """At the Gemma-2-2B head in fp16 the T4's 1 GiB fits no forward_grads (its dC held in fp32 alone is
+    4 V D = 2.4 GB); the default is raised to its least need plus 1 GiB, within 4 GiB and half of what is
+    free (measured as a pretend T4 at 8,192 tokens: "min" 915 ms, 4 GiB 50.9 ms). With too little free, or
+    on a tier without a ceiling, it stays the recompute design."""
+    import helpers.cce.schedules as schedules
+
+    seen = []
+
+    def free(device, lb):  # half of what a card with free_gib GiB free would leave beyond LB
+        seen.append(lb)
+        return int(0.5 * (free_gib * 2**30 - lb))
+
+    monkeypatch.setattr(schedules, "auto_budget_bytes", free)
+    need, cuda = (True, True, False), torch.device("cuda")
+    turing = tier("turing-64k")
+    s = choose_schedule(8192, 256000, 2304, torch.float16, "default", turing, need=need, device=cuda)
+    assert seen, "what is free was not asked"
+    if raised:
+        assert s.name == "forward_grads" and 2**30 < s.budget_bytes <= 2**32, s.why
+        assert s.predicted_extra_bytes <= s.budget_bytes and "raised to" in s.why, s.why
+    else:
+        assert s.name == "recompute" and "raised" not in s.why, s.why
+    # Where the default fits, nothing is raised and nothing asked; a tier without a ceiling never raises.
+    seen.clear()
+    s = choose_schedule(16384, 151936, 1024, torch.float16, "default", turing, need=need, device=cuda)
+    assert s.name == "forward_grads" and s.budget_bytes == 2**30 and not seen
+    s = choose_schedule(8192, 256000, 2304, torch.float16, "default", turing.tuned(default_budget_max=0), need=need,
+                        device=cuda)
+    assert s.name == "recompute" and not seen
+    # A prediction for a card that is not this process's (helpers.compare's formulas) leaves what is free out.
+    s = choose_schedule(8192, 256000, 2304, torch.float16, "default", turing, need=need, device=cuda, ask_free=False)
+    assert s.name == "forward_grads" and "raised to" in s.why and not seen
 
 
 def test_a_default_budget_that_fits_no_schedule_runs_min():

@@ -175,9 +175,14 @@ class HostTuning:
     # What ``memory_budget="default"`` (the loss's default) means on a GPU of this tier: "min" (the recompute
     # design) or a number of bytes. For a tier whose Triton has no tensor-core products
     # (``LaunchConfig.tensor_cores``), where our two Triton products are the slow ones and "forward_grads"
-    # makes its three in cuBLAS (``helpers.cce.schedules``); "min" on every tier today (the Turing tier's
-    # comment says why).
+    # makes its three in cuBLAS (``helpers.cce.schedules``): 1 GiB on the Turing tier (its comment says why),
+    # "min" on the others.
     default_budget: str | int = "min"
+    # Where a numeric ``default_budget`` fits no "forward_grads" (a head whose fixed accumulators alone pass
+    # it: fp16 holds dC in fp32, 4 V D bytes, 2.4 GB at the Gemma-2-2B head), the default is raised to that
+    # schedule's least need plus ``default_budget``, at most this many bytes and ``AUTO_SHARE`` of what is free
+    # (``helpers.cce.schedules.choose_schedule``); 0: never raised.
+    default_budget_max: int = 0
     # Host time per kernel launch, microseconds (a "forward_grads" chunk launches ~5).
     launch_us: float = 10.0
     # "forward_grads" with fp16 inputs holds its logits in fp32 where a logit could pass this
@@ -300,14 +305,15 @@ TIERS: tuple[CCEConfigs, ...] = (
         sparse={2: _T(64, 64, 32, 4, 2), 4: _T(32, 64, 32, 4, 2)},
         # Not timed: a T4's datasheet (65 TFLOP/s fp16 dense, 8 fp32, 320 GB/s).
         row_gradient=_L(1, 1024, 1, 4, 1),
-        # The default budget stays "min" though 1 GiB is far faster here: on an H100 as a T4 (its products as
-        # fp32 FMAs), fp16, the Qwen3 head at 16,384 tokens, "min" 490 ms forward and backward at 413 MB, 1 GiB
-        # 29 ms at 1.41 GB, Liger 81 ms at 384 MB (docs/measurements/h100-2026-12-06). With 1 GiB as the
-        # default, notebook 03 failed there: fp16 fine-tuning drifted 0.0475 from exact (bound 0.001), the
-        # forward_grads schedule's gradients rounded to fp16 before the loss scale reached them, as Liger's.
-        # They are held in fp32 until the backward since (``helpers.cce.forward_grads``); 1 GiB waits for
-        # notebook 03 to pass on a GPU with that (scripts/gpu/pending.sh).
-        host=HostTuning(matmul_tflops_16bit=65.0, matmul_tflops_fp32=8.0, bandwidth_gbs=320.0),
+        # The default budget is 1 GiB: our Triton products run as fp32 FMAs here, and the schedule with three
+        # cuBLAS products is far faster. On an H100 as a T4, fp16, the Qwen3 head at 16,384 tokens: "min" 490 ms
+        # forward and backward at 413 MB, 1 GiB 31.8 ms at 1.41 GB, Liger 81 ms at 384 MB; notebook 03 with it
+        # ours equivalent to exact (its fp16 gradients held in fp32 until the loss scale reaches them,
+        # ``helpers.cce.forward_grads``). docs/measurements/h100-2026-12-06 and h100-2026-12-06b. At the
+        # Gemma-2-2B head, 8,192 tokens, fp16's dC held in fp32 alone is 2.4 GB: 1 GiB fits no three-product
+        # schedule, and "min" took 915 ms (Liger 144 ms at 1.28 GB); 4 GiB 50.9 ms at 5.48 GB. Hence a ceiling.
+        host=HostTuning(matmul_tflops_16bit=65.0, matmul_tflops_fp32=8.0, bandwidth_gbs=320.0, default_budget=2**30,
+                        default_budget_max=2**32),
     ),
     CCEConfigs(
         "ampere-99k", 99 * 1024, (8, 6),

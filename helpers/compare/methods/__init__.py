@@ -47,6 +47,7 @@ from helpers.compare.methods.ours import (
     OURS_BUDGET_256M,
     OURS_BUDGET_512M,
     OURS_BUDGET_AUTO,
+    OURS_BUDGET_MIN,
     OURS_GEMM,
     OURS_GRAPHS,
     OURS_NOFILTER,
@@ -96,7 +97,7 @@ def availability(
 # every colour the others already had, so that those stay put.
 for _entry in (NAIVE, TORCH_COMPILE, CHUNKED, LIGER, APPLE_CCE, TORCH_LCE, OURS, OURS_NOFILTER, OURS_SPARSE, EXACT,
                APPLE_CCE_KAHAN_FULL_C, APPLE_CCE_NOFILTER, OURS_GEMM, OURS_BUDGET_256M, OURS_BUDGET_1G, OURS_BUDGET_4G, OURS_BUDGET_512M,
-               OURS_BUDGET_64G, OURS_BUDGET_AUTO, OURS_GRAPHS):
+               OURS_BUDGET_64G, OURS_BUDGET_AUTO, OURS_GRAPHS, OURS_BUDGET_MIN):
     register(_entry)
 
 

@@ -52,7 +52,10 @@ def ours_peak_bytes(N: int, V: int, D: int, b: int, capability: tuple[int, int] 
     device = torch.device("cuda" if capability is not None else "cpu")
     if memory_budget == "auto":  # what is free is the device's to say at run time: the least memory
         memory_budget = "min"
-    schedule = choose_schedule(N, V, D, dtype, memory_budget, configs, need=(True, True, False), device=device)
+    # A default raised where it fits no three-product schedule (a T4 at a large head) is bounded at run time
+    # by what is free too; this card's formula leaves that bound out (ask_free=False).
+    schedule = choose_schedule(N, V, D, dtype, memory_budget, configs, need=(True, True, False), device=device,
+                               ask_free=False)
     return schedule.predicted_peak_bytes
 
 
@@ -76,9 +79,9 @@ OURS = Method(
 
 def _ours_budget(budget: int | str, label: str) -> Method:
     """ours under ``memory_budget=budget``: the fastest schedule whose predicted extra memory (beyond
-    the inputs, dE and dC) fits ``budget`` bytes, or "auto": a share of what is free when the loss runs
-    (helpers.cce.schedules)."""
-    said = "auto" if budget == "auto" else f"{label.upper()}iB"
+    the inputs, dE and dC) fits ``budget`` bytes, "auto": a share of what is free when the loss runs
+    (helpers.cce.schedules), or "min": the recompute design whatever the tier's default."""
+    said = budget if isinstance(budget, str) else f"{label.upper()}iB"
 
     def peak(N, V, D, b, capability, configs=None):
         return ours_peak_bytes(N, V, D, b, capability, configs, memory_budget=budget)
@@ -108,8 +111,10 @@ OURS_BUDGET_4G = _ours_budget(2**32, "4g")
 OURS_BUDGET_64G = _ours_budget(2**36, "64g")
 # Half of what is free when the loss runs (its memory formula: the least, what "auto" leaves when little is free).
 OURS_BUDGET_AUTO = _ours_budget("auto", "auto")
-# The budgets of the trade-off curve (notebook 02), least first: ours itself (its default budget, "min" on
-# every tier today) to unlimited.
+# The least memory on every tier: ours itself but on a T4, whose default is 1 GiB (the T4 tier's comment).
+OURS_BUDGET_MIN = _ours_budget("min", "min")
+# The budgets of the trade-off curve (notebook 02), least first: ours itself (its default budget: "min",
+# 1 GiB on a T4) to unlimited.
 BUDGET_CURVE = ("ours", "ours_budget_256m", "ours_budget_512m", "ours_budget_1g", "ours_budget_4g", "ours_budget_64g")
 OURS_NOFILTER = Method(
     name="ours_nofilter",
