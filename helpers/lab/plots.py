@@ -8,6 +8,7 @@ themselves (``token_axis``); memory is in GB = 10^9 bytes (the seed article's un
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -219,6 +220,11 @@ def plot_scale(s, *, path: str | Path) -> plt.Figure:
     return fig
 
 
+# A log axis's minor ticks labelled at 2 and 5 times a power of ten only: a span within one decade keeps
+# some labels, a wide one does not crowd.
+_leading_2_and_5 = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else "")
+
+
 def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path, title: str,
                   failed_gate: dict[str, str] | None = None, smoke: bool = False) -> plt.Figure:
     """Time against memory, one panel per N (notebook 02): ours under each memory budget of ``curve``
@@ -242,7 +248,7 @@ def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path
                       key=lambda p: (round(p[0], 2), curve.index(p[2])))
         if line:
             ax.plot([p[0] for p in line], [p[1] for p in line], "-", color=colors["ours"], lw=2, marker="o",
-                    label="ours, memory_budget from its default to 64 GiB")
+                    label="ours, memory_budget 256 MiB to 64 GiB and its default")
             groups = []  # budgets that ran the same schedule land on one point: one label for them
             for gb, ms, m in line:
                 # curve[0]: ours as it ships, its default budget ("min"; 1 GiB on a T4)
@@ -266,15 +272,17 @@ def plot_tradeoff(records: list[dict], curve: Iterable[str], *, path: str | Path
                     color="dimgrey", va="top", wrap=True)
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(_leading_2_and_5)
         ax.set_xlabel(f"peak memory above the inputs, {unit} (log)")
         ax.set_ylabel("forward + backward, ms (median, log)")
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.yaxis.set_minor_formatter(_leading_2_and_5)
         ax.set_title(f"N = {N:,} tokens")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title)
+    # Wrapped to the figure's width: one panel (a T4's single N) clipped a long title at both ends.
+    fig.suptitle(textwrap.fill(title, width=int(9 * fig.get_figwidth())))
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     if smoke:
         mark_smoke(fig)
