@@ -73,13 +73,13 @@ SEEN_KEPT = 64  # keys seen once, least recently used first: a second sight capt
 
 
 def backward_us(N: int, V: int, D: int, dtype: torch.dtype, plan: CCEPlan) -> float:
-    """The "gemm" backward's products at the tier's matmul rate, microseconds: G's (at the share of
-    cuBLAS's rate our Triton kernels reach) and dE's and dC's where wanted."""
-    host = plan.configs.host
-    tflops = host.matmul_tflops_fp32 if dtype == torch.float32 else host.matmul_tflops_16bit
+    """The "gemm" backward's products, microseconds: G's at our Triton rate (``CCEConfigs.triton_tflops``)
+    and dE's and dC's at the tier's matmul rate, where wanted."""
+    configs = plan.configs
     product = 2.0 * N * V * D
-    flop = product / host.triton_share + product * (plan.need[0] + plan.need[1])
-    return flop / (tflops * 1e12) * 1e6
+    seconds = (product / configs.triton_tflops(dtype)
+               + product * (plan.need[0] + plan.need[1]) / configs.matmul_tflops(dtype)) * 1e-12
+    return seconds * 1e6
 
 
 def graphed_plan(plan: CCEPlan) -> CCEPlan:

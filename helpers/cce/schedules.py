@@ -113,8 +113,9 @@ def recompute_extra_bytes(N: int, V: int, D: int, itemsize: int, configs: CCECon
     the "sparse" and "atomic" backwards hold about as much). ``upcast``: the products copy 16-bit
     operands to fp32 (the CPU's ``product_mode``): those copies, and dC's staged rows, count too."""
     dtype = torch.float32 if itemsize == 4 else torch.float16
-    plan = gemm_plan(N, V, D, dtype, configs.backward_gemm_for(dtype).BLOCK_V, host=configs.host,
-                     need_dE=need[0], need_dC=need[1])
+    g_cfg = configs.backward_gemm_for(dtype)
+    plan = gemm_plan(N, V, D, dtype, g_cfg.BLOCK_V, host=configs.host, need_dE=need[0], need_dC=need[1],
+                     tensor_cores=g_cfg.tensor_cores)
     n_chunk, widest = plan.n_chunk, plan.widest
     staged = min(plan.v_chunk, widest)  # dC's rows staged in fp32, a piece of a chunk at a time
     low = itemsize < 4
@@ -175,15 +176,15 @@ def forward_grads_rows(N: int, V: int, D: int, itemsize: int, logits_itemsize: i
 
 
 def _rate(itemsize: int, configs: CCEConfigs) -> float:
-    host = configs.host
-    return 1e12 * (host.matmul_tflops_fp32 if itemsize == 4 else host.matmul_tflops_16bit)
+    return 1e12 * configs.matmul_tflops(_DTYPE_OF[itemsize])
 
 
 def _triton_rate(itemsize: int, configs: CCEConfigs) -> float:
-    """Our Triton products' rate: ``triton_share`` of the tier's matmul rate, of its fp32 rate where its
-    Triton has no tensor-core product (``LaunchConfig.tensor_cores``: a T4's 8 TFLOP/s, not 65)."""
-    on_tensor_cores = configs.backward_gemm[4 if itemsize == 4 else 2].tensor_cores
-    return configs.host.triton_share * _rate(itemsize if on_tensor_cores else 4, configs)
+    """Our Triton products' rate (``CCEConfigs.triton_tflops``), FLOP/s."""
+    return 1e12 * configs.triton_tflops(_DTYPE_OF[itemsize])
+
+
+_DTYPE_OF = {2: torch.float16, 4: torch.float32}  # the rates go by the inputs' bytes
 
 
 def recompute_seconds(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs,
@@ -192,7 +193,8 @@ def recompute_seconds(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs
     host, rate = configs.host, _rate(itemsize, configs)
     P = 2.0 * N * V * D
     dtype = torch.float32 if itemsize == 4 else torch.float16
-    plan = gemm_plan(N, V, D, dtype, configs.backward_gemm_for(dtype).BLOCK_V, host=host)
+    g_cfg = configs.backward_gemm_for(dtype)
+    plan = gemm_plan(N, V, D, dtype, g_cfg.BLOCK_V, host=host, tensor_cores=g_cfg.tensor_cores)
     launches = 3 * sum(len(chunks) for _, _, chunks in plan.row_chunks)
     return (2 * P / _triton_rate(itemsize, configs) + (need[0] + need[1]) * P / rate
             + 3 * N * V * itemsize / (host.bandwidth_gbs * 1e9) + launches * host.launch_us * 1e-6)

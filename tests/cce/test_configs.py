@@ -280,6 +280,19 @@ def _our_requests():
     return [r for r in all_requests() if r["kernel"] != "apple_backward"]
 
 
+def test_a_tier_without_tensor_core_products_runs_no_gluon_kernel():
+    """The Gluon kernels (``gradient_chunk_pingpong.py``, ``lse_forward_pingpong.py``) issue Hopper's MMA
+    themselves and ignore ``LaunchConfig.tensor_cores``: a tier whose products are FMAs (the T4's) must not
+    switch them on, or a pretend card would time tensor cores its real card has not."""
+    from helpers.cce.kernels.configs import TIERS
+
+    for t in TIERS:
+        fma = [k for k in ("forward", "backward", "backward_gemm", "sparse")
+               if not all(cfg.tensor_cores for cfg in getattr(t, k).values())]
+        if fma:
+            assert not t.host.g_pingpong and not t.host.lse_pingpong_max_d, (t.name, fma)
+
+
 @pytest.mark.slow  # compiles kernels for sm_75/sm_80/sm_90 (a minute on a cold cache)
 @pytest.mark.parametrize("request_", [r for r in _our_requests() if not r.get("target")], ids=_key)
 def test_config_fits_its_tier(compiled, request_):

@@ -39,7 +39,7 @@ from helpers.cce.device import device_info
 from helpers.cce.backward.rows import RowGradient, fold_dC
 from helpers.cce.shared import MiB, no_host_sync, read_later
 from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
-from helpers.cce.kernels.configs import HostTuning, LaunchConfig
+from helpers.cce.kernels.configs import HostTuning, LaunchConfig, matmul_tflops, triton_tflops
 from helpers.cce.options import CCEOptions, dot_precision, fp_fusion, tile_eps
 
 
@@ -100,15 +100,15 @@ def vocab_chunks(rows: int, V: int, D: int, v_chunk: int, block_v: int, max_cols
 
 
 def host_bound_cols(rows: int, D: int, dtype: torch.dtype, host: HostTuning, *, need_dE: bool = True,
-                    need_dC: bool = True) -> int:
-    """The fewest columns of a G chunk of ``rows`` rows whose products (G's at ``host.triton_share`` of
-    the tier's matmul rate, then dE's and dC's in cuBLAS) take the GPU ``host.g_chunk_host_us``, the
-    host's time for one chunk: narrower chunks leave the GPU waiting on the host."""
+                    need_dC: bool = True, tensor_cores: bool = True) -> int:
+    """The fewest columns of a G chunk of ``rows`` rows whose products (G's at our Triton rate,
+    ``triton_tflops``: ``tensor_cores`` the G kernel's; then dE's and dC's in cuBLAS) take the GPU
+    ``host.g_chunk_host_us``, the host's time for one chunk: narrower chunks leave the GPU waiting on the host."""
     if host.g_chunk_host_us <= 0:
         return 0
-    tflops = host.matmul_tflops_fp32 if dtype == torch.float32 else host.matmul_tflops_16bit
-    flop_per_column = rows * D * (2 / host.triton_share + 2 * need_dE + 2 * need_dC)
-    return math.ceil(host.g_chunk_host_us * 1e-6 * tflops * 1e12 / flop_per_column)
+    seconds_per_column = rows * D * (2 / triton_tflops(host, dtype, tensor_cores)
+                                     + (2 * need_dE + 2 * need_dC) / matmul_tflops(host, dtype)) * 1e-12
+    return math.ceil(host.g_chunk_host_us * 1e-6 / seconds_per_column)
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,8 @@ class GemmPlan:
 @functools.lru_cache(maxsize=64)  # a call's plan is ~0.06 ms of Python; a GemmPlan is only read
 def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk: int | None = None,
               v_chunk: int | None = None, *, need_dE: bool = True, need_dC: bool = True,
-              sorted_vocab: bool = False, split: bool = False, host: HostTuning = HostTuning()) -> GemmPlan:
+              sorted_vocab: bool = False, split: bool = False, host: HostTuning = HostTuning(),
+              tensor_cores: bool = True) -> GemmPlan:
     """The ``GemmPlan`` of a backward; ``n_chunk``, ``v_chunk`` None: ``host.gemm_chunks``, or
     ``gemm_chunks``'s budgets. In place, chunks go up to ``host.g_in_place_bytes`` wide, but never
     past v_chunk where the caller chose it or a scratch follows the width (the sort's gathered C,
@@ -146,7 +147,7 @@ def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk:
     chunk in place would be host-bound (``host_bound_cols``: rows >> D), the buffer holds chunks
     that are not, up to ``host.g_buffer_max_bytes`` and a share of the whole G (notebook 03's head,
     N 4,096, D 256: 2 G chunks on the Hopper tier instead of 58). ``host.g_buffer_lb_share`` 0: no buffer
-    of either kind."""
+    of either kind. ``tensor_cores``: the G kernel's (``LaunchConfig.tensor_cores``), for ``host_bound_cols``."""
     default_n, default_v = host.gemm_chunks or gemm_chunks(N, V, D, dtype, block_v)
     n_chunk = min(N, n_chunk or default_n)
     max_cols = (v_chunk if v_chunk else
@@ -167,7 +168,8 @@ def gemm_plan(N: int, V: int, D: int, dtype: torch.dtype, block_v: int, n_chunk:
         # or, where the widest chunk in place would be host-bound, one for chunks that are not.
         # The first chunk's room in place, as ``vocab_chunks`` measures it: dE's free rows, dC's after it.
         room = max(dE_free(0, n_chunk) // n_chunk, V * D // (n_chunk + D) if need_dC else 0)
-        wide = min(V, host_bound_cols(n_chunk, D, dtype, host, need_dE=need_dE, need_dC=need_dC))
+        wide = min(V, host_bound_cols(n_chunk, D, dtype, host, need_dE=need_dE, need_dC=need_dC,
+                                      tensor_cores=tensor_cores))
         if room < wide:
             cap = min(host.g_buffer_max_bytes, int(host.g_buffer_max_g_share * N * V * dtype.itemsize))
             buffer_bytes = max(buffer_bytes, min(cap, wide * n_chunk * dtype.itemsize))
@@ -270,7 +272,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # FullC / FullE with the filter: the kernel also writes the unfiltered G, for the exact side.
     split = filtering and (o.full_c or o.full_e)
     plan = gemm_plan(N, V, D, dtype, cfg.BLOCK_V, n_chunk, v_chunk, need_dE=need_dE, need_dC=need_dC,
-                     sorted_vocab=vocab_order is not None, split=split, host=host)
+                     sorted_vocab=vocab_order is not None, split=split, host=host, tensor_cores=cfg.tensor_cores)
     n_chunk, v_chunk, widest = plan.n_chunk, plan.v_chunk, plan.widest
     n_chunks = len(plan.row_chunks)
     mode = host.product_mode or product_mode(device, dtype)

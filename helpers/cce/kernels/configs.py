@@ -203,6 +203,20 @@ class HostTuning:
     dC_in_dtype_chunks: int = 16
 
 
+def matmul_tflops(host: HostTuning, dtype) -> float:
+    """cuBLAS's rate for inputs of ``dtype`` on a tier with these ``host`` figures, TFLOP/s."""
+    return host.matmul_tflops_fp32 if dtype.itemsize >= 4 else host.matmul_tflops_16bit
+
+
+def triton_tflops(host: HostTuning, dtype, tensor_cores: bool) -> float:
+    """Our Triton logit products' rate for inputs of ``dtype``, TFLOP/s: ``HostTuning.triton_share`` of the
+    tier's matmul rate, of its fp32 rate where its Triton has no tensor-core product (``tensor_cores`` False,
+    ``LaunchConfig.tensor_cores``: a T4's 8 TFLOP/s, not 65). The time model (``helpers.cce.schedules``), the
+    G chunks' host-bound width (``helpers.cce.backward.gemm.host_bound_cols``) and the graphs' threshold
+    (``helpers.cce.graphs.backward_us``) all take it from here."""
+    return host.triton_share * (matmul_tflops(host, dtype) if tensor_cores else host.matmul_tflops_fp32)
+
+
 @dataclass(frozen=True)
 class CCEConfigs:
     """The configurations of one shared-memory tier, per kernel and per input element size."""
@@ -266,6 +280,14 @@ class CCEConfigs:
     def backward_gemm_for(self, dtype) -> LaunchConfig:
         """The G kernel of the "gemm" backward (``backward_impl="gemm"``) for inputs of ``dtype``."""
         return self.backward_gemm[4 if dtype.itemsize >= 4 else 2]
+
+    def matmul_tflops(self, dtype) -> float:
+        """cuBLAS's rate for inputs of ``dtype`` on this tier, TFLOP/s (``HostTuning``)."""
+        return matmul_tflops(self.host, dtype)
+
+    def triton_tflops(self, dtype) -> float:
+        """Our Triton logit products' rate for inputs of ``dtype`` (``triton_tflops``), TFLOP/s."""
+        return triton_tflops(self.host, dtype, self.backward_gemm_for(dtype).tensor_cores)
 
     def sparse_for(self, dtype) -> LaunchConfig:
         """The "sparse" backward's kernels (``backward_impl="sparse"``) for inputs of ``dtype``."""
