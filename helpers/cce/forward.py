@@ -29,10 +29,11 @@ import triton
 
 from helpers.cce.activity import Activity, coef_bound
 from helpers.cce.class_weights import smoothed_rows
+from helpers.cce.cublas_logits import chunk_columns, uses_cublas_logits, written_product
 from helpers.cce.descriptors import operand_descriptors, tma_ready
 from helpers.cce.device import device_info
 from helpers.cce.shared import vocabulary_order
-from helpers.cce.kernels.configs import CCEConfigs
+from helpers.cce.kernels.configs import CCEConfigs, HostTuning
 from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
 from helpers.cce.kernels.lse_forward import lse_forward_kernel
 from helpers.cce.kernels.row_loss import ONE_PROGRAM_ROWS as ROW_LOSS_ONE_PROGRAM, row_loss_kernel
@@ -103,7 +104,7 @@ def cce_forward(
     if not emit_activity:
         lse_split, nontarget_split, logit_sum_split, _, lse_lo_split = _lse_splits(
             E, C, bias, x, target_logit, o, fwd, v_splits, softcap, gluon=gluon, class_weight=class_weight,
-            tile_flags=tile_flags)
+            tile_flags=tile_flags, host=configs.host)
         activity = None
     else:
         lse_split, nontarget_split, logit_sum_split, activity, lse_lo_split = _lse_with_activity(
@@ -141,7 +142,7 @@ def reduces_in_kernel(N: int, reduction: str, weighted: bool = False) -> bool:
 
 
 def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softcap, row_stats=False, gluon=False,
-                class_weight=None, tile_flags: TileFlags | None = None):
+                class_weight=None, tile_flags: TileFlags | None = None, host: HostTuning | None = None):
     """Algorithm 2 without bits: (lse_split, nontarget_split, logit_sum_split, row_stats, lse_lo_split), each
     split's rows (SPLITS, N); lse_lo_split: the rounding of each split's lse for fp32 inputs (``lse_forward_kernel``'s
     LSE_LO; None otherwise); nontarget_split: the lse of each split without the target x's column (NONTARGET;
@@ -149,10 +150,14 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     with ``row_stats``, row_stats = (entropy_split, max_split, target_split) (``lse_forward_kernel``'s
     ROW_STATS), else None. ``gluon``: the plain lse runs the Gluon kernel (``_runs_gluon``'s answer).
     ``class_weight``: the logit sums are weighted by it (``cce_forward``). ``tile_flags``: Algorithm 1's
-    flags for the kernel that runs (``_tile_flags``); without, the plain walk masks every tile."""
+    flags for the kernel that runs (``_tile_flags``); without, the plain walk masks every tile. ``host``: the
+    tier's knobs, where its logits may come from cuBLAS (``helpers.cce.cublas_logits``: the splits are then
+    its vocabulary chunks, ``v_splits`` not read); None: our Triton products."""
     N, D = E.shape
     V = C.shape[0]
     x = x.contiguous()
+    # cuBLAS's logits for the plain walk (the per-token outputs' row statistics keep the Triton products).
+    cublas = host is not None and not gluon and not row_stats and uses_cublas_logits(E, C, bias, host)
     if gluon and not row_stats:
         from helpers.cce.kernels import lse_forward_pingpong as pingpong
 
@@ -163,12 +168,18 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     n_blocks, v_splits = split_grid(N, fwd, E.device, v_splits, D, E.element_size())
     v_blocks = triton.cdiv(V, fwd.BLOCK_V)
     blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
-    v_splits = triton.cdiv(v_blocks, blocks_per_split)
+    if cublas:  # chunks of cuBLAS's logits, each a whole number of tiles, merged as they come: one split
+        blocks_per_split = chunk_columns(N, V, E.element_size(), fwd.BLOCK_V, host) // fwd.BLOCK_V
+    v_splits = 1 if cublas else triton.cdiv(v_blocks, blocks_per_split)
     lse_split, nontarget_split = torch.empty(2, v_splits, N, dtype=torch.float32, device=E.device).unbind(0)
     lse_lo_split = torch.empty_like(lse_split) if E.dtype == torch.float32 else None
     logit_sum_split = torch.empty_like(lse_split) if o.label_smoothing > 0 else lse_split
     stats = tuple(torch.empty_like(lse_split) for _ in range(3)) if row_stats else None
     flags = tile_flags.for_tiling(fwd.BLOCK_N, fwd.BLOCK_V) if tile_flags and not row_stats else None
+    if cublas:
+        _lse_from_cublas(E, C, bias, x, target_logit, o, fwd, softcap, class_weight, flags, host, blocks_per_split,
+                         lse_split, nontarget_split, logit_sum_split)
+        return lse_split, nontarget_split, logit_sum_split, stats, lse_lo_split
     E_arg, C_arg, e_desc = operand_descriptors(E, C, fwd, gathered=False)
     launch = _launch_flags(fwd, o, bias, E.dtype, n_blocks, e_desc)
     lse_forward_kernel[grid_order(n_blocks, v_splits)](
@@ -184,6 +195,49 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
         **launch,
     )
     return lse_split, nontarget_split, logit_sum_split, stats, lse_lo_split
+
+
+def _lse_from_cublas(E, C, bias, x, target_logit, o: CCEOptions, fwd, softcap, class_weight, flags, host: HostTuning,
+                     blocks_per_split, lse, nontarget, logit_sum):
+    """``_lse_splits``' plain walk a vocabulary chunk at a time, each chunk's logits E C[v0:v1]^T made by
+    cuBLAS into one buffer and read by the kernel as a split of its own (``helpers.cce.cublas_logits``), merged
+    into the one split given ((1, N) each; ``logit_sum`` may be ``lse`` itself: no smoothing) as they come, so
+    that the splits' rows stay O(N) however many chunks a large N needs."""
+    from helpers.cce.backward.gemm import product_mode
+
+    N, D = E.shape
+    V = C.shape[0]
+    cols = blocks_per_split * fwd.BLOCK_V
+    Z_buf = torch.empty(N * min(cols, V), dtype=E.dtype, device=E.device)
+    mode = host.product_mode or product_mode(E.device, E.dtype)
+    n_blocks = triton.cdiv(N, fwd.BLOCK_N)
+    launch = {**_launch_flags(fwd, o, bias, E.dtype, n_blocks, False), "SPLIT_MAJOR": False}
+    smoothing = logit_sum.data_ptr() != lse.data_ptr()
+    chunk = torch.empty(3 if smoothing else 2, 1, N, dtype=torch.float32, device=E.device)  # a later chunk's rows
+    for v0 in range(0, V, cols):
+        width = min(V, v0 + cols) - v0
+        Z = Z_buf[: N * width].view(N, width)
+        written_product(Z, E, C[v0:v0 + width].T, alpha=1.0, mode=mode)  # the bias: the kernel's, in fp32
+        first = v0 == 0
+        lse_c, nt_c = (lse, nontarget) if first else (chunk[0], chunk[1])
+        sum_c = (logit_sum if first else chunk[2]) if smoothing else lse_c
+        lse_forward_kernel[(n_blocks, 1)](
+            E, C, bias if bias is not None else lse_c, lse_c, sum_c,
+            lse_c, lse_c, lse_c, lse_c,  # no bits, seeds or order
+            x, lse_c, lse_c, lse_c, nt_c, target_logit, flags if flags is not None else lse_c,
+            N, V, D, v0, o.ignore_index, blocks_per_split,
+            E.stride(0), E.stride(1), C.stride(0), C.stride(1),
+            softcap, 0.0, 1.0 / o.temperature,
+            NONTARGET=True, TILE_FLAGS=flags is not None,
+            class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,
+            z_ptr=Z, stride_zn=Z.stride(0), Z_GIVEN=True,
+            **launch,
+        )
+        if not first:
+            torch.logaddexp(lse, lse_c, out=lse)
+            torch.logaddexp(nontarget, nt_c, out=nontarget)
+            if smoothing:
+                logit_sum += sum_c
 
 
 def _runs_gluon(E, C, bias, o: CCEOptions, host, v_splits) -> bool:
@@ -243,7 +297,8 @@ def cce_forward_outputs(
     # Algorithm 1: z_{i, x_i} as the loss's forward makes it; the accuracy uses the LSE tiles' own copy.
     target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg)
     lse_split, nontarget_split, _, (entropy_split, max_split, target_split), _ = _lse_splits(
-        E, C, bias, x, target_logit, replace(o, label_smoothing=0.0), fwd, v_splits, softcap, row_stats=True)
+        E, C, bias, x, target_logit, replace(o, label_smoothing=0.0), fwd, v_splits, softcap, row_stats=True,
+        host=configs.host)
     lse, entropy, row_max = merge_row_stats(lse_split, entropy_split, max_split)
     r = nontarget_mass(nontarget_split, lse, target_logit)
     kept = x != o.ignore_index

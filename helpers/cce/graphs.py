@@ -73,11 +73,11 @@ SEEN_KEPT = 64  # keys seen once, least recently used first: a second sight capt
 
 
 def backward_us(N: int, V: int, D: int, dtype: torch.dtype, plan: CCEPlan) -> float:
-    """The "gemm" backward's products, microseconds: G's at our Triton rate (``CCEConfigs.triton_tflops``)
-    and dE's and dC's at the tier's matmul rate, where wanted."""
+    """The "gemm" backward's products, microseconds: G's logits at ``CCEConfigs.logit_tflops`` and dE's and
+    dC's at the tier's matmul rate, where wanted."""
     configs = plan.configs
     product = 2.0 * N * V * D
-    seconds = (product / configs.triton_tflops(dtype)
+    seconds = (product / configs.logit_tflops(dtype)
                + product * (plan.need[0] + plan.need[1]) / configs.matmul_tflops(dtype)) * 1e-12
     return seconds * 1e6
 

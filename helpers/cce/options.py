@@ -423,6 +423,10 @@ def _resolve_plan(E: torch.Tensor, C: torch.Tensor, *, backward_impl: str, confi
     fallback = replace(dense, sort_vocab=False)
     if backward_impl == "sparse":
         return CCEPlan(sparse, configs, "sparse", return_lse, need, cannot, fallback), None, None
+    if configs.host.logits_in_cublas_bytes > 0 and E.dtype != torch.float32:
+        # The "sparse" backward's gathered products stay Triton's: on such a tier, FMAs (``helpers.cce.cublas_logits``).
+        cannot = (f"the {configs.name} tier's Triton products are FMAs: the dense backward takes its logits from "
+                  "cuBLAS, the sparse one's gathered products would stay FMAs")
     if not any(need) or cannot:
         why = "no gradient is wanted" if not any(need) else cannot
         return CCEPlan(dense, configs, "gemm", return_lse, need, auto=AutoChoice("gemm", why)), None, None

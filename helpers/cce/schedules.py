@@ -62,6 +62,7 @@ import torch
 import triton
 
 from helpers.cce.backward.gemm import gemm_chunks, gemm_plan
+from helpers.cce.cublas_logits import chunk_columns
 from helpers.cce.kernels.configs import CCEConfigs
 
 SCHEDULES = ("recompute", "forward_grads")
@@ -124,7 +125,13 @@ def recompute_extra_bytes(N: int, V: int, D: int, itemsize: int, configs: CCECon
         scratch += staged * D * 4
     if low and upcast:  # the larger of the two products' fp32 operand copies
         scratch += max(n_chunk * widest + widest * D, n_chunk * staged + n_chunk * D) * 4
-    return scratch + RECOMPUTE_ROW_BYTES * N + need[2] * 4 * V
+    extra = scratch + RECOMPUTE_ROW_BYTES * N + need[2] * 4 * V
+    if low and configs.host.logits_in_cublas_bytes > 0:  # the forward's logit chunk (``helpers.cce.cublas_logits``),
+        # held before dE and dC exist (its splits merged as they come): the peak only where it passes them
+        cols = chunk_columns(N, V, itemsize, configs.for_dtype(dtype)[0].BLOCK_V, configs.host)
+        forward = min(cols, V) * N * itemsize * (1 + upcast * 2) + RECOMPUTE_ROW_BYTES * N
+        extra = max(extra, forward - lower_bound_bytes(N, V, D, itemsize, need))
+    return extra
 
 
 def forward_grads_extra_bytes(N: int, V: int, D: int, itemsize: int, rows: int, logits_itemsize: int, *,
@@ -179,9 +186,9 @@ def _rate(itemsize: int, configs: CCEConfigs) -> float:
     return 1e12 * configs.matmul_tflops(_DTYPE_OF[itemsize])
 
 
-def _triton_rate(itemsize: int, configs: CCEConfigs) -> float:
-    """Our Triton products' rate (``CCEConfigs.triton_tflops``), FLOP/s."""
-    return 1e12 * configs.triton_tflops(_DTYPE_OF[itemsize])
+def _logit_rate(itemsize: int, configs: CCEConfigs) -> float:
+    """The recompute design's logit products' rate (``CCEConfigs.logit_tflops``), FLOP/s."""
+    return 1e12 * configs.logit_tflops(_DTYPE_OF[itemsize])
 
 
 _DTYPE_OF = {2: torch.float16, 4: torch.float32}  # the rates go by the inputs' bytes
@@ -196,8 +203,12 @@ def recompute_seconds(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs
     g_cfg = configs.backward_gemm_for(dtype)
     plan = gemm_plan(N, V, D, dtype, g_cfg.BLOCK_V, host=host, tensor_cores=g_cfg.tensor_cores)
     launches = 3 * sum(len(chunks) for _, _, chunks in plan.row_chunks)
-    return (2 * P / _triton_rate(itemsize, configs) + (need[0] + need[1]) * P / rate
-            + 3 * N * V * itemsize / (host.bandwidth_gbs * 1e9) + launches * host.launch_us * 1e-6)
+    passes = 3  # G written once, read by its two products
+    if host.logits_in_cublas_bytes > 0 and itemsize < 4:  # ``helpers.cce.cublas_logits``
+        passes += 4  # the logits written by cuBLAS and read by a kernel, in the forward and in the backward
+        launches += 4 * triton.cdiv(V, chunk_columns(N, V, itemsize, configs.for_dtype(dtype)[0].BLOCK_V, host))
+    return (2 * P / _logit_rate(itemsize, configs) + (need[0] + need[1]) * P / rate
+            + passes * N * V * itemsize / (host.bandwidth_gbs * 1e9) + launches * host.launch_us * 1e-6)
 
 
 def forward_grads_seconds(N: int, V: int, D: int, itemsize: int, rows: int, logits_itemsize: int,

@@ -22,6 +22,7 @@
 #   bash scripts/gpu/pending.sh t4-scale         16 below (~7 min)
 #   bash scripts/gpu/pending.sh t4-gemma         17 below (~3 min)
 #   bash scripts/gpu/pending.sh t4-raised        18 below (~2 min)
+#   bash scripts/gpu/pending.sh t4-cublas        19 below (~5 min)
 #
 # 1. The soft cap's slope (soft_cap_and_gap, slope_from_gap) and the filter's pre-slope mass on sm_90 with this Triton:
 #    their tests. Predicted: all pass but the one strict expected failure.
@@ -177,6 +178,17 @@
 #    Measured (docs/measurements/h100-2026-12-06b, 38 s): Gemma 4k one chunk 28.2 ms at 4.49 GB, 8k 2 chunks of
 #    4,288 rows 53.3 ms at 4.63 GB; Qwen3 16k 31.7 ms at 1.41 GB: right. (The Gemma lines' file was replaced by
 #    the Qwen3 run's: both wrote one path, and the bench replaces its file; separate files since.)
+# 19. The recompute design with cuBLAS's logits on the Turing tier (helpers.cce.cublas_logits; HostTuning.
+#    logits_in_cublas_bytes): its tests on sm_90 with the Turing tier (fp16 and bf16), test_fma_dots, the gate as
+#    a pretend T4 for ours_budget_min, then the bench as a pretend T4 (fp16) for ours_budget_min at the Qwen3 head
+#    (4,096 and 16,384 tokens) and the Gemma-2-2B head (8,192). Predicted: tests pass; the gate passes; Qwen3
+#    "min" 15-20 / 45-70 ms (was 161 / 489) at the same ~0.34 / 0.41 GB; Gemma 8k 75-100 ms (was 915; Liger 144).
+#    Measured (docs/measurements/h100-2026-12-06b/t4-cublas, 241 s): the gate as a T4 passes (fp32 and fp16, 11
+#    cases each); "min" 11.7 / 44.4 ms at 337 / 413 MB, Gemma 8k 67.6 ms at 1,293 MB: right. The tests FAILED
+#    (10 of 55): they took the Turing tier's default budget (1 GiB), so the three-product schedule ran at their
+#    tiny shapes and the kernels under test never launched. They pass memory_budget="min" since: the next run
+#    is their GPU form, HELPERS_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/cce/test_cublas_logits.py
+#    tests/cce/test_fma_dots.py (expected: all pass).
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
@@ -203,9 +215,9 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 part=${1:-}
-case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion|fp32|fma|t4-default|t4-train|t4-budget|t4-suite|t4-scale|t4-gemma|t4-raised) ;;
+case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion|fp32|fma|t4-default|t4-train|t4-budget|t4-suite|t4-scale|t4-gemma|t4-raised|t4-cublas) ;;
   *) echo "say prepare, cap-rl, graphs, graphs-nb03, graphs-suite, eager-suite, distill, halves, exp, fusion, fp32, fma,"
-     echo "t4-default, t4-train, t4-budget, t4-suite, t4-scale, t4-gemma or t4-raised, not '$part'"
+     echo "t4-default, t4-train, t4-budget, t4-suite, t4-scale, t4-gemma, t4-raised or t4-cublas, not '$part'"
      exit 2;; esac
 [ -d .ab/old ] && [ -d .ab/graphs/notebooks ] || { echo "run 'bash scripts/gpu/pending.sh prepare' here first and carry .ab"; exit 2; }
 source scripts/gpu/env.sh || exit 1
@@ -285,6 +297,19 @@ cd "$T" && export PYTHONPATH="$T:/tmp/site"
 grep -h "default_budget=" helpers/cce/kernels/configs.py
 as_t4 330 "03"
 step "notebook 03 as a T4, default budget 1 GiB"
+exit 0
+fi
+if [ "$part" = t4-cublas ]; then
+HELPERS_TEST_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/cce/test_cublas_logits.py \
+  tests/cce/test_fma_dots.py 2>&1 | tail -8
+step "cuBLAS-logit and FMA tests"
+timeout 120 python3 -m helpers gate --pretend t4 --methods ours_budget_min --output "$OUT/gate_t4_min.json" 2>&1 | tail -6
+step "gate as a T4, ours_budget_min"
+timeout 120 python3 -m helpers bench --pretend t4 --methods ours_budget_min --shapes qwen3-0.6b \
+  --N 4096 16384 --regimes uniform --dtypes float16 --output "$OUT/bench_t4_min_qwen3.jsonl" 2>&1 | grep "^| qwen"
+timeout 90 python3 -m helpers bench --pretend t4 --methods ours_budget_min --shapes gemma2-2b \
+  --N 8192 --regimes uniform --dtypes float16 --output "$OUT/bench_t4_min_gemma.jsonl" 2>&1 | grep "^| gemma"
+step "pretend T4 bench, 'min' on cuBLAS's logits"
 exit 0
 fi
 if [ "$part" = t4-raised ]; then

@@ -39,7 +39,7 @@ from helpers.cce.device import device_info
 from helpers.cce.backward.rows import RowGradient, fold_dC
 from helpers.cce.shared import MiB, no_host_sync, read_later
 from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
-from helpers.cce.kernels.configs import HostTuning, LaunchConfig, matmul_tflops, triton_tflops
+from helpers.cce.kernels.configs import HostTuning, LaunchConfig, logit_tflops, matmul_tflops
 from helpers.cce.options import CCEOptions, dot_precision, fp_fusion, tile_eps
 
 
@@ -101,12 +101,12 @@ def vocab_chunks(rows: int, V: int, D: int, v_chunk: int, block_v: int, max_cols
 
 def host_bound_cols(rows: int, D: int, dtype: torch.dtype, host: HostTuning, *, need_dE: bool = True,
                     need_dC: bool = True, tensor_cores: bool = True) -> int:
-    """The fewest columns of a G chunk of ``rows`` rows whose products (G's at our Triton rate,
-    ``triton_tflops``: ``tensor_cores`` the G kernel's; then dE's and dC's in cuBLAS) take the GPU
+    """The fewest columns of a G chunk of ``rows`` rows whose products (G's logits at ``logit_tflops``,
+    ``tensor_cores`` the G kernel's; then dE's and dC's in cuBLAS) take the GPU
     ``host.g_chunk_host_us``, the host's time for one chunk: narrower chunks leave the GPU waiting on the host."""
     if host.g_chunk_host_us <= 0:
         return 0
-    seconds_per_column = rows * D * (2 / triton_tflops(host, dtype, tensor_cores)
+    seconds_per_column = rows * D * (2 / logit_tflops(host, dtype, tensor_cores)
                                      + (2 * need_dE + 2 * need_dC) / matmul_tflops(host, dtype)) * 1e-12
     return math.ceil(host.g_chunk_host_us * 1e-6 / seconds_per_column)
 
@@ -293,6 +293,12 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         if pingpong.pingpong_reason(device, dtype, device_info(device).capability, sorted_vocab=vocab_order is not None,
                                     split=split, softcap=o.softcap is not None, bias=bias is not None):
             pingpong = None
+    # A tier whose Triton products are FMAs: each chunk's logits from cuBLAS, written where G_c goes and read
+    # there by the G kernel (``helpers.cce.cublas_logits``; not for the sorted walk's gathered rows).
+    from helpers.cce.cublas_logits import uses_cublas_logits, written_product
+
+    cublas = (g_chunk is None and pingpong is None and vocab_order is None
+              and uses_cublas_logits(E, C, bias, host))
     # The Triton G kernel's persistent walk, but one program per tile with class weights: on an H200
     # (Triton 3.6) the flattened persistent loop with their load gave a wrong G (dE and dC 0.9-1.1
     # relative error against float64, bf16 and fp16), where one program per tile, the same tiles, gave
@@ -331,7 +337,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # The multiprocessors a persistent G kernel's programs fill (the interpreter: a few, so each walks several tiles).
     programs = device_info(device).multiprocessors if device.type == "cuda" else 3
     counters = {"tiles": 0, "launches": 0, "g_places": dict.fromkeys(G_PLACES, 0),
-                "g_kernels": {"triton": 0, "pingpong": 0, "caller": 0}}
+                "g_kernels": {"triton": 0, "pingpong": 0, "caller": 0, "cublas": 0}}
 
     for chunk, (n0, n1, chunks) in enumerate(plan.row_chunks):
         rows = n1 - n0
@@ -380,11 +386,13 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                 counters["g_kernels"]["pingpong"] += 1
             else:
                 tiles = triton.cdiv(rows, cfg.BLOCK_N) * triton.cdiv(cols, cfg.BLOCK_V)
-                counters["g_kernels"]["triton"] += 1
+                counters["g_kernels"]["cublas" if cublas else "triton"] += 1
                 if triton_operands is None:
                     triton_operands = operand_descriptors(E_rows, C, cfg, gathered=vocab_order is not None)
                 E_desc, C_desc, descriptors = triton_operands
-                tma = descriptors and 6 * rows * cols * D >= host.tma_min_chunk_flop
+                tma = descriptors and 6 * rows * cols * D >= host.tma_min_chunk_flop and not cublas
+                if cublas:  # the chunk's logits where G_c goes; the bias is the kernel's, in fp32
+                    written_product(G, E_rows, C[v0:v1].T, alpha=1.0, mode=mode)
                 E_arg, C_arg = (E_desc, C_desc) if tma else (E_rows, C)
                 if tma and host.g_store_tma and not split and key not in G_descs:
                     G_descs[key] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V // cfg.g_subtile)
@@ -405,7 +413,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                     DOT_PRECISION=dot_precision(dtype, cfg), enable_fp_fusion=fp_fusion(dtype),
                     E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=persistent > 0,
                     inv_temperature=1.0 / o.temperature, ENTROPY=up.coef.shape[0] > 3,
-                    class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,
+                    class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None, Z_GIVEN=cublas,
                     **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
                 )
             counters["tiles"] += tiles

@@ -183,6 +183,10 @@ class HostTuning:
     # schedule's least need plus ``default_budget``, at most this many bytes and ``AUTO_SHARE`` of what is free
     # (``helpers.cce.schedules.choose_schedule``); 0: never raised.
     default_budget_max: int = 0
+    # The recompute design's logits made by cuBLAS, a vocabulary chunk of at most this many bytes at a time in
+    # the forward, where G's own place in the backward (``helpers.cce.cublas_logits``): for a tier whose Triton
+    # products are FMAs (``LaunchConfig.tensor_cores``), 16-bit inputs. 0: our Triton products.
+    logits_in_cublas_bytes: int = 0
     # Host time per kernel launch, microseconds (a "forward_grads" chunk launches ~5).
     launch_us: float = 10.0
     # "forward_grads" with fp16 inputs holds its logits in fp32 where a logit could pass this
@@ -213,8 +217,17 @@ def triton_tflops(host: HostTuning, dtype, tensor_cores: bool) -> float:
     tier's matmul rate, of its fp32 rate where its Triton has no tensor-core product (``tensor_cores`` False,
     ``LaunchConfig.tensor_cores``: a T4's 8 TFLOP/s, not 65). The time model (``helpers.cce.schedules``), the
     G chunks' host-bound width (``helpers.cce.backward.gemm.host_bound_cols``) and the graphs' threshold
-    (``helpers.cce.graphs.backward_us``) all take it from here."""
+    (``helpers.cce.graphs.backward_us``) all take it from here, through ``logit_tflops``."""
     return host.triton_share * (matmul_tflops(host, dtype) if tensor_cores else host.matmul_tflops_fp32)
+
+
+def logit_tflops(host: HostTuning, dtype, tensor_cores: bool) -> float:
+    """The rate of the recompute design's two logit products (the forward's lse, the backward's G), TFLOP/s:
+    cuBLAS's where the tier has cuBLAS make its 16-bit logits (``HostTuning.logits_in_cublas_bytes``,
+    ``helpers.cce.cublas_logits``), else our Triton products' (``triton_tflops``)."""
+    if host.logits_in_cublas_bytes > 0 and dtype.itemsize < 4:
+        return matmul_tflops(host, dtype)
+    return triton_tflops(host, dtype, tensor_cores)
 
 
 @dataclass(frozen=True)
@@ -285,9 +298,9 @@ class CCEConfigs:
         """cuBLAS's rate for inputs of ``dtype`` on this tier, TFLOP/s (``HostTuning``)."""
         return matmul_tflops(self.host, dtype)
 
-    def triton_tflops(self, dtype) -> float:
-        """Our Triton logit products' rate for inputs of ``dtype`` (``triton_tflops``), TFLOP/s."""
-        return triton_tflops(self.host, dtype, self.backward_gemm_for(dtype).tensor_cores)
+    def logit_tflops(self, dtype) -> float:
+        """The recompute design's logit products' rate for inputs of ``dtype`` (``logit_tflops``), TFLOP/s."""
+        return logit_tflops(self.host, dtype, self.backward_gemm_for(dtype).tensor_cores)
 
     def sparse_for(self, dtype) -> LaunchConfig:
         """The "sparse" backward's kernels (``backward_impl="sparse"``) for inputs of ``dtype``."""
@@ -335,7 +348,7 @@ TIERS: tuple[CCEConfigs, ...] = (
         # Gemma-2-2B head, 8,192 tokens, fp16's dC held in fp32 alone is 2.4 GB: 1 GiB fits no three-product
         # schedule, and "min" took 915 ms (Liger 144 ms at 1.28 GB); 4 GiB 50.9 ms at 5.48 GB. Hence a ceiling.
         host=HostTuning(matmul_tflops_16bit=65.0, matmul_tflops_fp32=8.0, bandwidth_gbs=320.0, default_budget=2**30,
-                        default_budget_max=2**32),
+                        default_budget_max=2**32, logits_in_cublas_bytes=64 * MiB),
     ),
     CCEConfigs(
         "ampere-99k", 99 * 1024, (8, 6),

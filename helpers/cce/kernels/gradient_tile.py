@@ -79,6 +79,8 @@ def gradient_tile(
     ENTROPY: tl.constexpr = False,
     class_weight_ptr=None,
     CLASS_WEIGHTS: tl.constexpr = False,
+    Z_GIVEN: tl.constexpr = False,
+    z_ptrs=None, z_mask=None,
 ):
     """(G, mass): G = dloss_i / dz_{i, v} / w_i for the tile, (BLOCK_N, BLOCK_V) fp32, 0 at ignored
     rows and padding, and each row's |G| mass before the soft cap's derivative, (BLOCK_N,) fp32: what
@@ -89,7 +91,7 @@ def gradient_tile(
                                            stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef,
                                            softcap, BLOCK_N, BLOCK_V, BLOCK_D, HAS_SOFTCAP, HAS_BIAS, DOT_PRECISION,
                                            E_DESC, C_DESC, row0, col0, inv_temperature, ENTROPY, class_weight_ptr,
-                                           CLASS_WEIGHTS)
+                                           CLASS_WEIGHTS, Z_GIVEN, z_ptrs, z_mask)
     return G, mass
 
 
@@ -114,12 +116,18 @@ def gradient_and_softmax_tile(
     ENTROPY: tl.constexpr = False,  # coef has a fourth row d: G += d S (z - lse) (module doc)
     class_weight_ptr=None,  # (V,) fp32 class weights w (CLASS_WEIGHTS only)
     CLASS_WEIGHTS: tl.constexpr = False,  # the smoothing term is c_i w_v / V (module doc)
+    # The logits E C^T already in memory (a tier whose Triton products are FMAs has cuBLAS make them:
+    # ``HostTuning.logits_in_cublas``): loaded from ``z_ptrs`` (BLOCK_N, BLOCK_V) where ``z_mask``, not rebuilt.
+    Z_GIVEN: tl.constexpr = False,
+    z_ptrs=None, z_mask=None,
 ):
     """(G, S, mass): ``gradient_tile``'s G and mass, and the softmax S = exp(z - lse) G was formed
     from, (BLOCK_N, BLOCK_V) fp32 and 0 in padding columns (the "sparse" backward reports the softmax
     mass it skipped). A caller that drops S compiles to ``gradient_tile``'s code."""
-    # The logit tile, recomputed on chip (Algorithm 3, line 3).
-    if E_DESC:
+    # The logit tile, recomputed on chip (Algorithm 3, line 3), or read where cuBLAS made it.
+    if Z_GIVEN:
+        z = tl.load(z_ptrs, mask=z_mask, other=0.0).to(tl.float32)
+    elif E_DESC:
         z = logit_tile_tma(E_ptr, C_ptr, row0, col0, cols, col_mask, D, stride_Cv, stride_Cd,
                            BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, C_DESC)
     else:

@@ -111,6 +111,11 @@ def lse_forward_kernel(
     CLASS_WEIGHTS: tl.constexpr = False,
     lse_lo_split_ptr=None,  # (SPLITS, N) fp32: the rounding of each split's lse, m + log s (LSE_LO only)
     LSE_LO: tl.constexpr = False,  # fp32 inputs: the lse as two words (``sum_rounding``)
+    # The logits of columns [v_start, v_start + blocks_per_split BLOCK_V) already in memory, (N, that many)
+    # with row stride stride_zn (a tier whose Triton products are FMAs has cuBLAS make them,
+    # ``HostTuning.logits_in_cublas``): read, not rebuilt; one split a launch.
+    z_ptr=None, stride_zn=0,
+    Z_GIVEN: tl.constexpr = False,
 ):
     if SPLIT_MAJOR:  # the splits of one row block are consecutive programs: they share E's strip in L2
         split = tl.program_id(0)
@@ -153,7 +158,10 @@ def lse_forward_kernel(
         else:
             c_rows = cols.to(tl.int64)
         # 1. The logit tile, recomputed on chip: (BLOCK_N, BLOCK_V) fp32.
-        if E_DESC:
+        if Z_GIVEN:
+            z = tl.load(z_ptr + rows[:, None] * stride_zn + (cols - v_start).to(tl.int64)[None, :],
+                        mask=row_mask[:, None] & (cols < V)[None, :], other=0.0).to(tl.float32)
+        elif E_DESC:
             z = logit_tile_tma(E_ptr, C_ptr, pid_n * BLOCK_N, v0, c_rows, cols < V, D, stride_Cv, stride_Cd,
                                BLOCK_N, BLOCK_V, BLOCK_D, DOT_PRECISION, not SORTED)
         else:

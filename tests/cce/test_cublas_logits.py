@@ -1,0 +1,139 @@
+"""The recompute design with its logits made by cuBLAS (``helpers.cce.cublas_logits``), as a tier whose
+Triton products are FMAs runs it (the T4's, ``HostTuning.logits_in_cublas_bytes``; ``memory_budget="min"``
+throughout, since a T4's default budget runs the three-product schedule where it fits): the forward's LSE kernel
+and the backward's G kernel read the logits instead of rebuilding them. Checked: both kernels take that path
+(and only for 16-bit inputs, and fp16 only where its logits are bounded within its range), over several
+vocabulary chunks; loss, dE and dC within the gate's bound against float64 with every loss option; "auto"
+runs the dense backward there; the per-token outputs keep the Triton forward.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers.cce import linear_cross_entropy, linear_cross_entropy_outputs  # noqa: E402
+from helpers.cce.kernels.configs import tier  # noqa: E402
+from helpers.cce.options import resolve_configs  # noqa: E402
+from helpers.compare.verdicts import gate_bound  # noqa: E402
+from helpers.spec import reference_loss, relative_error  # noqa: E402
+from tests.cce.test_fp_fusion import record_launches  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HALVES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
+N, V, D = 40, 300, 32
+
+
+def _configs(**host):
+    """The Turing tier on a GPU (cuBLAS's logits as it ships them), the interpreter's tier with them on the CPU;
+    a forward chunk of 128 columns (a whole number of either's forward tiles: 3 chunks over these 300)."""
+    base = tier("turing-64k") if DEVICE == "cuda" else resolve_configs(None, torch.device(DEVICE))
+    return base.tuned(**{"logits_in_cublas_bytes": N * 128 * 2, **host})
+
+
+def _inputs(dtype, seed=0, scale=0.5):
+    g = torch.Generator().manual_seed(seed)
+    E = (torch.randn(N, D, generator=g) * scale).to(DEVICE, dtype).requires_grad_()
+    C = (torch.randn(V, D, generator=g) * scale).to(DEVICE, dtype).requires_grad_()
+    x = torch.randint(0, V, (N,), generator=g).to(DEVICE)
+    return E, C, x
+
+
+def _given(launches, kernel):
+    return [kw.get("Z_GIVEN", False) for name, _, kw in launches if name == kernel]
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_both_kernels_read_cublas_logits_over_several_chunks(monkeypatch, dtype):
+    launches = record_launches(monkeypatch)
+    E, C, x = _inputs(dtype)
+    stats = {}
+    linear_cross_entropy(E, C, x, memory_budget="min", configs=_configs(gemm_chunks=(16, 64)), backward_impl="gemm",
+                         stats=stats).backward()
+    forward, backward = _given(launches, "lse_forward_kernel"), _given(launches, "gradient_chunk_kernel")
+    assert len(forward) >= 2 and all(forward), forward  # one launch a chunk, each reading its logits
+    assert len(backward) >= 2 and all(backward), backward
+    assert stats["g_kernels"]["cublas"] == stats["launches"] and stats["g_kernels"]["triton"] == 0, stats
+
+
+def test_fp32_and_unbounded_fp16_keep_the_triton_products(monkeypatch):
+    launches = record_launches(monkeypatch)
+    E, C, x = _inputs(torch.float32)
+    linear_cross_entropy(E, C, x, memory_budget="min", configs=_configs(), backward_impl="gemm").backward()
+    assert not any(_given(launches, "lse_forward_kernel") + _given(launches, "gradient_chunk_kernel"))
+    launches.clear()
+    # fp16 logits that could pass the limit (here a limit of 1, below these logits' bound): not rounded to fp16.
+    E, C, x = _inputs(torch.float16)
+    linear_cross_entropy(E, C, x, memory_budget="min", configs=_configs(fp16_logit_limit=1.0),
+                         backward_impl="gemm").backward()
+    given = _given(launches, "lse_forward_kernel") + _given(launches, "gradient_chunk_kernel")
+    assert given and not any(given)
+
+
+OPTIONS = [{}, {"softcap": 3.0}, {"bias": True}, {"label_smoothing": 0.1, "z_loss": 1e-3}, {"temperature": 0.7},
+           {"ignore": True}, {"reduction": "sum", "softcap": 5.0, "bias": True}]
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o) or "plain")
+def test_cublas_logits_pass_the_gate(dtype, options):
+    options = dict(options)
+    E, C, x = _inputs(dtype, seed=1)
+    bias = (torch.randn(V, generator=torch.Generator().manual_seed(2)) / 4).to(DEVICE, dtype).requires_grad_() \
+        if options.pop("bias", False) else None
+    if options.pop("ignore", False):
+        x = x.clone()
+        x[::3] = -100
+    e, c = E.detach().double().requires_grad_(), C.detach().double().requires_grad_()
+    b = bias.detach().double().requires_grad_() if bias is not None else None
+    exact = reference_loss(e, c, x, bias=b, **options)
+    exact.backward()
+    # The naive path: logits in the dtype, then fp32 (the gate's yardstick).
+    nE, nC = E.detach().clone().requires_grad_(), C.detach().clone().requires_grad_()
+    nb = bias.detach().clone().requires_grad_() if bias is not None else None
+    naive = _naive(nE, nC, x, nb, **options)
+    naive.backward()
+    loss = linear_cross_entropy(E, C, x, memory_budget="min", bias=bias, configs=_configs(gemm_chunks=(16, 64)),
+                                **options)
+    loss.backward()
+    name = str(dtype).removeprefix("torch.")
+    checks = [("loss", loss.detach(), naive.detach(), exact.detach()), ("dE", E.grad, nE.grad, e.grad),
+              ("dC", C.grad, nC.grad, c.grad)]
+    for quantity, ours, theirs, reference in checks:
+        error = relative_error(ours, reference)
+        bound = gate_bound(name, quantity, relative_error(theirs, reference))
+        assert error <= bound, f"{options}, {name}: {quantity} errs {error:.3g} against float64, over {bound:.3g}"
+
+
+def _naive(E, C, x, bias=None, softcap=None, temperature=1.0, label_smoothing=0.0, z_loss=0.0, reduction="mean"):
+    z = E @ C.T if bias is None else torch.addmm(bias, E, C.T)
+    z = z.float()
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    loss = torch.nn.functional.cross_entropy(z, x, reduction=reduction, label_smoothing=label_smoothing)
+    if z_loss:
+        kept = x != -100
+        square = torch.where(kept, torch.logsumexp(z, dim=1) ** 2, 0.0) * z_loss
+        loss = loss + (square.sum() if reduction == "sum" else square.sum() / kept.sum())
+    return loss
+
+
+def test_auto_runs_the_dense_backward_and_says_why():
+    E, C, x = _inputs(torch.float16)
+    stats = {}
+    linear_cross_entropy(E, C, x, memory_budget="min", configs=_configs(), stats=stats).backward()
+    assert stats["backward"] == "gemm" and "cuBLAS" in str(stats.get("auto")), stats
+
+
+def test_the_per_token_outputs_keep_the_triton_forward(monkeypatch):
+    """Their row statistics (entropy, the largest logit) walk the vocabulary in the Triton kernel: not on
+    cuBLAS's logits yet (a T4's outputs pay its FMA products there)."""
+    launches = record_launches(monkeypatch)
+    E, C, x = _inputs(torch.float16, seed=3)
+    linear_cross_entropy_outputs(E, C, x, configs=_configs())
+    given = _given(launches, "lse_forward_kernel")
+    assert given and not any(given)
