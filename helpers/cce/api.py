@@ -203,9 +203,9 @@ def linear_cross_entropy(
     memory_budget: "default" (the tier's ``HostTuning.default_budget``: 1 GiB on a T4, raised where that
         fits no three-product schedule up to ``HostTuning.default_budget_max``, 4 GiB, and half of what is
         free; "min" on every other tier, on the CPU and under torch.compile. On a T4 Triton compiles its
-        16-bit products as fp32 FMAs, and the schedule whose three products run in cuBLAS was 15x faster on
-        an H100 standing in for a T4, 31.8 ms against 490 at the Qwen3 head and 16,384 tokens, at 1.41 GB
-        against 0.41), "min" (the
+        16-bit products as fp32 FMAs, so cuBLAS makes the logits there (``helpers.cce.cublas_logits``), and
+        the three-product schedule is the faster: on an H100 standing in for a T4, the Qwen3 head at 16,384
+        tokens, 31.8 ms at 1.41 GB against "min"'s 44.4 ms at 0.41 GB), "min" (the
         recompute design above, within ~1.1-1.2 LB at LLM heads; up to ``HostTuning.g_buffer_max_bytes``
         more on a small head whose G chunks in place would all be host-bound,
         ``helpers.cce.backward.gemm.gemm_plan``), a number of bytes the call may hold beyond its inputs and the gradients it returns (dE, dC), or "auto"

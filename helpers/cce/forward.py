@@ -29,7 +29,7 @@ import triton
 
 from helpers.cce.activity import Activity, coef_bound
 from helpers.cce.class_weights import smoothed_rows
-from helpers.cce.cublas_logits import chunk_columns, uses_cublas_logits, written_product
+from helpers.cce.cublas_logits import chunk_columns
 from helpers.cce.descriptors import operand_descriptors, tma_ready
 from helpers.cce.device import device_info
 from helpers.cce.shared import vocabulary_order
@@ -157,7 +157,7 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     V = C.shape[0]
     x = x.contiguous()
     # cuBLAS's logits for the plain walk (the per-token outputs' row statistics keep the Triton products).
-    cublas = host is not None and not gluon and not row_stats and uses_cublas_logits(E, C, bias, host)
+    cublas = host is not None and not gluon and not row_stats and _uses_cublas_logits(E, host)
     if gluon and not row_stats:
         from helpers.cce.kernels import lse_forward_pingpong as pingpong
 
@@ -169,7 +169,7 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     v_blocks = triton.cdiv(V, fwd.BLOCK_V)
     blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
     if cublas:  # chunks of cuBLAS's logits, each a whole number of tiles, merged as they come: one split
-        blocks_per_split = chunk_columns(N, V, E.element_size(), fwd.BLOCK_V, host) // fwd.BLOCK_V
+        blocks_per_split = chunk_columns(N, V, 4, fwd.BLOCK_V, host) // fwd.BLOCK_V  # fp32 logits
     v_splits = 1 if cublas else triton.cdiv(v_blocks, blocks_per_split)
     lse_split, nontarget_split = torch.empty(2, v_splits, N, dtype=torch.float32, device=E.device).unbind(0)
     lse_lo_split = torch.empty_like(lse_split) if E.dtype == torch.float32 else None
@@ -197,18 +197,24 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     return lse_split, nontarget_split, logit_sum_split, stats, lse_lo_split
 
 
+def _uses_cublas_logits(E, host: HostTuning) -> bool:
+    from helpers.cce.backward.gemm import uses_cublas_logits
+
+    return uses_cublas_logits(E, host)
+
+
 def _lse_from_cublas(E, C, bias, x, target_logit, o: CCEOptions, fwd, softcap, class_weight, flags, host: HostTuning,
                      blocks_per_split, lse, nontarget, logit_sum):
     """``_lse_splits``' plain walk a vocabulary chunk at a time, each chunk's logits E C[v0:v1]^T made by
     cuBLAS into one buffer and read by the kernel as a split of its own (``helpers.cce.cublas_logits``), merged
     into the one split given ((1, N) each; ``logit_sum`` may be ``lse`` itself: no smoothing) as they come, so
     that the splits' rows stay O(N) however many chunks a large N needs."""
-    from helpers.cce.backward.gemm import product_mode
+    from helpers.cce.backward.gemm import fp32_product, product_mode
 
     N, D = E.shape
     V = C.shape[0]
     cols = blocks_per_split * fwd.BLOCK_V
-    Z_buf = torch.empty(N * min(cols, V), dtype=E.dtype, device=E.device)
+    Z_buf = torch.empty(N * min(cols, V), dtype=torch.float32, device=E.device)
     mode = host.product_mode or product_mode(E.device, E.dtype)
     n_blocks = triton.cdiv(N, fwd.BLOCK_N)
     launch = {**_launch_flags(fwd, o, bias, E.dtype, n_blocks, False), "SPLIT_MAJOR": False}
@@ -217,7 +223,7 @@ def _lse_from_cublas(E, C, bias, x, target_logit, o: CCEOptions, fwd, softcap, c
     for v0 in range(0, V, cols):
         width = min(V, v0 + cols) - v0
         Z = Z_buf[: N * width].view(N, width)
-        written_product(Z, E, C[v0:v0 + width].T, alpha=1.0, mode=mode)  # the bias: the kernel's, in fp32
+        fp32_product(Z, E, C[v0:v0 + width].T, alpha=1.0, accumulate=False, mode=mode)  # the bias: the kernel's
         first = v0 == 0
         lse_c, nt_c = (lse, nontarget) if first else (chunk[0], chunk[1])
         sum_c = (logit_sum if first else chunk[2]) if smoothing else lse_c

@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers.cce.backward.gemm import fp32_product, product_mode
-from helpers.cce.cublas_logits import logits_bound, written_product
+from helpers.cce.backward.gemm import fp32_product, product_mode, written_product
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.row_gradient import row_gradient_kernel
 from helpers.cce.options import CCEOptions, CCEPlan, fp_fusion
@@ -60,6 +59,14 @@ def schedule_reason(options: CCEOptions, *, return_lse: bool, need: tuple[bool, 
     if return_lse:
         return "return_lse: a gradient may flow into the lse"
     return None
+
+
+def logits_bound(E: torch.Tensor, C: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A bound on every |z|, max ||E_i|| max ||C_v|| + max |b| (Cauchy-Schwarz), as a device scalar:
+    one pass over E and C. Where it passes ``HostTuning.fp16_logit_limit``, fp16 logits could overflow."""
+    bound = (torch.linalg.vector_norm(E, dim=1, dtype=torch.float32).amax()
+             * torch.linalg.vector_norm(C, dim=1, dtype=torch.float32).amax())
+    return bound + bias.abs().amax().float() if bias is not None else bound
 
 
 def plan_schedule(E: torch.Tensor, C: torch.Tensor, bias: torch.Tensor | None, plan: CCEPlan, memory_budget, *,

@@ -221,9 +221,9 @@ def _pretend_speed_note(key: str) -> str:
 
     card = card_spec(key)
     if key == "t4":
-        speed = ("a T4 multiplies fp16 about twelve times slower than an H200; and in Triton kernels, ours among "
-                 "them, a T4 multiplies on its CUDA cores, not its tensor cores, which ours reproduce here (this "
-                 "GPU's fp32 rate against its tensor cores' overstates that cost about twice)")
+        speed = ("a T4 multiplies fp16 about twelve times slower than an H200; and in Triton kernels a T4 multiplies "
+                 "on its CUDA cores, not its tensor cores, which ours reproduce here (this GPU's fp32 rate against "
+                 "its tensor cores' overstates that cost about twice), so ours has cuBLAS make its logits there")
     else:
         speed = f"{card.a_label}'s datasheet gives {card.dense_16bit_tflops:.0f} TFLOP/s of dense 16-bit matmul"
     return (f"Times are this GPU's: a pretend {card.label} has {card.a_label}'s memory, shared memory and code "

@@ -23,6 +23,7 @@
 #   bash scripts/gpu/pending.sh t4-gemma         17 below (~3 min)
 #   bash scripts/gpu/pending.sh t4-raised        18 below (~2 min)
 #   bash scripts/gpu/pending.sh t4-cublas        19 below (~5 min)
+#   bash scripts/gpu/pending.sh t4-min           20 below (~8 min; prepare first: .ab/t4min)
 #
 # 1. The soft cap's slope (soft_cap_and_gap, slope_from_gap) and the filter's pre-slope mass on sm_90 with this Triton:
 #    their tests. Predicted: all pass but the one strict expected failure.
@@ -189,6 +190,13 @@
 #    tiny shapes and the kernels under test never launched. They pass memory_budget="min" since: the next run
 #    is their GPU form, HELPERS_TEST_GPU=1 python3 -m pytest -q -p no:cacheprovider tests/cce/test_cublas_logits.py
 #    tests/cce/test_fma_dots.py (expected: all pass).
+#    Since: the logits in fp32 (the fp16 form erred past cce_check.py's bar on the CPU: dC 1.73x the naive path's
+#    error at one token), in 16 MiB pieces. Hence 20.
+# 20. cuBLAS's logits in fp32 on the Turing tier: the unit tests' GPU form (test_cublas_logits, test_fma_dots,
+#    memory_budget="min" now), the gate as a T4 for ours_budget_min, the bench as a T4 for ours_budget_min at
+#    Qwen3 4k/16k and Gemma-2 8k (predicted within ~10% of 19's 11.7 / 44.4 / 67.6 ms, peaks ~1.1 / 1.24 /
+#    1.08 LB), then notebook 03 as a T4 with the Turing tier's default at "min" (.ab/t4min; predicted: ours
+#    equivalent to exact in fp16 fine-tuning and pretraining, as the fp32-logit Triton "min" was).
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
@@ -205,19 +213,21 @@ if [ "${1:-}" = prepare ]; then
   sed -i 's/^_T = partial(LaunchConfig, tensor_cores=False)/_T = partial(LaunchConfig, tensor_cores=True)/' .ab/tc/helpers/cce/kernels/configs.py
   ! grep -q "maxnreg=128" .ab/nocap/helpers/cce/kernels/configs.py && grep -q "tensor_cores=True)" .ab/tc/helpers/cce/kernels/configs.py \
     || { echo "nocap or tc not made"; exit 1; }
-  # 14's tree: this one (helpers and notebooks) with the Turing tier's default budget at 1 GiB.
+  # 14's tree: this one (helpers and notebooks), whose Turing tier's default budget is 1 GiB since.
   mkdir -p .ab/t4budget && cp -r helpers notebooks .ab/t4budget/
-  sed -i 's/^        host=HostTuning(matmul_tflops_16bit=65.0, matmul_tflops_fp32=8.0, bandwidth_gbs=320.0),$/        host=HostTuning(matmul_tflops_16bit=65.0, matmul_tflops_fp32=8.0, bandwidth_gbs=320.0, default_budget=2**30),/' \
-    .ab/t4budget/helpers/cce/kernels/configs.py
-  grep -q "default_budget=2\*\*30)" .ab/t4budget/helpers/cce/kernels/configs.py || { echo "t4budget not made"; exit 1; }
+  # 20's tree: this one (helpers and notebooks) with the Turing tier's default budget at "min".
+  mkdir -p .ab/t4min && cp -r helpers notebooks .ab/t4min/
+  sed -i 's/bandwidth_gbs=320.0, default_budget=2\*\*30,$/bandwidth_gbs=320.0, default_budget="min",/' \
+    .ab/t4min/helpers/cce/kernels/configs.py
+  grep -q 'default_budget="min",' .ab/t4min/helpers/cce/kernels/configs.py || { echo "t4min not made"; exit 1; }
   find .ab -name __pycache__ -prune -exec rm -rf {} +
-  echo "prepared .ab/old ($base), .ab/graphs, .ab/nocap, .ab/tc and .ab/t4budget"
+  echo "prepared .ab/old ($base), .ab/graphs, .ab/nocap, .ab/tc, .ab/t4budget and .ab/t4min"
   exit 0
 fi
 part=${1:-}
-case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion|fp32|fma|t4-default|t4-train|t4-budget|t4-suite|t4-scale|t4-gemma|t4-raised|t4-cublas) ;;
+case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion|fp32|fma|t4-default|t4-train|t4-budget|t4-suite|t4-scale|t4-gemma|t4-raised|t4-cublas|t4-min) ;;
   *) echo "say prepare, cap-rl, graphs, graphs-nb03, graphs-suite, eager-suite, distill, halves, exp, fusion, fp32, fma,"
-     echo "t4-default, t4-train, t4-budget, t4-suite, t4-scale, t4-gemma, t4-raised or t4-cublas, not '$part'"
+     echo "t4-default, t4-train, t4-budget, t4-suite, t4-scale, t4-gemma, t4-raised, t4-cublas or t4-min, not '$part'"
      exit 2;; esac
 [ -d .ab/old ] && [ -d .ab/graphs/notebooks ] || { echo "run 'bash scripts/gpu/pending.sh prepare' here first and carry .ab"; exit 2; }
 source scripts/gpu/env.sh || exit 1
@@ -297,6 +307,23 @@ cd "$T" && export PYTHONPATH="$T:/tmp/site"
 grep -h "default_budget=" helpers/cce/kernels/configs.py
 as_t4 330 "03"
 step "notebook 03 as a T4, default budget 1 GiB"
+exit 0
+fi
+if [ "$part" = t4-min ]; then
+HELPERS_TEST_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/cce/test_cublas_logits.py \
+  tests/cce/test_fma_dots.py 2>&1 | tail -4
+step "cuBLAS-logit and FMA tests"
+timeout 100 python3 -m helpers gate --pretend t4 --methods ours_budget_min --output "$OUT/gate_t4_min.json" 2>&1 | tail -3
+timeout 100 python3 -m helpers bench --pretend t4 --methods ours_budget_min --shapes qwen3-0.6b \
+  --N 4096 16384 --regimes uniform --dtypes float16 --output "$OUT/bench_t4_min_qwen3.jsonl" 2>&1 | grep "^| qwen"
+timeout 80 python3 -m helpers bench --pretend t4 --methods ours_budget_min --shapes gemma2-2b \
+  --N 8192 --regimes uniform --dtypes float16 --output "$OUT/bench_t4_min_gemma.jsonl" 2>&1 | grep "^| gemma"
+step "gate and bench as a T4, 'min' on cuBLAS's fp32 logits"
+T="$PWD/.ab/t4min"
+cd "$T" && export PYTHONPATH="$T:/tmp/site"
+grep -h "default_budget=" helpers/cce/kernels/configs.py
+as_t4 300 "03"
+step "notebook 03 as a T4, default 'min'"
 exit 0
 fi
 if [ "$part" = t4-cublas ]; then

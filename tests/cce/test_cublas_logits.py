@@ -2,7 +2,7 @@
 Triton products are FMAs runs it (the T4's, ``HostTuning.logits_in_cublas_bytes``; ``memory_budget="min"``
 throughout, since a T4's default budget runs the three-product schedule where it fits): the forward's LSE kernel
 and the backward's G kernel read the logits instead of rebuilding them. Checked: both kernels take that path
-(and only for 16-bit inputs, and fp16 only where its logits are bounded within its range), over several
+(only for 16-bit inputs, and only where cuBLAS gives their product in fp32), over several
 vocabulary chunks; loss, dE and dC within the gate's bound against float64 with every loss option; "auto"
 runs the dense backward there; the per-token outputs keep the Triton forward.
 """
@@ -25,6 +25,9 @@ from tests.cce.test_fp_fusion import record_launches  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALVES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
 N, V, D = 40, 300, 32
+# G chunks of 16 rows and 128 columns, their fp32 logits in pieces of 64 columns (16 x 64 x 4 bytes); the
+# forward's chunks as many columns as fit those bytes, at least one of its tiles.
+PIECES = {"gemm_chunks": (16, 128), "logits_in_cublas_bytes": 16 * 64 * 4}
 
 
 def _configs(**host):
@@ -51,23 +54,25 @@ def test_both_kernels_read_cublas_logits_over_several_chunks(monkeypatch, dtype)
     launches = record_launches(monkeypatch)
     E, C, x = _inputs(dtype)
     stats = {}
-    linear_cross_entropy(E, C, x, memory_budget="min", configs=_configs(gemm_chunks=(16, 64)), backward_impl="gemm",
+    linear_cross_entropy(E, C, x, memory_budget="min", configs=_configs(**PIECES), backward_impl="gemm",
                          stats=stats).backward()
     forward, backward = _given(launches, "lse_forward_kernel"), _given(launches, "gradient_chunk_kernel")
     assert len(forward) >= 2 and all(forward), forward  # one launch a chunk, each reading its logits
-    assert len(backward) >= 2 and all(backward), backward
+    # Each G chunk of 128 columns in pieces of 64: more G launches than chunks.
+    assert len(backward) > stats["launches"] >= 2 and all(backward), (backward, stats["launches"])
     assert stats["g_kernels"]["cublas"] == stats["launches"] and stats["g_kernels"]["triton"] == 0, stats
 
 
-def test_fp32_and_unbounded_fp16_keep_the_triton_products(monkeypatch):
+def test_fp32_and_a_torch_without_fp32_products_keep_the_triton_products(monkeypatch):
     launches = record_launches(monkeypatch)
     E, C, x = _inputs(torch.float32)
     linear_cross_entropy(E, C, x, memory_budget="min", configs=_configs(), backward_impl="gemm").backward()
     assert not any(_given(launches, "lse_forward_kernel") + _given(launches, "gradient_chunk_kernel"))
     launches.clear()
-    # fp16 logits that could pass the limit (here a limit of 1, below these logits' bound): not rounded to fp16.
+    # cuBLAS's logits only in fp32: where this torch's product of 16-bit operands is rounded to their dtype
+    # ("rounded", ``product_mode``), not from cuBLAS.
     E, C, x = _inputs(torch.float16)
-    linear_cross_entropy(E, C, x, memory_budget="min", configs=_configs(fp16_logit_limit=1.0),
+    linear_cross_entropy(E, C, x, memory_budget="min", configs=_configs(product_mode="rounded"),
                          backward_impl="gemm").backward()
     given = _given(launches, "lse_forward_kernel") + _given(launches, "gradient_chunk_kernel")
     assert given and not any(given)
@@ -96,8 +101,7 @@ def test_cublas_logits_pass_the_gate(dtype, options):
     nb = bias.detach().clone().requires_grad_() if bias is not None else None
     naive = _naive(nE, nC, x, nb, **options)
     naive.backward()
-    loss = linear_cross_entropy(E, C, x, memory_budget="min", bias=bias, configs=_configs(gemm_chunks=(16, 64)),
-                                **options)
+    loss = linear_cross_entropy(E, C, x, memory_budget="min", bias=bias, configs=_configs(**PIECES), **options)
     loss.backward()
     name = str(dtype).removeprefix("torch.")
     checks = [("loss", loss.detach(), naive.detach(), exact.detach()), ("dE", E.grad, nE.grad, e.grad),

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from helpers.cce.cublas_logits import chunk_columns
 from helpers.cce.descriptors import block_descriptor, operand_descriptors, tma_ready
 from helpers.cce.device import device_info
 from helpers.cce.backward.rows import RowGradient, fold_dC
@@ -235,6 +236,40 @@ def fp32_product(out, a, b, *, alpha: float, accumulate: bool, mode: str):
             torch.mul(product, alpha, out=out)
 
 
+def uses_cublas_logits(E: torch.Tensor, host: HostTuning) -> bool:
+    """Whether this call's recompute products take their logits from cuBLAS (``helpers.cce.cublas_logits``):
+    the tier says so, the inputs are 16-bit, and cuBLAS gives their product in fp32 here (``product_mode``
+    other than "rounded"; its probe reads the device once, so under capture only once it is known)."""
+    if host.logits_in_cublas_bytes <= 0 or E.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    mode = host.product_mode
+    if mode is None:
+        known = E.device.type != "cuda" or (E.device.type, E.device.index, E.dtype) in _product_mode_cache
+        if not known and no_host_sync(E):
+            return False
+        mode = product_mode(E.device, E.dtype)
+    return mode != "rounded"
+
+
+def written_product(out, a, b, *, alpha: float, mode: str, bias=None):
+    """out = alpha a @ b (+ bias) from an fp32 sum, rounded once to out's dtype (fp32 logits of 16-bit
+    operands: ``fp32_product``). On the CPU the operands are copied to fp32 (exact products for the
+    tests, as ``product_mode``'s "upcast")."""
+    if out.dtype == torch.float32 and a.dtype != torch.float32:
+        fp32_product(out, a, b, alpha=alpha, accumulate=False, mode=mode)
+        if bias is not None:
+            out += bias.float()
+    elif out.device.type != "cuda":
+        product = torch.mm(a.float(), b.float())
+        if bias is not None:
+            product += bias.float()
+        out.copy_(product.mul_(alpha) if alpha != 1.0 else product)
+    elif bias is not None:
+        torch.addmm(bias, a, b, alpha=alpha, out=out)
+    else:
+        torch.addmm(out, a, b, beta=0.0, alpha=alpha, out=out)  # beta = 0: out's contents ignored
+
+
 def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg: LaunchConfig,
                   n_chunk: int | None, v_chunk: int | None, stats: dict | None, bias=None,
                   need: tuple[bool, bool, bool] = (True, True, False), *, host: HostTuning, g_chunk=None,
@@ -295,10 +330,10 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
             pingpong = None
     # A tier whose Triton products are FMAs: each chunk's logits from cuBLAS, written where G_c goes and read
     # there by the G kernel (``helpers.cce.cublas_logits``; not for the sorted walk's gathered rows).
-    from helpers.cce.cublas_logits import uses_cublas_logits, written_product
-
-    cublas = (g_chunk is None and pingpong is None and vocab_order is None
-              and uses_cublas_logits(E, C, bias, host))
+    cublas = g_chunk is None and pingpong is None and vocab_order is None and uses_cublas_logits(E, host)
+    # Their fp32 pieces: the most columns, whole tiles, whose (n_chunk, columns) fit the tier's bytes.
+    Z_cols = chunk_columns(n_chunk, widest, 4, cfg.BLOCK_V, host) if cublas else 0
+    Z_buf = torch.empty(n_chunk * min(Z_cols, widest), dtype=torch.float32, device=device) if cublas else None
     # The Triton G kernel's persistent walk, but one program per tile with class weights: on an H200
     # (Triton 3.6) the flattened persistent loop with their load gave a wrong G (dE and dC 0.9-1.1
     # relative error against float64, bf16 and fp16), where one program per tile, the same tiles, gave
@@ -391,31 +426,43 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                     triton_operands = operand_descriptors(E_rows, C, cfg, gathered=vocab_order is not None)
                 E_desc, C_desc, descriptors = triton_operands
                 tma = descriptors and 6 * rows * cols * D >= host.tma_min_chunk_flop and not cublas
-                if cublas:  # the chunk's logits where G_c goes; the bias is the kernel's, in fp32
-                    written_product(G, E_rows, C[v0:v1].T, alpha=1.0, mode=mode)
                 E_arg, C_arg = (E_desc, C_desc) if tma else (E_rows, C)
                 if tma and host.g_store_tma and not split and key not in G_descs:
                     G_descs[key] = block_descriptor(G, cfg.BLOCK_N, cfg.BLOCK_V // cfg.g_subtile)
                 G_desc = G_descs.get(key) if tma and host.g_store_tma else None
-                gradient_chunk_kernel[(min(tiles, persistent * programs) if persistent else tiles,)](
-                    E_arg, C_arg, x[n0:n1], lse[n0:n1], coef, bias if bias is not None else lse,
-                    vocab_order if vocab_order is not None else tile_kept,
-                    G if G_desc is None else G_desc, G_exact, tile_kept,
-                    rows, V, D, v0, cols,
-                    E_rows.stride(0), E_rows.stride(1), C.stride(0), C.stride(1), x.stride(0),
-                    G.stride(0), G.stride(1), coef.stride(0),
-                    o.softcap if o.softcap is not None else 1.0, tile_eps(o.filter_eps, cfg.BLOCK_V),
-                    HAS_SOFTCAP=o.softcap is not None,
-                    HAS_BIAS=bias is not None,
-                    FILTER=filtering,
-                    SPLIT_G=split,
-                    SORTED=vocab_order is not None,
-                    DOT_PRECISION=dot_precision(dtype, cfg), enable_fp_fusion=fp_fusion(dtype),
-                    E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=persistent > 0,
-                    inv_temperature=1.0 / o.temperature, ENTROPY=up.coef.shape[0] > 3,
-                    class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None, Z_GIVEN=cublas,
-                    **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
-                )
+                # cuBLAS's logits: fp32, Z_cols columns at a time into their buffer, each piece's G launched on
+                # its own columns (its tiles recorded after the last piece's); else the chunk in one launch.
+                pieces = range(0, cols, Z_cols) if cublas else (0,)
+                kept_at = 0
+                for s0 in pieces:
+                    w = min(cols, s0 + Z_cols) - s0 if cublas else cols
+                    Z = None
+                    if cublas:
+                        Z = Z_buf[: rows * w].view(rows, w)
+                        fp32_product(Z, E_rows, C[v0 + s0:v0 + s0 + w].T, alpha=1.0, accumulate=False, mode=mode)
+                    piece_tiles = triton.cdiv(rows, cfg.BLOCK_N) * triton.cdiv(w, cfg.BLOCK_V)
+                    gradient_chunk_kernel[(min(piece_tiles, persistent * programs) if persistent else piece_tiles,)](
+                        E_arg, C_arg, x[n0:n1], lse[n0:n1], coef, bias if bias is not None else lse,
+                        vocab_order if vocab_order is not None else tile_kept,
+                        G[:, s0:] if G_desc is None else G_desc, G_exact[:, s0:],
+                        tile_kept[kept_at:] if filtering or pingpong else tile_kept,
+                        rows, V, D, v0 + s0, w,
+                        E_rows.stride(0), E_rows.stride(1), C.stride(0), C.stride(1), x.stride(0),
+                        G.stride(0), G.stride(1), coef.stride(0),
+                        o.softcap if o.softcap is not None else 1.0, tile_eps(o.filter_eps, cfg.BLOCK_V),
+                        HAS_SOFTCAP=o.softcap is not None,
+                        HAS_BIAS=bias is not None,
+                        FILTER=filtering,
+                        SPLIT_G=split,
+                        SORTED=vocab_order is not None,
+                        DOT_PRECISION=dot_precision(dtype, cfg), enable_fp_fusion=fp_fusion(dtype),
+                        E_DESC=tma, G_DESC=G_desc is not None, G_SUBTILE=cfg.g_subtile, PERSISTENT=persistent > 0,
+                        inv_temperature=1.0 / o.temperature, ENTROPY=up.coef.shape[0] > 3,
+                        class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,
+                        z_ptr=Z, stride_zn=w, Z_GIVEN=cublas,
+                        **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
+                    )
+                    kept_at += piece_tiles
             counters["tiles"] += tiles
             if counting:
                 skipped += (tile_kept[:tiles] == 0).sum()

@@ -347,8 +347,11 @@ TIERS: tuple[CCEConfigs, ...] = (
         # ``helpers.cce.forward_grads``). docs/measurements/h100-2026-12-06 and h100-2026-12-06b. At the
         # Gemma-2-2B head, 8,192 tokens, fp16's dC held in fp32 alone is 2.4 GB: 1 GiB fits no three-product
         # schedule, and "min" took 915 ms (Liger 144 ms at 1.28 GB); 4 GiB 50.9 ms at 5.48 GB. Hence a ceiling.
+        # "min" itself takes its logits from cuBLAS here (``logits_in_cublas_bytes``): in fp16, 44.4 ms at 0.41 GB at
+        # the Qwen3 head, 16k tokens, 67.6 ms at 1.29 GB at Gemma-2 8k (was 489 and 914 with FMA products); in fp32,
+        # as it ships, in 16 MiB pieces, not yet measured.
         host=HostTuning(matmul_tflops_16bit=65.0, matmul_tflops_fp32=8.0, bandwidth_gbs=320.0, default_budget=2**30,
-                        default_budget_max=2**32, logits_in_cublas_bytes=64 * MiB),
+                        default_budget_max=2**32, logits_in_cublas_bytes=16 * MiB),
     ),
     CCEConfigs(
         "ampere-99k", 99 * 1024, (8, 6),

@@ -91,7 +91,10 @@ def gradient_chunk_kernel(
     ENTROPY: tl.constexpr = False,  # coef has a fourth row: the entropy's term (``gradient_tile``)
     class_weight_ptr=None,  # (V,) fp32: the smoothing term's class weights (CLASS_WEIGHTS, ``gradient_tile``)
     CLASS_WEIGHTS: tl.constexpr = False,
-    Z_GIVEN: tl.constexpr = False,  # G_ptr holds the chunk's logits E C^T (cuBLAS's), read and overwritten with G
+    # The chunk's logits E C^T already made (by cuBLAS: ``helpers.cce.cublas_logits``), (N, v_count) fp32 with row
+    # stride stride_zn: read, not rebuilt.
+    z_ptr=None, stride_zn=0,
+    Z_GIVEN: tl.constexpr = False,
 ):
     if PERSISTENT:
         # [Persistent walk] one loop over this program's tiles, flattened with the logit loop inside,
@@ -104,14 +107,14 @@ def gradient_chunk_kernel(
                 tile_kept_ptr, N, V, D, v_begin, v_count, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
                 stride_Gn, stride_Gv, stride_coef, softcap, eps, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N,
                 HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE,
-                inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS, Z_GIVEN)
+                inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS, z_ptr, stride_zn, Z_GIVEN)
     else:
         _gradient_chunk_tile(
             tl.program_id(0), E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, G_ptr,
             G_exact_ptr, tile_kept_ptr, N, V, D, v_begin, v_count, stride_En, stride_Ed, stride_Cv, stride_Cd,
             stride_x, stride_Gn, stride_Gv, stride_coef, softcap, eps, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N,
             HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE,
-            inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS, Z_GIVEN)
+            inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS, z_ptr, stride_zn, Z_GIVEN)
 
 
 @triton.jit
@@ -123,7 +126,7 @@ def _gradient_chunk_tile(
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, FILTER: tl.constexpr, SPLIT_G: tl.constexpr,
     SORTED: tl.constexpr, DOT_PRECISION: tl.constexpr, E_DESC: tl.constexpr, G_DESC: tl.constexpr,
     G_SUBTILE: tl.constexpr, inv_temperature, ENTROPY: tl.constexpr, class_weight_ptr,
-    CLASS_WEIGHTS: tl.constexpr, Z_GIVEN: tl.constexpr,
+    CLASS_WEIGHTS: tl.constexpr, z_ptr, stride_zn, Z_GIVEN: tl.constexpr,
 ):
     """Tile ``tile`` of the chunk (``gradient_chunk_kernel``'s arguments)."""
     # 1. [Grouped order] the tile's place in the chunk; C strips are shared through L2.
@@ -142,12 +145,12 @@ def _gradient_chunk_tile(
 
     g_ptrs = rows[:, None] * stride_Gn + local_v.to(tl.int64)[None, :] * stride_Gv  # (BLOCK_N, BLOCK_V)
     g_mask = row_mask[:, None] & col_mask[None, :]
-    if Z_GIVEN:  # G's own place holds the logits (a pointer: no descriptor there)
-        z_ptrs = G_ptr + g_ptrs
+    if Z_GIVEN:
+        z_ptrs = z_ptr + rows[:, None] * stride_zn + local_v.to(tl.int64)[None, :]
     else:
         z_ptrs = g_ptrs  # not read
 
-    # 2. The logit tile rebuilt on chip (or, Z_GIVEN, read from G's own place) and its gradient, exactly as
+    # 2. The logit tile rebuilt on chip (or, Z_GIVEN, read where cuBLAS wrote it) and its gradient, exactly as
     # the "atomic" kernel forms it.
     G, mass = gradient_tile(E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, rows, cols, row_mask, col_mask,
                           V, D, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x, stride_coef, softcap,
