@@ -28,6 +28,7 @@ import torch
 import triton
 
 from helpers.cce.activity import Activity, coef_bound
+from helpers.cce.backward.gemm import fp32_product, product_mode, uses_cublas_logits
 from helpers.cce.class_weights import smoothed_rows
 from helpers.cce.cublas_logits import chunk_columns
 from helpers.cce.descriptors import operand_descriptors, tma_ready
@@ -157,7 +158,7 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     V = C.shape[0]
     x = x.contiguous()
     # cuBLAS's logits for the plain walk (the per-token outputs' row statistics keep the Triton products).
-    cublas = host is not None and not gluon and not row_stats and _uses_cublas_logits(E, host)
+    cublas = host is not None and not gluon and not row_stats and uses_cublas_logits(E, host)
     if gluon and not row_stats:
         from helpers.cce.kernels import lse_forward_pingpong as pingpong
 
@@ -197,20 +198,12 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     return lse_split, nontarget_split, logit_sum_split, stats, lse_lo_split
 
 
-def _uses_cublas_logits(E, host: HostTuning) -> bool:
-    from helpers.cce.backward.gemm import uses_cublas_logits
-
-    return uses_cublas_logits(E, host)
-
-
 def _lse_from_cublas(E, C, bias, x, target_logit, o: CCEOptions, fwd, softcap, class_weight, flags, host: HostTuning,
                      blocks_per_split, lse, nontarget, logit_sum):
     """``_lse_splits``' plain walk a vocabulary chunk at a time, each chunk's logits E C[v0:v1]^T made by
     cuBLAS into one buffer and read by the kernel as a split of its own (``helpers.cce.cublas_logits``), merged
     into the one split given ((1, N) each; ``logit_sum`` may be ``lse`` itself: no smoothing) as they come, so
     that the splits' rows stay O(N) however many chunks a large N needs."""
-    from helpers.cce.backward.gemm import fp32_product, product_mode
-
     N, D = E.shape
     V = C.shape[0]
     cols = blocks_per_split * fwd.BLOCK_V

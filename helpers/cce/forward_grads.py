@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers.cce.backward.gemm import fp32_product, product_mode, written_product
+from helpers.cce.backward.gemm import fp32_product, product_mode
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.row_gradient import row_gradient_kernel
 from helpers.cce.options import CCEOptions, CCEPlan, fp_fusion
@@ -84,6 +84,25 @@ def plan_schedule(E: torch.Tensor, C: torch.Tensor, bias: torch.Tensor | None, p
     N, D = E.shape
     return choose_schedule(N, C.shape[0], D, E.dtype, memory_budget, plan.configs, need=plan.need,
                            device=E.device, not_forward_grads=reason, logits_itemsize=logits_itemsize)
+
+
+def _written_product(out, a, b, *, alpha: float, mode: str, bias=None):
+    """out = alpha a @ b (+ bias) from an fp32 sum, rounded once to out's dtype (fp32 logits of
+    16-bit operands: ``fp32_product``). On the CPU the operands are copied to fp32 (exact products
+    for the tests, as ``product_mode``'s "upcast")."""
+    if out.dtype == torch.float32 and a.dtype != torch.float32:
+        fp32_product(out, a, b, alpha=alpha, accumulate=False, mode=mode)
+        if bias is not None:
+            out += bias.float()
+    elif out.device.type != "cuda":
+        product = torch.mm(a.float(), b.float())
+        if bias is not None:
+            product += bias.float()
+        out.copy_(product.mul_(alpha) if alpha != 1.0 else product)
+    elif bias is not None:
+        torch.addmm(bias, a, b, alpha=alpha, out=out)
+    else:
+        torch.addmm(out, a, b, beta=0.0, alpha=alpha, out=out)  # beta = 0: out's contents ignored
 
 
 def _accumulated_product(out, a, b, *, alpha: float, first: bool, mode: str):
@@ -137,7 +156,7 @@ def forward_grads(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: torch
         E_r = E[n0:n1]  # (r, D)
         Z = Z_buf[: r * V].view(r, V)
         # 1. Z = E_r C^T (+ b): (r, D) @ (D, V), rounded once to the logits' dtype.
-        written_product(Z, E_r, C.T, alpha=1.0, mode=mode, bias=bias)
+        _written_product(Z, E_r, C.T, alpha=1.0, mode=mode, bias=bias)
         # G in the inputs' dtype: Z itself, or the first half of each fp32 row (fp16 inputs).
         G = Z if z_dtype == dtype else Z.view(dtype)[:, :V]
         # 2. lse, loss and G, row by row, G over the logits.
@@ -151,12 +170,12 @@ def forward_grads(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, bias: torch
         )
         # 3. dE_r = s G C: (r, V) @ (V, D), written once.
         if need_dE:
-            written_product(dE[n0:n1], G, C, alpha=scale, mode=mode)
+            _written_product(dE[n0:n1], G, C, alpha=scale, mode=mode)
         # 4. dC (+)= G^T E_r: (V, r) @ (r, D), fp32 in the epilogue.
         if dC_acc is not None:
             fp32_product(dC_acc, G.T, E_r, alpha=1.0, accumulate=not first, mode=mode)
         elif need_dC and not several:
-            written_product(dC, G.T, E_r, alpha=scale, mode=mode)
+            _written_product(dC, G.T, E_r, alpha=scale, mode=mode)
         elif need_dC:  # fp32 inputs, or no room for an fp32 accumulator: dC is its own
             _accumulated_product(dC, G.T, E_r, alpha=scale, first=first, mode=mode)
         if need_db:

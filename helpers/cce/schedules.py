@@ -16,6 +16,8 @@ element; b_z: the logits', b or 4 for fp16 logits that could overflow):
 
     recompute      = dE's fp32 accumulator (16-bit, n_chunk x D x 4) + its G buffer and staged dC
                      rows where ``gemm_plan`` needs them + 24 N (per-row state)
+                     (+ the backward's piece of fp32 logits where cuBLAS makes them, at most
+                     ``HostTuning.logits_in_cublas_bytes``: ``helpers.cce.cublas_logits``)
     forward_grads  = R V b_z                               (one chunk: R = N; fp32 inputs; or
                                                             16-bit dC accumulated in itself)
                    = 4 V D + max(R V b_z - V D b, 0)       (16-bit, several chunks, dC's fp32
@@ -39,6 +41,8 @@ plus the bytes each schedule moves beyond its products' operands at the memory's
 time per launch:
 
     recompute      = 2 P / (share rate) + (n_E + n_C) P / rate + 3 N V b / bw      (G written, read twice)
+                     where cuBLAS makes the logits: 2 P / rate, and 16 N V / bw more (fp32 logits written
+                     and read, forward and backward)
     forward_grads  = (1 + n_E + n_C) P / rate + 6 N V b_z / bw                      (Z written; read
                      twice, written once by the row kernel; read by two products)
                      + chunks x 2 x a V D / bw                                      (dC's accumulator,

@@ -251,25 +251,6 @@ def uses_cublas_logits(E: torch.Tensor, host: HostTuning) -> bool:
     return mode != "rounded"
 
 
-def written_product(out, a, b, *, alpha: float, mode: str, bias=None):
-    """out = alpha a @ b (+ bias) from an fp32 sum, rounded once to out's dtype (fp32 logits of 16-bit
-    operands: ``fp32_product``). On the CPU the operands are copied to fp32 (exact products for the
-    tests, as ``product_mode``'s "upcast")."""
-    if out.dtype == torch.float32 and a.dtype != torch.float32:
-        fp32_product(out, a, b, alpha=alpha, accumulate=False, mode=mode)
-        if bias is not None:
-            out += bias.float()
-    elif out.device.type != "cuda":
-        product = torch.mm(a.float(), b.float())
-        if bias is not None:
-            product += bias.float()
-        out.copy_(product.mul_(alpha) if alpha != 1.0 else product)
-    elif bias is not None:
-        torch.addmm(bias, a, b, alpha=alpha, out=out)
-    else:
-        torch.addmm(out, a, b, beta=0.0, alpha=alpha, out=out)  # beta = 0: out's contents ignored
-
-
 def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg: LaunchConfig,
                   n_chunk: int | None, v_chunk: int | None, stats: dict | None, bias=None,
                   need: tuple[bool, bool, bool] = (True, True, False), *, host: HostTuning, g_chunk=None,
@@ -328,8 +309,8 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
         if pingpong.pingpong_reason(device, dtype, device_info(device).capability, sorted_vocab=vocab_order is not None,
                                     split=split, softcap=o.softcap is not None, bias=bias is not None):
             pingpong = None
-    # A tier whose Triton products are FMAs: each chunk's logits from cuBLAS, written where G_c goes and read
-    # there by the G kernel (``helpers.cce.cublas_logits``; not for the sorted walk's gathered rows).
+    # A tier whose Triton products are FMAs: each chunk's logits from cuBLAS in fp32, a piece at a time into one
+    # buffer, read by the G kernel (``helpers.cce.cublas_logits``; not for the sorted walk's gathered rows).
     cublas = g_chunk is None and pingpong is None and vocab_order is None and uses_cublas_logits(E, host)
     # Their fp32 pieces: the most columns, whole tiles, whose (n_chunk, columns) fit the tier's bytes.
     Z_cols = chunk_columns(n_chunk, widest, 4, cfg.BLOCK_V, host) if cublas else 0
