@@ -309,24 +309,8 @@ as_t4 330 "03"
 step "notebook 03 as a T4, default budget 1 GiB"
 exit 0
 fi
-if [ "$part" = t4-min ]; then
-HELPERS_TEST_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/cce/test_cublas_logits.py \
-  tests/cce/test_fma_dots.py 2>&1 | tail -4
-step "cuBLAS-logit and FMA tests"
-timeout 100 python3 -m helpers gate --pretend t4 --methods ours_budget_min --output "$OUT/gate_t4_min.json" 2>&1 | tail -3
-timeout 100 python3 -m helpers bench --pretend t4 --methods ours_budget_min --shapes qwen3-0.6b \
-  --N 4096 16384 --regimes uniform --dtypes float16 --output "$OUT/bench_t4_min_qwen3.jsonl" 2>&1 | grep "^| qwen"
-timeout 80 python3 -m helpers bench --pretend t4 --methods ours_budget_min --shapes gemma2-2b \
-  --N 8192 --regimes uniform --dtypes float16 --output "$OUT/bench_t4_min_gemma.jsonl" 2>&1 | grep "^| gemma"
-step "gate and bench as a T4, 'min' on cuBLAS's fp32 logits"
-T="$PWD/.ab/t4min"
-cd "$T" && export PYTHONPATH="$T:/tmp/site"
-grep -h "default_budget=" helpers/cce/kernels/configs.py
-as_t4 300 "03"
-step "notebook 03 as a T4, default 'min'"
-exit 0
-fi
-if [ "$part" = t4-cublas ]; then
+if [ "$part" = t4-cublas ] || [ "$part" = t4-min ]; then
+# 19 and 20: the same tests, gate and bench (19 ran the fp16 first form); 20 adds notebook 03 with a default of "min".
 HELPERS_TEST_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/cce/test_cublas_logits.py \
   tests/cce/test_fma_dots.py 2>&1 | tail -8
 step "cuBLAS-logit and FMA tests"
@@ -337,6 +321,12 @@ timeout 120 python3 -m helpers bench --pretend t4 --methods ours_budget_min --sh
 timeout 90 python3 -m helpers bench --pretend t4 --methods ours_budget_min --shapes gemma2-2b \
   --N 8192 --regimes uniform --dtypes float16 --output "$OUT/bench_t4_min_gemma.jsonl" 2>&1 | grep "^| gemma"
 step "pretend T4 bench, 'min' on cuBLAS's logits"
+[ "$part" = t4-min ] || exit 0
+T="$PWD/.ab/t4min"
+cd "$T" && export PYTHONPATH="$T:/tmp/site"
+grep -h "default_budget=" helpers/cce/kernels/configs.py
+as_t4 300 "03"
+step "notebook 03 as a T4, default 'min'"
 exit 0
 fi
 if [ "$part" = t4-raised ]; then
