@@ -79,7 +79,8 @@ def test_fp32_and_a_torch_without_fp32_products_keep_the_triton_products(monkeyp
 
 
 OPTIONS = [{}, {"softcap": 3.0}, {"bias": True}, {"label_smoothing": 0.1, "z_loss": 1e-3}, {"temperature": 0.7},
-           {"ignore": True}, {"reduction": "sum", "softcap": 5.0, "bias": True}]
+           {"ignore": True}, {"reduction": "sum", "softcap": 5.0, "bias": True}, {"weight": True, "ignore": True},
+           {"full_c": True, "full_e": True, "strided": True}]
 
 
 @pytest.mark.parametrize("dtype", HALVES)
@@ -89,19 +90,30 @@ def test_cublas_logits_pass_the_gate(dtype, options):
     E, C, x = _inputs(dtype, seed=1)
     bias = (torch.randn(V, generator=torch.Generator().manual_seed(2)) / 4).to(DEVICE, dtype).requires_grad_() \
         if options.pop("bias", False) else None
+    weight = torch.rand(V, generator=torch.Generator().manual_seed(3)).to(DEVICE) + 0.5 \
+        if options.pop("weight", False) else None
     if options.pop("ignore", False):
         x = x.clone()
         x[::3] = -100
+    ours_only = {key: options.pop(key) for key in ("full_c", "full_e") if key in options}
+    if options.pop("strided", False):  # E's rows a column slice of a wider tensor: row stride 2 D
+        wide = torch.zeros(N, 2 * D, dtype=dtype, device=DEVICE)
+        wide[:, D:] = E.detach()
+        E = wide[:, D:].requires_grad_()
+        E.retain_grad()
     e, c = E.detach().double().requires_grad_(), C.detach().double().requires_grad_()
     b = bias.detach().double().requires_grad_() if bias is not None else None
-    exact = reference_loss(e, c, x, bias=b, **options)
+    if weight is not None:
+        options["weight"] = weight
+    exact = reference_loss(e, c, x, bias=b, **{**options, "weight": None if weight is None else weight.double()})
     exact.backward()
     # The naive path: logits in the dtype, then fp32 (the gate's yardstick).
     nE, nC = E.detach().clone().requires_grad_(), C.detach().clone().requires_grad_()
     nb = bias.detach().clone().requires_grad_() if bias is not None else None
     naive = _naive(nE, nC, x, nb, **options)
     naive.backward()
-    loss = linear_cross_entropy(E, C, x, memory_budget="min", bias=bias, configs=_configs(**PIECES), **options)
+    loss = linear_cross_entropy(E, C, x, memory_budget="min", bias=bias, configs=_configs(**PIECES), **options,
+                                **ours_only)
     loss.backward()
     name = str(dtype).removeprefix("torch.")
     checks = [("loss", loss.detach(), naive.detach(), exact.detach()), ("dE", E.grad, nE.grad, e.grad),
@@ -112,13 +124,15 @@ def test_cublas_logits_pass_the_gate(dtype, options):
         assert error <= bound, f"{options}, {name}: {quantity} errs {error:.3g} against float64, over {bound:.3g}"
 
 
-def _naive(E, C, x, bias=None, softcap=None, temperature=1.0, label_smoothing=0.0, z_loss=0.0, reduction="mean"):
+def _naive(E, C, x, bias=None, softcap=None, temperature=1.0, label_smoothing=0.0, z_loss=0.0, reduction="mean",
+           weight=None):
     z = E @ C.T if bias is None else torch.addmm(bias, E, C.T)
     z = z.float()
     if softcap:
         z = softcap * torch.tanh(z / softcap)
     z = z / temperature
-    loss = torch.nn.functional.cross_entropy(z, x, reduction=reduction, label_smoothing=label_smoothing)
+    loss = torch.nn.functional.cross_entropy(z, x, reduction=reduction, label_smoothing=label_smoothing,
+                                             weight=weight)
     if z_loss:
         kept = x != -100
         square = torch.where(kept, torch.logsumexp(z, dim=1) ** 2, 0.0) * z_loss
