@@ -183,9 +183,10 @@ class HostTuning:
     # schedule's least need plus ``default_budget``, at most this many bytes and ``AUTO_SHARE`` of what is free
     # (``helpers.cce.schedules.choose_schedule``); 0: never raised.
     default_budget_max: int = 0
-    # The recompute design's logits made by cuBLAS, a vocabulary chunk of at most this many bytes at a time in
-    # the forward, where G's own place in the backward (``helpers.cce.cublas_logits``): for a tier whose Triton
-    # products are FMAs (``LaunchConfig.tensor_cores``), 16-bit inputs. 0: our Triton products.
+    # The recompute design's logits made by cuBLAS in fp32, into one buffer of at most this many bytes: a
+    # vocabulary chunk at a time in the forward, a piece of each G chunk at a time in the backward
+    # (``helpers.cce.cublas_logits``): for a tier whose Triton products are FMAs (``LaunchConfig.tensor_cores``),
+    # 16-bit inputs. 0: our Triton products.
     logits_in_cublas_bytes: int = 0
     # Host time per kernel launch, microseconds (a "forward_grads" chunk launches ~5).
     launch_us: float = 10.0
