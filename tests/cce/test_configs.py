@@ -6,7 +6,8 @@ whether a kernel runs on a T4 (64 KB per block) at all. What fits depends on the
 so the messages name it. The compiling happens in a subprocess with TRITON_INTERPRET=0, because
 under the interpreter ``@triton.jit`` builds interpreted functions that cannot be compiled.
 
-Also shown: Apple's CCE backward (the ``cut_cross_entropy`` package) does not fit a T4.
+The Ampere tiers' 16-bit kernels are compiled in bf16 only: fp16 shares their tiles (the T4's tier, which
+has no bf16, and the Hopper tier compile fp16 too). Also shown: Apple's CCE backward (the ``cut_cross_entropy`` package) does not fit a T4.
 
 And a guard for a Hopper miscompile: when the backward kernel's dE product took the logit tile's
 accumulator (cast to fp16/bf16) as a register operand of sm_90's wgmma across its D loop, ptxas
@@ -212,6 +213,8 @@ def all_requests():
             for dtype in names:
                 if dtype == "bf16" and turing:
                     continue  # no bf16 on sm_75: why_unavailable refuses it
+                if dtype == "fp16" and (8, 0) <= tier.target_capability < (9, 0):
+                    continue  # fp16 and bf16 share a tier's 16-bit tiles: on the Ampere tiers bf16 measures them
                 for kernel, variant in KERNEL_FLAGS:
                     if kernel in ROW_KERNELS:
                         continue  # below
@@ -229,7 +232,7 @@ def all_requests():
         if tier.target_capability != (9, 0):
             requests += [dict(r, target=[9, 0]) for r in requests if r["tier"] == tier.name and not r.get("target")
                          and r["dtype"] != "fp32" and r["variant"] != "none"]
-            for dtype in ("fp16", "bf16"):
+            for dtype in ("bf16",) if tier.target_capability >= (8, 0) else ("fp16", "bf16"):
                 for kernel in ("backward", "backward_gemm", "sparse_dE_pack"):
                     requests.append(dict(tier=tier.name, dtype=dtype, kernel=kernel, variant="none",
                                          target=[9, 0]))
