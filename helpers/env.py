@@ -15,6 +15,10 @@
   Python scalars"). Importing ``helpers`` then raises at once, saying what to install instead. And NumPy's
   RuntimeWarnings from inside the interpreter for a division by zero or an overflow (log of 0, 2^x to inf:
   the kernels' IEEE arithmetic, deliberate) are silenced; "invalid value" (a NaN made) is not.
+- Under the interpreter, ``patch_device_calls_once``: Triton's interpreter patches ``triton.language`` at every
+  call of a ``@triton.jit`` helper inside a kernel (``exp_of``, ``soft_cap``: thousands a launch), though the
+  patches of that helper's modules hold from its first call to the launch's end; a third of a CPU test's
+  time. Each helper is patched at its first call in a launch, as before, and not again in that launch.
 - ``HELPERS_PRETEND=<card>`` (set by ``python -m helpers run --pretend <card>``; the older
   ``HELPERS_PRETEND_T4=1`` means ``t4``): this process is a pretend card, its allocator capped at
   the card's memory and its kernels held to the card's shared memory
@@ -83,6 +87,63 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     for deliberate in ("divide by zero encountered", "overflow encountered"):  # "invalid value" (a NaN made) stays
         warnings.filterwarnings("ignore", message=deliberate, category=RuntimeWarning, module="triton.runtime.interpreter")
+
+
+
+def patch_device_calls_once(interpreter) -> bool:
+    """Make the Triton ``interpreter`` module patch each ``@triton.jit`` helper's language modules once a
+    launch instead of at every call (module doc); True when done. A launch (``GridExecutor``) patches and
+    restores as before; within it (per thread, as launches run), a helper's first call patches as Triton
+    does (its modules may be ones the kernel's do not import) and its later calls skip the repeat, which
+    would set the same values again. Where the interpreter is not the shape this reads (a Triton whose
+    launch or helper call is written otherwise), nothing is changed."""
+    import inspect
+    import threading
+
+    original = getattr(interpreter, "_patch_lang", None)
+    try:
+        launch = inspect.getsource(interpreter.GridExecutor.__call__)
+        helper = inspect.getsource(interpreter.InterpretedFunction.__call__)
+    except (AttributeError, OSError, TypeError):
+        return False
+    if (original is None or getattr(original, "once_a_launch", False)
+            or "patch_scope = _patch_lang(self.fn)" not in launch or "patch_scope.restore()" not in launch
+            or "_patch_lang(self.fn)" not in helper):
+        return False
+    state = threading.local()
+
+    class _Launch:
+        def __init__(self, scope):
+            self.scope = scope
+
+        def restore(self):
+            state.patched = None
+            self.scope.restore()
+
+    def _patch_lang(fn):
+        patched = getattr(state, "patched", None)
+        if patched is None:  # a launch: patch, and restore at its end
+            launch = _Launch(original(fn))
+            state.patched = set()
+            return launch
+        if fn not in patched:  # a helper's first call in this launch: as Triton does (the scope is dropped)
+            patched.add(fn)
+            return original(fn)
+        return None  # a repeat: its modules are patched until the launch restores them
+
+    _patch_lang.once_a_launch = True
+    _patch_lang.original = original
+    interpreter._patch_lang = _patch_lang
+    return True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        import triton.runtime.interpreter as _interpreter
+    except ImportError:
+        pass
+    else:
+        patch_device_calls_once(_interpreter)
 
 from helpers.cce.device import pretend, pretended_card  # noqa: E402
 

@@ -2,6 +2,7 @@
 a user wants on its face, and an ``import helpers`` that works in any order."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -206,6 +207,70 @@ def test_a_triton_interpreter_that_numpy_breaks_is_named_before_any_kernel_runs(
     import triton.runtime.interpreter
 
     assert interpreter_problem(numpy.__version__, inspect.getsource(triton.runtime.interpreter)) is None  # this one runs
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _twice(v):
+        return v * 2
+
+    @triton.jit
+    def _quadruple_then(X, N: tl.constexpr, STOP: tl.constexpr):
+        offs = tl.arange(0, N)
+        v = tl.load(X + offs)
+        for _ in range(2):
+            v = _twice(v)
+        tl.static_assert(not STOP, "stops here")
+        tl.store(X + offs, v)
+
+
+def _loss_and_grads():
+    """A kernel-heavy call (forward and backward, soft cap, bias, ignored rows): its outputs' bits."""
+    import torch
+
+    from helpers.cce import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    E = torch.randn(37, 24, generator=g).half().requires_grad_()
+    C = torch.randn(301, 24, generator=g).half().requires_grad_()
+    b = torch.randn(301, generator=g).half().requires_grad_()
+    x = torch.randint(0, 301, (37,), generator=g)
+    x[::5] = -100
+    loss = linear_cross_entropy(E, C, x, bias=b, softcap=4.0, z_loss=1e-3, backward_impl="gemm")
+    loss.backward()
+    return [t.detach().clone() for t in (loss, E.grad, C.grad, b.grad)]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter's")
+def test_the_interpreter_patches_a_helper_once_a_launch_and_gives_the_same_bits(monkeypatch):
+    """``helpers.env.patch_device_calls_once``: the kernels' bits are Triton's own interpreter's, a failed
+    launch leaves the next one patched afresh, and an interpreter of another shape is left alone."""
+    import types
+
+    import torch
+    import triton.runtime.interpreter as interpreter
+
+    from helpers.env import patch_device_calls_once
+
+    shim = interpreter._patch_lang
+    assert shim.once_a_launch and not patch_device_calls_once(interpreter)  # installed once, on import
+    ours = _loss_and_grads()
+    monkeypatch.setattr(interpreter, "_patch_lang", shim.original)
+    triton_s = _loss_and_grads()
+    assert all(torch.equal(a, b) for a, b in zip(ours, triton_s))
+    monkeypatch.setattr(interpreter, "_patch_lang", shim)
+    x = torch.ones(8)
+    with pytest.raises(Exception, match="stops here"):  # a launch that fails inside, after its helper's calls
+        _quadruple_then[(1,)](x, N=8, STOP=True)
+    _quadruple_then[(1,)](x, N=8, STOP=False)  # the next launch patched afresh
+    assert torch.equal(x, torch.full((8,), 4.0))  # the failed launch stored nothing
+    assert all(torch.equal(a, b) for a, b in zip(_loss_and_grads(), triton_s))
+    other = types.SimpleNamespace(_patch_lang=shim.original, GridExecutor=type("G", (), {"__call__": lambda self: 0}),
+                                  InterpretedFunction=interpreter.InterpretedFunction)
+    assert not patch_device_calls_once(other) and other._patch_lang is shim.original
 
 
 @pytest.mark.parametrize("argv, says", [
