@@ -7,7 +7,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 # report shows both, and the exit status is the lint's failure if the tests pass.
 lint=0
 python -m ruff check . || lint=$?
-# Tests in parallel, one worker per core up to 4 (2 cores: pytest 17 minutes alone, the notebook suite the largest part).
+# Tests in parallel, one worker per core up to 4 (2 cores: pytest 15 minutes alone, the notebook suite the largest part).
 # worksteal: the slowest tests (the notebook suite, the GPU scripts' --tiny runs) sit at the end
 # of the collection, and an idle worker takes them from a busy one.
 # Extra arguments come after and win (-n 0: one process).
