@@ -68,28 +68,6 @@ def interpreter_problem(numpy_version: str, interpreter_source: str) -> str | No
             "'numpy<2.4', or a triton whose interpreter squeezes the array first (3.9 does)")
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    import inspect
-
-    import numpy
-
-    try:
-        import triton.runtime.interpreter as _interpreter
-
-        _problem = interpreter_problem(numpy.__version__, inspect.getsource(_interpreter))
-    except (ImportError, OSError, TypeError, ValueError):  # no triton, or its source is not readable: nothing to judge
-        _problem = None
-    if _problem:
-        raise RuntimeError(_problem)
-    # The kernels' IEEE arithmetic (log 0 = -inf for an empty row, 2^x overflowing to inf in the soft cap)
-    # is deliberate; under the interpreter NumPy warns at each such value, in red under a notebook's cells.
-    import warnings
-
-    for deliberate in ("divide by zero encountered", "overflow encountered"):  # "invalid value" (a NaN made) stays
-        warnings.filterwarnings("ignore", message=deliberate, category=RuntimeWarning, module="triton.runtime.interpreter")
-
-
-
 def patch_device_calls_once(interpreter) -> bool:
     """Make the Triton ``interpreter`` module patch each ``@triton.jit`` helper's language modules once a
     launch instead of at every call (module doc); True when done. A launch (``GridExecutor``) patches and
@@ -138,12 +116,27 @@ def patch_device_calls_once(interpreter) -> bool:
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
+    import inspect
+
+    import numpy
+
     try:
         import triton.runtime.interpreter as _interpreter
-    except ImportError:
-        pass
-    else:
-        patch_device_calls_once(_interpreter)
+
+        _problem = interpreter_problem(numpy.__version__, inspect.getsource(_interpreter))
+    except (ImportError, OSError, TypeError, ValueError):  # no triton, or its source is not readable: nothing to judge
+        _problem = None
+    if _problem:
+        raise RuntimeError(_problem)
+    # The kernels' IEEE arithmetic (log 0 = -inf for an empty row, 2^x overflowing to inf in the soft cap)
+    # is deliberate; under the interpreter NumPy warns at each such value, in red under a notebook's cells.
+    import warnings
+
+    for deliberate in ("divide by zero encountered", "overflow encountered"):  # "invalid value" (a NaN made) stays
+        warnings.filterwarnings("ignore", message=deliberate, category=RuntimeWarning, module="triton.runtime.interpreter")
+    if "triton.runtime.interpreter" in sys.modules:
+        patch_device_calls_once(sys.modules["triton.runtime.interpreter"])
+
 
 from helpers.cce.device import pretend, pretended_card  # noqa: E402
 
