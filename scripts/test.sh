@@ -8,8 +8,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 lint=0
 python -m ruff check . || lint=$?
 # Tests in parallel, one worker per core up to 4 (2 cores: pytest 15 minutes alone, the notebook suite the largest part).
-# worksteal: the slowest tests (the notebook suite, the GPU scripts' --tiny runs) sit at the end
-# of the collection, and an idle worker takes them from a busy one.
+# worksteal: an idle worker takes tests from a busy one; the notebook suite's two runs, the slowest, are
+# collected first (tests/conftest.py) so that they start at once.
 # Extra arguments come after and win (-n 0: one process).
 workers=$(python -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 # OpenMP threads (torch's, MKL's) sleep as soon as their work is done instead of spinning: with a worker
