@@ -8,11 +8,12 @@ forward's lse (``lse_forward_kernel``) and the backward's G (``gradient_chunk_ke
 (``Z_GIVEN``), in fp32 (cuBLAS's fp32 output of 16-bit operands, ``helpers.cce.backward.gemm.product_mode``;
 where this torch cannot give it, "rounded", the Triton products run):
 
-- the forward: Z = E C[v0:v1]^T (N, V_c) a vocabulary chunk at a time into one buffer of at most that many
-  bytes; the LSE kernel walks its columns as a split of its own, and each chunk's lse, non-target lse and
-  logit sum are merged into the running ones as they come (the splits' rows stay O(N) however many chunks);
-- the backward ("gemm"): per G chunk, Z of its rows, a piece of at most that many bytes at a time, into one
-  buffer; the G kernel reads each tile of it and writes G_c where it lives (``helpers.cce.backward.gemm``).
+- the forward: Z = E C[v0:v1]^T (N, V_c) a vocabulary chunk at a time into one buffer of that many bytes
+  (more where so few columns would leave the GPU waiting on the host: ``chunk_columns``); the LSE kernel
+  walks its columns as a split of its own, and each chunk's lse, non-target lse and logit sum are merged
+  into the running ones as they come (the splits' rows stay O(N) however many chunks);
+- the backward ("gemm"): per G chunk, Z of its rows, a piece of as many columns at a time, into one buffer;
+  the G kernel reads each tile of it and writes G_c where it lives (``helpers.cce.backward.gemm``).
 
 Everything after the logits is the same kernels' arithmetic, to the same fp32 logits as their own
 products give (up to summation order): the bias added in fp32, the soft cap, the temperature, every loss
@@ -25,11 +26,25 @@ memory models count it (``helpers.cce.schedules``). Reference: ``helpers.spec``
 
 from __future__ import annotations
 
-from helpers.cce.kernels.configs import HostTuning
+import math
+
+from helpers.cce.kernels.configs import HostTuning, matmul_tflops
 
 
-def chunk_columns(N: int, V: int, itemsize: int, block_v: int, host: HostTuning) -> int:
-    """The most columns, a multiple of ``block_v`` (tiles never cross a chunk), whose (N, columns) logits of
-    ``itemsize`` bytes fit ``host.logits_in_cublas_bytes``; at least one tile, at most V's tiles."""
-    cols = host.logits_in_cublas_bytes // max(1, N * itemsize) // block_v * block_v
-    return min(max(block_v, cols), -(-V // block_v) * block_v)
+def chunk_columns(N: int, V: int, D: int, dtype, block_v: int, host: HostTuning) -> int:
+    """The columns of one piece of (N, V) fp32 logits of inputs of ``dtype``, a multiple of ``block_v`` (tiles
+    never cross a piece): the most whose bytes fit ``host.logits_in_cublas_bytes``, but at least as many as
+    keep the GPU busy for ``host.g_chunk_host_us`` (the piece's product at the tier's cuBLAS rate, its logits
+    written and read at its bandwidth), the host's time for one piece, so that pieces do not leave the GPU
+    waiting on their launches; at least one tile, at most V's tiles.
+
+    Why the floor: on an H100 as a T4 (fp16, the Qwen3 head, 16,384 tokens) 16 MiB pieces are 256 columns,
+    594 a pass, and the host took ~130 us a piece (a cuBLAS call, a Triton launch, the forward's merges): the
+    step 155 ms against 54 ms of GPU work, 44 ms with 256 MiB pieces (docs/measurements/h100-2026-12-06c).
+    A T4's GPU takes ~0.24 ms for such a piece (``HostTuning``'s datasheet rates), a host as slow as that
+    keeps it waiting."""
+    per_column_s = N * (2 * D / (matmul_tflops(host, dtype) * 1e12) + 2 * 4 / (host.bandwidth_gbs * 1e9))
+    busy = math.ceil(host.g_chunk_host_us * 1e-6 / per_column_s) if host.g_chunk_host_us > 0 else 0
+    fit = host.logits_in_cublas_bytes // max(1, N * 4) // block_v * block_v  # rounded down: within the bytes
+    cols = max(block_v, fit, -(-busy // block_v) * block_v)  # rounded up: at least that busy
+    return min(cols, -(-V // block_v) * block_v)

@@ -170,7 +170,7 @@ def _lse_splits(E, C, bias, x, target_logit, o: CCEOptions, fwd, v_splits, softc
     v_blocks = triton.cdiv(V, fwd.BLOCK_V)
     blocks_per_split = triton.cdiv(v_blocks, max(1, min(v_splits, v_blocks)))
     if cublas:  # chunks of cuBLAS's logits, each a whole number of tiles, merged as they come: one split
-        blocks_per_split = chunk_columns(N, V, 4, fwd.BLOCK_V, host) // fwd.BLOCK_V  # fp32 logits
+        blocks_per_split = chunk_columns(N, V, D, E.dtype, fwd.BLOCK_V, host) // fwd.BLOCK_V  # fp32 logits
     v_splits = 1 if cublas else triton.cdiv(v_blocks, blocks_per_split)
     lse_split, nontarget_split = torch.empty(2, v_splits, N, dtype=torch.float32, device=E.device).unbind(0)
     lse_lo_split = torch.empty_like(lse_split) if E.dtype == torch.float32 else None

@@ -131,12 +131,12 @@ def recompute_extra_bytes(N: int, V: int, D: int, itemsize: int, configs: CCECon
         scratch += max(n_chunk * widest + widest * D, n_chunk * staged + n_chunk * D) * 4
     if low and configs.host.logits_in_cublas_bytes > 0:  # cuBLAS's fp32 logits (``helpers.cce.cublas_logits``)
         # The backward's piece of a G chunk's logits, (n_chunk, columns) fp32.
-        scratch += n_chunk * min(chunk_columns(n_chunk, widest, 4, g_cfg.BLOCK_V, configs.host), widest) * 4
+        scratch += n_chunk * min(chunk_columns(n_chunk, widest, D, dtype, g_cfg.BLOCK_V, configs.host), widest) * 4
     extra = scratch + RECOMPUTE_ROW_BYTES * N + need[2] * 4 * V
     if low and configs.host.logits_in_cublas_bytes > 0:
         # The forward's chunk, held before dE and dC exist (its splits merged as they come): the peak only where
         # it passes them.
-        cols = chunk_columns(N, V, 4, configs.for_dtype(dtype)[0].BLOCK_V, configs.host)
+        cols = chunk_columns(N, V, D, dtype, configs.for_dtype(dtype)[0].BLOCK_V, configs.host)
         forward = min(cols, V) * N * 4 + RECOMPUTE_ROW_BYTES * N
         extra = max(extra, forward - lower_bound_bytes(N, V, D, itemsize, need))
     return extra
@@ -214,8 +214,8 @@ def recompute_seconds(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs
     moved = 3 * N * V * itemsize  # G written once, read by its two products
     if host.logits_in_cublas_bytes > 0 and itemsize < 4:  # ``helpers.cce.cublas_logits``
         moved += 4 * N * V * 4  # fp32 logits written by cuBLAS and read by a kernel, in the forward and the backward
-        forward_chunks = triton.cdiv(V, chunk_columns(N, V, 4, configs.for_dtype(dtype)[0].BLOCK_V, host))
-        pieces = sum(triton.cdiv(v1 - v0, chunk_columns(plan.n_chunk, plan.widest, 4, g_cfg.BLOCK_V, host))
+        forward_chunks = triton.cdiv(V, chunk_columns(N, V, D, dtype, configs.for_dtype(dtype)[0].BLOCK_V, host))
+        pieces = sum(triton.cdiv(v1 - v0, chunk_columns(plan.n_chunk, plan.widest, D, dtype, g_cfg.BLOCK_V, host))
                      for _, _, chunks in plan.row_chunks for v0, v1, _ in chunks)
         launches += 4 * forward_chunks + 2 * pieces  # a product, the kernel (and the forward's merges)
     return (2 * P / _logit_rate(itemsize, configs) + (need[0] + need[1]) * P / rate

@@ -24,6 +24,8 @@
 #   bash scripts/gpu/pending.sh t4-raised        18 below (~2 min)
 #   bash scripts/gpu/pending.sh t4-cublas        19 below (~5 min)
 #   bash scripts/gpu/pending.sh t4-min           20 below (~8 min; prepare first: .ab/t4min)
+#   bash scripts/gpu/pending.sh t4-pieces        21 below (~7 min)
+#   bash scripts/gpu/pending.sh t4-floor         22 below (~2 min)
 #
 # 1. The soft cap's slope (soft_cap_and_gap, slope_from_gap) and the filter's pre-slope mass on sm_90 with this Triton:
 #    their tests. Predicted: all pass but the one strict expected failure.
@@ -197,6 +199,34 @@
 #    Qwen3 4k/16k and Gemma-2 8k (predicted within ~10% of 19's 11.7 / 44.4 / 67.6 ms, peaks ~1.1 / 1.24 /
 #    1.08 LB), then notebook 03 as a T4 with the Turing tier's default at "min" (.ab/t4min; predicted: ours
 #    equivalent to exact in fp16 fine-tuning and pretraining, as the fp32-logit Triton "min" was).
+#    Measured (docs/measurements/h100-2026-12-06c/t4-min, 355 s): the gate as a T4 passes (fp32 and fp16, worst
+#    0.09 / 0.17 of the bound); notebook 03 as a T4 with "min" by default ok, ours equivalent to exact in both
+#    phases; peaks 1.11 / 1.25 / 1.08 LB as predicted; but "min" 29.6 / 103.8 / 89.8 ms, 2.5x / 2.3x / 1.3x 19's:
+#    the prediction wrong. The tests ran into their 150 s limit on a cold cache (41 passed, none failed).
+# 21. Why 20's fp32 pieces are slower: at 16 MiB a piece holds 1,024 columns at 4k tokens and 256 at 16k
+#    (149 and 594 pieces a pass), each a cuBLAS product, a Triton launch and (the forward) two merges: ~90 us a
+#    piece at both token counts, where 19's fp16 logits sat in G's place (few, wide chunks). Predicted: host-bound
+#    on this GPU (scripts/experiments/cublas_pieces.py): at 16 MiB the step's host time ~= its wall time, its GPU
+#    busy time ~45-55 ms at Qwen3 16k; at 256 MiB the wall time within ~15% of the GPU busy time (~45-55 ms), the
+#    forward ~3x faster than at 16 MiB; cuBLAS's product in its tensor-core form (>= 400 TFLOP/s). And the tests
+#    of 20 to their end (expected: all pass).
+#    Measured (docs/measurements/h100-2026-12-06c/t4-pieces, 322 s): right. Tests 59 passed (253 s). Qwen3 16k at
+#    16 MiB: step 155 ms, host 159, GPU busy 53.6 (594 pieces a pass); 64 MiB 48.0 (GPU 44.8); 256 MiB 44.2 (GPU
+#    44.6), forward 56.6 -> 13.2 ms. cuBLAS's logits: nvjet_sm90_hss (fp16 in, fp32 out, tensor cores), 24.9 ms for
+#    both passes' 10.2 TFLOP, 410 TFLOP/s. Gemma-2 8k 92.3 / 72.8 / 70.5 ms at 16 / 64 / 256 MiB.
+# 22. The pieces' floor (helpers.cce.cublas_logits.chunk_columns: at least the columns that keep a T4 busy for the
+#    host's 300 us a piece, g_chunk_host_us): the Turing tier's own pieces ("shipped") at the same three heads.
+#    Columns at a T4's rates: Qwen3 4k 1,408 (108 pieces a pass, was 149), 16k 384 (396, was 594), Gemma-2 8k 512
+#    (unchanged). Predicted on this GPU (still host-bound: an H100 is ~10x a T4): from 21's two host points a piece,
+#    Qwen3 4k ~24 ms (was 27.8), 16k ~105-110 ms (was 155), Gemma-2 8k ~92 (unchanged); peaks 1.11-1.13 / 1.26 /
+#    1.08 LB.
+#    Run alone first (t4-floor/cublas_pieces_shipped_alone.jsonl): 45.1 / 142 / 153 ms, the Gemma case (the same
+#    512-column pieces as 21's 92.3 ms) 1.66x 21's: another machine's slower host, so no comparison across calls.
+#    Now 16 MiB alone and shipped alternated in one process, twice. Predicted: shipped / 16 MiB ~0.8x at Qwen3 4k,
+#    ~0.7x at 16k (the pieces' ratio, host-bound), 1.0x at Gemma-2 8k.
+#    Measured (t4-floor/cublas_pieces_ab.jsonl): Qwen3 16k 111 / 107 ms against 211 / 166 (0.58x; GPU busy 48.2
+#    against 53.7); 4k 39.9 / 52.2 against 37.6 / 65.8 and Gemma (the same pieces) 132 / 123 against 107 / 146:
+#    within that host's noise. Right at 16k; the rest not told apart from noise.
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
@@ -225,9 +255,9 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 part=${1:-}
-case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion|fp32|fma|t4-default|t4-train|t4-budget|t4-suite|t4-scale|t4-gemma|t4-raised|t4-cublas|t4-min) ;;
+case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion|fp32|fma|t4-default|t4-train|t4-budget|t4-suite|t4-scale|t4-gemma|t4-raised|t4-cublas|t4-min|t4-pieces|t4-floor) ;;
   *) echo "say prepare, cap-rl, graphs, graphs-nb03, graphs-suite, eager-suite, distill, halves, exp, fusion, fp32, fma,"
-     echo "t4-default, t4-train, t4-budget, t4-suite, t4-scale, t4-gemma, t4-raised, t4-cublas or t4-min, not '$part'"
+     echo "t4-default, t4-train, t4-budget, t4-suite, t4-scale, t4-gemma, t4-raised, t4-cublas, t4-min, t4-pieces or t4-floor, not '$part'"
      exit 2;; esac
 [ -d .ab/old ] && [ -d .ab/graphs/notebooks ] || { echo "run 'bash scripts/gpu/pending.sh prepare' here first and carry .ab"; exit 2; }
 source scripts/gpu/env.sh || exit 1
@@ -307,6 +337,21 @@ cd "$T" && export PYTHONPATH="$T:/tmp/site"
 grep -h "default_budget=" helpers/cce/kernels/configs.py
 as_t4 330 "03"
 step "notebook 03 as a T4, default budget 1 GiB"
+exit 0
+fi
+if [ "$part" = t4-floor ]; then
+timeout 200 python3 scripts/experiments/cublas_pieces.py --pieces 16 shipped 16 shipped --out "$OUT/cublas_pieces_ab.jsonl" \
+  2>&1 | grep -v "^\s*$" | tail -14
+step "cuBLAS pieces as shipped"
+exit 0
+fi
+if [ "$part" = t4-pieces ]; then
+HELPERS_TEST_GPU=1 timeout 330 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/cce/test_cublas_logits.py \
+  tests/cce/test_fma_dots.py 2>&1 | tail -8
+step "cuBLAS-logit and FMA tests"
+timeout 240 python3 scripts/experiments/cublas_pieces.py --budget-s 200 --out "$OUT/cublas_pieces.jsonl" 2>&1 \
+  | grep -v "^\s*$" | tail -14
+step "cuBLAS pieces"
 exit 0
 fi
 if [ "$part" = t4-cublas ] || [ "$part" = t4-min ]; then

@@ -8,6 +8,7 @@ runs the dense backward there; the per-token outputs keep the Triton forward.
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers.cce import linear_cross_entropy, linear_cross_entropy_outputs  # noqa: E402
+from helpers.cce.cublas_logits import chunk_columns  # noqa: E402
 from helpers.cce.kernels.configs import tier  # noqa: E402
 from helpers.cce.options import resolve_configs  # noqa: E402
 from helpers.compare.verdicts import gate_bound  # noqa: E402
@@ -32,9 +34,10 @@ PIECES = {"gemm_chunks": (16, 128), "logits_in_cublas_bytes": 16 * 64 * 4}
 
 def _configs(**host):
     """The Turing tier on a GPU (cuBLAS's logits as it ships them), the interpreter's tier with them on the CPU;
-    a forward chunk of 128 columns (a whole number of either's forward tiles: 3 chunks over these 300)."""
+    a forward chunk of 128 columns (a whole number of either's forward tiles: 3 chunks over these 300), with no
+    floor from the host's time a piece (``chunk_columns``: at these shapes it would make one piece of all)."""
     base = tier("turing-64k") if DEVICE == "cuda" else resolve_configs(None, torch.device(DEVICE))
-    return base.tuned(**{"logits_in_cublas_bytes": N * 128 * 2, **host})
+    return base.tuned(**{"logits_in_cublas_bytes": N * 128 * 2, "g_chunk_host_us": 0.0, **host})
 
 
 def _inputs(dtype, seed=0, scale=0.5):
@@ -61,6 +64,28 @@ def test_both_kernels_read_cublas_logits_over_several_chunks(monkeypatch, dtype)
     # Each G chunk of 128 columns in pieces of 64: more G launches than chunks.
     assert len(backward) > stats["launches"] >= 2 and all(backward), (backward, stats["launches"])
     assert stats["g_kernels"]["cublas"] == stats["launches"] and stats["g_kernels"]["triton"] == 0, stats
+
+
+def test_a_piece_holds_the_bytes_unless_the_host_would_outrun_it():
+    """``chunk_columns`` at the Turing tier's figures: the bytes' columns where a piece of them keeps the GPU
+    busy for the host's time a piece, more where not (whole tiles either way), V's tiles at most."""
+    t4 = tier("turing-64k")
+    host, block_v = t4.host, t4.forward[2].BLOCK_V
+    MiB = 1024 * 1024
+
+    def busy_us(n, cols, d):  # the piece's product and its fp32 logits written and read, at the tier's rates
+        return 1e6 * n * cols * (2 * d / (host.matmul_tflops_16bit * 1e12) + 8 / (host.bandwidth_gbs * 1e9))
+
+    assert host.logits_in_cublas_bytes == 16 * MiB and host.g_chunk_host_us == 300.0
+    # The Gemma-2-2B head at 8,192 tokens: 16 MiB is 512 columns, ~400 us of a T4: the bytes decide.
+    assert chunk_columns(8192, 256_000, 2304, torch.float16, block_v, host) == 512
+    assert busy_us(8192, 512, 2304) > 300
+    # The Qwen3 head at 16,384 tokens: 16 MiB is 256 columns, ~240 us: the host's floor decides, whole tiles.
+    cols = chunk_columns(16384, 151_936, 1024, torch.float16, block_v, host)
+    assert cols > 256 and cols % block_v == 0 and busy_us(16384, cols, 1024) >= 300 > busy_us(16384, cols - block_v, 1024)
+    assert chunk_columns(16384, 151_936, 1024, torch.float16, block_v, replace(host, g_chunk_host_us=0.0)) == 256
+    # A tiny head: one piece of all of V's tiles, never more.
+    assert chunk_columns(40, 300, 32, torch.float16, block_v, host) == -(-300 // block_v) * block_v
 
 
 def test_fp32_and_a_torch_without_fp32_products_keep_the_triton_products(monkeypatch):

@@ -313,7 +313,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # buffer, read by the G kernel (``helpers.cce.cublas_logits``; not for the sorted walk's gathered rows).
     cublas = g_chunk is None and pingpong is None and vocab_order is None and uses_cublas_logits(E, host)
     # Their fp32 pieces: the most columns, whole tiles, whose (n_chunk, columns) fit the tier's bytes.
-    Z_cols = chunk_columns(n_chunk, widest, 4, cfg.BLOCK_V, host) if cublas else 0
+    Z_cols = chunk_columns(n_chunk, widest, D, dtype, cfg.BLOCK_V, host) if cublas else 0
     Z_buf = torch.empty(n_chunk * min(Z_cols, widest), dtype=torch.float32, device=device) if cublas else None
     # The Triton G kernel's persistent walk, but one program per tile with class weights: on an H200
     # (Triton 3.6) the flattened persistent loop with their load gave a wrong G (dE and dC 0.9-1.1

@@ -93,7 +93,8 @@ class HostTuning:
     #    time per chunk (a G launch, two cuBLAS products, ~10 torch operators; ~0.33 ms on an H200's host,
     #    notebook 03's loss at N 4,096, V 32,768, D 256: 19.3 ms for 58 in-place chunks), up to
     #    ``g_buffer_max_bytes`` and to ``g_buffer_max_g_share`` of the whole G (N x V in the inputs'
-    #    dtype, the logits' size: a tiny head would otherwise buffer all of it). 0: not this one.
+    #    dtype, the logits' size: a tiny head would otherwise buffer all of it). 0: not this one. The
+    #    pieces of cuBLAS's logits take the same floor (``helpers.cce.cublas_logits.chunk_columns``).
     g_chunk_host_us: float = 300.0
     g_buffer_max_bytes: int = 128 * MiB
     g_buffer_max_g_share: float = 0.5
@@ -183,10 +184,10 @@ class HostTuning:
     # schedule's least need plus ``default_budget``, at most this many bytes and ``AUTO_SHARE`` of what is free
     # (``helpers.cce.schedules.choose_schedule``); 0: never raised.
     default_budget_max: int = 0
-    # The recompute design's logits made by cuBLAS in fp32, into one buffer of at most this many bytes: a
-    # vocabulary chunk at a time in the forward, a piece of each G chunk at a time in the backward
-    # (``helpers.cce.cublas_logits``): for a tier whose Triton products are FMAs (``LaunchConfig.tensor_cores``),
-    # 16-bit inputs. 0: our Triton products.
+    # The recompute design's logits made by cuBLAS in fp32, into one buffer of this many bytes: a vocabulary
+    # chunk at a time in the forward, a piece of each G chunk at a time in the backward (``helpers.cce.cublas_logits``;
+    # wider where so few columns would leave the GPU waiting on the host, ``g_chunk_host_us``): for a tier whose
+    # Triton products are FMAs (``LaunchConfig.tensor_cores``), 16-bit inputs. 0: our Triton products.
     logits_in_cublas_bytes: int = 0
     # Host time per kernel launch, microseconds (a "forward_grads" chunk launches ~5).
     launch_us: float = 10.0
@@ -348,9 +349,10 @@ TIERS: tuple[CCEConfigs, ...] = (
         # ``helpers.cce.forward_grads``). docs/measurements/h100-2026-12-06 and h100-2026-12-06b. At the
         # Gemma-2-2B head, 8,192 tokens, fp16's dC held in fp32 alone is 2.4 GB: 1 GiB fits no three-product
         # schedule, and "min" took 915 ms (Liger 144 ms at 1.28 GB); 4 GiB 50.9 ms at 5.48 GB. Hence a ceiling.
-        # "min" itself takes its logits from cuBLAS here (``logits_in_cublas_bytes``): in fp16, 44.4 ms at 0.41 GB at
-        # the Qwen3 head, 16k tokens, 67.6 ms at 1.29 GB at Gemma-2 8k (was 489 and 914 with FMA products); in fp32,
-        # as it ships, in 16 MiB pieces, not yet measured.
+        # "min" itself takes its logits from cuBLAS here (``logits_in_cublas_bytes``; 489 and 914 ms with FMA
+        # products), in fp32, pieces of 16 MiB or as many columns as keep a T4 busy for ``g_chunk_host_us``
+        # (``cublas_logits.chunk_columns``): on an H100 as a T4 its 44.6 ms of GPU work at the Qwen3 head, 16k tokens,
+        # are bound by the H100's host, 107-111 ms (docs/measurements/h100-2026-12-06c).
         host=HostTuning(matmul_tflops_16bit=65.0, matmul_tflops_fp32=8.0, bandwidth_gbs=320.0, default_budget=2**30,
                         default_budget_max=2**32, logits_in_cublas_bytes=16 * MiB),
     ),
