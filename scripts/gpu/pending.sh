@@ -26,6 +26,7 @@
 #   bash scripts/gpu/pending.sh t4-min           20 below (~8 min; prepare first: .ab/t4min)
 #   bash scripts/gpu/pending.sh t4-pieces        21 below (~7 min)
 #   bash scripts/gpu/pending.sh t4-floor         22 below (~2 min)
+#   bash scripts/gpu/pending.sh gpu-tests        23 below (~9 min, or GPU_TESTS_S seconds; .whl with pytest-xdist, execnet)
 #
 # 1. The soft cap's slope (soft_cap_and_gap, slope_from_gap) and the filter's pre-slope mass on sm_90 with this Triton:
 #    their tests. Predicted: all pass but the one strict expected failure.
@@ -227,6 +228,9 @@
 #    Measured (t4-floor/cublas_pieces_ab.jsonl): Qwen3 16k 111 / 107 ms against 211 / 166 (0.58x; GPU busy 48.2
 #    against 53.7); 4k 39.9 / 52.2 against 37.6 / 65.8 and Gemma (the same pieces) 132 / 123 against 107 / 146:
 #    within that host's noise. Right at 16k; the rest not told apart from noise.
+# 23. The loss's tests in their GPU form on this tree (tests/cce, HELPERS_TEST_GPU=1, the GPU's own tier), in 8
+#    processes: the first run of all of them since the cuBLAS logits, the T4's budget, the rates in one place
+#    and the pieces' floor (their parts ran apart). Predicted: all pass (the CPU-only ones skip), within 9 min.
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
@@ -255,9 +259,9 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 part=${1:-}
-case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion|fp32|fma|t4-default|t4-train|t4-budget|t4-suite|t4-scale|t4-gemma|t4-raised|t4-cublas|t4-min|t4-pieces|t4-floor) ;;
+case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion|fp32|fma|t4-default|t4-train|t4-budget|t4-suite|t4-scale|t4-gemma|t4-raised|t4-cublas|t4-min|t4-pieces|t4-floor|gpu-tests) ;;
   *) echo "say prepare, cap-rl, graphs, graphs-nb03, graphs-suite, eager-suite, distill, halves, exp, fusion, fp32, fma,"
-     echo "t4-default, t4-train, t4-budget, t4-suite, t4-scale, t4-gemma, t4-raised, t4-cublas, t4-min, t4-pieces or t4-floor, not '$part'"
+     echo "t4-default, t4-train, t4-budget, t4-suite, t4-scale, t4-gemma, t4-raised, t4-cublas, t4-min, t4-pieces, t4-floor or gpu-tests, not '$part'"
      exit 2;; esac
 [ -d .ab/old ] && [ -d .ab/graphs/notebooks ] || { echo "run 'bash scripts/gpu/pending.sh prepare' here first and carry .ab"; exit 2; }
 source scripts/gpu/env.sh || exit 1
@@ -337,6 +341,13 @@ cd "$T" && export PYTHONPATH="$T:/tmp/site"
 grep -h "default_budget=" helpers/cce/kernels/configs.py
 as_t4 330 "03"
 step "notebook 03 as a T4, default budget 1 GiB"
+exit 0
+fi
+if [ "$part" = gpu-tests ]; then
+HELPERS_TEST_GPU=1 timeout ${GPU_TESTS_S:-530} python3 -m pytest -n 8 -q -p no:cacheprovider -rfE --tb=short tests/cce 2>&1 \
+  > "$OUT/gpu_tests.log"
+echo "pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -25
+step "tests/cce on the GPU"
 exit 0
 fi
 if [ "$part" = t4-floor ]; then

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from helpers.cce import linear_cross_entropy, linear_cross_entropy_outputs  # noqa: E402
 from helpers.cce.cublas_logits import chunk_columns  # noqa: E402
-from helpers.cce.kernels.configs import tier  # noqa: E402
+from helpers.cce.kernels.configs import MiB, tier  # noqa: E402
 from helpers.cce.options import resolve_configs  # noqa: E402
 from helpers.compare.verdicts import gate_bound  # noqa: E402
 from helpers.spec import reference_loss, relative_error  # noqa: E402
@@ -71,7 +71,6 @@ def test_a_piece_holds_the_bytes_unless_the_host_would_outrun_it():
     busy for the host's time a piece, more where not (whole tiles either way), V's tiles at most."""
     t4 = tier("turing-64k")
     host, block_v = t4.host, t4.forward[2].BLOCK_V
-    MiB = 1024 * 1024
 
     def busy_us(n, cols, d):  # the piece's product and its fp32 logits written and read, at the tier's rates
         return 1e6 * n * cols * (2 * d / (host.matmul_tflops_16bit * 1e12) + 8 / (host.bandwidth_gbs * 1e9))

@@ -312,7 +312,7 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # A tier whose Triton products are FMAs: each chunk's logits from cuBLAS in fp32, a piece at a time into one
     # buffer, read by the G kernel (``helpers.cce.cublas_logits``; not for the sorted walk's gathered rows).
     cublas = g_chunk is None and pingpong is None and vocab_order is None and uses_cublas_logits(E, host)
-    # Their fp32 pieces: the most columns, whole tiles, whose (n_chunk, columns) fit the tier's bytes.
+    # Their fp32 pieces: whole tiles, as many as fit the tier's bytes or keep the GPU busy past the host (``chunk_columns``).
     Z_cols = chunk_columns(n_chunk, widest, D, dtype, cfg.BLOCK_V, host) if cublas else 0
     Z_buf = torch.empty(n_chunk * min(Z_cols, widest), dtype=torch.float32, device=device) if cublas else None
     # The Triton G kernel's persistent walk, but one program per tile with class weights: on an H200
