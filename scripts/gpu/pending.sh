@@ -231,6 +231,8 @@
 # 23. The loss's tests in their GPU form on this tree (tests/cce, HELPERS_TEST_GPU=1, the GPU's own tier), in 8
 #    processes: the first run of all of them since the cuBLAS logits, the T4's budget, the rates in one place
 #    and the pieces' floor (their parts ran apart). Predicted: all pass (the CPU-only ones skip), within 9 min.
+#    Measured (docs/measurements/h100-2026-12-06c/gpu-tests, GPU_TESTS_S=300): 929 passed, 283 skipped, 1 xfailed
+#    in 262 s on an H100. Right.
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
