@@ -510,7 +510,9 @@ if t4_pass:
 # for speed: `memory_budget` (`"default"`: `"min"`, the least, on most cards and 1 GiB on a T4; or a number
 # of bytes, or `"auto"`). On a T4 the default is 1 GiB: Triton runs a T4's 16-bit products as fp32 FMAs, not
 # on its tensor cores, so there cuBLAS makes our logits, and the held-logits schedule below (three products)
-# beats the recompute design (four) by ~1.2-1.4x at three to four times its memory. Under "min" it
+# beats the recompute design (four) at three to four times its memory: ~1.4x faster on a T4 by its datasheet's
+# rates (an H100 standing in for one measured ~3x: its host is slower at issuing the recompute design's
+# cuBLAS pieces than its GPU is at running them). Under "min" it
 # recomputes the logits in the backward: four N×V×D products and nearly nothing above the gradients
 # themselves. Given room, it holds the logits of R rows at a time and makes the gradients in the
 # forward, as torch.compile and Liger do: three products, at R·V·b bytes per chunk (plus dC's fp32
