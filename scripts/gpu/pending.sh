@@ -27,6 +27,7 @@
 #   bash scripts/gpu/pending.sh t4-pieces        21 below (~7 min)
 #   bash scripts/gpu/pending.sh t4-floor         22 below (~2 min)
 #   bash scripts/gpu/pending.sh gpu-tests        23 below (~9 min, or GPU_TESTS_S seconds; .whl with pytest-xdist, execnet)
+#   bash scripts/gpu/pending.sh forward-de       24 below (~6 min)
 #
 # 1. The soft cap's slope (soft_cap_and_gap, slope_from_gap) and the filter's pre-slope mass on sm_90 with this Triton:
 #    their tests. Predicted: all pass but the one strict expected failure.
@@ -233,6 +234,10 @@
 #    and the pieces' floor (their parts ran apart). Predicted: all pass (the CPU-only ones skip), within 9 min.
 #    Measured (docs/measurements/h100-2026-12-06c/gpu-tests, GPU_TESTS_S=300): 929 passed, 283 skipped, 1 xfailed
 #    in 262 s on an H100. Right.
+# 24. dE made in the forward, measured before it is built (scripts/experiments/forward_dE.py: the shipped passes
+#    split into a dE pass with a wide G buffer, the forward's stand-in, and a dC pass with dE held). Predicted (the
+#    script's doc, per head): split / shipped 0.92-1.03 at Qwen3 16k, 1.00-1.03 at Gemma-2 8k, 0.75-0.95 at 65k
+#    and 131k with all rows in one row chunk of the dC pass; split's peak 1.05-1.10 LB at every N (1.12 at 131k).
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
@@ -261,9 +266,9 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 part=${1:-}
-case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion|fp32|fma|t4-default|t4-train|t4-budget|t4-suite|t4-scale|t4-gemma|t4-raised|t4-cublas|t4-min|t4-pieces|t4-floor|gpu-tests) ;;
+case "$part" in cap-rl|graphs|graphs-nb03|graphs-suite|eager-suite|distill|halves|exp|fusion|fp32|fma|t4-default|t4-train|t4-budget|t4-suite|t4-scale|t4-gemma|t4-raised|t4-cublas|t4-min|t4-pieces|t4-floor|gpu-tests|forward-de) ;;
   *) echo "say prepare, cap-rl, graphs, graphs-nb03, graphs-suite, eager-suite, distill, halves, exp, fusion, fp32, fma,"
-     echo "t4-default, t4-train, t4-budget, t4-suite, t4-scale, t4-gemma, t4-raised, t4-cublas, t4-min, t4-pieces, t4-floor or gpu-tests, not '$part'"
+     echo "t4-default, t4-train, t4-budget, t4-suite, t4-scale, t4-gemma, t4-raised, t4-cublas, t4-min, t4-pieces, t4-floor, gpu-tests or forward-de, not '$part'"
      exit 2;; esac
 [ -d .ab/old ] && [ -d .ab/graphs/notebooks ] || { echo "run 'bash scripts/gpu/pending.sh prepare' here first and carry .ab"; exit 2; }
 source scripts/gpu/env.sh || exit 1
@@ -350,6 +355,11 @@ HELPERS_TEST_GPU=1 timeout ${GPU_TESTS_S:-530} python3 -m pytest -n 8 -q -p no:c
   > "$OUT/gpu_tests.log"
 echo "pytest exit $?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -25
 step "tests/cce on the GPU"
+exit 0
+fi
+if [ "$part" = forward-de ]; then
+timeout 560 python3 scripts/experiments/forward_dE.py --budget-s 420 --out "$OUT/forward_dE.jsonl" 2>&1 | tail -8
+step "dE in the forward, its stand-in against the shipped passes"
 exit 0
 fi
 if [ "$part" = t4-floor ]; then

@@ -1,0 +1,205 @@
+"""dE made in the forward: does the recompute design keep its time and come under 1.1 LB at every N?
+
+    python scripts/experiments/forward_dE.py [--out $OUT/forward_dE.jsonl] [--tiny] [--cases NAME ...]
+
+Why. The recompute design ("gemm") holds dE's fp32 accumulator (rows x D x 4 bytes: 64 MiB at the Qwen3
+head, 16,384 rows) while dE and dC both exist: its peak is 1.13-1.20 LB from 16,384 tokens (LB = dE + dC,
+docs/PERFORMANCE.md, "Against the targets"). Made in the forward instead, the accumulator lives while dC
+does not exist yet. The forward walks the vocabulary once: per chunk its logits z, P = exp(z - m) written
+in the dtype (m a per-row reference known before the walk, the target's logit; the target's own column
+left out), the row sums S and the largest logit from the same tiles in fp32, and A += P C_c in cuBLAS
+(fp32 output); at the end lse = m + log S and dE = (A - (1 - p_target) S C_x) / S per row, scaled by the
+upstream gradient in the backward (by 1 for a mean's loss.backward(): no second rounding). The backward
+then makes G and dC alone. Still four N x V x D products; what moves is G's chunk pass: the forward's
+fused lse kernel (logits, no write) becomes a pass that writes P, as the backward's G pass writes G.
+
+What this script measures, before anything is built: the same arithmetic from the kernels we ship.
+
+- "shipped": ``cce_forward`` then ``cce_backward`` for dE and dC ("gemm", the tier's plan).
+- "split": ``cce_backward`` for dE alone, its G chunks in a buffer as wide as the backward's widest (the
+  forward has LB's room: dC is not made yet), then ``cce_backward`` for dC alone with dE held. The first
+  is the forward's P pass to within its reference (G given the lse, where P is given m: the same tile
+  arithmetic, the same bytes written) and its row sums (an epilogue of the same tiles, left out here, as
+  are the forward's O(N) launches, the target's logit and the loss: ``fwd_ms`` bounds them); the
+  second is the new backward. The forward's lse kernel is not run.
+
+Per case: each one's ms (``latency``'s median; the two alternated ``--rounds`` times in one process, since
+hosts and clocks drift between calls), its peak above the inputs over LB, the plans' launches, and the
+split's dE and dC against the shipped path's (their chunks differ, so fp32's sums differ in order: the
+share of elements that differ and the largest difference over the largest element). At 16,384 tokens
+both against float64 too (``helpers.spec.reference_loss_and_grads``).
+
+Variants of the dC-only pass (``backward_configs``): 16,384 rows a row chunk (dC folded across them, as
+the shipped plan folds from 16,384 tokens) and all N rows in one (dC written once per chunk; G only in dC's
+rows not yet written, whose room for a chunk is (V - v0) D / (N + D) columns, and the buffer), each with a G
+buffer of what 1.1 LB leaves beside dE and dC (at least one tile's columns: 64 MiB at 131,072 tokens, past
+the 53 MiB left, a predicted 1.12 LB there).
+
+Predicted (written before the run, from the plans on a CPU and the shipped passes' rates, docs/PERFORMANCE.md):
+- Qwen3 16k: the P pass in 19 chunks of 8,192 columns (shipped's backward: 55, 21 of them 1,024 wide in dE's
+  rows), the dC pass 55. split / shipped 0.92-1.03 (the shipped lse kernel's ~7.4 ms traded for a second G pass
+  at ~7.0 plus its products' passes over the accumulator).
+- Gemma-2-2B 8k: 16 and 19 chunks against 24; split / shipped 1.00-1.03 (its G pass, 13.5 ms, is 0.6 ms
+  slower than its lse pass).
+- Qwen3 65k and 131k: the P pass 76 and 152 chunks; the dC pass with all rows in one chunk 242 and 384, from
+  ~2,300 and ~1,200 columns down to the buffer's (thin products, K = N: cuBLAS's split-K or not), with 16,384
+  rows 502 and 884 (host-bound). split (all rows) / shipped 0.75-0.95: the shipped backward's 305 and 408
+  chunks are narrow too (its later row chunks' G in dE's own rows, 1,024 columns).
+- Qwen3 4k: 5 and 15 chunks against 21: within +-5% (few chunks; its forward is a small share).
+- Peaks over LB: split 1.05-1.10 at every N (1.12 at 131k with all rows in one chunk), shipped 1.05 / 1.20 /
+  1.06 / 1.16 / 1.13 at 4k / 16k / Gemma / 65k / 131k (the memory model, ``predicted_peak_bytes``).
+- Bits: dE's and dC's differ from shipped's only in fp32's order of sums (chunks of other widths): a few
+  percent of elements by one bf16 step; the errors against float64 at 16k within 2% of shipped's.
+
+``--tiny``: a small head on the CPU under the Triton interpreter, to check the script.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+from _common import Checker, finish, script_setup
+
+from helpers.cce.backward import cce_backward
+from helpers.cce.backward.gemm import gemm_chunks, gemm_plan
+from helpers.cce.forward import cce_forward
+from helpers.cce.options import CCEOptions, resolve_configs
+from helpers.cce.schedules import lower_bound_bytes
+from helpers.compare.heads import GEMMA2, QWEN3
+from helpers.compare.inputs import make_inputs
+from helpers.compare.measure import latency, peak_memory
+from helpers.spec import reference_loss_and_grads, relative_error
+
+CASES = {  # name: (N, V, D), in the order they run (the first is required; the others wait on the time budget)
+    "qwen3-16k": (16_384, QWEN3.V, QWEN3.D),
+    "gemma2-8k": (8_192, GEMMA2.V, GEMMA2.D),
+    "qwen3-65k": (65_536, QWEN3.V, QWEN3.D),
+    "qwen3-131k": (131_072, QWEN3.V, QWEN3.D),
+    "qwen3-4k": (4_096, QWEN3.V, QWEN3.D),
+}
+CAP = 1.1  # the target's peak over LB
+
+
+def forward_configs(configs, N: int, V: int, D: int, dtype: torch.dtype):
+    """The tier with a G buffer as wide as the backward's widest in-place chunk (``HostTuning.g_in_place_bytes``),
+    held with dE and its accumulator under CAP x LB: the forward's room, dC not yet made. (configs, buffer bytes)"""
+    host = configs.host
+    block_v = configs.backward_gemm_for(dtype).BLOCK_V
+    n_chunk = min(N, (host.gemm_chunks or gemm_chunks(N, V, D, dtype, block_v))[0])
+    accumulator = n_chunk * D * 4
+    room = int(CAP * lower_bound_bytes(N, V, D, dtype.itemsize)) - N * D * dtype.itemsize - accumulator - 16 * N
+    buffer = max(0, min(host.g_in_place_bytes, room))
+    return configs.tuned(g_buffer_lb_share=(buffer + accumulator) / (N * D * dtype.itemsize)), buffer
+
+
+def backward_configs(configs, N: int, V: int, D: int, dtype: torch.dtype, rows: int):
+    """The tier for the dC-only pass with ``rows`` rows a row chunk and a G buffer of what CAP x LB leaves beside
+    dE and dC (less dC's fp32 staging where several row chunks fold), its chunks no narrower than a tile
+    (``HostTuning.gemm_chunks``' columns: the buffer's width). (configs, buffer bytes)"""
+    block_v = configs.backward_gemm_for(dtype).BLOCK_V
+    rows = min(N, rows)
+    room = int((CAP - 1) * lower_bound_bytes(N, V, D, dtype.itemsize)) - 16 * N
+    cols = max(block_v, room // (rows * dtype.itemsize) // block_v * block_v)
+    if rows < N:
+        room -= cols * D * 4
+        cols = max(block_v, room // (rows * dtype.itemsize) // block_v * block_v)
+    buffer = rows * cols * dtype.itemsize
+    return configs.tuned(gemm_chunks=(rows, cols), g_buffer_lb_share=buffer / (V * D * dtype.itemsize)), buffer
+
+
+def _plan(configs, N, V, D, dtype, need) -> dict:
+    g_cfg = configs.backward_gemm_for(dtype)
+    plan = gemm_plan(N, V, D, dtype, g_cfg.BLOCK_V, need_dE=need[0], need_dC=need[1], host=configs.host,
+                     tensor_cores=g_cfg.tensor_cores)
+    places = {}
+    for _, _, chunks in plan.row_chunks:
+        for _, _, place in chunks:
+            places[place] = places.get(place, 0) + 1
+    return {"row_chunks": len(plan.row_chunks), "g_chunks": places,
+            "g_buffer_mib": round(plan.buffer_elements * dtype.itemsize / 2**20, 1)}
+
+
+def one_case(name: str, N: int, V: int, D: int, device: str, rounds: int, tiny: bool) -> list[dict]:
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    E, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=N)
+    o = CCEOptions()
+    configs = resolve_configs(None, torch.device(device))
+    fwd_configs, fwd_buffer = forward_configs(configs, N, V, D, dtype)
+    bwd = {f"bwd_rows{rows}": backward_configs(configs, N, V, D, dtype, rows)
+           for rows in sorted({min(N, 16_384 if not tiny else 32), N})}
+    grad_rows = torch.full((N,), 1.0 / N, device=device)
+    _, lse, r = cce_forward(E, C, x, o, configs)  # the split's G pass is given the lse (module doc)
+
+    def shipped():
+        _, lse_, r_ = cce_forward(E, C, x, o, configs)
+        return cce_backward(E, C, x, lse_, r_, grad_rows, o, configs, backward_impl="gemm")[:2]
+
+    def fwd_pass():
+        return cce_backward(E, C, x, lse, r, grad_rows, o, fwd_configs, backward_impl="gemm",
+                            need=(True, False, False))[0]
+
+    def bwd_pass(bwd_configs):
+        return cce_backward(E, C, x, lse, r, grad_rows, o, bwd_configs, backward_impl="gemm",
+                            need=(False, True, False))[1]
+
+    def split(bwd_configs):
+        dE = fwd_pass()
+        return dE, bwd_pass(bwd_configs)
+
+    lb = lower_bound_bytes(N, V, D, dtype.itemsize)
+    record = dict(case=f"forward_dE/{name}", N=N, V=V, D=D, dtype=str(dtype), lb_bytes=lb,
+                  shipped_plan=_plan(configs, N, V, D, dtype, (True, True)),
+                  fwd_pass_plan=_plan(fwd_configs, N, V, D, dtype, (True, False)))
+    for label, (bwd_configs, _) in bwd.items():
+        record[f"{label}_plan"] = _plan(bwd_configs, N, V, D, dtype, (False, True))
+    want = shipped()  # warm (compiles), then the bits of each against the shipped path's
+    if N == 16_384 or tiny:
+        _, ref_dE, ref_dC = reference_loss_and_grads(E, C, x, chunk_rows=256 if tiny else 2048)
+        record.update(shipped_err_dE=relative_error(want[0], ref_dE), shipped_err_dC=relative_error(want[1], ref_dC))
+    for label, (bwd_configs, _) in bwd.items():
+        got = split(bwd_configs)
+        for which, a, b in (("dE", want[0], got[0]), ("dC", want[1], got[1])):
+            record[f"{label}_{which}_differ_share"] = (a != b).float().mean().item()
+            record[f"{label}_{which}_max_diff"] = ((a.float() - b.float()).abs().max() / a.float().abs().max()).item()
+        if N == 16_384 or tiny:
+            record.update({f"{label}_err_dE": relative_error(got[0], ref_dE),
+                           f"{label}_err_dC": relative_error(got[1], ref_dC)})
+        del got
+    if N == 16_384 or tiny:
+        del ref_dE, ref_dC
+    del want
+    runs = {"shipped": shipped, "fwd_pass": fwd_pass, **{label: (lambda c=c: bwd_pass(c)) for label, (c, _) in bwd.items()}}
+    peaks = {"shipped": shipped, **{f"split_{label}": (lambda c=c: split(c)) for label, (c, _) in bwd.items()}}
+    for label, fn in peaks.items():
+        _, peak = peak_memory(fn, device=device)
+        record[f"{label}_peak_over_lb"] = round(peak / lb, 4)
+    times = {label: [] for label in runs}
+    for _ in range(rounds):
+        for label, fn in runs.items():
+            t = latency(fn, warmup=0 if tiny else 1, repeats=1 if tiny else 5, device=device)
+            times[label].append(round(t.median_ms, 3))
+    record.update({f"{label}_ms": ms for label, ms in times.items()})
+    median = {label: statistics.median(ms) for label, ms in times.items()}
+    for label in bwd:
+        record[f"split_{label}_over_shipped"] = round((median["fwd_pass"] + median[label]) / median["shipped"], 4)
+    record["status"] = "ok"
+    return [record]
+
+
+def main():
+    def add_arguments(parser):
+        parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=None)
+        parser.add_argument("--rounds", type=int, default=3, help="shipped and split alternated this many times")
+
+    args, cuda, device, _ = script_setup(__doc__, "forward_dE.jsonl", budget_s=420, add_arguments=add_arguments)
+    check = Checker(args.budget_s, device, args.out)
+    cases = {"tiny": (64, 521, 16)} if args.tiny else {k: CASES[k] for k in (args.cases or CASES)}
+    for name, (N, V, D) in cases.items():
+        check.run(f"forward_dE/{name}", one_case, name, N, V, D, device, 1 if args.tiny else args.rounds, args.tiny,
+                  required=name in ("qwen3-16k", "tiny"))
+    finish(check, args.out, cuda)
+
+
+if __name__ == "__main__":
+    main()
