@@ -238,6 +238,9 @@
 #    split into a dE pass with a wide G buffer, the forward's stand-in, and a dC pass with dE held). Predicted (the
 #    script's doc, per head): split / shipped 0.92-1.03 at Qwen3 16k, 1.00-1.03 at Gemma-2 8k, 0.75-0.95 at 65k
 #    and 131k with all rows in one row chunk of the dC pass; split's peak 1.05-1.10 LB at every N (1.12 at 131k).
+#    Measured (docs/measurements/h100-2026-12-07): split / shipped 0.889 / 0.999 / 0.878 / 0.922 / 0.951 at Qwen3
+#    16k / Gemma / 65k / 131k / 4k; the peaks above the predictions by a row chunk's copy of E that a full (N,)
+#    upstream gave the dC pass (a mean's one value since): less it, 1.08-1.10 (1.12 at 131k with all rows).
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
