@@ -254,7 +254,7 @@ def uses_cublas_logits(E: torch.Tensor, host: HostTuning) -> bool:
 def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg: LaunchConfig,
                   n_chunk: int | None, v_chunk: int | None, stats: dict | None, bias=None,
                   need: tuple[bool, bool, bool] = (True, True, False), *, host: HostTuning, g_chunk=None,
-                  class_weight=None, out=None):
+                  class_weight=None, out=None, row_sums=None, finish=None):
     """(dE, dC, db), each None where ``need`` (dE, dC, db) says it is not wanted: per (row chunk,
     vocabulary chunk), G_c from ``gradient_chunk_kernel``, then dC[v0:v1] = w_scale G_c^T (w_rel E),
     db[v0:v1] = w_scale G_c^T w_rel and dE_acc += G_c C[v0:v1] in cuBLAS; the other arguments are
@@ -276,8 +276,17 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     weights G's smoothing term carries (``helpers.cce.class_weights``; the Triton G kernel only).
     ``out``: (dE, dC) to write, (N, D) and (V, D) in E's dtype, each None where not wanted (a CUDA graph
     writes where its key says, ``helpers.cce.graphs``); None: allocated here.
+
+    ``row_sums``: None, or (N,) fp32 zeros that get each row's |G| mass summed over the vocabulary (the G
+    kernels' ROW_SUMS: the filter's row sums, from the unrounded values). ``finish``: None, or a function
+    ``finish(n0, n1, dE_acc_rows, dE_rows)`` that makes dE's rows [n0, n1) from their fp32 sum of products
+    (16-bit inputs) in place of step 4's ``w dE_acc`` (``helpers.cce.forward_de``, with ``row_sums``).
     """
     need_dE, need_dC, need_db = need
+    if (row_sums is not None or finish is not None) and g_chunk is not None:
+        raise ValueError("row_sums and finish are for our G kernels, not a caller's g_chunk")
+    if finish is not None and (not need_dE or E.dtype == torch.float32):
+        raise ValueError("finish makes dE from its fp32 sum: dE wanted, 16-bit inputs")
     N, D = E.shape
     V = C.shape[0]
     dtype, device = E.dtype, E.device
@@ -325,6 +334,10 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
     # The Triton kernel records its tiles only with the filter on; the Gluon kernel always does (a
     # one-entry buffer there was overrun: its records landed on whatever came next in memory).
     tile_kept = torch.empty(tiles_max if filtering or pingpong else 1, dtype=torch.int8, device=device)
+    # Each tile's row masses (``row_sums``): (tiles across a chunk, rows), summed into row_sums per chunk.
+    sums_block_v = min(cfg.BLOCK_V, pingpong.BLOCK_V) if pingpong else cfg.BLOCK_V
+    sums_buf = (torch.empty(triton.cdiv(widest, sums_block_v) * n_chunk, dtype=torch.float32, device=device)
+                if row_sums is not None else None)
     counting = stats is not None and filtering  # the filter's counts, only where asked (two launches fewer)
     skipped = torch.zeros((), dtype=torch.int64, device=device) if counting else None
     dead_chunks = torch.zeros((), dtype=torch.int64, device=device) if counting else None  # every tile skipped
@@ -398,10 +411,13 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                     G_descs[key] = pingpong.pingpong_descriptor(G, pingpong.BLOCK_N, pingpong.BLOCK_V)
                 tiles = pingpong.launch_gradient_chunk_pingpong(
                     pp_descs["E"], pp_descs["C"], G_descs[key], x[n0:n1], lse[n0:n1], coef, tile_kept,
-                    rows, V, D, v0, cols, tile_eps(o.filter_eps, pingpong.BLOCK_V) if filtering else 0.0, programs)
+                    rows, V, D, v0, cols, tile_eps(o.filter_eps, pingpong.BLOCK_V) if filtering else 0.0, programs,
+                    row_sums=sums_buf)
                 counters["g_kernels"]["pingpong"] += 1
+                sums_across = triton.cdiv(cols, pingpong.BLOCK_V)
             else:
                 tiles = triton.cdiv(rows, cfg.BLOCK_N) * triton.cdiv(cols, cfg.BLOCK_V)
+                sums_across = triton.cdiv(cols, cfg.BLOCK_V)
                 counters["g_kernels"]["cublas" if cublas else "triton"] += 1
                 if triton_operands is None:
                     triton_operands = operand_descriptors(E_rows, C, cfg, gathered=vocab_order is not None)
@@ -441,10 +457,15 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                         inv_temperature=1.0 / o.temperature, ENTROPY=up.coef.shape[0] > 3,
                         class_weight_ptr=class_weight, CLASS_WEIGHTS=class_weight is not None,
                         z_ptr=Z, stride_zn=w, Z_GIVEN=cublas,
+                        # a piece's tiles across start at its first column's (pieces are whole tiles)
+                        row_sums_ptr=sums_buf[s0 // cfg.BLOCK_V * rows:] if sums_buf is not None else None,
+                        ROW_SUMS=sums_buf is not None,
                         **cfg.tiles("BLOCK_N", "BLOCK_V", "BLOCK_D", "GROUP_N"), **cfg.launch,
                     )
                     kept_at += piece_tiles
             counters["tiles"] += tiles
+            if row_sums is not None:
+                row_sums[n0:n1] += sums_buf[: sums_across * rows].view(sums_across, rows).sum(0)
             if counting:
                 skipped += (tile_kept[:tiles] == 0).sum()
                 dead_chunks += (tile_kept[:tiles] == 0).all()
@@ -484,8 +505,10 @@ def backward_gemm(E, C, x, lse, up: RowGradient, vocab_order, o: CCEOptions, cfg
                     dC.index_copy_(0, piece, dC_rows)
                 else:
                     dC.index_add_(0, piece, dC_rows)
-        # 4. dE = w dE_acc, rounded once (fp32: scaled in place).
-        if need_dE and low_precision:
+        # 4. dE = w dE_acc, rounded once (fp32: scaled in place); or the caller's end (``finish``).
+        if finish is not None:
+            finish(n0, n1, dE_rows, dE[n0:n1])
+        elif need_dE and low_precision:
             torch.mul(dE_rows, up.w[n0:n1, None], out=dE[n0:n1])
         elif need_dE:
             dE_rows.mul_(up.w[n0:n1, None])

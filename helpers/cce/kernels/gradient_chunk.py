@@ -95,6 +95,11 @@ def gradient_chunk_kernel(
     # stride stride_zn: read, not rebuilt.
     z_ptr=None, stride_zn=0,
     Z_GIVEN: tl.constexpr = False,
+    # Each tile's row masses, the filter's sums of |G| (ROW_SUMS), stored at row_sums_ptr (v_count / BLOCK_V, N)
+    # fp32, tile column pid_v's row i at pid_v N + i: with G's coefficients (1, 0, 0) and the target's logit as
+    # the lse, each row's sum of exp(z - z_x) off the target (``helpers.cce.forward_de``).
+    row_sums_ptr=None,
+    ROW_SUMS: tl.constexpr = False,
 ):
     if PERSISTENT:
         # [Persistent walk] one loop over this program's tiles, flattened with the logit loop inside,
@@ -107,14 +112,16 @@ def gradient_chunk_kernel(
                 tile_kept_ptr, N, V, D, v_begin, v_count, stride_En, stride_Ed, stride_Cv, stride_Cd, stride_x,
                 stride_Gn, stride_Gv, stride_coef, softcap, eps, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N,
                 HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE,
-                inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS, z_ptr, stride_zn, Z_GIVEN)
+                inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS, z_ptr, stride_zn, Z_GIVEN,
+                row_sums_ptr, ROW_SUMS)
     else:
         _gradient_chunk_tile(
             tl.program_id(0), E_ptr, C_ptr, x_ptr, lse_ptr, coef_ptr, bias_ptr, vocab_order_ptr, G_ptr,
             G_exact_ptr, tile_kept_ptr, N, V, D, v_begin, v_count, stride_En, stride_Ed, stride_Cv, stride_Cd,
             stride_x, stride_Gn, stride_Gv, stride_coef, softcap, eps, BLOCK_N, BLOCK_V, BLOCK_D, GROUP_N,
             HAS_SOFTCAP, HAS_BIAS, FILTER, SPLIT_G, SORTED, DOT_PRECISION, E_DESC, G_DESC, G_SUBTILE,
-            inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS, z_ptr, stride_zn, Z_GIVEN)
+            inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS, z_ptr, stride_zn, Z_GIVEN,
+            row_sums_ptr, ROW_SUMS)
 
 
 @triton.jit
@@ -127,6 +134,7 @@ def _gradient_chunk_tile(
     SORTED: tl.constexpr, DOT_PRECISION: tl.constexpr, E_DESC: tl.constexpr, G_DESC: tl.constexpr,
     G_SUBTILE: tl.constexpr, inv_temperature, ENTROPY: tl.constexpr, class_weight_ptr,
     CLASS_WEIGHTS: tl.constexpr, z_ptr, stride_zn, Z_GIVEN: tl.constexpr,
+    row_sums_ptr, ROW_SUMS: tl.constexpr,
 ):
     """Tile ``tile`` of the chunk (``gradient_chunk_kernel``'s arguments)."""
     # 1. [Grouped order] the tile's place in the chunk; C strips are shared through L2.
@@ -158,6 +166,9 @@ def _gradient_chunk_tile(
                           E_DESC, E_DESC and not SORTED, pid_n * BLOCK_N, v_begin + pid_v * BLOCK_V,
                           inv_temperature, ENTROPY, class_weight_ptr, CLASS_WEIGHTS,
                           Z_GIVEN, z_ptrs, g_mask)
+
+    if ROW_SUMS:  # the filter's row sums, kept (module doc; the kernel's ROW_SUMS)
+        tl.store(row_sums_ptr + pid_v.to(tl.int64) * N + rows, mass, mask=row_mask)
 
     if G_DESC:
         dtype = G_ptr.dtype

@@ -114,8 +114,8 @@ if GLUON_ERROR is None:
         return acc
 
     @gluon.jit
-    def _producer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr,
-                  N, V, D, v_begin, v_count, stride_x, stride_coef, eps):
+    def _producer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr, sums_ptr,
+                  N, V, D, v_begin, v_count, stride_x, stride_coef, eps, row_sums):
         """One warp: the copy engine's loads of every tile's E and C blocks, in tile then D order."""
         e_bufs, c_bufs, g_bufs = bufs
         ready, empty, turn = bars
@@ -139,8 +139,8 @@ if GLUON_ERROR is None:
                 it += 1
 
     @gluon.jit
-    def _consumer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr,
-                  N, V, D, v_begin, v_count, stride_x, stride_coef, eps, WHICH: gl.constexpr):
+    def _consumer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr, sums_ptr,
+                  N, V, D, v_begin, v_count, stride_x, stride_coef, eps, row_sums, WHICH: gl.constexpr):
         """One warpgroup: the products of this program's tiles WHICH, WHICH + 2, ..., then their G."""
         e_bufs, c_bufs, g_bufs = bufs
         ready, empty, turn = bars
@@ -182,8 +182,11 @@ if GLUON_ERROR is None:
 
             # 3. The filter: a tile whose rows each hold less than eps of |G| mass is written as
             # zeros (eps = 0: every tile kept).
-            kept = gl.max(gl.sum(gl.abs(G), axis=1), axis=0) >= eps
+            row_mass = gl.sum(gl.abs(G), axis=1)
+            kept = gl.max(row_mass, axis=0) >= eps
             gl.store(kept_ptr + (row0 // BN) * gl.cdiv(v_count, BV) + col0 // BV, kept.to(gl.int8))
+            if row_sums != 0:  # each row's |G| mass in the tile, (tiles across, N) (``gradient_chunk_kernel``'s ROW_SUMS)
+                gl.store(sums_ptr + (col0 // BV) * N + rows, row_mass, mask=row_mask)
             G = gl.where(kept, G, 0.0)
 
             # 4. G through this consumer's buffer and the copy engine (clipped to the chunk's
@@ -196,16 +199,16 @@ if GLUON_ERROR is None:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _consumer_even(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr,
-                       N, V, D, v_begin, v_count, stride_x, stride_coef, eps):
-        _consumer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr,
-                  N, V, D, v_begin, v_count, stride_x, stride_coef, eps, 0)
+    def _consumer_even(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr, sums_ptr,
+                       N, V, D, v_begin, v_count, stride_x, stride_coef, eps, row_sums):
+        _consumer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr, sums_ptr,
+                  N, V, D, v_begin, v_count, stride_x, stride_coef, eps, row_sums, 0)
 
     @gluon.jit
-    def _consumer_odd(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr,
-                      N, V, D, v_begin, v_count, stride_x, stride_coef, eps):
-        _consumer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr,
-                  N, V, D, v_begin, v_count, stride_x, stride_coef, eps, 1)
+    def _consumer_odd(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr, sums_ptr,
+                      N, V, D, v_begin, v_count, stride_x, stride_coef, eps, row_sums):
+        _consumer(E_desc, C_desc, G_desc, bufs, bars, x_ptr, lse_ptr, coef_ptr, kept_ptr, sums_ptr,
+                  N, V, D, v_begin, v_count, stride_x, stride_coef, eps, row_sums, 1)
 
     @gluon.jit
     def gradient_chunk_pingpong_kernel(
@@ -214,11 +217,12 @@ if GLUON_ERROR is None:
         E_desc, C_desc, G_desc,
         # pointers: x (N,) targets, lse (N,) fp32, coef (3, stride_coef) fp32 rows a, t, c,
         # kept (N / BLOCK_N, v_count / BLOCK_V) int8 (0: the filter skipped the tile)
-        x_ptr, lse_ptr, coef_ptr, kept_ptr,
+        x_ptr, lse_ptr, coef_ptr, kept_ptr, sums_ptr,
         # sizes: this launch covers vocabulary positions [v_begin, v_begin + v_count)
         N, V, D, v_begin, v_count,
         stride_x, stride_coef,
         eps,
+        row_sums,  # 1: each tile's row masses to sums_ptr, (v_count / BLOCK_V, N) fp32 (``gradient_chunk_kernel``'s ROW_SUMS); 0: none
         STAGES_: gl.constexpr, num_warps: gl.constexpr,
     ):
         e_bufs = gl.allocate_shared_memory(E_desc.dtype, [STAGES_] + E_desc.block_type.shape, E_desc.layout)
@@ -233,7 +237,7 @@ if GLUON_ERROR is None:
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         args = (E_desc, C_desc, G_desc, (e_bufs, c_bufs, g_bufs), (ready, empty, turn), x_ptr, lse_ptr, coef_ptr,
-                kept_ptr, N, V, D, v_begin, v_count, stride_x, stride_coef, eps)
+                kept_ptr, sums_ptr, N, V, D, v_begin, v_count, stride_x, stride_coef, eps, row_sums)
         gl.warp_specialize([
             (_consumer_even, args),
             (_consumer_odd, args),
@@ -281,15 +285,20 @@ def pingpong_reason(device: torch.device, dtype: torch.dtype, capability: tuple[
 
 
 def launch_gradient_chunk_pingpong(E_desc, C_desc, G_desc, x, lse, coef, kept, rows: int, V: int, D: int,
-                                   v_begin: int, v_count: int, eps: float, programs: int) -> int:
+                                   v_begin: int, v_count: int, eps: float, programs: int,
+                                   row_sums: torch.Tensor | None = None) -> int:
     """One chunk's G through the kernel, ``programs`` programs at most; returns its tile count
-    (the entries of ``kept`` it wrote)."""
+    (the entries of ``kept`` it wrote). ``row_sums``: None, or (at least v_count / BLOCK_V x rows,) fp32
+    that gets each tile's row masses (``gradient_chunk_kernel``'s ROW_SUMS)."""
     tiles = triton.cdiv(rows, BLOCK_N) * triton.cdiv(v_count, BLOCK_V)
     if kept.numel() < tiles:  # the kernel writes every tile's record: a short buffer would be overrun
         raise ValueError(f"kept holds {kept.numel()} tile records, the chunk has {tiles} tiles of {BLOCK_N} x {BLOCK_V}")
+    if row_sums is not None and row_sums.numel() < triton.cdiv(v_count, BLOCK_V) * rows:
+        raise ValueError(f"row_sums holds {row_sums.numel()} values, the chunk has {triton.cdiv(v_count, BLOCK_V)} "
+                         f"tiles across {rows} rows")
     gradient_chunk_pingpong_kernel[(min(tiles, programs),)](
-        E_desc, C_desc, G_desc, x, lse, coef, kept, rows, V, D, v_begin, v_count, x.stride(0), coef.stride(0), eps,
-        STAGES, num_warps=4, maxnreg=MAXNREG)
+        E_desc, C_desc, G_desc, x, lse, coef, kept, row_sums if row_sums is not None else lse, rows, V, D, v_begin,
+        v_count, x.stride(0), coef.stride(0), eps, int(row_sums is not None), STAGES, num_warps=4, maxnreg=MAXNREG)
     return tiles
 
 
@@ -400,9 +409,9 @@ def compile_for_sm90() -> dict:
     small = torch.empty(BLOCK_V, BLOCK_V, dtype=torch.bfloat16)
     blocks = {"E_desc": (BLOCK_N, BLOCK_D), "C_desc": (BLOCK_V, BLOCK_D), "G_desc": (BLOCK_N, BLOCK_V)}
     sig = {name: mangle_type(pingpong_descriptor(small, *block)) for name, block in blocks.items()}
-    sig.update(x_ptr="*i64", lse_ptr="*fp32", coef_ptr="*fp32", kept_ptr="*i8", N="i32",
+    sig.update(x_ptr="*i64", lse_ptr="*fp32", coef_ptr="*fp32", kept_ptr="*i8", sums_ptr="*fp32", N="i32",
                V="i32", D="i32", v_begin="i32", v_count="i32", stride_x="i32", stride_coef="i32",
-               eps="fp32", STAGES_="constexpr",
+               eps="fp32", row_sums="i32", STAGES_="constexpr",
                num_warps="constexpr")
     return compile_gluon_sm90(gradient_chunk_pingpong_kernel, sig, {"STAGES_": STAGES, "num_warps": 4})
 
