@@ -70,6 +70,7 @@ from dataclasses import replace
 import torch
 
 from helpers.cce.class_weights import check_weight, weighted_reduction, z_loss_term
+from helpers.cce.forward_de import dc_plan, forward_de_reason, loss_forward_de
 from helpers.cce.forward_grads import ForwardGradsFunction, plan_schedule
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.options import CCEPlan, check_bias_gradient, check_loss_terms, plan_call
@@ -94,7 +95,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, E, C, x, bias, plan: CCEPlan, stats=None, check_targets=True):
-        loss, lse, r, n_kept, activity = loss_forward(E, C, x, bias, plan, check_targets=check_targets)
+        # dE made here where the tier and the call allow it (``helpers.cce.forward_de``), else the shipped forward.
+        why = forward_de_reason(E, C, bias, plan)
+        made = None if why else loss_forward_de(E, C, x, plan, check_targets=check_targets)
+        if stats is not None:
+            stats["forward_de"] = why or ("made dE" if made is not None else "an S' past its range: shipped forward")
+        if made is not None:
+            loss, lse, r, n_kept, ctx.forward_dE = made
+            activity = None
+        else:
+            loss, lse, r, n_kept, activity = loss_forward(E, C, x, bias, plan, check_targets=check_targets)
+            ctx.forward_dE = None
         ctx.save_for_backward(E, C, x, lse, r, n_kept, bias)
         ctx.plan, ctx.stats, ctx.activity = plan, stats, activity
         ctx.set_materialize_grads(False)  # an output nobody uses gets None, not a tensor of zeros
@@ -105,8 +116,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, grad_lse):
         E, C, x, lse, r, n_kept, bias = ctx.saved_tensors
-        dE, dC, db = loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, ctx.plan, ctx.stats,
-                                   ctx.activity)
+        dE = ctx.forward_dE
+        if dE is None or grad_loss is None:
+            dE, dC, db = loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, ctx.plan, ctx.stats,
+                                       ctx.activity)
+            return dE, dC, None, db, None, None, None
+        # The forward's dE, scaled in place by the loss's upstream gradient (one value: a mean's or a sum's); a
+        # second backward (retain_graph) finds it spent and recomputes as the shipped path does.
+        ctx.forward_dE = None
+        dE.mul_(grad_loss)
+        _, dC, db = loss_backward(E, C, x, lse, r, n_kept, bias, grad_loss, grad_lse, dc_plan(ctx.plan, E, C),
+                                  ctx.stats, ctx.activity)
         return dE, dC, None, db, None, None, None
 
 

@@ -88,6 +88,13 @@ class HostTuning:
     #    halves per chunk when the rows are about D) in one launch. 0: no G buffer at all (a tight
     #    memory budget's first step, ``helpers.cce.schedules``).
     g_buffer_lb_share: float = 0.08
+    # dE made in the loss's forward (``helpers.cce.forward_de``): the forward writes P = exp(z - z_x) a chunk at a
+    # time and sums P C into dE while dC does not exist yet, the backward makes dC alone; the peak stays under
+    # 1.1 LB at every N where the recompute design's is 1.13-1.20 from 16,384 tokens at the Qwen3 head. bf16
+    # losses without a soft cap, bias, z-loss, smoothing, temperature or class weights, reduced by a mean or a
+    # sum. False: every tier's default until a GPU has measured the built path (its stand-in, the shipped
+    # passes split: 0.88-1.00x the time on an H100, docs/measurements/h100-2026-12-07).
+    forward_de: bool = False
     # 2. where even the widest in-place chunk is host-bound (rows >> D: dC's row holds D elements of G's
     #    column of `rows`): chunks whose products take this long at the tier's matmul rate, the host's
     #    time per chunk (a G launch, two cuBLAS products, ~10 torch operators; ~0.33 ms on an H200's host,
