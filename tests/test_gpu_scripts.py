@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
                                     "experiments/host_warmup.py", "experiments/softcap_precision.py",
                                     "experiments/jsd_precision.py", "experiments/lse_rounding.py",
                                     "experiments/exp_precision.py", "experiments/registers.py",
-                                    "experiments/cublas_pieces.py", "experiments/forward_dE.py"])
+                                    "experiments/cublas_pieces.py", "experiments/forward_dE.py --sections built precision"])
 def test_gpu_script_runs_tiny_on_cpu(script, tmp_path):
     out = tmp_path / "result.jsonl"
     # The Turing tier's tiles, as the CPU suite's notebooks take them (``helpers.suite.runner``): fewer

@@ -71,6 +71,7 @@ import statistics
 import torch
 from _common import Checker, finish, script_setup
 
+from helpers.cce import forward_de, linear_cross_entropy
 from helpers.cce.backward import cce_backward
 from helpers.cce.backward.gemm import gemm_chunks, gemm_plan
 from helpers.cce.forward import cce_forward
@@ -200,6 +201,68 @@ def one_case(name: str, N: int, V: int, D: int, device: str, rounds: int, tiny: 
     return [record]
 
 
+def built_case(name: str, N: int, V: int, D: int, device: str, rounds: int, tiny: bool, unchecked: bool = False
+               ) -> list[dict]:
+    """The built path (``helpers.cce.forward_de``, the tier with ``forward_de``) against the shipped one, each a
+    training step of the loss (forward, then backward into E and C as leaves; "gemm"): time alternated, peak
+    above the inputs over LB, the loss and both gradients against float64 at 16,384 tokens (and --tiny), and
+    the stats' word that the forward made dE (a step that fell back is an error, not a measurement).
+    ``unchecked``: a variant without the forward's one host read (``forward_de.in_range`` replaced by True: unsafe
+    past S's range, a diagnostic of what that read costs the host's queue; the inputs here are within it)."""
+    checked = forward_de.in_range
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    scale = 0.3 if tiny else 1.0  # fp16 on the CPU: a softmax within its range (S' < 2^15)
+    E0, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=N)
+    E0 = (scale * E0.float()).to(dtype)
+    shipped = resolve_configs(None, torch.device(device))
+    variants = {"shipped": shipped, "built": shipped.tuned(forward_de=True)}
+    if device == "cuda" and shipped.host.g_pingpong and not unchecked:  # the P pass's G kernel: Gluon or Triton
+        variants["built_triton_g"] = shipped.tuned(forward_de=True, g_pingpong=False)
+    if unchecked:  # a diagnostic, timed only: the host's read of S' at the forward's end left out
+        variants["built_unchecked"] = shipped.tuned(forward_de=True)
+    E = E0.clone().requires_grad_()
+    Cg = C.clone().requires_grad_()
+    said = {}
+
+    def step(configs, label):
+        forward_de.in_range = (lambda *_: True) if label == "built_unchecked" else checked
+        E.grad, Cg.grad = None, None
+        stats = {}
+        loss = linear_cross_entropy(E, Cg, x, configs=configs, backward_impl="gemm", stats=stats)
+        loss.backward()
+        said[label] = stats.get("forward_de")
+        return loss.detach()
+
+    lb = lower_bound_bytes(N, V, D, dtype.itemsize)
+    record = dict(case=f"built/{name}", N=N, V=V, D=D, dtype=str(dtype), lb_bytes=lb)
+    ref = reference_loss_and_grads(E0, C, x, chunk_rows=256 if tiny else 2048) if N == 16_384 or tiny else None
+    for label, configs in variants.items():
+        loss = step(configs, label)  # warm (compiles)
+        if label != "shipped" and said[label] != "made dE":
+            raise RuntimeError(f"{label}: the forward did not make dE ({said[label]})")
+        if ref is not None:
+            record.update({f"{label}_loss_err": abs(loss.double().item() - ref[0].item()) / abs(ref[0].item()),
+                           f"{label}_err_dE": relative_error(E.grad, ref[1]),
+                           f"{label}_err_dC": relative_error(Cg.grad, ref[2])})
+        E.grad, Cg.grad = None, None
+        _, peak = peak_memory(lambda c=configs, lab=label: step(c, lab), device=device)
+        record[f"{label}_peak_over_lb"] = round(peak / lb, 4)
+    del ref
+    times = {label: [] for label in variants}
+    for _ in range(rounds):
+        for label, configs in variants.items():
+            t = latency(lambda c=configs, lab=label: step(c, lab), warmup=0 if tiny else 1, repeats=1 if tiny else 5,
+                        device=device)
+            times[label].append(round(t.median_ms, 3))
+    record.update({f"{label}_ms": ms for label, ms in times.items()})
+    median = {label: statistics.median(ms) for label, ms in times.items()}
+    for label in variants:
+        if label != "shipped":
+            record[f"{label}_over_shipped"] = round(median[label] / median["shipped"], 4)
+    record["status"] = "ok"
+    return [record]
+
+
 def precision_case(regime: str, N: int, V: int, D: int, device: str, step: int) -> dict:
     E, C, x = make_inputs(N, V, D, torch.bfloat16, device, regime=regime, seed=N + V)
     Ef, Cf, E64, C64 = E.float(), C.float(), E.double(), C.double()
@@ -247,7 +310,9 @@ def main():
         parser.add_argument("--rounds", type=int, default=3, help="shipped and split alternated this many times")
         parser.add_argument("--precision-shape", type=int, nargs=3, default=[2_048, QWEN3.V, QWEN3.D],
                             metavar=("N", "V", "D"), help="the precision section's head (default: the Qwen3 head)")
-        parser.add_argument("--sections", nargs="+", choices=("time", "precision"), default=["time", "precision"])
+        parser.add_argument("--unchecked", action="store_true", help="built: time a variant without the host's read")
+        parser.add_argument("--sections", nargs="+", choices=("time", "precision", "built"),
+                            default=["time", "precision"])
 
     args, cuda, device, _ = script_setup(__doc__, "forward_dE.jsonl", budget_s=420, add_arguments=add_arguments)
     check = Checker(args.budget_s, device, args.out)
@@ -256,6 +321,10 @@ def main():
         for name, (N, V, D) in cases.items():
             check.run(f"forward_dE/{name}", one_case, name, N, V, D, device, 1 if args.tiny else args.rounds,
                       args.tiny, required=name in ("qwen3-16k", "tiny"))
+    if "built" in args.sections:
+        for name, (N, V, D) in cases.items():
+            check.run(f"built/{name}", built_case, name, N, V, D, device, 1 if args.tiny else args.rounds,
+                      args.tiny, args.unchecked, required=name in ("qwen3-16k", "tiny"))
     if "precision" in args.sections:
         N, V, D, step = (48, 700, 32, 256) if args.tiny else (args.precision_shape + [8_192])[:4]
         for regime in ("uniform", "realistic", "trained"):
