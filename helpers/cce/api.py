@@ -97,11 +97,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, E, C, x, bias, plan: CCEPlan, stats=None, check_targets=True):
         # dE made here where the tier and the call allow it (``helpers.cce.forward_de``), else the shipped forward.
         why = forward_de_reason(E, C, bias, plan)
-        made = None if why else loss_forward_de(E, C, x, plan, check_targets=check_targets)
         if stats is not None:
-            stats["forward_de"] = why or ("made dE" if made is not None else "an S' past its range: shipped forward")
-        if made is not None:
-            loss, lse, r, n_kept, ctx.forward_dE = made
+            stats["forward_de"] = why or "made dE"
+        if why is None:
+            loss, lse, r, n_kept, ctx.forward_dE = loss_forward_de(E, C, x, plan, check_targets=check_targets)
             activity = None
         else:
             loss, lse, r, n_kept, activity = loss_forward(E, C, x, bias, plan, check_targets=check_targets)

@@ -22,14 +22,17 @@ from the host, not formed), and their filter's per-tile row masses are S' (``gra
 forward's room (``p_pass_configs``); the dC pass a buffer of what 1.1 LB leaves beside dE and dC, at most
 16,384 rows a chunk (``dc_pass_configs``). Peak: the larger of the two passes, ~1.1 LB.
 
-Where it runs (``forward_de_reason``): the tier's ``HostTuning.forward_de``; 16-bit inputs (fp16 only while
-every row's S' stays below 2^15: its P overflows past z_x + 11, the row's maximum unknown before the walk,
-so a flat softmax over a large vocabulary runs the shipped forward; bf16 up to 2^100); no soft cap, bias, z-loss, label smoothing,
+Where it runs (``forward_de_reason``): the tier's ``HostTuning.forward_de``; bf16 (fp16's P overflows past
+z_x + 11, the row's maximum unknown before the walk: a flat softmax over a large vocabulary would pass it in
+every row; fp16 runs on the CPU only, where the interpreter cannot run bf16, for the tests); no soft cap, bias, z-loss, label smoothing,
 temperature or class weights; a mean or a sum; dE wanted; the "gemm" backward (the filter and the sparse
 backward's marks need a probability, known only at a row's end: they drive dC only); eager, not replayed
-from a CUDA graph or traced. P overflows fp32 where a logit passes the target's by ~88: where any S' is past
-``MAX_SUM`` or not finite (a NaN in the inputs too) the forward says so from one host read at its end, and
-the caller runs the shipped forward instead.
+from a CUDA graph or traced. P overflows fp32 where a logit passes the target's by ~88: a row whose S' is
+past ``MAX_SUM`` or not finite (a NaN in the inputs too) is redone on the device by ``forward_de_redo_kernel``
+(its lse by an online walk, then its dE; slow, for rows that should not occur), whose other blocks return at
+once: no host read, so the host queues the backward while the GPU still runs the forward. (A first build read
+S' on the host at the forward's end instead: 1.01-1.17x the shipped step's time on an H100 where its pieces
+alone had taken 0.91-0.96x, docs/measurements/h100-2026-12-07.)
 
 Measured before it was built (``scripts/experiments/forward_dE.py``): the stand-in at 0.88-1.00x the shipped
 time on an H100 (docs/measurements/h100-2026-12-07); dE's error against float64 0.72-1.00x the shipped G's on
@@ -49,18 +52,19 @@ from helpers.cce.backward.rows import RowGradient
 from helpers.cce.forward import _indexed_dot
 from helpers.cce.graphs import GRAPHS
 from helpers.cce.kernels.configs import CCEConfigs
-from helpers.cce.kernels.forward_de import forward_de_rows_kernel
-from helpers.cce.options import CCEPlan
+from helpers.cce.kernels.forward_de import forward_de_redo_kernel, forward_de_rows_kernel
+from helpers.cce.options import CCEPlan, dot_precision
 from helpers.cce.schedules import lower_bound_bytes
 from helpers.cce.shared import no_host_sync, read_later
 from helpers.spec import raise_for_targets
 
 CAP = 1.1  # the peak this design keeps under, over LB
 DC_ROWS = 16_384  # rows a chunk of the dC pass at most (dC folded across them past it)
-# S' past this: the shipped forward instead. bf16: P near fp32's range, where A's sums could overflow. fp16: every
-# P_v <= S' stays below fp16's largest, 65,504 (a target's probability above 3e-5; past it P would be inf).
+# S' past this: the row is redone (``forward_de_redo_kernel``). bf16: P near fp32's range, where A's sums could
+# overflow. fp16: every P_v <= S' stays below fp16's largest, 65,504 (a target's probability above 3e-5).
 MAX_SUM = {torch.bfloat16: 2.0**100, torch.float16: 2.0**15}
 FINISH_ROWS, FINISH_D = 16, 128  # ``forward_de_rows_kernel``'s block
+REDO_ROWS, REDO_V, REDO_D = 16, 64, 64  # ``forward_de_redo_kernel``'s blocks (tl.dot's least rows: 16)
 # Bytes a row kept outside the plans' buffers: z_x, S', the row coefficients, lse, r, the backward's row weights
 # (at 16 a row the peak at 4,096 tokens was 1.1007 LB on an H100: docs/measurements/h100-2026-12-07).
 SLACK = 64
@@ -71,8 +75,9 @@ def forward_de_reason(E: torch.Tensor, C: torch.Tensor, bias: torch.Tensor | Non
     o = plan.options
     if not plan.configs.host.forward_de:
         return "the tier's forward_de is off (HostTuning.forward_de)"
-    if E.dtype not in MAX_SUM:
-        return f"16-bit inputs (dE's fp32 sum ends in the dtype), not {E.dtype}"
+    if E.dtype != torch.bfloat16 and not (E.dtype == torch.float16 and E.device.type == "cpu"):
+        return (f"bf16 (fp16 on the CPU only, for the interpreter's tests: a flat softmax passes fp16's range in "
+                f"every row, each then redone alone), not {E.dtype}")
     if not plan.need[0]:
         return "dE is not wanted"
     if plan.backward_impl != "gemm":
@@ -84,7 +89,7 @@ def forward_de_reason(E: torch.Tensor, C: torch.Tensor, bias: torch.Tensor | Non
     if o.reduction not in ("mean", "sum"):
         return f"a mean or a sum (one upstream value for every row), not {o.reduction!r}"
     if no_host_sync(E):
-        return "it reads S' on the host (the overflow's fallback): not under capture or tracing"
+        return "eager calls only (not traced or captured)"
     if GRAPHS.applies(E, C, plan):
         return "the call is replayed from a CUDA graph (few tokens)"
     return None
@@ -121,8 +126,8 @@ def dc_pass_configs(configs: CCEConfigs, N: int, V: int, D: int, dtype: torch.dt
 def loss_forward_de(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, plan: CCEPlan, *, check_targets: bool = True,
                     stats: dict | None = None):
     """(loss, lse, r, n_kept, dE) as ``helpers.cce.ops.loss_forward`` gives the first four (its r: 1 - p_x and a
-    zero rounding), dE (N, D) in E's dtype for an upstream gradient of 1; or None where an S' is past
-    ``MAX_SUM`` or not finite (module doc: run the shipped forward). ``plan``: one ``forward_de_reason`` passes."""
+    zero rounding), dE (N, D) in E's dtype scaled for a mean's or a sum's upstream gradient of 1. ``plan``: one
+    that ``forward_de_reason`` passes. Reads nothing on the host but the targets' check (``check_targets``)."""
     o = plan.options
     N, D = E.shape
     V = C.shape[0]
@@ -155,19 +160,18 @@ def loss_forward_de(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, plan: CCE
                              finish=finish)
     if check_targets:  # the kernels read C's row 0 for a target out of range
         raise_for_targets(x, V, o.ignore_index, bad())
-    if not in_range(sums, E.dtype):  # the shipped forward instead
-        return None
     lse = z_x + torch.log1p(sums)
     loss_rows = torch.log1p(sums) * kept
     r = torch.zeros(2 * N, dtype=torch.float32, device=device)
     torch.div(sums, 1.0 + sums, out=r[:N])
+    # Rows whose S' passed its range, redone on the device (no host read: the backward's launches queue on).
+    cfg = plan.configs.backward_gemm_for(E.dtype)
+    forward_de_redo_kernel[(triton.cdiv(N, REDO_ROWS),)](
+        E, C, x_rows, sums, z_x, scale, dE, lse, r, loss_rows, N, V, D, MAX_SUM[E.dtype],
+        E.stride(0), E.stride(1), C.stride(0), C.stride(1), x_rows.stride(0), dE.stride(0),
+        BLOCK_R=REDO_ROWS, BLOCK_V=REDO_V, BLOCK_D=REDO_D, DOT_PRECISION=dot_precision(E.dtype, cfg))
     loss = loss_rows.sum() if o.reduction == "sum" else loss_rows.sum() / n_kept  # 0 / 0 = NaN, as torch
     return loss, lse, r, n_kept, dE
-
-
-def in_range(sums: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether every S' is at most ``MAX_SUM`` (a NaN is not): one host read, which waits for the P pass."""
-    return bool((sums <= MAX_SUM[dtype]).all())
 
 
 def dc_plan(plan: CCEPlan, E: torch.Tensor, C: torch.Tensor) -> CCEPlan:

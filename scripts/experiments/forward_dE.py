@@ -51,6 +51,10 @@ Predicted (written before the run, from the plans on a CPU and the shipped passe
 - Bits: dE's and dC's differ from shipped's only in fp32's order of sums (chunks of other widths): a few
   percent of elements by one bf16 step; the errors against float64 at 16k within 2% of shipped's.
 
+Section "built" (``--sections``): the design as built (``helpers.cce.forward_de``, the tier with ``forward_de``)
+against the shipped path, each a training step of the loss (``built_case``); results in
+docs/measurements/h100-2026-12-07 and the predictions in scripts/gpu/pending.sh (items 25 and 26).
+
 Section "precision" (``--sections``): the design's own arithmetic, not the stand-in's, emulated in torch
 (fp32 logits from bf16 operands, a chunk of the vocabulary at a time) against float64 on the uniform,
 realistic and trained softmaxes: dE as shipped (G = softmax - onehot with the target column -r, rounded to
@@ -71,7 +75,7 @@ import statistics
 import torch
 from _common import Checker, finish, script_setup
 
-from helpers.cce import forward_de, linear_cross_entropy
+from helpers.cce import linear_cross_entropy
 from helpers.cce.backward import cce_backward
 from helpers.cce.backward.gemm import gemm_chunks, gemm_plan
 from helpers.cce.forward import cce_forward
@@ -79,7 +83,7 @@ from helpers.cce.options import CCEOptions, resolve_configs
 from helpers.cce.schedules import lower_bound_bytes
 from helpers.compare.heads import GEMMA2, QWEN3
 from helpers.compare.inputs import make_inputs
-from helpers.compare.measure import latency, peak_memory
+from helpers.compare.measure import host_and_device_time, latency, peak_memory
 from helpers.spec import reference_loss_and_grads, relative_error
 
 CASES = {  # name: (N, V, D), in the order they run (the first is required; the others wait on the time budget)
@@ -201,31 +205,24 @@ def one_case(name: str, N: int, V: int, D: int, device: str, rounds: int, tiny: 
     return [record]
 
 
-def built_case(name: str, N: int, V: int, D: int, device: str, rounds: int, tiny: bool, unchecked: bool = False
-               ) -> list[dict]:
+def built_case(name: str, N: int, V: int, D: int, device: str, rounds: int, tiny: bool) -> list[dict]:
     """The built path (``helpers.cce.forward_de``, the tier with ``forward_de``) against the shipped one, each a
     training step of the loss (forward, then backward into E and C as leaves; "gemm"): time alternated, peak
     above the inputs over LB, the loss and both gradients against float64 at 16,384 tokens (and --tiny), and
-    the stats' word that the forward made dE (a step that fell back is an error, not a measurement).
-    ``unchecked``: a variant without the forward's one host read (``forward_de.in_range`` replaced by True: unsafe
-    past S's range, a diagnostic of what that read costs the host's queue; the inputs here are within it)."""
-    checked = forward_de.in_range
+    the stats' word that the forward made dE (a step that fell back is an error, not a measurement)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     scale = 0.3 if tiny else 1.0  # fp16 on the CPU: a softmax within its range (S' < 2^15)
     E0, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=N)
     E0 = (scale * E0.float()).to(dtype)
     shipped = resolve_configs(None, torch.device(device))
     variants = {"shipped": shipped, "built": shipped.tuned(forward_de=True)}
-    if device == "cuda" and shipped.host.g_pingpong and not unchecked:  # the P pass's G kernel: Gluon or Triton
+    if device == "cuda" and shipped.host.g_pingpong:  # the P pass's G kernel: Gluon (the tier's) or Triton
         variants["built_triton_g"] = shipped.tuned(forward_de=True, g_pingpong=False)
-    if unchecked:  # a diagnostic, timed only: the host's read of S' at the forward's end left out
-        variants["built_unchecked"] = shipped.tuned(forward_de=True)
     E = E0.clone().requires_grad_()
     Cg = C.clone().requires_grad_()
     said = {}
 
     def step(configs, label):
-        forward_de.in_range = (lambda *_: True) if label == "built_unchecked" else checked
         E.grad, Cg.grad = None, None
         stats = {}
         loss = linear_cross_entropy(E, Cg, x, configs=configs, backward_impl="gemm", stats=stats)
@@ -255,6 +252,13 @@ def built_case(name: str, N: int, V: int, D: int, device: str, rounds: int, tiny
                         device=device)
             times[label].append(round(t.median_ms, 3))
     record.update({f"{label}_ms": ms for label, ms in times.items()})
+    # Where the time goes: the step's host time (the launches queued, no wait but the step's own reads) and the
+    # GPU's busy time, back to back (``host_and_device_time``): a step whose host time passes its GPU time is the
+    # host's.
+    for label, configs in variants.items():
+        hd = host_and_device_time(lambda c=configs, lab=label: step(c, lab), calls=1 if tiny else 5, warmup=0,
+                                  device=device)
+        record.update({f"{label}_host_ms": round(hd.host_ms, 3), f"{label}_gpu_busy_ms": round(hd.device_ms, 3)})
     median = {label: statistics.median(ms) for label, ms in times.items()}
     for label in variants:
         if label != "shipped":
@@ -310,7 +314,6 @@ def main():
         parser.add_argument("--rounds", type=int, default=3, help="shipped and split alternated this many times")
         parser.add_argument("--precision-shape", type=int, nargs=3, default=[2_048, QWEN3.V, QWEN3.D],
                             metavar=("N", "V", "D"), help="the precision section's head (default: the Qwen3 head)")
-        parser.add_argument("--unchecked", action="store_true", help="built: time a variant without the host's read")
         parser.add_argument("--sections", nargs="+", choices=("time", "precision", "built"),
                             default=["time", "precision"])
 
@@ -324,7 +327,7 @@ def main():
     if "built" in args.sections:
         for name, (N, V, D) in cases.items():
             check.run(f"built/{name}", built_case, name, N, V, D, device, 1 if args.tiny else args.rounds,
-                      args.tiny, args.unchecked, required=name in ("qwen3-16k", "tiny"))
+                      args.tiny, required=name in ("qwen3-16k", "tiny"))
     if "precision" in args.sections:
         N, V, D, step = (48, 700, 32, 256) if args.tiny else (args.precision_shape + [8_192])[:4]
         for regime in ("uniform", "realistic", "trained"):

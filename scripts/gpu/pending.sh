@@ -253,8 +253,15 @@
 #    Measured (docs/measurements/h100-2026-12-07): tests 23 passed; peaks 1.099 / 1.097 / 1.094 / 1.093 (right),
 #    1.1007 at 4k (0.0007 over: the plans' room per row since 64 bytes, not 16); the errors right; the time wrong:
 #    1.012 / 1.006 / 1.17 / 1.10 / 1.13x at 16k / Gemma / 65k / 131k / 4k. Suspected: the forward's host read of S'
-#    stalls the backward's queue. To measure: forward_dE.py --sections built --unchecked (the read left out):
-#    predicted built_unchecked / shipped 0.91-0.96 at 16k, 0.93-1.0 at 4k, 0.90-0.97 at 65k.
+#    stalls the backward's queue.
+# 26. The same run (pending.sh forward-de-built) after the read was removed: a row past P's range is redone on the
+#    device (forward_de_redo_kernel, a block of 16 rows that holds one; the others return at once), so the host
+#    queues the backward while the GPU runs the forward. Predicted: tests pass (the redo's tests with bf16 too);
+#    built / shipped 0.91-0.96 at 16k, 0.93-1.00 at 4k, 0.90-0.97 at 65k, 0.93-0.98 at 131k, 0.98-1.02 at Gemma;
+#    peaks <= 1.100 LB at every N (4k's 1.1007 down to ~1.0995 with 64 bytes a row); the errors as item 25's.
+#    Each step's host time and GPU busy time are recorded too (host_ms, gpu_busy_ms): if the times stay above 1.0,
+#    built's GPU busy time against shipped's says whether the GPU's work or the host's launches are the cause
+#    (the dC pass: 55 chunks at 16k, ~500 at 65k; fewer and wider chunks in the backward's 0.1 LB are next).
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}

@@ -45,7 +45,8 @@ KERNEL_FLAGS = {
                                       SORTED=True, E_DESC=True, NONTARGET=True),
     ("backward_gemm", "tma"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, FILTER=True, SPLIT_G=False, SORTED=False,
                                    E_DESC=True, G_DESC=True),
-    ("backward_gemm", "all"): dict(HAS_SOFTCAP=True, FILTER=True, SPLIT_G=True, SORTED=True, CLASS_WEIGHTS=True),
+    ("backward_gemm", "all"): dict(HAS_SOFTCAP=True, FILTER=True, SPLIT_G=True, SORTED=True, CLASS_WEIGHTS=True,
+                                   ROW_SUMS=True),
     ("backward_gemm", "none"): dict(HAS_SOFTCAP=False, FILTER=False, SPLIT_G=False, SORTED=False),
     # backward_impl="sparse" (helpers/cce/kernels/pair_gradients.py).
     ("sparse_dE_pack", "all"): dict(HAS_SOFTCAP=True, HAS_BIAS=True, SORTED=True, STATS=True),
@@ -68,7 +69,11 @@ KERNEL_FLAGS = {
     ("row_weights", "all"): dict(HAS_H=True, ONE_PROGRAM=True),
     ("row_weights", "none"): dict(HAS_H=False, ONE_PROGRAM=False),
     ("row_scale", "all"): dict(MAX_BLOCK=1024),
+    # dE made in the forward (helpers/cce/kernels/forward_de.py): its rows' end, and the rows past P's range redone.
+    ("forward_de_rows", "all"): dict(BLOCK_R=16, BLOCK_D=128),
+    ("forward_de_redo", "all"): dict(BLOCK_R=16, BLOCK_V=64, BLOCK_D=64),
 }
+FORWARD_DE_KERNELS = ("forward_de_rows", "forward_de_redo")  # compiled for the Hopper tier (bf16) and the T4's (fp16)
 ROW_KERNELS = ("row_loss", "row_weights", "row_scale")
 # The kernels with a product (tl.dot) in them.
 DOT_KERNELS = ("lse_forward", "backward", "backward_gemm", "sparse_dE_pack", "sparse_g", "sparse_dC")
@@ -86,6 +91,7 @@ def compile_ours(request):
     from helpers.cce.kernels import configs as K
     from helpers.cce.kernels import offline
     from helpers.cce.kernels.atomic_gradients import backward_atomic_kernel
+    from helpers.cce.kernels.forward_de import forward_de_redo_kernel, forward_de_rows_kernel
     from helpers.cce.kernels.gradient_chunk import gradient_chunk_kernel
     from helpers.cce.kernels.indexed_dot import indexed_dot_kernel
     from helpers.cce.kernels.lse_forward import lse_forward_kernel
@@ -102,13 +108,19 @@ def compile_ours(request):
                "sparse_dC_finish": S.sparse_dC_finish_kernel,
                "count_pairs": count_pairs_kernel, "write_pairs": write_pairs_kernel,
                "row_gradient": row_gradient_kernel, "row_loss": row_loss_kernel, "row_weights": row_weights_kernel,
-               "row_scale": row_scale_kernel}
+               "row_scale": row_scale_kernel, "forward_de_rows": forward_de_rows_kernel,
+               "forward_de_redo": forward_de_redo_kernel}
     tier = K.tier(request["tier"])
     size = 4 if request["dtype"] == "fp32" else 2
     fn = kernels[request["kernel"]]
     if request["kernel"] in ROW_KERNELS:  # one block of 1,024 rows a program, Triton's default launch
         cfg = types.SimpleNamespace(launch={"num_warps": 4})
         constexprs = {"BLOCK": 1024}
+    elif request["kernel"] in FORWARD_DE_KERNELS:  # the blocks the host launches with (helpers.cce.forward_de)
+        cfg = types.SimpleNamespace(launch={"num_warps": 4})
+        constexprs = {}
+        if request["kernel"] == "forward_de_redo":
+            constexprs["DOT_PRECISION"] = dot_precision(torch.float16, tier.backward_gemm[size])
     elif request["kernel"] == "indexed_dot":
         cfg = tier.indexed_dot
         constexprs = cfg.tiles("BLOCK_N", "BLOCK_D")
@@ -216,7 +228,7 @@ def all_requests():
                 if dtype == "fp16" and (8, 0) <= tier.target_capability < (9, 0):
                     continue  # fp16 and bf16 share a tier's 16-bit tiles: on the Ampere tiers bf16 measures them
                 for kernel, variant in KERNEL_FLAGS:
-                    if kernel in ROW_KERNELS:
+                    if kernel in ROW_KERNELS or kernel in FORWARD_DE_KERNELS:
                         continue  # below
                     # Every variant on the T4 tier (the tight one); all flags on elsewhere.
                     if variant == "none" and not turing:
@@ -243,6 +255,8 @@ def all_requests():
     # The row kernels read no tiles: the T4's tier, for sm_75 and for sm_90.
     rows = [dict(tier="turing-64k", dtype="fp32", kernel=k, variant=v) for k, v in KERNEL_FLAGS if k in ROW_KERNELS]
     requests += rows + [dict(r, target=[9, 0]) for r in rows]
+    requests += [dict(tier=t, dtype=d, kernel=k, variant="all") for k in FORWARD_DE_KERNELS
+                 for t, d in (("hopper-227k", "bf16"), ("turing-64k", "fp16"))]
     requests.append(dict(tier="apple", dtype="fp16", kernel="apple_backward", variant="default"))
     return list({_key(r): r for r in requests}.values())
 
@@ -338,7 +352,7 @@ def test_the_hopper_g_kernel_under_a_soft_cap_spills_no_more_than_its_tile_needs
 
 
 def _hopper_backward_requests():
-    return [r for r in _our_requests() if r["kernel"] in ("backward", "backward_gemm", "sparse_dE_pack")
+    return [r for r in _our_requests() if r["kernel"] in ("backward", "backward_gemm", "sparse_dE_pack", "forward_de_redo")
             and r["dtype"] != "fp32"
             and (r.get("target") == [9, 0] or r["tier"] == "hopper-227k")]
 
@@ -375,7 +389,8 @@ def test_turing_configs_fit_64_kb(compiled):
     # (fp16, fp32) x [3 kernels x (all flags, none) + indexed_dot + the forward's bits variant
     # + the sparse backward's kernels: 3 x (all, none) + the reduce + dC's finish + 2 index kernels
     # + the three-product schedule's row kernel (all, none)] + the row kernels (fp32 only)
-    assert len(turing) == 2 * (3 * 2 + 1 + 1 + 3 * 2 + 1 + 1 + 2 + 2) + len(ROW_KERNEL_VARIANTS)
+    # + dE made in the forward's two kernels (fp16 only)
+    assert len(turing) == 2 * (3 * 2 + 1 + 1 + 3 * 2 + 1 + 1 + 2 + 2) + len(ROW_KERNEL_VARIANTS) + len(FORWARD_DE_KERNELS)
     for r in turing:
         assert r["shared"] <= 65536, (
             f"Triton {compiled['triton']}: {_key(r)} needs {r['shared']:,} B > 65,536 B (T4, sm_75)"

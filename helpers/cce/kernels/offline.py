@@ -30,7 +30,8 @@ _POINTERS = {
     "pair_off_ptr": "i64", "pair_cnt_ptr": "i32", "kept_ptr": "i32",
 }
 _INPUT_POINTERS = ("E_ptr", "C_ptr", "G_ptr", "G_exact_ptr", "Gc_ptr", "Z_ptr")
-_FLOATS = {"softcap", "z_loss", "label_smoothing", "eps", "inv_temperature", "target_weight", "smoothing_weight"}
+_FLOATS = {"softcap", "z_loss", "label_smoothing", "eps", "inv_temperature", "target_weight", "smoothing_weight",
+           "max_sum"}
 # A tensor core's instruction in PTX: mma.sync (Ampere's and Turing's) or wgmma (Hopper's).
 TENSOR_CORE_PTX = re.compile(r"\b(?:mma\.sync|wgmma\.mma_async)\b")
 
@@ -43,6 +44,8 @@ def signature(kernel_name: str, fn, dtype: str, constexprs: dict | None = None, 
     if kernel_name.startswith("sparse"):
         # The outputs themselves, not fp32 scratch; the bias in the inputs' dtype.
         pointers.update(dE_ptr=dtype, dC_ptr=dtype, bias_ptr=dtype, Y_ptr="fp32" if dtype == "fp32" else "fp16")
+    if kernel_name.startswith("forward_de"):  # dE's rows in the inputs' dtype
+        pointers.update(out_ptr=dtype, dE_ptr=dtype)
     sig = {}
     for param in fn.params:
         name = param.name
