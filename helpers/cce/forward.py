@@ -92,7 +92,7 @@ def cce_forward(
     gluon = not emit_activity and _runs_gluon(E, C, bias, o, configs.host, v_splits)
     tiling = None if emit_activity else _plain_tiling(fwd, gluon)
     tile_flags, counts = _zeroed(x.shape[0], V, tiling, E.device, counts=counted is not None)
-    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg, counts, tile_flags)
+    target_logit = indexed_dot(E, C, x, bias, o, dot_cfg, counts, tile_flags)
     if counted is not None:
         counted(counts)
 
@@ -294,7 +294,7 @@ def cce_forward_outputs(
     fwd, _, dot_cfg = configs.for_dtype(E.dtype)
     softcap = o.softcap if o.softcap is not None else 1.0
     # Algorithm 1: z_{i, x_i} as the loss's forward makes it; the accuracy uses the LSE tiles' own copy.
-    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg)
+    target_logit = indexed_dot(E, C, x, bias, o, dot_cfg)
     lse_split, nontarget_split, _, (entropy_split, max_split, target_split), _ = _lse_splits(
         E, C, bias, x, target_logit, replace(o, label_smoothing=0.0), fwd, v_splits, softcap, row_stats=True,
         host=configs.host)
@@ -342,7 +342,7 @@ def cce_forward_rows(
     # The Triton forward (no host tier given to ``_lse_splits``); the tiles holding a target flagged unless
     # the row statistics walk every column anyway.
     tile_flags = None if outputs else _tile_flags(x.shape[0], C.shape[0], fwd.BLOCK_N, fwd.BLOCK_V, E.device)
-    target_logit = _indexed_dot(E, C, x, bias, o, dot_cfg, tile_flags=tile_flags)
+    target_logit = indexed_dot(E, C, x, bias, o, dot_cfg, tile_flags=tile_flags)
     if outputs:
         o = replace(o, label_smoothing=0.0)
     lse_split, nontarget_split, logit_sum_split, row_stats, _ = _lse_splits(E, C, bias, x, target_logit, o, fwd,
@@ -399,7 +399,7 @@ def _plain_tiling(fwd, gluon: bool) -> tuple[int, int]:
     return fwd.BLOCK_N, fwd.BLOCK_V
 
 
-def _indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg, counts: torch.Tensor | None = None,
+def indexed_dot(E, C, x, bias, o: CCEOptions, dot_cfg, counts: torch.Tensor | None = None,
                  tile_flags: TileFlags | None = None) -> torch.Tensor:
     """Algorithm 1: z_{i, x_i} (N,) fp32, 0 at ignored rows; ``counts`` as ``cce_forward``'s; ``tile_flags``
     (``TileFlags``) are set for the LSE kernel that runs next."""

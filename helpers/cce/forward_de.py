@@ -49,7 +49,7 @@ import triton
 from helpers.cce.backward import no_target_at_ignored
 from helpers.cce.backward.gemm import backward_gemm, gemm_chunks
 from helpers.cce.backward.rows import RowGradient
-from helpers.cce.forward import _indexed_dot
+from helpers.cce.forward import indexed_dot
 from helpers.cce.graphs import GRAPHS
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.forward_de import forward_de_redo_kernel, forward_de_rows_kernel
@@ -123,8 +123,7 @@ def dc_pass_configs(configs: CCEConfigs, N: int, V: int, D: int, dtype: torch.dt
     return configs.tuned(gemm_chunks=(rows, cols), g_buffer_lb_share=buffer / (V * D * dtype.itemsize))
 
 
-def loss_forward_de(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, plan: CCEPlan, *, check_targets: bool = True,
-                    stats: dict | None = None):
+def loss_forward_de(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, plan: CCEPlan, *, check_targets: bool = True):
     """(loss, lse, r, n_kept, dE) as ``helpers.cce.ops.loss_forward`` gives the first four (its r: 1 - p_x and a
     zero rounding), dE (N, D) in E's dtype scaled for a mean's or a sum's upstream gradient of 1. ``plan``: one
     that ``forward_de_reason`` passes. Reads nothing on the host but the targets' check (``check_targets``)."""
@@ -133,7 +132,7 @@ def loss_forward_de(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, plan: CCE
     V = C.shape[0]
     device = E.device
     counts = torch.zeros(2, dtype=torch.int64, device=device)
-    z_x = _indexed_dot(E, C, x, None, o, plan.configs.for_dtype(E.dtype)[2], counts)
+    z_x = indexed_dot(E, C, x, None, o, plan.configs.for_dtype(E.dtype)[2], counts)
     bad = read_later(counts[1]) if check_targets else None
     n_kept = counts[0]
     x_g = no_target_at_ignored(x, o.ignore_index, V)
@@ -156,7 +155,7 @@ def loss_forward_de(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, plan: CCE
 
     configs = p_pass_configs(plan.configs, N, V, D, E.dtype)
     dE, _, _ = backward_gemm(E, C, x_g, z_x, up, None, replace(o, filter_eps=None), configs.backward_gemm_for(E.dtype),
-                             None, None, stats, None, (True, False, False), host=configs.host, row_sums=sums,
+                             None, None, None, None, (True, False, False), host=configs.host, row_sums=sums,
                              finish=finish)
     if check_targets:  # the kernels read C's row 0 for a target out of range
         raise_for_targets(x, V, o.ignore_index, bad())

@@ -49,7 +49,7 @@ def run_on_gpu(out: str, sections, cases) -> int:
     import triton
 
     from helpers.cce import resolve_options
-    from helpers.cce.forward import _indexed_dot, _lse_splits, _tile_flags
+    from helpers.cce.forward import indexed_dot, _lse_splits, _tile_flags
     from helpers.cce.kernels import lse_forward_pingpong as pingpong
     from helpers.cce.kernels.configs import select_configs
     from helpers.compare import heads
@@ -71,7 +71,7 @@ def run_on_gpu(out: str, sections, cases) -> int:
             E, C, x = make_inputs(N, V, D, torch.bfloat16, device, regime="uniform", seed=N)
             # Algorithm 1's target logit and its tile flags for the Gluon kernel's tiling, as the loss makes them.
             tile_flags = _tile_flags(N, V, pingpong.BLOCK_N, pingpong.BLOCK_V, device)
-            z_x = _indexed_dot(E, C, x, None, o, select_configs(device).for_dtype(torch.bfloat16)[2],
+            z_x = indexed_dot(E, C, x, None, o, select_configs(device).for_dtype(torch.bfloat16)[2],
                                tile_flags=tile_flags)
             flags = tile_flags.flags
 

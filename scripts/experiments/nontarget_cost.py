@@ -27,7 +27,7 @@ import helpers  # noqa: E402,F401  (the environment first: helpers.env, the inte
 
 from helpers.cce import resolve_options  # noqa: E402
 from helpers.cce.descriptors import operand_descriptors  # noqa: E402
-from helpers.cce.forward import _indexed_dot, _launch_flags, _tile_flags, grid_order, split_grid  # noqa: E402
+from helpers.cce.forward import indexed_dot, _launch_flags, _tile_flags, grid_order, split_grid  # noqa: E402
 from helpers.cce.kernels.configs import select_configs  # noqa: E402
 from helpers.cce.kernels.lse_forward import lse_forward_kernel  # noqa: E402
 from helpers.compare.heads import GEMMA2, QWEN3  # noqa: E402
@@ -51,7 +51,7 @@ def launcher(E, C, x, nontarget: bool, flagged: bool = False):
     launch = _launch_flags(fwd, o, None, E.dtype, n_blocks, e_desc)
     # Algorithm 1's target logit and its tile flags, as the loss's forward makes them.
     tile_flags = _tile_flags(N, V, fwd.BLOCK_N, fwd.BLOCK_V, E.device)
-    z_x = _indexed_dot(E, C, x, None, o, select_configs(E.device).for_dtype(E.dtype)[2], tile_flags=tile_flags)
+    z_x = indexed_dot(E, C, x, None, o, select_configs(E.device).for_dtype(E.dtype)[2], tile_flags=tile_flags)
     flags = tile_flags.flags
 
     def run():

@@ -15,7 +15,7 @@ read). One program per (BLOCK_R rows, BLOCK_D columns); the result is written on
 import triton
 import triton.language as tl
 
-from helpers.cce.kernels.logits import dot, logit_tile
+from helpers.cce.kernels.logits import dot, exp_of, logit_tile
 
 
 @triton.jit
@@ -85,8 +85,8 @@ def forward_de_redo_kernel(
             z = tl.where(col_mask[None, :], z, -float("inf"))
             m_new = tl.maximum(m, tl.max(z, axis=1))
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-            e = tl.exp(z - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
+            e = exp_of(z - m_safe[:, None])
+            alpha = exp_of(m - m_safe)
             total = total * alpha + tl.sum(e, axis=1)
             u = u * alpha + tl.sum(tl.where(cols[None, :] == x[:, None], 0.0, e), axis=1)
             m = m_new
@@ -107,7 +107,7 @@ def forward_de_redo_kernel(
                 col_mask = cols < V
                 z = logit_tile(E_ptr, C_ptr, rows, cols, redo, col_mask, D, stride_En, stride_Ed, stride_Cv,
                                stride_Cd, BLOCK_R, BLOCK_V, BLOCK_D, DOT_PRECISION)
-                G = tl.where(cols[None, :] == x[:, None], -r[:, None], tl.exp(z - lse[:, None]))
+                G = tl.where(cols[None, :] == x[:, None], -r[:, None], exp_of(z - lse[:, None]))
                 G = tl.where(col_mask[None, :] & redo[:, None], G, 0.0)
                 c = tl.load(C_ptr + cols[:, None] * stride_Cv + d[None, :] * stride_Cd,
                             mask=col_mask[:, None] & (d < D)[None, :], other=0.0)
