@@ -95,26 +95,30 @@ def forward_de_reason(E: torch.Tensor, C: torch.Tensor, bias: torch.Tensor | Non
     return None
 
 
-def p_pass_configs(configs: CCEConfigs, N: int, V: int, D: int, dtype: torch.dtype) -> CCEConfigs:
+def p_pass_configs(configs: CCEConfigs, N: int, V: int, D: int, dtype: torch.dtype, *, slack: int = SLACK,
+                   row_sums: bool = True) -> CCEConfigs:
     """The tier for the forward's P pass: a G buffer as wide as the backward's widest in-place chunk
-    (``HostTuning.g_in_place_bytes``), held with dE and its accumulator under CAP x LB (dC not made yet)."""
+    (``HostTuning.g_in_place_bytes``), held with dE and its accumulator under CAP x LB (dC not made yet).
+    ``slack``: bytes a row kept outside the buffers; ``row_sums``: room for the tiles' row sums (False: the
+    stand-in in scripts/experiments/forward_dE.py, whose pass stores none)."""
     host = configs.host
     block_v = configs.backward_gemm_for(dtype).BLOCK_V
     n_chunk = min(N, (host.gemm_chunks or gemm_chunks(N, V, D, dtype, block_v))[0])
     accumulator = n_chunk * D * 4
-    room = int(CAP * lower_bound_bytes(N, V, D, dtype.itemsize)) - N * D * dtype.itemsize - accumulator - SLACK * N
+    room = int(CAP * lower_bound_bytes(N, V, D, dtype.itemsize)) - N * D * dtype.itemsize - accumulator - slack * N
     # less the tiles' row sums, 4 bytes a row per 256 columns: 1/128 of a 16-bit buffer's bytes
-    buffer = max(0, min(host.g_in_place_bytes, room - room // 128))
+    buffer = max(0, min(host.g_in_place_bytes, room - room // 128 if row_sums else room))
     return configs.tuned(g_buffer_lb_share=(buffer + accumulator) / (N * D * dtype.itemsize))
 
 
-def dc_pass_configs(configs: CCEConfigs, N: int, V: int, D: int, dtype: torch.dtype) -> CCEConfigs:
-    """The tier for the backward's dC pass: at most ``DC_ROWS`` rows a row chunk and a G buffer of what CAP x LB
+def dc_pass_configs(configs: CCEConfigs, N: int, V: int, D: int, dtype: torch.dtype, *, rows: int = DC_ROWS,
+                    slack: int = SLACK) -> CCEConfigs:
+    """The tier for the backward's dC pass: at most ``rows`` rows a row chunk and a G buffer of what CAP x LB
     leaves beside dE and dC (less dC's fp32 staging where several row chunks fold), its chunks no narrower
-    than a tile."""
+    than a tile. ``slack`` as ``p_pass_configs``'."""
     block_v = configs.backward_gemm_for(dtype).BLOCK_V
-    rows = min(N, DC_ROWS)
-    room = int((CAP - 1) * lower_bound_bytes(N, V, D, dtype.itemsize)) - SLACK * N
+    rows = min(N, rows)
+    room = int((CAP - 1) * lower_bound_bytes(N, V, D, dtype.itemsize)) - slack * N
     cols = max(block_v, room // (rows * dtype.itemsize) // block_v * block_v)
     if rows < N:
         room -= cols * D * 4

@@ -29,8 +29,8 @@ split's dE and dC against the shipped path's (their chunks differ, so fp32's sum
 share of elements that differ and the largest difference over the largest element). At 16,384 tokens
 both against float64 too (``helpers.spec.reference_loss_and_grads``).
 
-Variants of the dC-only pass (``backward_configs``): 16,384 rows a row chunk (dC folded across them, as
-the shipped plan folds from 16,384 tokens) and all N rows in one (dC written once per chunk; G only in dC's
+Variants of the dC-only pass (``helpers.cce.forward_de.dc_pass_configs`` with their rows): 16,384 rows a row
+chunk (dC folded across them, as the shipped plan folds from 16,384 tokens) and all N rows in one (dC written once per chunk; G only in dC's
 rows not yet written, whose room for a chunk is (V - v0) D / (N + D) columns, and the buffer), each with a G
 buffer of what 1.1 LB leaves beside dE and dC (at least one tile's columns: 64 MiB at 131,072 tokens, past
 the 53 MiB left, a predicted 1.12 LB there).
@@ -77,8 +77,9 @@ from _common import Checker, finish, script_setup
 
 from helpers.cce import linear_cross_entropy
 from helpers.cce.backward import cce_backward
-from helpers.cce.backward.gemm import gemm_chunks, gemm_plan
+from helpers.cce.backward.gemm import gemm_plan
 from helpers.cce.forward import cce_forward
+from helpers.cce.forward_de import dc_pass_configs, p_pass_configs
 from helpers.cce.options import CCEOptions, resolve_configs
 from helpers.cce.schedules import lower_bound_bytes
 from helpers.compare.heads import GEMMA2, QWEN3
@@ -93,34 +94,7 @@ CASES = {  # name: (N, V, D), in the order they run (the first is required; the 
     "qwen3-131k": (131_072, QWEN3.V, QWEN3.D),
     "qwen3-4k": (4_096, QWEN3.V, QWEN3.D),
 }
-CAP = 1.1  # the target's peak over LB
-
-
-def forward_configs(configs, N: int, V: int, D: int, dtype: torch.dtype):
-    """The tier with a G buffer as wide as the backward's widest in-place chunk (``HostTuning.g_in_place_bytes``),
-    held with dE and its accumulator under CAP x LB: the forward's room, dC not yet made. (configs, buffer bytes)"""
-    host = configs.host
-    block_v = configs.backward_gemm_for(dtype).BLOCK_V
-    n_chunk = min(N, (host.gemm_chunks or gemm_chunks(N, V, D, dtype, block_v))[0])
-    accumulator = n_chunk * D * 4
-    room = int(CAP * lower_bound_bytes(N, V, D, dtype.itemsize)) - N * D * dtype.itemsize - accumulator - 16 * N
-    buffer = max(0, min(host.g_in_place_bytes, room))
-    return configs.tuned(g_buffer_lb_share=(buffer + accumulator) / (N * D * dtype.itemsize)), buffer
-
-
-def backward_configs(configs, N: int, V: int, D: int, dtype: torch.dtype, rows: int):
-    """The tier for the dC-only pass with ``rows`` rows a row chunk and a G buffer of what CAP x LB leaves beside
-    dE and dC (less dC's fp32 staging where several row chunks fold), its chunks no narrower than a tile
-    (``HostTuning.gemm_chunks``' columns: the buffer's width). (configs, buffer bytes)"""
-    block_v = configs.backward_gemm_for(dtype).BLOCK_V
-    rows = min(N, rows)
-    room = int((CAP - 1) * lower_bound_bytes(N, V, D, dtype.itemsize)) - 16 * N
-    cols = max(block_v, room // (rows * dtype.itemsize) // block_v * block_v)
-    if rows < N:
-        room -= cols * D * 4
-        cols = max(block_v, room // (rows * dtype.itemsize) // block_v * block_v)
-    buffer = rows * cols * dtype.itemsize
-    return configs.tuned(gemm_chunks=(rows, cols), g_buffer_lb_share=buffer / (V * D * dtype.itemsize)), buffer
+STAND_IN_SLACK = 16  # bytes a row the stand-in left outside its buffers (helpers.cce.forward_de.SLACK since: 64)
 
 
 def _plan(configs, N, V, D, dtype, need) -> dict:
@@ -140,8 +114,8 @@ def one_case(name: str, N: int, V: int, D: int, device: str, rounds: int, tiny: 
     E, C, x = make_inputs(N, V, D, dtype, device, regime="uniform", seed=N)
     o = CCEOptions()
     configs = resolve_configs(None, torch.device(device))
-    fwd_configs, fwd_buffer = forward_configs(configs, N, V, D, dtype)
-    bwd = {f"bwd_rows{rows}": backward_configs(configs, N, V, D, dtype, rows)
+    fwd_configs = p_pass_configs(configs, N, V, D, dtype, slack=STAND_IN_SLACK, row_sums=False)
+    bwd = {f"bwd_rows{rows}": dc_pass_configs(configs, N, V, D, dtype, rows=rows, slack=STAND_IN_SLACK)
            for rows in sorted({min(N, 16_384 if not tiny else 32), N})}
     # A mean's upstream gradient as autograd hands it: one value for every row (``RowGradient.uniform``). A
     # full (N,) tensor of equal values is not uniform to the backward, whose dC operand is then w_rel E, a copy
@@ -169,13 +143,13 @@ def one_case(name: str, N: int, V: int, D: int, device: str, rounds: int, tiny: 
     record = dict(case=f"forward_dE/{name}", N=N, V=V, D=D, dtype=str(dtype), lb_bytes=lb,
                   shipped_plan=_plan(configs, N, V, D, dtype, (True, True)),
                   fwd_pass_plan=_plan(fwd_configs, N, V, D, dtype, (True, False)))
-    for label, (bwd_configs, _) in bwd.items():
+    for label, bwd_configs in bwd.items():
         record[f"{label}_plan"] = _plan(bwd_configs, N, V, D, dtype, (False, True))
     want = shipped()  # warm (compiles), then the bits of each against the shipped path's
     if N == 16_384 or tiny:
         _, ref_dE, ref_dC = reference_loss_and_grads(E, C, x, chunk_rows=256 if tiny else 2048)
         record.update(shipped_err_dE=relative_error(want[0], ref_dE), shipped_err_dC=relative_error(want[1], ref_dC))
-    for label, (bwd_configs, _) in bwd.items():
+    for label, bwd_configs in bwd.items():
         got = split(bwd_configs)
         for which, a, b in (("dE", want[0], got[0]), ("dC", want[1], got[1])):
             record[f"{label}_{which}_differ_share"] = (a != b).float().mean().item()
@@ -187,8 +161,8 @@ def one_case(name: str, N: int, V: int, D: int, device: str, rounds: int, tiny: 
     if N == 16_384 or tiny:
         del ref_dE, ref_dC
     del want
-    runs = {"shipped": shipped, "fwd_pass": fwd_pass, **{label: (lambda c=c: bwd_pass(c)) for label, (c, _) in bwd.items()}}
-    peaks = {"shipped": shipped, **{f"split_{label}": (lambda c=c: split(c)) for label, (c, _) in bwd.items()}}
+    runs = {"shipped": shipped, "fwd_pass": fwd_pass, **{label: (lambda c=c: bwd_pass(c)) for label, c in bwd.items()}}
+    peaks = {"shipped": shipped, **{f"split_{label}": (lambda c=c: split(c)) for label, c in bwd.items()}}
     for label, fn in peaks.items():
         _, peak = peak_memory(fn, device=device)
         record[f"{label}_peak_over_lb"] = round(peak / lb, 4)

@@ -385,7 +385,7 @@ if [ "$part" = forward-de-built ]; then
 HELPERS_TEST_GPU=1 timeout 200 python3 -m pytest -n 4 -q -p no:cacheprovider -rfE --tb=short tests/cce/test_forward_de.py \
   tests/cce/test_pingpong.py 2>&1 | tail -12
 step "forward_de and pingpong tests"
-timeout 420 python3 scripts/experiments/forward_dE.py --sections built time --budget-s 330 \
+timeout 420 python3 scripts/experiments/forward_dE.py --sections built --budget-s 330 \
   --out "$OUT/forward_dE_built.jsonl" 2>&1 | tail -12
 step "dE in the forward, built, against the shipped path"
 exit 0

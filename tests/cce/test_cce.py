@@ -467,18 +467,27 @@ def test_a_flat_softmax_keeps_fp32s_gradients_at_the_naive_paths_accuracy(impl):
         assert max(ratios) < 1.4, f"{shape}: dE, dC errors {ratios} times the naive path's"
 
 
-@pytest.mark.parametrize("impl", ["gemm", "atomic", pytest.param("sparse", marks=pytest.mark.xfail(
-    strict=False, reason="on 2026-12-07's CPU environment (torch 2.13.0+cpu, Triton 3.9.0; numpy 2.4.6 and 2.3.5 alike) "
-    "the sparse backward's fp32 dE and dC erred 3.5-4.2x the naive path's here, at fd04364 too, where CI had "
-    "passed at 541a966: not yet understood"))])
+@pytest.mark.parametrize("impl", ["gemm", "atomic", "sparse"])
 def test_large_logits_keep_fp32s_gradients_at_the_naive_paths_accuracy(impl):
     """Logits of rms ~10 (lse ~ 30): one fp32 lse a row, rounded to ulp(lse) / 2 (~1e-6), shifted every
     S = exp(z - lse) of the row, and fp32 dE and dC erred 1.4-2.7x the naive path's, which takes
     (z - m) - log s. The forward now keeps each split's and the merge's rounding (``sum_rounding``; lo
-    beside r) and the backward folds exp(-lo) into each row's coefficient."""
+    beside r) and the backward folds exp(-lo) into each row's coefficient.
+
+    On one CPU machine (2026-12-07: torch 2.13.0+cpu, Triton 3.9.0) "sparse" erred 3.5-4.2x the naive path's
+    here while "gemm" stayed at 0.65x; on an AMD EPYC with AVX-512 and the same versions (2026-12-08) "sparse"
+    is within 0.02 of "gemm" at seeds 0-11 (0.37-1.30x). Not understood, so the failure says where it ran."""
     for seed in (0, 1):
         ratios = fp32_ratios(impl, 48, 301, 32, seed, scale=10.0)
-        assert max(ratios) < 1.3, f"seed {seed}: dE, dC errors {ratios} times the naive path's"
+        if max(ratios) >= 1.3:
+            import platform
+
+            import numpy
+
+            gemm = fp32_ratios("gemm", 48, 301, 32, seed, scale=10.0)
+            where = (f"{platform.processor() or platform.machine()}, torch {torch.__version__} "
+                     f"({torch.backends.cpu.get_cpu_capability()}), numpy {numpy.__version__}")
+            pytest.fail(f"seed {seed}: dE, dC errors {ratios} times the naive path's (gemm's: {gemm}) on {where}")
 
 
 @pytest.mark.parametrize("impl", ["gemm", "atomic"])
