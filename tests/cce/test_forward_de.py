@@ -163,3 +163,25 @@ def test_row_sums_are_the_non_target_mass():
                   None, (True, False, False), host=configs.host, row_sums=sums)
     assert torch.allclose(sums.double(), want, rtol=1e-4), (sums[:4], want[:4])
     assert float(want.max()) < MAX_SUM[torch.float16]  # these inputs stay in range
+
+
+def test_a_recompute_schedule_tuned_to_a_tight_budget_keeps_the_shipped_forward(monkeypatch):
+    """A "recompute" schedule tuned to a budget below its default plan's need (``Schedule.tuning``: narrower G
+    chunks, no G buffer) holds the budget's peak, which dE made in the forward (~1.1 LB) does not keep: that
+    call runs the shipped forward. On the CPU's shapes a numeric budget picks "forward_grads", so the schedule
+    is handed in as ``choose_schedule`` makes it for a budget on a GPU."""
+    import helpers.cce.api as api
+    from helpers.cce.schedules import Schedule
+
+    tight = Schedule("recompute", 1 << 20, 1 << 20, 1 << 21, 1.0, "a budget below the default plan's need",
+                     gemm_chunks=(16, 64), g_buffer=False)
+    monkeypatch.setattr(api, "plan_schedule", lambda *args, **kw: tight)
+    E, C, x = inputs(torch.float16)
+    ref_loss, ref_dE, ref_dC = reference_loss_and_grads(E, C, x)
+    loss, dE, dC, stats = run(E, C, x, ON, memory_budget=1 << 20)
+    assert stats["schedule"] == "recompute" and stats["gemm_chunks"] == [16, 64], stats
+    assert stats["forward_de"].startswith("the tier's forward_de is off"), stats["forward_de"]
+    assert relative_error(dE, ref_dE) < 1e-2 and relative_error(dC, ref_dC) < 1e-2
+    monkeypatch.undo()
+    _, _, _, default = run(E, C, x, ON)
+    assert default["forward_de"] == "made dE"
