@@ -47,7 +47,7 @@ import torch
 import triton
 
 from helpers.cce.backward import no_target_at_ignored
-from helpers.cce.backward.gemm import backward_gemm, gemm_chunks
+from helpers.cce.backward.gemm import backward_gemm, gemm_chunks, gemm_plan
 from helpers.cce.backward.rows import RowGradient
 from helpers.cce.forward import indexed_dot
 from helpers.cce.graphs import GRAPHS
@@ -125,6 +125,28 @@ def dc_pass_configs(configs: CCEConfigs, N: int, V: int, D: int, dtype: torch.dt
         cols = max(block_v, room // (rows * dtype.itemsize) // block_v * block_v)
     buffer = rows * cols * dtype.itemsize
     return configs.tuned(gemm_chunks=(rows, cols), g_buffer_lb_share=buffer / (V * D * dtype.itemsize))
+
+
+def forward_de_extra_bytes(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs) -> int:
+    """The predicted bytes above the inputs and LB (dE and dC) of a call whose forward makes dE (16-bit inputs,
+    the GPU's products: no fp32 operand copies): the larger of the P pass's (its G buffer, dE's fp32
+    accumulator and the tiles' row sums, less dC, not made yet) and the dC pass's (its G buffer and dC's fp32
+    staging where several row chunks fold), with ``SLACK`` bytes a row. The memory model's figure for such a
+    call (``helpers.cce.schedules.recompute_extra_bytes``'s ``forward_de``)."""
+    dtype = torch.bfloat16 if itemsize == 2 else torch.float32
+    p_configs = p_pass_configs(configs, N, V, D, dtype)
+    g = p_configs.backward_gemm_for(dtype)
+    plan = gemm_plan(N, V, D, dtype, g.BLOCK_V, host=p_configs.host, need_dE=True, need_dC=False,
+                     tensor_cores=g.tensor_cores)
+    sums = triton.cdiv(plan.widest, g.BLOCK_V) * plan.n_chunk * 4
+    forward = plan.buffer_elements * itemsize + plan.n_chunk * D * 4 + sums - V * D * itemsize
+    c_configs = dc_pass_configs(configs, N, V, D, dtype)
+    g = c_configs.backward_gemm_for(dtype)
+    plan = gemm_plan(N, V, D, dtype, g.BLOCK_V, host=c_configs.host, need_dE=False, need_dC=True,
+                     tensor_cores=g.tensor_cores)
+    staged = min(plan.v_chunk, plan.widest) * D * 4 if N > plan.n_chunk else 0
+    backward = plan.buffer_elements * itemsize + staged
+    return max(forward, backward) + SLACK * N
 
 
 def loss_forward_de(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, plan: CCEPlan, *, check_targets: bool = True):

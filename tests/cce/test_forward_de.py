@@ -185,3 +185,30 @@ def test_a_recompute_schedule_tuned_to_a_tight_budget_keeps_the_shipped_forward(
     monkeypatch.undo()
     _, _, _, default = run(E, C, x, ON)
     assert default["forward_de"] == "made dE"
+
+
+def test_the_memory_model_knows_dE_made_in_the_forward():
+    """A call that makes dE in its forward reports the memory model's figure for it (``forward_de_extra_bytes``)
+    in ``stats``, the shipped call the recompute plan's; on the Hopper tier that figure is under 0.1 LB at the
+    Qwen3 head from 1,024 to 131,072 tokens and at the Gemma-2 head, where the recompute plan's passes it from
+    16,384 tokens (1.13-1.20 LB measured on an H100, docs/measurements/h100-2026-12-07)."""
+    from helpers.cce.forward_de import forward_de_extra_bytes
+    from helpers.cce.kernels.configs import TIERS
+    from helpers.cce.schedules import lower_bound_bytes, recompute_extra_bytes
+    from helpers.compare.heads import GEMMA2, QWEN3
+
+    E, C, x = inputs(torch.float16)
+    _, _, _, stats = run(E, C, x, ON)
+    assert stats["forward_de"] == "made dE" and stats["schedule"] == "recompute", stats
+    assert stats["predicted_extra_bytes"] == forward_de_extra_bytes(N, V, D, 2, ON)
+    _, _, _, shipped = run(E, C, x, BASE)
+    assert shipped["predicted_extra_bytes"] == recompute_extra_bytes(N, V, D, 2, BASE, upcast=DEVICE == "cpu")
+    hopper = next(t for t in TIERS if t.target_capability == (9, 0)).tuned(forward_de=True)
+    shapes = [(n, QWEN3.V, QWEN3.D) for n in (1_024, 4_096, 16_384, 65_536, 131_072)] + [(8_192, GEMMA2.V, GEMMA2.D)]
+    for n, v, d in shapes:
+        lb = lower_bound_bytes(n, v, d, 2)
+        extra = forward_de_extra_bytes(n, v, d, 2, hopper)
+        assert 0 < extra <= 0.1 * lb, (n, v, d, extra / lb)
+        assert recompute_extra_bytes(n, v, d, 2, hopper, forward_de=True) == extra
+    assert recompute_extra_bytes(16_384, QWEN3.V, QWEN3.D, 2, hopper) > 0.15 * lower_bound_bytes(16_384, QWEN3.V,
+                                                                                                QWEN3.D, 2)
