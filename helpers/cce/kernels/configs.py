@@ -92,8 +92,9 @@ class HostTuning:
     # time and sums P C into dE while dC does not exist yet, the backward makes dC alone; the peak stays under
     # 1.1 LB at every N where the recompute design's is 1.13-1.20 from 16,384 tokens at the Qwen3 head. bf16
     # losses without a soft cap, bias, z-loss, smoothing, temperature or class weights, reduced by a mean or a
-    # sum. False: every tier's default until a GPU has measured the built path (its stand-in, the shipped
-    # passes split: 0.88-1.00x the time on an H100, docs/measurements/h100-2026-12-07).
+    # sum. False: every tier's default. Its first build held 1.09-1.10 LB on an H100 but took 1.01-1.17x the
+    # shipped step's time (docs/measurements/h100-2026-12-07), with a host read of every row's sum at the
+    # forward's end that has since gone; the build without it has not run on a GPU yet.
     forward_de: bool = False
     # 2. where even the widest in-place chunk is host-bound (rows >> D: dC's row holds D elements of G's
     #    column of `rows`): chunks whose products take this long at the tier's matmul rate, the host's
