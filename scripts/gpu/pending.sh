@@ -262,6 +262,11 @@
 #    Each step's host time and GPU busy time are recorded too (host_ms, gpu_busy_ms): if the times stay above 1.0,
 #    built's GPU busy time against shipped's says whether the GPU's work or the host's launches are the cause
 #    (the dC pass: 55 chunks at 16k, ~500 at 65k; fewer and wider chunks in the backward's 0.1 LB are next).
+#    Since (2026-12-08, CPU): the memory model's figure for it (forward_de_extra_bytes, 64 bytes a row) is 1.0993 /
+#    1.0798 / 1.0969 / 1.0942 / 1.0959 LB at 4k / 16k / Gemma / 65k / 131k; the measured peaks should sit at or
+#    just under it (the last run's rows held ~37-63 bytes beyond the plans' buffers). The 64 bytes narrowed the
+#    dC pass at 16k to 768 columns a chunk (60 chunks, against 1,024 and 55 in the last run): if 16k is slower
+#    than predicted, that is the first suspect. The stand-in's time section is left out (measured twice).
 set -u
 if [ "${1:-}" = prepare ]; then
   base=${2:-d9c8f74}
