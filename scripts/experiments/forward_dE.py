@@ -30,10 +30,10 @@ share of elements that differ and the largest difference over the largest elemen
 both against float64 too (``helpers.spec.reference_loss_and_grads``).
 
 Variants of the dC-only pass (``helpers.cce.forward_de.dc_pass_configs`` with their rows): 16,384 rows a row
-chunk (dC folded across them, as the shipped plan folds from 16,384 tokens) and all N rows in one (dC written once per chunk; G only in dC's
-rows not yet written, whose room for a chunk is (V - v0) D / (N + D) columns, and the buffer), each with a G
-buffer of what 1.1 LB leaves beside dE and dC (at least one tile's columns: 64 MiB at 131,072 tokens, past
-the 53 MiB left, a predicted 1.12 LB there).
+chunk (dC folded across them, as the shipped plan folds from 16,384 tokens) and all N rows in one (dC written
+once per chunk; G only in dC's rows not yet written, whose room for a chunk is (V - v0) D / (N + D) columns,
+and the buffer), each with a G buffer of what 1.1 LB leaves beside dE and dC (at least one tile's columns:
+64 MiB at 131,072 tokens, past the 53 MiB left, a predicted 1.12 LB there).
 
 Predicted (written before the run, from the plans on a CPU and the shipped passes' rates, docs/PERFORMANCE.md):
 - Qwen3 16k: the P pass in 19 chunks of 8,192 columns (shipped's backward: 55, 21 of them 1,024 wide in dE's
