@@ -132,7 +132,7 @@ def forward_de_extra_bytes(N: int, V: int, D: int, itemsize: int, configs: CCECo
     the GPU's products: no fp32 operand copies): the larger of the P pass's (its G buffer, dE's fp32
     accumulator and the tiles' row sums, less dC, not made yet) and the dC pass's (its G buffer and dC's fp32
     staging where several row chunks fold), with ``SLACK`` bytes a row. The memory model's figure for such a
-    call (``helpers.cce.schedules.recompute_extra_bytes``'s ``forward_de``)."""
+    call (``helpers.cce.schedules.choose_schedule``'s ``forward_de_extra``)."""
     dtype = torch.bfloat16 if itemsize == 2 else torch.float32
     p_configs = p_pass_configs(configs, N, V, D, dtype)
     g = p_configs.backward_gemm_for(dtype)

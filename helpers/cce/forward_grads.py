@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from helpers.cce.backward.gemm import fp32_product, product_mode
-from helpers.cce.forward_de import forward_de_reason
+from helpers.cce.forward_de import forward_de_extra_bytes, forward_de_reason
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.row_gradient import row_gradient_kernel
 from helpers.cce.options import CCEOptions, CCEPlan, fp_fusion
@@ -83,9 +83,12 @@ def plan_schedule(E: torch.Tensor, C: torch.Tensor, bias: torch.Tensor | None, p
         if float(logits_bound(E.detach(), C.detach(), bias.detach() if bias is not None else None)) > plan.configs.host.fp16_logit_limit:
             logits_itemsize = 4
     N, D = E.shape
-    return choose_schedule(N, C.shape[0], D, E.dtype, memory_budget, plan.configs, need=plan.need,
+    V = C.shape[0]
+    forward_de_extra = (forward_de_extra_bytes(N, V, D, E.dtype.itemsize, plan.configs)
+                        if forward_de_reason(E, C, bias, plan) is None else None)
+    return choose_schedule(N, V, D, E.dtype, memory_budget, plan.configs, need=plan.need,
                            device=E.device, not_forward_grads=reason, logits_itemsize=logits_itemsize,
-                           forward_de=forward_de_reason(E, C, bias, plan) is None)
+                           forward_de_extra=forward_de_extra)
 
 
 def _written_product(out, a, b, *, alpha: float, mode: str, bias=None):

@@ -113,15 +113,11 @@ def lower_bound_bytes(N: int, V: int, D: int, itemsize: int, need: tuple[bool, b
 
 
 def recompute_extra_bytes(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs, *, upcast: bool = False,
-                          need: tuple[bool, bool, bool] = (True, True, False), forward_de: bool = False) -> int:
+                          need: tuple[bool, bool, bool] = (True, True, False)) -> int:
     """The "recompute" schedule's predicted bytes above its inputs and LB (its "gemm" backward's plan;
     the "sparse" and "atomic" backwards hold about as much). ``upcast``: the products copy 16-bit
     operands to fp32 (the CPU's ``product_mode``): those copies, and dC's staged rows, count too.
-    ``forward_de``: the call's forward makes dE (``helpers.cce.forward_de.forward_de_extra_bytes``)."""
-    if forward_de:
-        from helpers.cce.forward_de import forward_de_extra_bytes  # it sizes its passes with this module
-
-        return forward_de_extra_bytes(N, V, D, itemsize, configs)
+    A call whose forward makes dE holds ``helpers.cce.forward_de.forward_de_extra_bytes`` instead."""
     dtype = torch.float32 if itemsize == 4 else torch.float16
     g_cfg = configs.backward_gemm_for(dtype)
     plan = gemm_plan(N, V, D, dtype, g_cfg.BLOCK_V, host=configs.host, need_dE=need[0], need_dC=need[1],
@@ -346,11 +342,12 @@ def _mib(n: int) -> str:
 def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, configs: CCEConfigs, *,
                     need: tuple[bool, bool, bool], device: torch.device = torch.device("cpu"),
                     not_forward_grads: str | None = None, logits_itemsize: int | None = None,
-                    ask_free: bool = True, forward_de: bool = False) -> Schedule:
+                    ask_free: bool = True, forward_de_extra: int | None = None) -> Schedule:
     """The fastest schedule whose predicted extra memory fits ``memory_budget`` (``resolve_memory_budget``).
     ``not_forward_grads``: why "forward_grads" cannot run for this call (None: it can); ``logits_itemsize``:
-    its logits' bytes (None: the inputs'); ``forward_de``: the default recompute plan's forward makes dE
-    (``helpers.cce.forward_de``; a plan tuned to a tight budget does not). Raises ``MemoryBudgetError``
+    its logits' bytes (None: the inputs'); ``forward_de_extra``: the default recompute plan's extra bytes where
+    its forward makes dE (``helpers.cce.forward_de.forward_de_extra_bytes``; a plan tuned to a tight budget
+    does not make it). Raises ``MemoryBudgetError``
     when a number of bytes the caller gave fits no schedule; a tier's default budget that fits none runs
     "min". ``ask_free``: a raised default (``_raised_default``) is bounded by what ``device`` has free;
     False for a prediction of a card other than this process's (``helpers.compare``'s formulas), which
@@ -358,7 +355,7 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
     budget = resolve_memory_budget(memory_budget, configs, device)
     choose = functools.partial(_choose_schedule, N, V, D, dtype, configs=configs, need=need, device=device,
                                not_forward_grads=not_forward_grads, logits_itemsize=logits_itemsize,
-                               forward_de=forward_de)
+                               forward_de_extra=forward_de_extra)
     if memory_budget != "default" or budget == "min":
         return choose(budget)
     said = f"the {configs.name} tier's default budget, {_mib(budget)}"
@@ -401,11 +398,12 @@ def _raised_default(N: int, V: int, D: int, dtype: torch.dtype, budget: int, con
 
 def _choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, *, configs: CCEConfigs,
                      need: tuple[bool, bool, bool], device: torch.device, not_forward_grads: str | None,
-                     logits_itemsize: int | None, forward_de: bool = False) -> Schedule:
+                     logits_itemsize: int | None, forward_de_extra: int | None = None) -> Schedule:
     b = dtype.itemsize
     upcast = device.type != "cuda" and b < 4
     lb = lower_bound_bytes(N, V, D, b, need)
-    recompute = (recompute_extra_bytes(N, V, D, b, configs, upcast=upcast, need=need, forward_de=forward_de),
+    recompute = (recompute_extra_bytes(N, V, D, b, configs, upcast=upcast, need=need)
+                 if forward_de_extra is None else forward_de_extra,
                  1e3 * recompute_seconds(N, V, D, b, configs, need))
 
     def recompute_schedule(budget, why):

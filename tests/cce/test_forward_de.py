@@ -209,6 +209,5 @@ def test_the_memory_model_knows_dE_made_in_the_forward():
         lb = lower_bound_bytes(n, v, d, 2)
         extra = forward_de_extra_bytes(n, v, d, 2, hopper)
         assert 0 < extra <= 0.1 * lb, (n, v, d, extra / lb)
-        assert recompute_extra_bytes(n, v, d, 2, hopper, forward_de=True) == extra
     assert recompute_extra_bytes(16_384, QWEN3.V, QWEN3.D, 2, hopper) > 0.15 * lower_bound_bytes(16_384, QWEN3.V,
                                                                                                 QWEN3.D, 2)
