@@ -54,7 +54,7 @@ from helpers.cce.graphs import GRAPHS
 from helpers.cce.kernels.configs import CCEConfigs
 from helpers.cce.kernels.forward_de import forward_de_redo_kernel, forward_de_rows_kernel
 from helpers.cce.options import CCEPlan, dot_precision
-from helpers.cce.schedules import lower_bound_bytes
+from helpers.cce.schedules import RECOMPUTE_ROW_BYTES, lower_bound_bytes, recompute_extra_bytes
 from helpers.cce.shared import no_host_sync, read_later
 from helpers.spec import raise_for_targets
 
@@ -128,25 +128,22 @@ def dc_pass_configs(configs: CCEConfigs, N: int, V: int, D: int, dtype: torch.dt
 
 
 def forward_de_extra_bytes(N: int, V: int, D: int, itemsize: int, configs: CCEConfigs) -> int:
-    """The predicted bytes above the inputs and LB (dE and dC) of a call whose forward makes dE (16-bit inputs,
-    the GPU's products: no fp32 operand copies): the larger of the P pass's (its G buffer, dE's fp32
-    accumulator and the tiles' row sums, less dC, not made yet) and the dC pass's (its G buffer and dC's fp32
-    staging where several row chunks fold), with ``SLACK`` bytes a row. The memory model's figure for such a
-    call (``helpers.cce.schedules.choose_schedule``'s ``forward_de_extra``)."""
+    """The predicted bytes above the inputs and LB (dE and dC) of a call whose forward makes dE: the larger of
+    the P pass's (the recompute formula of a dE-only "gemm" pass with ``p_pass_configs``, plus the tiles' row
+    sums, less dC, not made yet) and the dC pass's (the same formula, dC only, ``dc_pass_configs``), with
+    ``SLACK`` bytes a row in place of the formula's own. The memory model's figure for such a call
+    (``helpers.cce.schedules.choose_schedule``'s ``forward_de_extra``)."""
     dtype = torch.bfloat16 if itemsize == 2 else torch.float32
     p_configs = p_pass_configs(configs, N, V, D, dtype)
     g = p_configs.backward_gemm_for(dtype)
     plan = gemm_plan(N, V, D, dtype, g.BLOCK_V, host=p_configs.host, need_dE=True, need_dC=False,
                      tensor_cores=g.tensor_cores)
     sums = triton.cdiv(plan.widest, g.BLOCK_V) * plan.n_chunk * 4
-    forward = plan.buffer_elements * itemsize + plan.n_chunk * D * 4 + sums - V * D * itemsize
-    c_configs = dc_pass_configs(configs, N, V, D, dtype)
-    g = c_configs.backward_gemm_for(dtype)
-    plan = gemm_plan(N, V, D, dtype, g.BLOCK_V, host=c_configs.host, need_dE=False, need_dC=True,
-                     tensor_cores=g.tensor_cores)
-    staged = min(plan.v_chunk, plan.widest) * D * 4 if N > plan.n_chunk else 0
-    backward = plan.buffer_elements * itemsize + staged
-    return max(forward, backward) + SLACK * N
+    forward = (recompute_extra_bytes(N, V, D, itemsize, p_configs, need=(True, False, False)) + sums
+               - V * D * itemsize)
+    backward = recompute_extra_bytes(N, V, D, itemsize, dc_pass_configs(configs, N, V, D, dtype),
+                                     need=(False, True, False))
+    return max(forward, backward) + (SLACK - RECOMPUTE_ROW_BYTES) * N
 
 
 def loss_forward_de(E: torch.Tensor, C: torch.Tensor, x: torch.Tensor, plan: CCEPlan, *, check_targets: bool = True):

@@ -347,11 +347,10 @@ def choose_schedule(N: int, V: int, D: int, dtype: torch.dtype, memory_budget, c
     ``not_forward_grads``: why "forward_grads" cannot run for this call (None: it can); ``logits_itemsize``:
     its logits' bytes (None: the inputs'); ``forward_de_extra``: the default recompute plan's extra bytes where
     its forward makes dE (``helpers.cce.forward_de.forward_de_extra_bytes``; a plan tuned to a tight budget
-    does not make it). Raises ``MemoryBudgetError``
-    when a number of bytes the caller gave fits no schedule; a tier's default budget that fits none runs
-    "min". ``ask_free``: a raised default (``_raised_default``) is bounded by what ``device`` has free;
-    False for a prediction of a card other than this process's (``helpers.compare``'s formulas), which
-    leaves that bound out."""
+    does not make it). Raises ``MemoryBudgetError`` when a number of bytes the caller gave fits no schedule;
+    a tier's default budget that fits none runs "min". ``ask_free``: a raised default (``_raised_default``)
+    is bounded by what ``device`` has free; False for a prediction of a card other than this process's
+    (``helpers.compare``'s formulas), which leaves that bound out."""
     budget = resolve_memory_budget(memory_budget, configs, device)
     choose = functools.partial(_choose_schedule, N, V, D, dtype, configs=configs, need=need, device=device,
                                not_forward_grads=not_forward_grads, logits_itemsize=logits_itemsize,
